@@ -1,0 +1,96 @@
+//! Transfers: descriptor lists, their validation into a copy program
+//! (`plan`), and the lifecycle state machine of their executions
+//! (`lifecycle`).
+
+pub mod lifecycle;
+pub(crate) mod plan;
+
+pub use lifecycle::{
+    ExecutionPhase, LogicalOutcome, OutcomeCode, RemoteEffect, RetirementReceipt, TaskEnd, TaskReport, TransferResult,
+    TransferStatus,
+};
+
+use std::time::Duration;
+
+use crate::registry::RegistrationId;
+
+/// One contiguous range of a registration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Desc {
+    /// The registration the range lies in.
+    pub registration: RegistrationId,
+    /// Offset from the registration's start.
+    pub offset: u64,
+    /// Length in bytes (at least 1).
+    pub len: u64,
+}
+
+impl Desc {
+    /// A descriptor.
+    pub fn new(registration: RegistrationId, offset: u64, len: u64) -> Self {
+        Desc { registration, offset, len }
+    }
+}
+
+/// Direction of a transfer, seen from the initiator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Remote (target) bytes into local memory.
+    Read,
+    /// Local bytes into remote (target) memory.
+    Write,
+}
+
+/// Priority class of a transfer at admission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Intent {
+    /// On the decode critical path: served first.
+    DecodeCritical = 0,
+    /// Ordinary transfers.
+    Normal = 1,
+    /// Background prefetch and offload: served last, never starved.
+    Prefetch = 2,
+}
+
+impl Intent {
+    /// All classes, highest priority first.
+    pub const ALL: [Intent; 3] = [Intent::DecodeCritical, Intent::Normal, Intent::Prefetch];
+}
+
+/// Who the remote descriptors belong to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// This engine itself (the self connection NIXL uses for local
+    /// transfers): remote descriptors name this engine's registrations.
+    Loopback,
+}
+
+/// Per-transfer options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TransferOptions {
+    /// Admission priority.
+    pub intent: Intent,
+    /// Measured from each post: work not started by then never starts.
+    pub deadline: Option<Duration>,
+}
+
+impl Default for TransferOptions {
+    fn default() -> Self {
+        TransferOptions { intent: Intent::Normal, deadline: None }
+    }
+}
+
+/// What to prepare.
+#[derive(Debug, Clone, Copy)]
+pub struct TransferSpec<'a> {
+    /// Direction.
+    pub op: Op,
+    /// Local descriptors (source of a WRITE, destination of a READ).
+    pub local: &'a [Desc],
+    /// Target descriptors; together they cover as many bytes as `local`.
+    pub remote: &'a [Desc],
+    /// Whose memory `remote` names.
+    pub target: Target,
+    /// Options.
+    pub options: TransferOptions,
+}

@@ -1,0 +1,220 @@
+//! Prepare: validate two descriptor lists against the registry, with no
+//! I/O, and turn them into a copy program grouped into route tasks.
+//!
+//! Every check happens here, before anything is admitted: descriptor and
+//! byte limits, live registrations, bounds with checked arithmetic,
+//! permissions of the target side, equal total lengths. The two lists may
+//! be fragmented differently; the program walks both at once. Spans that
+//! continue each other on both sides are merged; tasks are cut at
+//! `task_bytes`, splitting a large descriptor where needed.
+
+use std::sync::Arc;
+
+use crate::batch::{Desc, Op, TransferOptions, TransferSpec};
+use crate::config::EngineConfig;
+use crate::error::{BatchError, Error, Resource};
+use crate::registry::{Registration, RegistrationId, Table};
+use crate::transport::{CopyProgram, Span, TaskRange};
+
+/// A validated transfer: its copy program, immutable after prepare.
+pub(crate) struct Plan {
+    pub program: CopyProgram,
+    pub total_bytes: u64,
+    pub options: TransferOptions,
+}
+
+/// The range loans that keep every registration a plan names (and its
+/// backing) alive; the program's pointers are valid while they live.
+pub(crate) type Loans = Vec<Arc<Registration>>;
+
+/// A permission the target side needs: its name and its test.
+type Needs = (&'static str, fn(&Registration) -> bool);
+
+#[derive(Clone, Copy)]
+struct Resolved {
+    addr: *mut u8,
+    len: u64,
+}
+
+fn resolve(
+    side: &'static str,
+    descs: &[Desc],
+    table: &Table,
+    config: &EngineConfig,
+    needs: Option<Needs>,
+    ids: &mut Vec<RegistrationId>,
+) -> Result<(Vec<Resolved>, u64), Error> {
+    let invalid = |index: usize, reason: String| BatchError::InvalidDescriptor { side, index, reason };
+    if descs.is_empty() {
+        return Err(invalid(0, "empty descriptor list".into()).into());
+    }
+    if descs.len() as u64 > config.max_descriptors_per_transfer {
+        return Err(Error::ResourceExhausted {
+            resource: Resource::DescriptorsPerTransfer,
+            limit: config.max_descriptors_per_transfer,
+            requested: descs.len() as u64,
+        });
+    }
+    let mut out = Vec::with_capacity(descs.len());
+    let mut total = 0u64;
+    let mut last: Option<RegistrationId> = None;
+    for (index, d) in descs.iter().enumerate() {
+        let reg = table.get(d.registration)?;
+        if d.len == 0 {
+            return Err(invalid(index, "zero length".into()).into());
+        }
+        let end = d.offset.checked_add(d.len).ok_or_else(|| invalid(index, "offset + len overflows".into()))?;
+        if end > reg.len {
+            return Err(invalid(
+                index,
+                format!("{}..{end} exceeds registration {} of {} bytes", d.offset, reg.id, reg.len),
+            )
+            .into());
+        }
+        if let Some((needed, allowed)) = needs {
+            if !allowed(reg) {
+                return Err(BatchError::PermissionDenied { id: reg.id, needed }.into());
+            }
+        }
+        total = total.checked_add(d.len).ok_or_else(|| invalid(index, "total length overflows".into()))?;
+        if total > config.max_transfer_bytes {
+            return Err(Error::ResourceExhausted {
+                resource: Resource::TransferBytes,
+                limit: config.max_transfer_bytes,
+                requested: total,
+            });
+        }
+        if last != Some(reg.id) {
+            ids.push(reg.id);
+            last = Some(reg.id);
+        }
+        out.push(Resolved {
+            // In bounds: offset + len <= registration length (checked).
+            addr: reg.base.wrapping_add(d.offset as usize),
+            len: d.len,
+        });
+    }
+    Ok((out, total))
+}
+
+/// Validates `spec` against the locked registry and builds its plan.
+pub(crate) fn build(spec: &TransferSpec<'_>, table: &Table, config: &EngineConfig) -> Result<(Plan, Loans), Error> {
+    let mut ids = Vec::new();
+    let (local, local_total) = resolve("local", spec.local, table, config, None, &mut ids)?;
+    let needs: Needs = match spec.op {
+        Op::Write => ("remote write", |r| r.permission.remote_write()),
+        Op::Read => ("remote read", |r| r.permission.remote_read()),
+    };
+    let (remote, remote_total) = resolve("remote", spec.remote, table, config, Some(needs), &mut ids)?;
+    if local_total != remote_total {
+        return Err(BatchError::LengthMismatch { local: local_total, remote: remote_total }.into());
+    }
+    // Spans are at most one per descriptor of each list plus one per task
+    // cut; bound that before allocating (a tiny task_bytes could otherwise
+    // turn one large descriptor into millions of spans).
+    let span_bound = (local.len() + remote.len()) as u64 + local_total / config.task_bytes;
+    let span_limit = config.max_descriptors_per_transfer.saturating_mul(4);
+    if span_bound > span_limit {
+        return Err(Error::ResourceExhausted {
+            resource: Resource::DescriptorsPerTransfer,
+            limit: span_limit,
+            requested: span_bound,
+        });
+    }
+    let (src, dst) = match spec.op {
+        Op::Write => (&local, &remote),
+        Op::Read => (&remote, &local),
+    };
+    let program = build_program(src, dst, config.task_bytes);
+    ids.sort_unstable();
+    ids.dedup();
+    let loans = ids.iter().map(|id| table.get(*id).cloned()).collect::<Result<Vec<_>, _>>()?;
+    Ok((Plan { program, total_bytes: local_total, options: spec.options }, loans))
+}
+
+/// Walks both fragmentations at once. Both cover the same total.
+fn build_program(src: &[Resolved], dst: &[Resolved], task_bytes: u64) -> CopyProgram {
+    let mut spans: Vec<Span> = Vec::with_capacity(src.len().max(dst.len()));
+    let mut tasks: Vec<TaskRange> = Vec::new();
+    let (mut i, mut j) = (0usize, 0usize);
+    let (mut si, mut dj) = (0u64, 0u64); // consumed bytes of src[i], dst[j]
+    let mut task = TaskRange { first_span: 0, end_span: 0, bytes: 0 };
+    while i < src.len() && j < dst.len() {
+        let n = (src[i].len - si).min(dst[j].len - dj).min(task_bytes - task.bytes);
+        let s = src[i].addr.wrapping_add(si as usize) as *const u8;
+        let d = dst[j].addr.wrapping_add(dj as usize);
+        let merged = match spans.last_mut() {
+            Some(prev)
+                if task.end_span > task.first_span
+                    && prev.src.wrapping_add(prev.len) == s
+                    && prev.dst.wrapping_add(prev.len) == d =>
+            {
+                prev.len += n as usize;
+                true
+            }
+            _ => false,
+        };
+        if !merged {
+            spans.push(Span { src: s, dst: d, len: n as usize });
+            task.end_span = spans.len() as u32;
+        }
+        task.bytes += n;
+        si += n;
+        dj += n;
+        if si == src[i].len {
+            i += 1;
+            si = 0;
+        }
+        if dj == dst[j].len {
+            j += 1;
+            dj = 0;
+        }
+        if task.bytes == task_bytes {
+            tasks.push(task);
+            task = TaskRange { first_span: spans.len() as u32, end_span: spans.len() as u32, bytes: 0 };
+        }
+    }
+    if task.bytes > 0 {
+        tasks.push(task);
+    }
+    CopyProgram { spans, tasks }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn r(addr: usize, len: u64) -> Resolved {
+        Resolved { addr: addr as *mut u8, len }
+    }
+
+    fn flatten(p: &CopyProgram) -> Vec<(usize, usize, usize)> {
+        p.spans.iter().map(|s| (s.src as usize, s.dst as usize, s.len)).collect()
+    }
+
+    #[test]
+    fn different_fragmentations_meet_in_spans() {
+        let p = build_program(&[r(1000, 10), r(2000, 20)], &[r(5000, 25), r(9000, 5)], 1 << 20);
+        assert_eq!(flatten(&p), vec![(1000, 5000, 10), (2000, 5010, 15), (2015, 9000, 5)]);
+        assert_eq!(p.tasks.len(), 1);
+        assert_eq!(p.tasks[0].bytes, 30);
+    }
+
+    #[test]
+    fn contiguous_descriptors_merge_and_tasks_split_large_ones() {
+        let p = build_program(&[r(0x1000, 4), r(0x1004, 4), r(0x1008, 16)], &[r(0x8000, 8), r(0x8008, 16)], 10);
+        assert_eq!(flatten(&p), vec![(0x1000, 0x8000, 10), (0x100a, 0x800a, 10), (0x1014, 0x8014, 4)]);
+        let bytes: Vec<u64> = p.tasks.iter().map(|t| t.bytes).collect();
+        assert_eq!(bytes, vec![10, 10, 4]);
+        for t in 0..3 {
+            assert_eq!(p.task_spans(t).len(), 1);
+        }
+    }
+
+    #[test]
+    fn spans_never_merge_across_tasks() {
+        let p = build_program(&[r(0, 8)], &[r(100, 8)], 4);
+        assert_eq!(p.tasks.len(), 2);
+        assert_eq!(p.task_spans(1)[0].src as usize, 4);
+    }
+}

@@ -1,0 +1,187 @@
+//! Engine configuration: every limit of the engine, with its default.
+//!
+//! Configuration arrives as JSON (the C ABI and the NIXL plugin pass one
+//! explicit document). Unknown fields are rejected, never ignored, so a typo
+//! cannot silently fall back to a default. Every field is optional; an absent
+//! field takes the default documented on it (also listed in
+//! `docs/configuration.md`).
+
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+use crate::error::ConfigError;
+
+const KIB: u64 = 1024;
+const MIB: u64 = 1024 * KIB;
+const GIB: u64 = 1024 * MIB;
+
+/// Limits and switches of one [`crate::TransferEngine`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    /// Live registrations at once, aliases included. Default 65 536.
+    pub max_registrations: u64,
+    /// Bytes under live registrations (each alias counts). Default 1 TiB.
+    pub max_registered_bytes: u64,
+    /// Bytes of engine-allocated host memory alive at once. Default 64 GiB.
+    pub max_host_memory_bytes: u64,
+    /// Prepared transfers alive at once. Default 65 536.
+    pub max_prepared_transfers: u64,
+    /// Posted executions not yet retired. Default 4 096.
+    pub max_executions: u64,
+    /// Descriptors in one list of one transfer. Default 1 048 576.
+    pub max_descriptors_per_transfer: u64,
+    /// Bytes moved by one transfer. Default 1 TiB.
+    pub max_transfer_bytes: u64,
+    /// Bytes admitted to routes and not yet retired. Default 256 MiB.
+    pub max_bytes_in_flight: u64,
+    /// Route tasks admitted and not yet retired. Default 64.
+    pub max_tasks_in_flight: u64,
+    /// Largest route task in bytes; larger descriptors are split. Must not
+    /// exceed `max_bytes_in_flight`. Default 4 MiB.
+    pub task_bytes: u64,
+    /// Executions that may wait for admission; a post beyond it fails with
+    /// `ResourceExhausted(AdmissionQueue)`. Default 1 024.
+    pub admission_queue_len: u64,
+    /// After this many admissions that bypass a waiting lower-intent class,
+    /// that class is served next (anti-starvation). Default 16.
+    pub anti_starvation_after: u32,
+    /// Bytes of notification payloads queued at once (used by peer
+    /// notifications). Default 16 MiB.
+    pub notification_queue_bytes: u64,
+    /// Run the optional progress worker, which drives admission and
+    /// deadlines for callers that do not poll. Default false.
+    pub progress_worker: bool,
+    /// Longest sleep of the progress worker while work is queued, in
+    /// microseconds (it sleeps without bound when nothing is queued).
+    /// At least 50. Default 1 000.
+    pub progress_interval_us: u64,
+    /// Worker threads of the local (self-connection) route. 1 to 64.
+    /// Default 1.
+    pub local_route_workers: u32,
+    /// How long `close` waits for admitted work to drain, in milliseconds.
+    /// Default 5 000.
+    pub close_drain_timeout_ms: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            max_registrations: 65_536,
+            max_registered_bytes: 1024 * GIB,
+            max_host_memory_bytes: 64 * GIB,
+            max_prepared_transfers: 65_536,
+            max_executions: 4_096,
+            max_descriptors_per_transfer: 1 << 20,
+            max_transfer_bytes: 1024 * GIB,
+            max_bytes_in_flight: 256 * MIB,
+            max_tasks_in_flight: 64,
+            task_bytes: 4 * MIB,
+            admission_queue_len: 1_024,
+            anti_starvation_after: 16,
+            notification_queue_bytes: 16 * MIB,
+            progress_worker: false,
+            progress_interval_us: 1_000,
+            local_route_workers: 1,
+            close_drain_timeout_ms: 5_000,
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Parses and validates a JSON document. Unknown fields are errors.
+    pub fn from_json(json: &str) -> Result<Self, ConfigError> {
+        let config: EngineConfig = serde_json::from_str(json)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks relations between fields and value ranges.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        fn invalid(field: &'static str, reason: &str) -> Result<(), ConfigError> {
+            Err(ConfigError::Invalid { field, reason: reason.to_owned() })
+        }
+        let positive = [
+            ("max_registrations", self.max_registrations),
+            ("max_registered_bytes", self.max_registered_bytes),
+            ("max_prepared_transfers", self.max_prepared_transfers),
+            ("max_executions", self.max_executions),
+            ("max_descriptors_per_transfer", self.max_descriptors_per_transfer),
+            ("max_transfer_bytes", self.max_transfer_bytes),
+            ("max_bytes_in_flight", self.max_bytes_in_flight),
+            ("max_tasks_in_flight", self.max_tasks_in_flight),
+            ("task_bytes", self.task_bytes),
+            ("admission_queue_len", self.admission_queue_len),
+        ];
+        for (field, value) in positive {
+            if value == 0 {
+                return invalid(field, "must be at least 1");
+            }
+        }
+        if self.max_descriptors_per_transfer > u32::MAX as u64 / 2 {
+            return invalid("max_descriptors_per_transfer", "must be below 2^31");
+        }
+        if self.task_bytes > self.max_bytes_in_flight {
+            return invalid("task_bytes", "must not exceed max_bytes_in_flight");
+        }
+        if self.anti_starvation_after == 0 {
+            return invalid("anti_starvation_after", "must be at least 1");
+        }
+        if self.progress_interval_us < 50 {
+            return invalid("progress_interval_us", "must be at least 50");
+        }
+        if !(1..=64).contains(&self.local_route_workers) {
+            return invalid("local_route_workers", "must be 1 to 64");
+        }
+        Ok(())
+    }
+
+    /// The progress worker's longest sleep while work is queued.
+    pub fn progress_interval(&self) -> Duration {
+        Duration::from_micros(self.progress_interval_us)
+    }
+
+    /// How long `close` waits for admitted work to drain.
+    pub fn close_drain_timeout(&self) -> Duration {
+        Duration::from_millis(self.close_drain_timeout_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_document_gives_defaults() {
+        assert_eq!(EngineConfig::from_json("{}").unwrap(), EngineConfig::default());
+    }
+
+    #[test]
+    fn unknown_field_is_rejected_by_name() {
+        let err = EngineConfig::from_json(r#"{"max_executions": 4, "max_executons": 5}"#).unwrap_err();
+        assert!(err.to_string().contains("max_executons"), "{err}");
+    }
+
+    #[test]
+    fn fields_override_defaults() {
+        let c = EngineConfig::from_json(r#"{"max_tasks_in_flight": 3, "progress_worker": true}"#).unwrap();
+        assert_eq!(c.max_tasks_in_flight, 3);
+        assert!(c.progress_worker);
+        assert_eq!(c.task_bytes, EngineConfig::default().task_bytes);
+    }
+
+    #[test]
+    fn invalid_values_name_their_field() {
+        for (json, field) in [
+            (r#"{"max_executions": 0}"#, "max_executions"),
+            (r#"{"task_bytes": 2048, "max_bytes_in_flight": 1024}"#, "task_bytes"),
+            (r#"{"progress_interval_us": 1}"#, "progress_interval_us"),
+            (r#"{"local_route_workers": 0}"#, "local_route_workers"),
+        ] {
+            let err = EngineConfig::from_json(json).unwrap_err();
+            assert!(err.to_string().contains(field), "{json}: {err}");
+        }
+        assert!(EngineConfig::from_json(r#"{"max_executions": -1}"#).is_err());
+        assert!(EngineConfig::from_json(r#"{"max_executions": "4"}"#).is_err());
+    }
+}

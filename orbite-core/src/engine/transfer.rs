@@ -1,0 +1,303 @@
+//! A prepared transfer: its handle, its shared state and its route tasks.
+//!
+//! Lock order: the engine's admission lock, then a transfer's cell lock.
+//! Range loans are dropped only after every lock is released, because
+//! dropping the last loan of a deregistered borrowed range runs the
+//! caller's owner-release callback.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::batch::lifecycle::TransferLifecycle;
+use crate::batch::plan::Plan;
+use crate::batch::{TaskReport, TransferStatus};
+use crate::charge::{Charge, Counter};
+use crate::engine::{EngineInner, QueuedExec};
+use crate::error::{BatchError, Error, RegistryError, Resource};
+use crate::registry::Registration;
+use crate::transport::Span;
+use crate::transport::local::CopyJob;
+
+/// What a transfer owns apart from its program: refunded on release.
+pub(crate) struct Owners {
+    pub loans: Vec<Arc<Registration>>,
+    pub _charge: Charge,
+}
+
+pub(crate) struct Cell {
+    pub life: TransferLifecycle,
+    pub exec_charge: Option<Charge>,
+    pub owners: Option<Owners>,
+    /// The handle was dropped while active: free owners at retirement.
+    pub orphaned: bool,
+}
+
+/// Shared between the handle, queue entries and route tasks.
+pub(crate) struct TransferShared {
+    pub id: u64,
+    pub plan: Plan,
+    pub cell: Mutex<Cell>,
+    pub retired: Condvar,
+}
+
+/// What a retirement leaves to do once locks are released.
+#[derive(Default)]
+pub(crate) struct AfterRetire {
+    owners: Option<Owners>,
+    exec_charge: Option<Charge>,
+    retired: bool,
+}
+
+impl Cell {
+    /// Called under the cell lock when the current execution just retired.
+    pub fn on_retired(&mut self) -> AfterRetire {
+        if self.orphaned {
+            // Nobody can observe this transfer's status: free its owners
+            // before the execution charge, so that an idle engine means
+            // every charge is back.
+            AfterRetire { owners: self.owners.take(), exec_charge: self.exec_charge.take(), retired: true }
+        } else {
+            // Refund now, under the lock: a caller who sees `Retired` also
+            // sees the execution charge gone.
+            drop(self.exec_charge.take());
+            AfterRetire { retired: true, ..AfterRetire::default() }
+        }
+    }
+}
+
+impl AfterRetire {
+    /// Finishes a retirement with no lock held.
+    pub fn complete(self, engine: &EngineInner, transfer: &TransferShared) {
+        if !self.retired {
+            return;
+        }
+        drop(self.owners);
+        drop(self.exec_charge);
+        engine.forget_active(transfer.id);
+        transfer.retired.notify_all();
+        engine.notify_drain();
+    }
+}
+
+/// A route task of one execution.
+pub(crate) struct RouteTask {
+    pub engine: Arc<EngineInner>,
+    pub transfer: Arc<TransferShared>,
+    pub seq: u64,
+    pub task: u32,
+    pub in_flight: Option<Charge>,
+}
+
+impl CopyJob for RouteTask {
+    fn spans(&self) -> &[Span] {
+        self.transfer.plan.program.task_spans(self.task)
+    }
+
+    fn planned(&self) -> u64 {
+        self.transfer.plan.program.tasks[self.task as usize].bytes
+    }
+
+    fn finish(mut self, report: TaskReport) {
+        let engine = self.engine.clone();
+        let (after, grave) = {
+            let mut a = engine.admission.lock();
+            drop(self.in_flight.take()); // refund the budget first
+            let (after, stopped_early) = {
+                let mut cell = self.transfer.cell.lock();
+                let Some(m) = cell.life.active_mut(self.seq) else {
+                    debug_assert!(false, "task ended for an execution that is not active");
+                    return;
+                };
+                let retired = m.task_ended(self.task, report).unwrap_or_else(|e| {
+                    debug_assert!(false, "route protocol violation: {e}");
+                    false
+                });
+                let stopped_early = m.stopped_early();
+                let after = if retired { cell.on_retired() } else { AfterRetire::default() };
+                (after, stopped_early)
+            };
+            if stopped_early {
+                a.remove_execution(&self.transfer, self.seq);
+            }
+            engine.admit_pass(&mut a);
+            (after, std::mem::take(&mut a.graveyard))
+        };
+        drop(grave);
+        after.complete(&engine, &self.transfer);
+    }
+}
+
+/// A prepared transfer. Post it, poll or wait for it, cancel it, release it.
+///
+/// Dropping a handle while its execution is active does not cancel it or
+/// free anything: the engine keeps every owner until the execution retires,
+/// then frees them.
+pub struct Transfer {
+    pub(crate) shared: Arc<TransferShared>,
+    pub(crate) engine: Arc<EngineInner>,
+}
+
+impl std::fmt::Debug for Transfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transfer").field("id", &self.shared.id).field("bytes", &self.shared.plan.total_bytes).finish()
+    }
+}
+
+/// A refused release: the transfer is handed back, still pollable.
+#[derive(Debug, thiserror::Error)]
+#[error("release refused: {error}")]
+pub struct ReleaseRefused {
+    /// The transfer, unchanged.
+    pub transfer: Transfer,
+    /// Why.
+    pub error: BatchError,
+}
+
+impl Transfer {
+    /// Engine-unique id of this transfer.
+    pub fn id(&self) -> u64 {
+        self.shared.id
+    }
+
+    /// Bytes the transfer moves.
+    pub fn total_bytes(&self) -> u64 {
+        self.shared.plan.total_bytes
+    }
+
+    /// Descriptors after merging and splitting (spans) and route tasks.
+    pub fn shape(&self) -> (usize, usize) {
+        let p = &self.shared.plan.program;
+        (p.spans.len(), p.tasks.len())
+    }
+
+    /// Starts a fresh execution. Refused while one is active, after a
+    /// failed, cancelled or timed-out one, when a named registration was
+    /// deregistered, when the engine is closed, and when a budget or the
+    /// admission queue is full. A refused post admits nothing.
+    pub fn post(&self) -> Result<(), Error> {
+        let engine = &self.engine;
+        if engine.is_closed() {
+            return Err(Error::Closed);
+        }
+        let config = &engine.config;
+        let exec_charge =
+            Charge::limited(&engine.counters, Counter::Executions, 1, Resource::Executions, config.max_executions)?;
+        let deadline = self.shared.plan.options.deadline.map(|d| Instant::now() + d);
+        let grave = {
+            let mut a = engine.admission.lock();
+            {
+                let mut cell = self.shared.cell.lock();
+                let seq = cell.life.check_post()?;
+                let loans = cell.owners.as_ref().map_or(&[][..], |o| &o.loans[..]);
+                if let Some(id) = loans.iter().find(|r| r.is_fenced()).map(|r| r.id) {
+                    return Err(RegistryError::Deregistered(id).into());
+                }
+                let entry = QueuedExec {
+                    transfer: self.shared.clone(),
+                    seq,
+                    _queued: Charge::unlimited(&engine.counters, Counter::QueuedExecutions, 1),
+                };
+                if a.queue.push(self.shared.plan.options.intent, entry, deadline).is_err() {
+                    return Err(Error::ResourceExhausted {
+                        resource: Resource::AdmissionQueue,
+                        limit: config.admission_queue_len,
+                        requested: config.admission_queue_len + 1,
+                    });
+                }
+                let p = &self.shared.plan;
+                cell.life.post(seq, p.program.tasks.len() as u32, p.total_bytes);
+                cell.exec_charge = Some(exec_charge);
+            }
+            engine.remember_active(&self.shared);
+            engine.admit_pass(&mut a);
+            if !a.queue.is_empty() {
+                engine.progress_cv.notify_one();
+            }
+            std::mem::take(&mut a.graveyard)
+        };
+        drop(grave);
+        Ok(())
+    }
+
+    /// Status without driving progress.
+    pub fn status(&self) -> TransferStatus {
+        self.shared.cell.lock().life.status()
+    }
+
+    /// One bounded, non-blocking progress step, then the status.
+    pub fn check(&self) -> TransferStatus {
+        self.engine.progress_step();
+        self.status()
+    }
+
+    /// Blocks until the execution retires or `timeout` passes; returns the
+    /// status then. Returns at once if nothing is active.
+    pub fn wait(&self, timeout: Duration) -> TransferStatus {
+        let deadline = Instant::now() + timeout;
+        let slice = self.engine.config.progress_interval();
+        loop {
+            self.engine.progress_step();
+            let mut cell = self.shared.cell.lock();
+            let status = cell.life.status();
+            let now = Instant::now();
+            if !matches!(status, TransferStatus::InProgress { .. }) || now >= deadline {
+                return status;
+            }
+            self.shared.retired.wait_until(&mut cell, deadline.min(now + slice));
+        }
+    }
+
+    /// Asks the current execution to stop: work not yet started never
+    /// starts; started work drains and the execution reports what really
+    /// happened (`Success` if everything had started and finished).
+    /// Returns the status after the request.
+    pub fn cancel(&self) -> Result<TransferStatus, Error> {
+        let engine = &self.engine;
+        let (after, status, grave) = {
+            let mut a = engine.admission.lock();
+            let (after, status, seq) = {
+                let mut cell = self.shared.cell.lock();
+                let seq = match &cell.life {
+                    TransferLifecycle::NotPosted => return Err(BatchError::NotPosted.into()),
+                    TransferLifecycle::Posted(m) => m.seq(),
+                };
+                let retired = cell.life.active_mut(seq).is_some_and(|m| m.cancel());
+                let after = if retired { cell.on_retired() } else { AfterRetire::default() };
+                (after, cell.life.status(), seq)
+            };
+            a.remove_execution(&self.shared, seq);
+            (after, status, std::mem::take(&mut a.graveyard))
+        };
+        drop(grave);
+        after.complete(engine, &self.shared);
+        Ok(status)
+    }
+
+    /// Releases the transfer and its range loans. Refused while an
+    /// execution is active: the transfer comes back, still pollable, and
+    /// keeps every owner.
+    pub fn release(self) -> Result<(), ReleaseRefused> {
+        let refused = self.shared.cell.lock().life.check_release();
+        match refused {
+            Ok(()) => Ok(()), // Drop does the rest
+            Err(error) => Err(ReleaseRefused { transfer: self, error }),
+        }
+    }
+}
+
+impl Drop for Transfer {
+    fn drop(&mut self) {
+        let owners = {
+            let mut cell = self.shared.cell.lock();
+            if cell.life.is_active() {
+                cell.orphaned = true;
+                None
+            } else {
+                cell.owners.take()
+            }
+        };
+        drop(owners);
+    }
+}

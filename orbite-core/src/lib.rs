@@ -1,0 +1,46 @@
+//! OrbiTE core: a transfer engine for KV-cache bytes.
+//!
+//! The engine moves bytes between registered memories and never loses
+//! track of who may still touch a buffer:
+//!
+//! * a terminal status ([`TransferStatus::Retired`]) means physical
+//!   retirement: nothing of that execution can touch any buffer any more;
+//! * the logical outcome ([`LogicalOutcome`]: exact prefix,
+//!   [`RemoteEffect`]) is reported apart from the [`RetirementReceipt`];
+//! * cancel is explicit and separate from release; release of active work
+//!   is refused; dropping a handle never frees what a transfer may use;
+//! * deregistration fences at once and defers cleanup to the last borrower;
+//! * every object is charged to a bounded budget ([`Stats`]) and refunded
+//!   only when it is destroyed;
+//! * nothing is replayed; idle workers block.
+//!
+//! Start with [`TransferEngine`].
+
+#![warn(missing_docs)]
+
+pub mod admission;
+pub mod batch;
+mod charge;
+pub mod config;
+mod engine;
+pub mod error;
+pub mod memory;
+mod registry;
+mod transport;
+
+pub use batch::{
+    Desc, ExecutionPhase, Intent, LogicalOutcome, Op, OutcomeCode, RemoteEffect, RetirementReceipt, Target,
+    TransferOptions, TransferResult, TransferSpec, TransferStatus,
+};
+pub use charge::Stats;
+pub use config::EngineConfig;
+pub use engine::{CloseReport, ReleaseRefused, Transfer, TransferEngine, UnquiescedExecution};
+pub use error::{BatchError, ConfigError, Error, RegistryError, Resource};
+pub use memory::{HostMemory, MemoryRange, OwnerRelease, Permission};
+pub use registry::RegistrationId;
+
+/// Test-only fault hooks (feature `fault-injection`).
+#[cfg(feature = "fault-injection")]
+pub mod fault {
+    pub use crate::transport::fault::{FaultDirective, FaultHooks};
+}

@@ -1,0 +1,230 @@
+//! Memory owners: the only objects that own backing bytes.
+//!
+//! [`HostMemory`] is page-aligned memory allocated by the engine; every
+//! registration of a range inside it holds a reference, so the bytes are
+//! freed exactly once, after the last registration and the last borrower
+//! are gone. [`MemoryRange`] names what to register: a range of a
+//! `HostMemory`, or a caller's own range (borrowed: the caller keeps it
+//! alive until the owner-release callback runs or a retirement receipt
+//! proves nothing uses it).
+
+use std::alloc::Layout;
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use crate::charge::{Charge, Counter, Counters};
+use crate::error::{Error, RegistryError, Resource};
+
+/// Alignment of engine-allocated host memory.
+pub const PAGE_SIZE: usize = 4096;
+
+/// What a registration may be used for by the other side of a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Permission {
+    /// Only as the local side of this engine's own transfers.
+    LocalOnly,
+    /// Also readable as the target of a READ.
+    RemoteRead,
+    /// Also readable and writable as a target (READ and WRITE).
+    RemoteReadWrite,
+}
+
+impl Permission {
+    /// May a peer read this range?
+    pub fn remote_read(self) -> bool {
+        matches!(self, Permission::RemoteRead | Permission::RemoteReadWrite)
+    }
+    /// May a peer write this range?
+    pub fn remote_write(self) -> bool {
+        matches!(self, Permission::RemoteReadWrite)
+    }
+}
+
+/// Kind of memory behind a registration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MemoryKind {
+    /// Ordinary host DRAM (engine-allocated or borrowed).
+    Host,
+}
+
+struct HostAllocation {
+    ptr: NonNull<u8>,
+    layout: Layout,
+    _charge: Charge,
+}
+
+// SAFETY: the allocation is plain bytes owned by this value; access to the
+// bytes goes through raw pointers whose users uphold the transfer contract.
+unsafe impl Send for HostAllocation {}
+// SAFETY: as above; the struct itself has no interior mutability.
+unsafe impl Sync for HostAllocation {}
+
+impl Drop for HostAllocation {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from `alloc_zeroed(layout)` and is freed only
+        // here; Drop runs once, after the last Arc reference is gone.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+/// Page-aligned, zero-initialised host memory allocated by the engine.
+///
+/// Cloning shares the same bytes. The bytes are freed when the last clone
+/// and the last registration of a range inside it are gone.
+#[derive(Clone)]
+pub struct HostMemory {
+    alloc: Arc<HostAllocation>,
+}
+
+impl std::fmt::Debug for HostMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostMemory").field("ptr", &self.alloc.ptr).field("len", &self.len()).finish()
+    }
+}
+
+impl HostMemory {
+    pub(crate) fn allocate(counters: &Arc<Counters>, len: usize, limit: u64) -> Result<Self, Error> {
+        if len == 0 {
+            return Err(RegistryError::InvalidRange("host memory of zero bytes".into()).into());
+        }
+        let layout = Layout::from_size_align(len, PAGE_SIZE)
+            .map_err(|_| RegistryError::InvalidRange(format!("host memory of {len} bytes")))?;
+        let charge = Charge::try_new(
+            counters,
+            [
+                (Counter::HostAllocations, 1, None),
+                (Counter::HostMemoryBytes, len as u64, Some((Resource::HostMemoryBytes, limit))),
+            ],
+        )?;
+        // SAFETY: layout has nonzero size (checked above).
+        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw).ok_or_else(|| Error::System(format!("allocation of {len} bytes failed")))?;
+        Ok(HostMemory { alloc: Arc::new(HostAllocation { ptr, layout, _charge: charge }) })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.alloc.layout.size()
+    }
+
+    /// Never true: zero-byte allocations are refused.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Base address (page aligned).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.alloc.ptr.as_ptr()
+    }
+
+    /// Copies `data` into the memory at `offset`.
+    ///
+    /// # Safety
+    /// No transfer may be accessing the written range concurrently (the
+    /// same rule as for any memory a transfer engine or a NIC may touch).
+    ///
+    /// # Panics
+    /// If the range is outside the allocation.
+    pub unsafe fn write(&self, offset: usize, data: &[u8]) {
+        let end = offset.checked_add(data.len()).expect("range overflows");
+        assert!(end <= self.len(), "write outside host memory");
+        // SAFETY: in bounds (checked above); no concurrent access per the
+        // caller's contract; `data` cannot alias engine-owned memory
+        // mutably because it is a shared borrow of caller memory.
+        unsafe { std::ptr::copy(data.as_ptr(), self.as_ptr().add(offset), data.len()) }
+    }
+
+    /// Copies bytes at `offset` into `out`.
+    ///
+    /// # Safety
+    /// No transfer may be writing the read range concurrently.
+    ///
+    /// # Panics
+    /// If the range is outside the allocation.
+    pub unsafe fn read(&self, offset: usize, out: &mut [u8]) {
+        let end = offset.checked_add(out.len()).expect("range overflows");
+        assert!(end <= self.len(), "read outside host memory");
+        // SAFETY: in bounds; no concurrent writer per the caller's contract.
+        unsafe { std::ptr::copy(self.as_ptr().add(offset), out.as_mut_ptr(), out.len()) }
+    }
+
+    /// Number of references to the allocation (clones and registrations).
+    pub fn reference_count(&self) -> usize {
+        Arc::strong_count(&self.alloc)
+    }
+}
+
+/// Called exactly once when a borrowed registration's owner is destroyed,
+/// which is after deregistration and after the last borrower retired.
+pub type OwnerRelease = Box<dyn FnOnce() + Send + 'static>;
+
+pub(crate) enum Backing {
+    /// Holds a reference: the allocation outlives the registration.
+    Host(#[allow(dead_code)] HostMemory),
+    Borrowed(Option<OwnerRelease>),
+}
+
+/// A range to register.
+pub struct MemoryRange {
+    pub(crate) ptr: *mut u8,
+    pub(crate) len: u64,
+    pub(crate) permission: Permission,
+    pub(crate) backing: Backing,
+}
+
+// SAFETY: the raw pointer is only an address here; whoever built the range
+// vouched for it (safe for `HostMemory`, `unsafe fn borrowed` otherwise).
+unsafe impl Send for MemoryRange {}
+
+impl std::fmt::Debug for MemoryRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryRange")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .field("permission", &self.permission)
+            .finish()
+    }
+}
+
+impl MemoryRange {
+    /// A range `offset..offset + len` of engine-allocated host memory.
+    pub fn host(memory: &HostMemory, offset: usize, len: usize, permission: Permission) -> Result<Self, RegistryError> {
+        let end =
+            offset.checked_add(len).ok_or_else(|| RegistryError::InvalidRange("offset + len overflows".into()))?;
+        if len == 0 || end > memory.len() {
+            return Err(RegistryError::InvalidRange(format!(
+                "{offset}..{end} of host memory of {} bytes",
+                memory.len()
+            )));
+        }
+        Ok(MemoryRange {
+            // SAFETY (of the arithmetic): offset <= len of the allocation.
+            ptr: memory.as_ptr().wrapping_add(offset),
+            len: len as u64,
+            permission,
+            backing: Backing::Host(memory.clone()),
+        })
+    }
+
+    /// A caller-owned range `ptr..ptr + len`.
+    ///
+    /// # Safety
+    /// The bytes must stay valid for reads and writes until the engine
+    /// gives them up: until `on_release` runs (see
+    /// [`MemoryRange::with_owner_release`]), or, without it, until the
+    /// range is deregistered and every transfer naming it has a retirement
+    /// receipt and is released.
+    pub unsafe fn borrowed(ptr: *mut u8, len: usize, permission: Permission) -> Self {
+        MemoryRange { ptr, len: len as u64, permission, backing: Backing::Borrowed(None) }
+    }
+
+    /// Runs `release` exactly once when the engine no longer uses a
+    /// borrowed range (an allocator lease handed to the engine).
+    /// Has no effect on host-memory ranges, which the engine owns already.
+    pub fn with_owner_release(mut self, release: OwnerRelease) -> Self {
+        if let Backing::Borrowed(slot) = &mut self.backing {
+            *slot = Some(release);
+        }
+        self
+    }
+}

@@ -1,0 +1,157 @@
+//! The local route: copies between registrations of one engine (the self
+//! connection), on worker threads, never inside `post`.
+//!
+//! Workers block on a condition variable when the queue is empty: an idle
+//! engine spends no CPU here. A job is a route task: its spans stay valid
+//! because the job holds the range loans (via its transfer).
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::batch::{TaskEnd, TaskReport};
+use crate::transport::{Span, copy_spans};
+
+#[cfg(feature = "fault-injection")]
+use crate::transport::fault::{FaultDirective, FaultState};
+
+/// A unit of work for a route.
+pub(crate) trait CopyJob: Send + 'static {
+    /// The spans to copy, in order. Valid while the job lives.
+    fn spans(&self) -> &[Span];
+    /// Bytes the task should move.
+    fn planned(&self) -> u64;
+    /// Called once on the worker thread after the last byte access.
+    fn finish(self, report: TaskReport);
+}
+
+#[cfg(feature = "fault-injection")]
+type Forced = Option<FaultDirective>;
+#[cfg(not(feature = "fault-injection"))]
+type Forced = ();
+
+struct Queue<J> {
+    jobs: VecDeque<(J, Forced)>,
+    shutdown: bool,
+}
+
+pub(crate) struct RouteShared<J> {
+    queue: Mutex<Queue<J>>,
+    ready: Condvar,
+    #[cfg(feature = "fault-injection")]
+    pub(crate) faults: FaultState<J>,
+}
+
+/// The local route and its workers.
+pub(crate) struct LocalRoute<J: CopyJob> {
+    shared: Arc<RouteShared<J>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl<J: CopyJob> LocalRoute<J> {
+    /// Starts `workers` threads.
+    pub fn start(workers: u32) -> std::io::Result<Self> {
+        let shared = Arc::new(RouteShared {
+            queue: Mutex::new(Queue { jobs: VecDeque::new(), shutdown: false }),
+            ready: Condvar::new(),
+            #[cfg(feature = "fault-injection")]
+            faults: FaultState::default(),
+        });
+        let route = LocalRoute { shared, threads: Mutex::new(Vec::new()) };
+        for i in 0..workers {
+            let shared = route.shared.clone();
+            let handle =
+                std::thread::Builder::new().name(format!("orbite-local-{i}")).spawn(move || worker(&shared))?;
+            route.threads.lock().push(handle);
+        }
+        Ok(route)
+    }
+
+    /// Hands a task to the workers.
+    pub fn submit(&self, job: J) {
+        #[cfg(feature = "fault-injection")]
+        let forced = None;
+        #[cfg(not(feature = "fault-injection"))]
+        let forced = ();
+        self.shared.queue.lock().jobs.push_back((job, forced));
+        self.shared.ready.notify_one();
+    }
+
+    /// Stops the workers once the queue is empty and joins them.
+    pub fn shutdown(&self) {
+        self.shared.queue.lock().shutdown = true;
+        self.shared.ready.notify_all();
+        let threads = std::mem::take(&mut *self.threads.lock());
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn shared(&self) -> &Arc<RouteShared<J>> {
+        &self.shared
+    }
+}
+
+#[cfg(feature = "fault-injection")]
+impl<J: CopyJob> RouteShared<J> {
+    /// Re-queues a held job with a directive.
+    pub(crate) fn requeue(&self, job: J, directive: FaultDirective) {
+        self.queue.lock().jobs.push_back((job, Some(directive)));
+        self.ready.notify_one();
+    }
+}
+
+fn worker<J: CopyJob>(shared: &RouteShared<J>) {
+    loop {
+        let (job, forced) = {
+            let mut q = shared.queue.lock();
+            loop {
+                if let Some(next) = q.jobs.pop_front() {
+                    break next;
+                }
+                if q.shutdown {
+                    return;
+                }
+                shared.ready.wait(&mut q);
+            }
+        };
+        #[cfg(feature = "fault-injection")]
+        {
+            let directive = forced.unwrap_or_else(|| shared.faults.next_directive());
+            match directive {
+                FaultDirective::Hold => shared.faults.hold(job),
+                other => run_faulty(job, other),
+            }
+        }
+        #[cfg(not(feature = "fault-injection"))]
+        {
+            let () = forced;
+            run(job);
+        }
+    }
+}
+
+#[cfg_attr(feature = "fault-injection", allow(dead_code))]
+fn run<J: CopyJob>(job: J) {
+    // SAFETY: the job retains the range loans of every span (CopyJob
+    // contract), and the lifecycle admits each task once.
+    let done = unsafe { copy_spans(job.spans(), u64::MAX) };
+    let planned = job.planned();
+    job.finish(TaskReport { planned, done, end: TaskEnd::Complete });
+}
+
+#[cfg(feature = "fault-injection")]
+fn run_faulty<J: CopyJob>(job: J, directive: FaultDirective) {
+    let planned = job.planned();
+    let (limit, end) = match directive {
+        FaultDirective::Run | FaultDirective::Hold => return run(job),
+        FaultDirective::Short { bytes } => (bytes.min(planned), TaskEnd::Short),
+        FaultDirective::Fail { bytes, effect_unknown } => (bytes.min(planned), TaskEnd::Failed { effect_unknown }),
+    };
+    // SAFETY: as in `run`.
+    let done = unsafe { copy_spans(job.spans(), limit) };
+    job.finish(TaskReport { planned, done, end });
+}
