@@ -302,7 +302,8 @@ impl TransferEngine {
     /// progress worker).
     pub fn new(config: EngineConfig) -> Result<Self, Error> {
         config.validate()?;
-        let route = LocalRoute::start(config.local_route_workers).map_err(|e| Error::System(e.to_string()))?;
+        let route =
+            LocalRoute::start(config.local_route_workers, config.spin()).map_err(|e| Error::System(e.to_string()))?;
         let inner = Arc::new(EngineInner {
             admission: Mutex::new(AdmissionState {
                 queue: AdmissionQueue::new(config.admission_queue_len as usize, config.anti_starvation_after),
@@ -409,6 +410,7 @@ impl TransferEngine {
                 orphaned: false,
             }),
             retired: Condvar::new(),
+            retirements: AtomicU64::new(0),
         });
         Ok(Transfer { shared, engine: inner.clone() })
     }
@@ -421,6 +423,12 @@ impl TransferEngine {
             s.unquiesced_owners = s.executions;
         }
         s
+    }
+
+    /// Cumulative time route workers spent moving bytes (excludes queueing,
+    /// admission and completion): what the copies themselves cost.
+    pub fn route_busy(&self) -> Duration {
+        self.inner().route.busy()
     }
 
     /// Blocks until no execution is active, or `timeout` passes.

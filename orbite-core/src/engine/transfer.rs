@@ -6,6 +6,7 @@
 //! caller's owner-release callback.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -40,6 +41,8 @@ pub(crate) struct TransferShared {
     pub plan: Plan,
     pub cell: Mutex<Cell>,
     pub retired: Condvar,
+    /// Retirements so far; lets `wait` poll briefly without the lock.
+    pub retirements: AtomicU64,
 }
 
 /// What a retirement leaves to do once locks are released.
@@ -76,6 +79,7 @@ impl AfterRetire {
         drop(self.owners);
         drop(self.exec_charge);
         engine.forget_active(transfer.id);
+        transfer.retirements.fetch_add(1, Ordering::Release);
         transfer.retired.notify_all();
         engine.notify_drain();
     }
@@ -237,13 +241,26 @@ impl Transfer {
     pub fn wait(&self, timeout: Duration) -> TransferStatus {
         let deadline = Instant::now() + timeout;
         let slice = self.engine.config.progress_interval();
+        let mut spin = self.engine.config.spin();
         loop {
             self.engine.progress_step();
+            let seen = self.shared.retirements.load(Ordering::Acquire);
             let mut cell = self.shared.cell.lock();
             let status = cell.life.status();
             let now = Instant::now();
             if !matches!(status, TransferStatus::InProgress { .. }) || now >= deadline {
                 return status;
+            }
+            if !spin.is_zero() {
+                // Small transfers retire within microseconds: poll briefly
+                // (once per wait) before paying for a sleep and a wake-up.
+                drop(cell);
+                let start = Instant::now();
+                while self.shared.retirements.load(Ordering::Acquire) == seen && start.elapsed() < spin {
+                    std::hint::spin_loop();
+                }
+                spin = Duration::ZERO;
+                continue;
             }
             self.shared.retired.wait_until(&mut cell, deadline.min(now + slice));
         }

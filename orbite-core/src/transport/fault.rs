@@ -1,7 +1,7 @@
 //! Test-only fault hooks of the local route (feature `fault-injection`).
 //!
-//! A script of directives is consumed one per task, in the order tasks
-//! reach a worker; with `hold_all`, every task is held. A held task has
+//! A script of directives is consumed one per task, in the order the
+//! route received the tasks; with `hold_all`, every task is held. A held task has
 //! not touched any byte; it stays admitted (its execution cannot retire)
 //! until the test releases it with a directive. This makes every lifecycle
 //! rule testable deterministically: withheld completions, short

@@ -7,7 +7,9 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
@@ -40,6 +42,11 @@ struct Queue<J> {
 pub(crate) struct RouteShared<J> {
     queue: Mutex<Queue<J>>,
     ready: Condvar,
+    /// Jobs queued, readable without the lock (for the bounded poll).
+    pending: AtomicUsize,
+    /// Nanoseconds workers spent copying bytes, cumulative.
+    busy_ns: AtomicU64,
+    spin: Duration,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: FaultState<J>,
 }
@@ -51,11 +58,14 @@ pub(crate) struct LocalRoute<J: CopyJob> {
 }
 
 impl<J: CopyJob> LocalRoute<J> {
-    /// Starts `workers` threads.
-    pub fn start(workers: u32) -> std::io::Result<Self> {
+    /// Starts `workers` threads that poll for up to `spin` before sleeping.
+    pub fn start(workers: u32, spin: Duration) -> std::io::Result<Self> {
         let shared = Arc::new(RouteShared {
             queue: Mutex::new(Queue { jobs: VecDeque::new(), shutdown: false }),
             ready: Condvar::new(),
+            pending: AtomicUsize::new(0),
+            busy_ns: AtomicU64::new(0),
+            spin,
             #[cfg(feature = "fault-injection")]
             faults: FaultState::default(),
         });
@@ -76,7 +86,13 @@ impl<J: CopyJob> LocalRoute<J> {
         #[cfg(not(feature = "fault-injection"))]
         let forced = ();
         self.shared.queue.lock().jobs.push_back((job, forced));
+        self.shared.pending.fetch_add(1, Ordering::Release);
         self.shared.ready.notify_one();
+    }
+
+    /// Cumulative time workers spent copying bytes.
+    pub fn busy(&self) -> Duration {
+        Duration::from_nanos(self.shared.busy_ns.load(Ordering::Relaxed))
     }
 
     /// Stops the workers once the queue is empty and joins them.
@@ -100,6 +116,7 @@ impl<J: CopyJob> RouteShared<J> {
     /// Re-queues a held job with a directive.
     pub(crate) fn requeue(&self, job: J, directive: FaultDirective) {
         self.queue.lock().jobs.push_back((job, Some(directive)));
+        self.pending.fetch_add(1, Ordering::Release);
         self.ready.notify_one();
     }
 }
@@ -107,47 +124,77 @@ impl<J: CopyJob> RouteShared<J> {
 fn worker<J: CopyJob>(shared: &RouteShared<J>) {
     loop {
         let (job, forced) = {
+            let mut polled = false;
             let mut q = shared.queue.lock();
             loop {
-                if let Some(next) = q.jobs.pop_front() {
-                    break next;
+                if let Some((job, forced)) = q.jobs.pop_front() {
+                    shared.pending.fetch_sub(1, Ordering::AcqRel);
+                    // Directives are taken under the queue lock, so they
+                    // apply to tasks in the order the route received them.
+                    #[cfg(feature = "fault-injection")]
+                    let forced = forced.unwrap_or_else(|| shared.faults.next_directive());
+                    break (job, forced);
                 }
                 if q.shutdown {
                     return;
+                }
+                if !polled && !shared.spin.is_zero() {
+                    // Poll once, unlocked, then look at the queue (and the
+                    // shutdown flag) again before sleeping.
+                    polled = true;
+                    parking_lot::MutexGuard::unlocked(&mut q, || poll(&shared.pending, shared.spin));
+                    continue;
                 }
                 shared.ready.wait(&mut q);
             }
         };
         #[cfg(feature = "fault-injection")]
         {
-            let directive = forced.unwrap_or_else(|| shared.faults.next_directive());
-            match directive {
+            match forced {
                 FaultDirective::Hold => shared.faults.hold(job),
-                other => run_faulty(job, other),
+                other => run_faulty(job, other, &shared.busy_ns),
             }
         }
         #[cfg(not(feature = "fault-injection"))]
         {
             let () = forced;
-            run(job);
+            run(job, &shared.busy_ns);
+        }
+    }
+}
+
+/// Polls `pending` for up to `spin`; true if work arrived.
+pub(crate) fn poll(pending: &AtomicUsize, spin: Duration) -> bool {
+    let start = Instant::now();
+    loop {
+        for _ in 0..64 {
+            if pending.load(Ordering::Acquire) > 0 {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        if start.elapsed() >= spin {
+            return false;
         }
     }
 }
 
 #[cfg_attr(feature = "fault-injection", allow(dead_code))]
-fn run<J: CopyJob>(job: J) {
+fn run<J: CopyJob>(job: J, busy_ns: &AtomicU64) {
+    let start = Instant::now();
     // SAFETY: the job retains the range loans of every span (CopyJob
     // contract), and the lifecycle admits each task once.
     let done = unsafe { copy_spans(job.spans(), u64::MAX) };
+    busy_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
     let planned = job.planned();
     job.finish(TaskReport { planned, done, end: TaskEnd::Complete });
 }
 
 #[cfg(feature = "fault-injection")]
-fn run_faulty<J: CopyJob>(job: J, directive: FaultDirective) {
+fn run_faulty<J: CopyJob>(job: J, directive: FaultDirective, busy_ns: &AtomicU64) {
     let planned = job.planned();
     let (limit, end) = match directive {
-        FaultDirective::Run | FaultDirective::Hold => return run(job),
+        FaultDirective::Run | FaultDirective::Hold => return run(job, busy_ns),
         FaultDirective::Short { bytes } => (bytes.min(planned), TaskEnd::Short),
         FaultDirective::Fail { bytes, effect_unknown } => (bytes.min(planned), TaskEnd::Failed { effect_unknown }),
     };

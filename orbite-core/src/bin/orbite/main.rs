@@ -1,0 +1,75 @@
+//! `orbite`: the OrbiTE command line.
+//!
+//! `orbite bench` measures the engine on this machine against in-run
+//! references (see `docs/bench.md`); `orbite copy` runs one local transfer
+//! and says what it moved and how fast.
+
+mod bench;
+mod measure;
+
+use std::process::ExitCode;
+
+const USAGE: &str = "\
+usage: orbite <command> [options]
+
+commands:
+  bench   run the benchmark workloads against in-run references
+          --route local|all     routes to measure (default: all)
+          --workload LIST       comma list of W1,W2,W3,idle (default: all)
+          --quick               short run (under 30 s)
+          --json                print only JSON lines on stdout
+  copy    run one local transfer and print what moved and how fast
+          --bytes N             bytes to move (default 268435456)
+          --block N             descriptor size in bytes (default 1048576)
+  help    print this text
+";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        None | Some("bench") => bench::BenchArgs::parse(args.get(1..).unwrap_or(&[])).and_then(bench::run),
+        Some("copy") => copy(&args[1..]),
+        Some("help" | "-h" | "--help") => {
+            print!("{USAGE}");
+            Ok(())
+        }
+        Some(other) => Err(format!("unknown command `{other}`\n\n{USAGE}")),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("orbite: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn copy(args: &[String]) -> Result<(), String> {
+    let mut bytes: u64 = 256 << 20;
+    let mut block: u64 = 1 << 20;
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value =
+            || it.next().ok_or(format!("{a} needs a value"))?.parse::<u64>().map_err(|e| format!("{a}: {e}"));
+        match a.as_str() {
+            "--bytes" => bytes = value()?,
+            "--block" => block = value()?,
+            other => return Err(format!("unknown option `{other}`")),
+        }
+    }
+    if bytes == 0 || block == 0 || bytes % block != 0 {
+        return Err("--bytes must be a nonzero multiple of --block".into());
+    }
+    let r = measure::one_local_copy(bytes, block)?;
+    println!(
+        "moved {} bytes in {} descriptors of {} bytes, local route: {:.3} ms ({:.2} GB/s), prepare {:.1} us, bytes verified: {}",
+        bytes,
+        bytes / block,
+        block,
+        r.seconds * 1e3,
+        bytes as f64 / r.seconds / 1e9,
+        r.prep_us,
+        r.verified
+    );
+    if r.verified { Ok(()) } else { Err("destination bytes differ from the source".into()) }
+}

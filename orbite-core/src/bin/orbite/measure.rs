@@ -1,0 +1,119 @@
+//! Measurement helpers: memory set-up, reference loops, CPU time, stats.
+
+use std::time::{Duration, Instant};
+
+use orbite_core::{
+    Desc, EngineConfig, HostMemory, MemoryRange, Op, Permission, RegistrationId, Target, TransferEngine,
+    TransferOptions, TransferSpec, TransferStatus,
+};
+
+/// A source and a destination region of one engine.
+pub struct Pair {
+    pub engine: TransferEngine,
+    pub src: HostMemory,
+    pub dst: HostMemory,
+    pub src_id: RegistrationId,
+    pub dst_id: RegistrationId,
+}
+
+pub fn engine(config: EngineConfig) -> Result<TransferEngine, String> {
+    TransferEngine::new(config).map_err(|e| e.to_string())
+}
+
+pub fn pair(engine: TransferEngine, len: usize) -> Result<Pair, String> {
+    let src = engine.allocate_host_memory(len).map_err(|e| e.to_string())?;
+    let dst = engine.allocate_host_memory(len).map_err(|e| e.to_string())?;
+    let ranges = vec![
+        MemoryRange::host(&src, 0, len, Permission::RemoteReadWrite).map_err(|e| e.to_string())?,
+        MemoryRange::host(&dst, 0, len, Permission::RemoteReadWrite).map_err(|e| e.to_string())?,
+    ];
+    let ids = engine.register_memory_ranges(ranges).map_err(|e| e.to_string())?;
+    fill(&src, 0x5EED);
+    fill(&dst, 0);
+    Ok(Pair { engine, src, dst, src_id: ids[0], dst_id: ids[1] })
+}
+
+/// Writes a position-dependent pattern (and touches every page).
+pub fn fill(mem: &HostMemory, seed: u64) {
+    // SAFETY: called only while no transfer uses `mem`; the slice covers
+    // exactly the allocation.
+    let words = unsafe { std::slice::from_raw_parts_mut(mem.as_ptr() as *mut u64, mem.len() / 8) };
+    for (i, w) in words.iter_mut().enumerate() {
+        *w = if seed == 0 { 0 } else { (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed };
+    }
+}
+
+/// Compares `len` bytes at `a_off` of `a` with `b_off` of `b`.
+pub fn same(a: &HostMemory, a_off: u64, b: &HostMemory, b_off: u64, len: u64) -> bool {
+    // SAFETY: both ranges are in bounds of their allocations (callers pass
+    // descriptors that prepare validated) and no transfer is active.
+    unsafe {
+        let x = std::slice::from_raw_parts(a.as_ptr().add(a_off as usize), len as usize);
+        let y = std::slice::from_raw_parts(b.as_ptr().add(b_off as usize), len as usize);
+        x == y
+    }
+}
+
+/// Copies each `(src_off, dst_off, len)` block with one `memcpy` per block:
+/// the in-run physical reference.
+pub fn memcpy_blocks(src: &HostMemory, dst: &HostMemory, blocks: &[(u64, u64, u64)]) {
+    for &(s, d, l) in blocks {
+        // SAFETY: in bounds (built from validated layouts); distinct
+        // allocations never overlap; no transfer is active meanwhile.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(s as usize), dst.as_ptr().add(d as usize), l as usize) }
+    }
+}
+
+pub fn spec<'a>(op: Op, local: &'a [Desc], remote: &'a [Desc]) -> TransferSpec<'a> {
+    TransferSpec { op, local, remote, target: Target::Loopback, options: TransferOptions::default() }
+}
+
+/// Posts a prepared transfer and waits for its retirement; returns seconds.
+pub fn post_and_wait(t: &orbite_core::Transfer) -> Result<f64, String> {
+    let start = Instant::now();
+    t.post().map_err(|e| e.to_string())?;
+    match t.wait(Duration::from_secs(60)) {
+        TransferStatus::Retired(r) if r.outcome.is_success() => Ok(start.elapsed().as_secs_f64()),
+        other => Err(format!("transfer did not succeed: {other:?}")),
+    }
+}
+
+/// CPU time of this process so far (all threads), in nanoseconds.
+pub fn process_cpu_ns() -> u64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0 };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()))
+        .sum()
+}
+
+/// Median and 99th percentile of samples (seconds), in microseconds.
+pub fn percentiles_us(samples: &mut [f64]) -> (f64, f64) {
+    if samples.is_empty() {
+        return (0.0, 0.0);
+    }
+    samples.sort_by(f64::total_cmp);
+    let at = |q: f64| samples[((samples.len() - 1) as f64 * q).round() as usize] * 1e6;
+    (at(0.5), at(0.99))
+}
+
+pub struct CopyResult {
+    pub seconds: f64,
+    pub prep_us: f64,
+    pub verified: bool,
+}
+
+/// One local transfer of `bytes` in `block`-sized descriptors.
+pub fn one_local_copy(bytes: u64, block: u64) -> Result<CopyResult, String> {
+    let p = pair(engine(EngineConfig::default())?, bytes as usize)?;
+    let n = bytes / block;
+    let local: Vec<Desc> = (0..n).map(|i| Desc::new(p.src_id, i * block, block)).collect();
+    let remote: Vec<Desc> = (0..n).map(|i| Desc::new(p.dst_id, i * block, block)).collect();
+    let start = Instant::now();
+    let t = p.engine.prepare(&spec(Op::Write, &local, &remote)).map_err(|e| e.to_string())?;
+    let prep_us = start.elapsed().as_secs_f64() * 1e6;
+    let seconds = post_and_wait(&t)?;
+    let verified = same(&p.src, 0, &p.dst, 0, bytes);
+    Ok(CopyResult { seconds, prep_us, verified })
+}
