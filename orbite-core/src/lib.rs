@@ -14,7 +14,36 @@
 //!   only when it is destroyed;
 //! * nothing is replayed; idle workers block.
 //!
-//! Start with [`TransferEngine`].
+//! Start with [`TransferEngine`]:
+//!
+//! ```
+//! use orbite_core::*;
+//! use std::time::Duration;
+//!
+//! let engine = TransferEngine::from_json(r#"{"max_bytes_in_flight": 268435456}"#)?;
+//! let src = engine.allocate_host_memory(1 << 20)?;
+//! let dst = engine.allocate_host_memory(1 << 20)?;
+//! let ids = engine.register_memory_ranges(vec![
+//!     MemoryRange::host(&src, 0, 1 << 20, Permission::LocalOnly)?,
+//!     MemoryRange::host(&dst, 0, 1 << 20, Permission::RemoteReadWrite)?,
+//! ])?;
+//! let local = [Desc::new(ids[0], 0, 4096)];
+//! let remote = [Desc::new(ids[1], 8192, 4096)];
+//! let transfer = engine.prepare(&TransferSpec {
+//!     op: Op::Write,
+//!     local: &local,
+//!     remote: &remote,
+//!     target: Target::Loopback,
+//!     options: TransferOptions::default(),
+//! })?;
+//! transfer.post()?;
+//! let result = transfer.wait(Duration::from_secs(1)).result().expect("retired");
+//! assert!(result.outcome.is_success());
+//! assert_eq!(result.outcome.transferred_prefix, 4096);
+//! transfer.release().expect("retired, so release is allowed");
+//! assert_eq!(engine.stats().executions, 0);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 #![warn(missing_docs)]
 
