@@ -55,6 +55,7 @@ mod engine;
 pub mod error;
 pub mod memory;
 mod registry;
+mod time;
 mod transport;
 
 pub use batch::{

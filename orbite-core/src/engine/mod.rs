@@ -155,7 +155,7 @@ impl EngineInner {
     }
 
     fn wait_idle(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::time::deadline_after(timeout);
         let mut g = self.drain_lock.lock();
         while self.counters.get(Counter::Executions) > 0 {
             if self.drain_cv.wait_until(&mut g, deadline).timed_out() {

@@ -188,7 +188,7 @@ impl Transfer {
         let config = &engine.config;
         let exec_charge =
             Charge::limited(&engine.counters, Counter::Executions, 1, Resource::Executions, config.max_executions)?;
-        let deadline = self.shared.plan.options.deadline.map(|d| Instant::now() + d);
+        let deadline = self.shared.plan.options.deadline.map(crate::time::deadline_after);
         let grave = {
             let mut a = engine.admission.lock();
             {
@@ -239,8 +239,14 @@ impl Transfer {
     /// Blocks until the execution retires or `timeout` passes; returns the
     /// status then. Returns at once if nothing is active.
     pub fn wait(&self, timeout: Duration) -> TransferStatus {
-        let deadline = Instant::now() + timeout;
-        let slice = self.engine.config.progress_interval();
+        let deadline = crate::time::deadline_after(timeout);
+        // Retirement always notifies; only a deadline of this transfer's own
+        // queued work needs someone to look at the clock, so only then does
+        // the waiter wake up between notifications.
+        let slice = match self.shared.plan.options.deadline {
+            Some(_) => self.engine.config.progress_interval(),
+            None => timeout,
+        };
         let mut spin = self.engine.config.spin();
         loop {
             self.engine.progress_step();
@@ -262,7 +268,7 @@ impl Transfer {
                 spin = Duration::ZERO;
                 continue;
             }
-            self.shared.retired.wait_until(&mut cell, deadline.min(now + slice));
+            self.shared.retired.wait_until(&mut cell, deadline.min(now.checked_add(slice).unwrap_or(deadline)));
         }
     }
 

@@ -8,7 +8,7 @@
 //! completions, failures with known or unknown effect.
 
 use std::collections::VecDeque;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
@@ -109,7 +109,7 @@ impl<J: crate::transport::local::CopyJob> FaultControl for crate::transport::loc
         }
     }
     fn wait_held(&self, n: usize, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::time::deadline_after(timeout);
         let mut g = self.faults.inner.lock();
         while g.held.len() < n {
             if self.faults.changed.wait_until(&mut g, deadline).timed_out() {
