@@ -55,8 +55,10 @@ mod engine;
 pub mod error;
 pub mod memory;
 mod registry;
+pub mod segment;
 mod time;
 mod transport;
+pub mod wire;
 
 pub use batch::{
     Desc, ExecutionPhase, Intent, LogicalOutcome, Op, OutcomeCode, RemoteEffect, RetirementReceipt, Target,

@@ -30,9 +30,12 @@ pub(crate) type Loans = Vec<Arc<Registration>>;
 /// A permission the target side needs: its name and its test.
 type Needs = (&'static str, fn(&Registration) -> bool);
 
+/// A resolved descriptor: an address (or, on a peer, an offset in the
+/// peer registration `reg`) and a length.
 #[derive(Clone, Copy)]
 struct Resolved {
-    addr: *mut u8,
+    addr: u64,
+    reg: u64,
     len: u64,
 }
 
@@ -88,11 +91,8 @@ fn resolve(
             ids.push(reg.id);
             last = Some(reg.id);
         }
-        out.push(Resolved {
-            // In bounds: offset + len <= registration length (checked).
-            addr: reg.base.wrapping_add(d.offset as usize),
-            len: d.len,
-        });
+        // In bounds: offset + len <= registration length (checked).
+        out.push(Resolved { addr: reg.base as u64 + d.offset, reg: 0, len: d.len });
     }
     Ok((out, total))
 }
@@ -121,55 +121,54 @@ pub(crate) fn build(spec: &TransferSpec<'_>, table: &Table, config: &EngineConfi
             requested: span_bound,
         });
     }
-    let (src, dst) = match spec.op {
-        Op::Write => (&local, &remote),
-        Op::Read => (&remote, &local),
-    };
-    let program = build_program(src, dst, config.task_bytes);
+    let program = build_program(spec.op, &local, &remote, config.task_bytes);
     ids.sort_unstable();
     ids.dedup();
     let loans = ids.iter().map(|id| table.get(*id).cloned()).collect::<Result<Vec<_>, _>>()?;
     Ok((Plan { program, total_bytes: local_total, options: spec.options }, loans))
 }
 
+/// Most spans in one route task (bounds a peer request's body).
+pub(crate) const MAX_SPANS_PER_TASK: u32 = 4096;
+
 /// Walks both fragmentations at once. Both cover the same total.
-fn build_program(src: &[Resolved], dst: &[Resolved], task_bytes: u64) -> CopyProgram {
-    let mut spans: Vec<Span> = Vec::with_capacity(src.len().max(dst.len()));
+fn build_program(op: Op, local: &[Resolved], remote: &[Resolved], task_bytes: u64) -> CopyProgram {
+    let mut spans: Vec<Span> = Vec::with_capacity(local.len().max(remote.len()));
     let mut tasks: Vec<TaskRange> = Vec::new();
     let (mut i, mut j) = (0usize, 0usize);
-    let (mut si, mut dj) = (0u64, 0u64); // consumed bytes of src[i], dst[j]
+    let (mut li, mut rj) = (0u64, 0u64); // consumed bytes of local[i], remote[j]
     let mut task = TaskRange { first_span: 0, end_span: 0, bytes: 0 };
-    while i < src.len() && j < dst.len() {
-        let n = (src[i].len - si).min(dst[j].len - dj).min(task_bytes - task.bytes);
-        let s = src[i].addr.wrapping_add(si as usize) as *const u8;
-        let d = dst[j].addr.wrapping_add(dj as usize);
+    while i < local.len() && j < remote.len() {
+        let n = (local[i].len - li).min(remote[j].len - rj).min(task_bytes - task.bytes);
+        let next = Span { local: local[i].addr + li, remote: remote[j].addr + rj, remote_reg: remote[j].reg, len: n };
         let merged = match spans.last_mut() {
             Some(prev)
                 if task.end_span > task.first_span
-                    && prev.src.wrapping_add(prev.len) == s
-                    && prev.dst.wrapping_add(prev.len) == d =>
+                    && prev.local + prev.len == next.local
+                    && prev.remote_reg == next.remote_reg
+                    && prev.remote + prev.len == next.remote =>
             {
-                prev.len += n as usize;
+                prev.len += n;
                 true
             }
             _ => false,
         };
         if !merged {
-            spans.push(Span { src: s, dst: d, len: n as usize });
+            spans.push(next);
             task.end_span = spans.len() as u32;
         }
         task.bytes += n;
-        si += n;
-        dj += n;
-        if si == src[i].len {
+        li += n;
+        rj += n;
+        if li == local[i].len {
             i += 1;
-            si = 0;
+            li = 0;
         }
-        if dj == dst[j].len {
+        if rj == remote[j].len {
             j += 1;
-            dj = 0;
+            rj = 0;
         }
-        if task.bytes == task_bytes {
+        if task.bytes == task_bytes || task.end_span - task.first_span == MAX_SPANS_PER_TASK {
             tasks.push(task);
             task = TaskRange { first_span: spans.len() as u32, end_span: spans.len() as u32, bytes: 0 };
         }
@@ -177,24 +176,24 @@ fn build_program(src: &[Resolved], dst: &[Resolved], task_bytes: u64) -> CopyPro
     if task.bytes > 0 {
         tasks.push(task);
     }
-    CopyProgram { spans, tasks }
+    CopyProgram { op, spans, tasks }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn r(addr: usize, len: u64) -> Resolved {
-        Resolved { addr: addr as *mut u8, len }
+    fn r(addr: u64, len: u64) -> Resolved {
+        Resolved { addr, reg: 0, len }
     }
 
-    fn flatten(p: &CopyProgram) -> Vec<(usize, usize, usize)> {
-        p.spans.iter().map(|s| (s.src as usize, s.dst as usize, s.len)).collect()
+    fn flatten(p: &CopyProgram) -> Vec<(u64, u64, u64)> {
+        p.spans.iter().map(|s| (s.local, s.remote, s.len)).collect()
     }
 
     #[test]
     fn different_fragmentations_meet_in_spans() {
-        let p = build_program(&[r(1000, 10), r(2000, 20)], &[r(5000, 25), r(9000, 5)], 1 << 20);
+        let p = build_program(Op::Write, &[r(1000, 10), r(2000, 20)], &[r(5000, 25), r(9000, 5)], 1 << 20);
         assert_eq!(flatten(&p), vec![(1000, 5000, 10), (2000, 5010, 15), (2015, 9000, 5)]);
         assert_eq!(p.tasks.len(), 1);
         assert_eq!(p.tasks[0].bytes, 30);
@@ -202,7 +201,8 @@ mod tests {
 
     #[test]
     fn contiguous_descriptors_merge_and_tasks_split_large_ones() {
-        let p = build_program(&[r(0x1000, 4), r(0x1004, 4), r(0x1008, 16)], &[r(0x8000, 8), r(0x8008, 16)], 10);
+        let p =
+            build_program(Op::Read, &[r(0x1000, 4), r(0x1004, 4), r(0x1008, 16)], &[r(0x8000, 8), r(0x8008, 16)], 10);
         assert_eq!(flatten(&p), vec![(0x1000, 0x8000, 10), (0x100a, 0x800a, 10), (0x1014, 0x8014, 4)]);
         let bytes: Vec<u64> = p.tasks.iter().map(|t| t.bytes).collect();
         assert_eq!(bytes, vec![10, 10, 4]);
@@ -212,9 +212,23 @@ mod tests {
     }
 
     #[test]
-    fn spans_never_merge_across_tasks() {
-        let p = build_program(&[r(0, 8)], &[r(100, 8)], 4);
+    fn spans_never_merge_across_tasks_or_remote_registrations() {
+        let p = build_program(Op::Write, &[r(0, 8)], &[r(100, 8)], 4);
         assert_eq!(p.tasks.len(), 2);
-        assert_eq!(p.task_spans(1)[0].src as usize, 4);
+        assert_eq!(p.task_spans(1)[0].local, 4);
+        let a = Resolved { addr: 0, reg: 1, len: 4 };
+        let b = Resolved { addr: 4, reg: 2, len: 4 };
+        let p = build_program(Op::Write, &[r(0, 8)], &[a, b], 100);
+        assert_eq!(p.spans.len(), 2, "same offsets in different registrations never merge");
+    }
+
+    #[test]
+    fn tasks_are_cut_at_the_span_limit() {
+        let n = MAX_SPANS_PER_TASK as u64 + 10;
+        let local: Vec<Resolved> = (0..n).map(|i| r(i * 2, 1)).collect();
+        let remote: Vec<Resolved> = (0..n).map(|i| r(100_000 + i * 2, 1)).collect();
+        let p = build_program(Op::Write, &local, &remote, 1 << 30);
+        assert_eq!(p.tasks.len(), 2);
+        assert_eq!(p.task_spans(0).len() as u32, MAX_SPANS_PER_TASK);
     }
 }

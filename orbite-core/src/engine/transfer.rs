@@ -18,8 +18,7 @@ use crate::charge::{Charge, Counter};
 use crate::engine::{EngineInner, QueuedExec};
 use crate::error::{BatchError, Error, RegistryError, Resource};
 use crate::registry::Registration;
-use crate::transport::Span;
-use crate::transport::local::CopyJob;
+use crate::transport::{CopyJob, CopyProgram};
 
 /// What a transfer owns apart from its program: refunded on release.
 pub(crate) struct Owners {
@@ -95,12 +94,12 @@ pub(crate) struct RouteTask {
 }
 
 impl CopyJob for RouteTask {
-    fn spans(&self) -> &[Span] {
-        self.transfer.plan.program.task_spans(self.task)
+    fn program(&self) -> &CopyProgram {
+        &self.transfer.plan.program
     }
 
-    fn planned(&self) -> u64 {
-        self.transfer.plan.program.tasks[self.task as usize].bytes
+    fn task(&self) -> u32 {
+        self.task
     }
 
     fn finish(mut self, report: TaskReport) {

@@ -89,7 +89,7 @@ pub(crate) trait FaultControl: Send + Sync {
     fn wait_held(&self, n: usize, timeout: Duration) -> bool;
 }
 
-impl<J: crate::transport::local::CopyJob> FaultControl for crate::transport::local::RouteShared<J> {
+impl<J: crate::transport::CopyJob> FaultControl for crate::transport::local::RouteShared<J> {
     fn push(&self, d: FaultDirective) {
         self.faults.inner.lock().script.push_back(d);
     }

@@ -14,20 +14,10 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::batch::{TaskEnd, TaskReport};
-use crate::transport::{Span, copy_spans};
+use crate::transport::{CopyJob, copy_spans};
 
 #[cfg(feature = "fault-injection")]
 use crate::transport::fault::{FaultDirective, FaultState};
-
-/// A unit of work for a route.
-pub(crate) trait CopyJob: Send + 'static {
-    /// The spans to copy, in order. Valid while the job lives.
-    fn spans(&self) -> &[Span];
-    /// Bytes the task should move.
-    fn planned(&self) -> u64;
-    /// Called once on the worker thread after the last byte access.
-    fn finish(self, report: TaskReport);
-}
 
 #[cfg(feature = "fault-injection")]
 type Forced = Option<FaultDirective>;
@@ -184,7 +174,7 @@ fn run<J: CopyJob>(job: J, busy_ns: &AtomicU64) {
     let start = Instant::now();
     // SAFETY: the job retains the range loans of every span (CopyJob
     // contract), and the lifecycle admits each task once.
-    let done = unsafe { copy_spans(job.spans(), u64::MAX) };
+    let done = unsafe { copy_spans(job.program().op, job.spans(), u64::MAX) };
     busy_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
     let planned = job.planned();
     job.finish(TaskReport { planned, done, end: TaskEnd::Complete });
@@ -199,6 +189,6 @@ fn run_faulty<J: CopyJob>(job: J, directive: FaultDirective, busy_ns: &AtomicU64
         FaultDirective::Fail { bytes, effect_unknown } => (bytes.min(planned), TaskEnd::Failed { effect_unknown }),
     };
     // SAFETY: as in `run`.
-    let done = unsafe { copy_spans(job.spans(), limit) };
+    let done = unsafe { copy_spans(job.program().op, job.spans(), limit) };
     job.finish(TaskReport { planned, done, end });
 }

@@ -2,16 +2,23 @@
 //! never policy: admission, lifecycle and accounting live above it.
 
 pub(crate) mod local;
+pub(crate) mod tcp;
 
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 
-/// One contiguous copy: `len` bytes from `src` to `dst`.
-#[derive(Debug, Clone, Copy)]
+use crate::batch::{Op, TaskReport};
+
+/// One contiguous piece of a transfer: `len` bytes at local address
+/// `local` and at `remote` on the target side. For the self connection
+/// `remote` is an address of this process; for a peer it is an offset in
+/// the peer's registration `remote_reg` (its raw id).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Span {
-    pub src: *const u8,
-    pub dst: *mut u8,
-    pub len: usize,
+    pub local: u64,
+    pub remote: u64,
+    pub remote_reg: u64,
+    pub len: u64,
 }
 
 /// A task's slice of a copy program.
@@ -25,18 +32,12 @@ pub(crate) struct TaskRange {
 /// The resolved spans of a prepared transfer, grouped into tasks.
 ///
 /// Built once at prepare; routes read it without locks.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct CopyProgram {
+    pub op: Op,
     pub spans: Vec<Span>,
     pub tasks: Vec<TaskRange>,
 }
-
-// SAFETY: the pointers address registered memory kept alive by the range
-// loans held next to the program (see `batch::plan::Plan`); the program
-// itself is immutable after construction.
-unsafe impl Send for CopyProgram {}
-// SAFETY: as above.
-unsafe impl Sync for CopyProgram {}
 
 impl CopyProgram {
     /// Spans of task `task`.
@@ -46,23 +47,48 @@ impl CopyProgram {
     }
 }
 
-/// Copies the spans in order, at most `limit` bytes; returns bytes copied.
+/// A unit of work for a route: one task of an execution.
+pub(crate) trait CopyJob: Send + 'static {
+    /// The program the task belongs to. Its addresses stay valid while the
+    /// job lives (the job retains the range loans).
+    fn program(&self) -> &CopyProgram;
+    /// Which task.
+    fn task(&self) -> u32;
+    /// Called once, after the route's last access to any byte of the task.
+    fn finish(self, report: TaskReport);
+
+    /// Spans of this task.
+    fn spans(&self) -> &[Span] {
+        self.program().task_spans(self.task())
+    }
+    /// Bytes the task should move.
+    fn planned(&self) -> u64 {
+        self.program().tasks[self.task() as usize].bytes
+    }
+}
+
+/// Copies the spans of a self-connection program in order, at most `limit`
+/// bytes; returns bytes copied.
 ///
 /// # Safety
-/// Every span must address memory valid for its length (kept alive by the
-/// caller's range loans), and no other thread may write those bytes.
-pub(crate) unsafe fn copy_spans(spans: &[Span], limit: u64) -> u64 {
+/// Every span must address memory of this process valid for its length
+/// (kept alive by the caller's range loans), and no other thread may write
+/// those bytes meanwhile.
+pub(crate) unsafe fn copy_spans(op: Op, spans: &[Span], limit: u64) -> u64 {
     let mut done = 0u64;
     for s in spans {
         let left = limit - done;
         if left == 0 {
             break;
         }
-        let n = (s.len as u64).min(left) as usize;
-        // SAFETY: valid per the function contract; `copy` (memmove) is used
-        // because a local transfer may name overlapping ranges of one
-        // registration.
-        unsafe { std::ptr::copy(s.src, s.dst, n) };
+        let n = s.len.min(left) as usize;
+        let (src, dst) = match op {
+            Op::Write => (s.local, s.remote),
+            Op::Read => (s.remote, s.local),
+        };
+        // SAFETY: valid per the function contract; `copy` (memmove) because
+        // a local transfer may name overlapping ranges of one registration.
+        unsafe { std::ptr::copy(src as *const u8, dst as *mut u8, n) };
         done += n as u64;
     }
     done
