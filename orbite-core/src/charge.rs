@@ -25,6 +25,7 @@ pub(crate) struct Counters {
     pub bytes_in_flight: AtomicU64,
     pub tasks_in_flight: AtomicU64,
     pub unquiesced_owners: AtomicU64,
+    pub notification_bytes: AtomicU64,
 }
 
 /// Which counter a [`Charge`] pays into.
@@ -40,6 +41,7 @@ pub(crate) enum Counter {
     QueuedExecutions,
     BytesInFlight,
     TasksInFlight,
+    NotificationBytes,
 }
 
 impl Counters {
@@ -55,6 +57,7 @@ impl Counters {
             Counter::QueuedExecutions => &self.queued_executions,
             Counter::BytesInFlight => &self.bytes_in_flight,
             Counter::TasksInFlight => &self.tasks_in_flight,
+            Counter::NotificationBytes => &self.notification_bytes,
         }
     }
 
@@ -78,6 +81,7 @@ impl Counters {
             bytes_in_flight: g(&self.bytes_in_flight),
             tasks_in_flight: g(&self.tasks_in_flight),
             unquiesced_owners: g(&self.unquiesced_owners),
+            notification_bytes: g(&self.notification_bytes),
         }
     }
 }
@@ -178,6 +182,8 @@ pub struct Stats {
     pub tasks_in_flight: u64,
     /// Owners that `close` could not retire and keeps on purpose.
     pub unquiesced_owners: u64,
+    /// Bytes of received notifications not yet taken.
+    pub notification_bytes: u64,
 }
 
 #[cfg(test)]

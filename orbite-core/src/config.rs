@@ -67,6 +67,19 @@ pub struct EngineConfig {
     /// How long `close` waits for admitted work to drain, in milliseconds.
     /// Default 5 000.
     pub close_drain_timeout_ms: u64,
+    /// TCP address to listen on for peers (`host:port`, port 0 picks one),
+    /// or null for no listener (local transfers only). Default null.
+    pub listen: Option<String>,
+    /// Connections per opened peer segment (1 to 16). Default 2.
+    pub connections_per_peer: u32,
+    /// A peer that does not answer a request within this many milliseconds
+    /// is lost: its executions fail (after local retirement). Default 10 000.
+    pub peer_timeout_ms: u64,
+    /// Largest frame body accepted from a peer (descriptors, segment
+    /// descriptors, notifications), in bytes. Default 1 MiB.
+    pub max_frame_body: u64,
+    /// Largest notification payload, in bytes. Default 64 KiB.
+    pub max_notification_bytes: u64,
 }
 
 impl Default for EngineConfig {
@@ -90,6 +103,11 @@ impl Default for EngineConfig {
             local_route_workers: 1,
             spin_us: 50,
             close_drain_timeout_ms: 5_000,
+            listen: None,
+            connections_per_peer: 2,
+            peer_timeout_ms: 10_000,
+            max_frame_body: MIB,
+            max_notification_bytes: 64 * KIB,
         }
     }
 }
@@ -139,6 +157,21 @@ impl EngineConfig {
         if self.spin_us > 1_000 {
             return invalid("spin_us", "must be at most 1000");
         }
+        if !(1..=16).contains(&self.connections_per_peer) {
+            return invalid("connections_per_peer", "must be 1 to 16");
+        }
+        if self.peer_timeout_ms == 0 {
+            return invalid("peer_timeout_ms", "must be at least 1");
+        }
+        if !(4096..=64 * MIB).contains(&self.max_frame_body) {
+            return invalid("max_frame_body", "must be 4 KiB to 64 MiB");
+        }
+        if self.max_notification_bytes + 512 > self.max_frame_body {
+            return invalid("max_notification_bytes", "must leave 512 bytes of max_frame_body for the envelope");
+        }
+        if self.task_bytes > u32::MAX as u64 {
+            return invalid("task_bytes", "must be below 4 GiB (one frame)");
+        }
         if !(1..=64).contains(&self.local_route_workers) {
             return invalid("local_route_workers", "must be 1 to 64");
         }
@@ -153,6 +186,11 @@ impl EngineConfig {
     /// How long workers and waiters poll before sleeping.
     pub fn spin(&self) -> Duration {
         Duration::from_micros(self.spin_us)
+    }
+
+    /// Bound on a peer's silence.
+    pub fn peer_timeout(&self) -> Duration {
+        Duration::from_millis(self.peer_timeout_ms)
     }
 
     /// How long `close` waits for admitted work to drain.

@@ -26,6 +26,8 @@ pub enum Resource {
     DescriptorsPerTransfer,
     /// Bytes in one transfer (`max_transfer_bytes`).
     TransferBytes,
+    /// Queued notification bytes (`notification_queue_bytes`).
+    NotificationBytes,
 }
 
 impl std::fmt::Display for Resource {
@@ -39,6 +41,7 @@ impl std::fmt::Display for Resource {
             Resource::AdmissionQueue => "admission queue",
             Resource::DescriptorsPerTransfer => "descriptors per transfer",
             Resource::TransferBytes => "bytes per transfer",
+            Resource::NotificationBytes => "notification queue bytes",
         };
         f.write_str(name)
     }
@@ -124,6 +127,57 @@ pub enum BatchError {
     NotPosted,
 }
 
+/// Errors of peers and segments.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PeerError {
+    /// The engine has no listener (`listen` is not configured).
+    #[error("engine is not listening for peers")]
+    NotListening,
+    /// Could not connect or exchange the descriptor.
+    #[error("cannot reach peer: {0}")]
+    Connect(String),
+    /// The peer broke the protocol.
+    #[error("peer protocol violation: {0}")]
+    Protocol(String),
+    /// The peer has another epoch than expected: a restarted engine is a
+    /// new identity, and work prepared for the old one cannot run.
+    #[error("peer epoch mismatch: expected {expected:#x}, peer has {found:#x}")]
+    EpochMismatch {
+        /// The epoch the caller (or a prepared transfer) expected.
+        expected: u64,
+        /// The epoch the peer has now.
+        found: u64,
+    },
+    /// The peer was lost (connection broken or timed out).
+    #[error("peer lost: {0}")]
+    Lost(String),
+    /// The segment was closed: fenced for new work.
+    #[error("segment is closed")]
+    SegmentClosed,
+    /// Closing the segment failed; the failure is sticky.
+    #[error("closing the segment failed: {0}")]
+    CloseFailed(String),
+    /// The peer's descriptor has no such registration.
+    #[error("peer has no registration {0}")]
+    UnknownRemoteRegistration(RegistrationId),
+    /// The peer refused the request.
+    #[error("peer refused: {status:?}: {detail}")]
+    Refused {
+        /// The peer's typed status.
+        status: crate::wire::RemoteStatus,
+        /// Its detail text.
+        detail: String,
+    },
+    /// A notification larger than `max_notification_bytes`.
+    #[error("notification of {len} bytes exceeds the limit of {limit}")]
+    NotificationTooLarge {
+        /// Its size.
+        len: u64,
+        /// The limit.
+        limit: u64,
+    },
+}
+
 /// Any error of the engine.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -136,6 +190,9 @@ pub enum Error {
     /// Transfer lifecycle error.
     #[error(transparent)]
     Batch(#[from] BatchError),
+    /// Peer or segment error.
+    #[error(transparent)]
+    Peer(#[from] PeerError),
     /// A bounded resource is exhausted; nothing was allocated or admitted.
     #[error("resource exhausted: {resource} (limit {limit}, requested {requested})")]
     ResourceExhausted {

@@ -29,13 +29,7 @@
 //! ])?;
 //! let local = [Desc::new(ids[0], 0, 4096)];
 //! let remote = [Desc::new(ids[1], 8192, 4096)];
-//! let transfer = engine.prepare(&TransferSpec {
-//!     op: Op::Write,
-//!     local: &local,
-//!     remote: &remote,
-//!     target: Target::Loopback,
-//!     options: TransferOptions::default(),
-//! })?;
+//! let transfer = engine.prepare(&TransferSpec::new(Op::Write, &local, &remote, Target::Loopback))?;
 //! transfer.post()?;
 //! let result = transfer.wait(Duration::from_secs(1)).result().expect("retired");
 //! assert!(result.outcome.is_success());
@@ -66,8 +60,10 @@ pub use batch::{
 };
 pub use charge::Stats;
 pub use config::EngineConfig;
-pub use engine::{CloseReport, ReleaseRefused, Transfer, TransferEngine, UnquiescedExecution};
-pub use error::{BatchError, ConfigError, Error, RegistryError, Resource};
+pub use engine::{
+    CloseReport, Notification, ReleaseRefused, RemoteSegment, Transfer, TransferEngine, UnquiescedExecution,
+};
+pub use error::{BatchError, ConfigError, Error, PeerError, RegistryError, Resource};
 pub use memory::{HostMemory, MemoryRange, OwnerRelease, Permission};
 pub use registry::RegistrationId;
 

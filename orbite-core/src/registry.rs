@@ -195,6 +195,17 @@ impl Registry {
         Ok(())
     }
 
+    /// Every live registration, as exported to peers.
+    pub fn exported(&self) -> Vec<crate::segment::ExportedRegistration> {
+        let table = self.table.lock();
+        table
+            .slots
+            .iter()
+            .filter_map(|s| s.registration.as_ref())
+            .map(|r| crate::segment::ExportedRegistration { id: r.id, len: r.len, permission: r.permission })
+            .collect()
+    }
+
     /// Removes every registration (engine close). Owners are destroyed as
     /// their last borrowers retire.
     pub fn deregister_all(&self, counters: &Arc<Counters>) {

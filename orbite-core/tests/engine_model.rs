@@ -154,6 +154,7 @@ impl World {
             bytes_in_flight: 1024 * self.held.len() as u64,
             tasks_in_flight: self.held.len() as u64,
             unquiesced_owners: 0,
+            notification_bytes: 0,
         }
     }
 

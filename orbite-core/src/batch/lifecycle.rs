@@ -41,6 +41,9 @@ pub enum OutcomeCode {
     ShortCompletion,
     /// A route reported failure.
     Failed,
+    /// Every byte moved but the requested notification was not delivered
+    /// (the transfer is never replayed).
+    NotificationFailed,
 }
 
 /// The logical outcome of one execution.
@@ -199,12 +202,28 @@ pub struct ExecutionMachine {
     reports: Vec<Option<TaskReport>>,
     prefix_task: u32,
     prefix_bytes: u64,
+    notify: Notify,
     result: Option<TransferResult>,
+}
+
+/// The notification an execution must deliver after its bytes landed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Notify {
+    NotRequested,
+    Pending,
+    InFlight,
+    Done(bool),
 }
 
 impl ExecutionMachine {
     /// A fresh execution of `task_count` tasks covering `total_bytes`.
     pub fn new(seq: u64, task_count: u32, total_bytes: u64) -> Self {
+        Self::with_notification(seq, task_count, total_bytes, false)
+    }
+
+    /// A fresh execution that, if every byte lands, must also deliver one
+    /// notification before it may report success.
+    pub fn with_notification(seq: u64, task_count: u32, total_bytes: u64, notify: bool) -> Self {
         ExecutionMachine {
             seq,
             task_count,
@@ -217,8 +236,33 @@ impl ExecutionMachine {
             reports: vec![None; task_count as usize],
             prefix_task: 0,
             prefix_bytes: 0,
+            notify: if notify { Notify::Pending } else { Notify::NotRequested },
             result: None,
         }
+    }
+
+    fn data_succeeded(&self) -> bool {
+        self.stop.is_none() && self.admitted == self.task_count && self.ended == self.admitted
+    }
+
+    /// If every byte landed and a notification is due, marks it in flight
+    /// and returns true: the caller must send it exactly once and report
+    /// with [`Self::notification_ended`].
+    pub fn take_notification(&mut self) -> bool {
+        if self.notify == Notify::Pending && self.data_succeeded() {
+            self.notify = Notify::InFlight;
+            return true;
+        }
+        false
+    }
+
+    /// The notification was delivered (or not). Returns true if this
+    /// retired the execution.
+    pub fn notification_ended(&mut self, delivered: bool) -> bool {
+        if self.notify == Notify::InFlight {
+            self.notify = Notify::Done(delivered);
+        }
+        self.try_retire()
     }
 
     /// Sequence number of this execution.
@@ -318,10 +362,14 @@ impl ExecutionMachine {
         if self.result.is_some() || !self.admissions_closed() || self.ended < self.admitted {
             return false;
         }
+        if self.data_succeeded() && matches!(self.notify, Notify::Pending | Notify::InFlight) {
+            return false; // the notification is still due
+        }
         let code = match self.stop {
             Some(Stop::Failed(code)) => code,
             Some(Stop::Cancelled) => OutcomeCode::Cancelled,
             Some(Stop::Expired) => OutcomeCode::TimedOut,
+            None if self.notify == Notify::Done(false) => OutcomeCode::NotificationFailed,
             None => OutcomeCode::Success,
         };
         let partial = self.reports.get(self.prefix_task as usize).and_then(|r| r.map(|r| r.done)).unwrap_or(0);
@@ -396,7 +444,12 @@ impl TransferLifecycle {
 
     /// Starts execution `seq` (after [`Self::check_post`] allowed it).
     pub fn post(&mut self, seq: u64, task_count: u32, total_bytes: u64) {
-        *self = TransferLifecycle::Posted(ExecutionMachine::new(seq, task_count, total_bytes));
+        self.post_with_notification(seq, task_count, total_bytes, false);
+    }
+
+    /// Starts execution `seq` that must also deliver a notification.
+    pub fn post_with_notification(&mut self, seq: u64, task_count: u32, total_bytes: u64, notify: bool) {
+        *self = TransferLifecycle::Posted(ExecutionMachine::with_notification(seq, task_count, total_bytes, notify));
     }
 
     /// May the transfer be released? Refused while an execution is active.

@@ -58,11 +58,14 @@ impl Intent {
 }
 
 /// Who the remote descriptors belong to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Target {
+#[derive(Debug, Clone, Copy)]
+pub enum Target<'a> {
     /// This engine itself (the self connection NIXL uses for local
     /// transfers): remote descriptors name this engine's registrations.
     Loopback,
+    /// A peer engine: remote descriptors name registrations of its
+    /// segment (ids as in its descriptor).
+    Peer(&'a crate::RemoteSegment),
 }
 
 /// Per-transfer options.
@@ -90,7 +93,17 @@ pub struct TransferSpec<'a> {
     /// Target descriptors; together they cover as many bytes as `local`.
     pub remote: &'a [Desc],
     /// Whose memory `remote` names.
-    pub target: Target,
+    pub target: Target<'a>,
     /// Options.
     pub options: TransferOptions,
+    /// A notification delivered to the target exactly once, after every
+    /// byte landed; success requires its delivery.
+    pub notification: Option<&'a [u8]>,
+}
+
+impl<'a> TransferSpec<'a> {
+    /// A spec with default options and no notification.
+    pub fn new(op: Op, local: &'a [Desc], remote: &'a [Desc], target: Target<'a>) -> Self {
+        TransferSpec { op, local, remote, target, options: TransferOptions::default(), notification: None }
+    }
 }

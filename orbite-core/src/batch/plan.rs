@@ -1,19 +1,24 @@
-//! Prepare: validate two descriptor lists against the registry, with no
-//! I/O, and turn them into a copy program grouped into route tasks.
+//! Prepare: validate two descriptor lists against the registry (and, for a
+//! peer, its imported descriptor), with no I/O, and turn them into a copy
+//! program grouped into route tasks.
 //!
 //! Every check happens here, before anything is admitted: descriptor and
 //! byte limits, live registrations, bounds with checked arithmetic,
 //! permissions of the target side, equal total lengths. The two lists may
 //! be fragmented differently; the program walks both at once. Spans that
 //! continue each other on both sides are merged; tasks are cut at
-//! `task_bytes`, splitting a large descriptor where needed.
+//! `task_bytes` (and at 4096 spans), splitting a large descriptor where
+//! needed.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::batch::{Desc, Op, TransferOptions, TransferSpec};
 use crate::config::EngineConfig;
-use crate::error::{BatchError, Error, Resource};
+use crate::error::{BatchError, Error, PeerError, Resource};
+use crate::memory::Permission;
 use crate::registry::{Registration, RegistrationId, Table};
+use crate::segment::ExportedRegistration;
 use crate::transport::{CopyProgram, Span, TaskRange};
 
 /// A validated transfer: its copy program, immutable after prepare.
@@ -21,14 +26,35 @@ pub(crate) struct Plan {
     pub program: CopyProgram,
     pub total_bytes: u64,
     pub options: TransferOptions,
+    pub notification: Option<Box<[u8]>>,
 }
 
 /// The range loans that keep every registration a plan names (and its
 /// backing) alive; the program's pointers are valid while they live.
 pub(crate) type Loans = Vec<Arc<Registration>>;
 
-/// A permission the target side needs: its name and its test.
-type Needs = (&'static str, fn(&Registration) -> bool);
+/// A registration as prepare sees it: of this engine, or of a peer's
+/// imported descriptor.
+#[derive(Clone, Copy)]
+struct View {
+    id: RegistrationId,
+    /// Base address (this engine) or 0 (a peer: spans carry offsets).
+    base: u64,
+    /// Raw id carried on the wire (a peer) or 0 (this engine).
+    wire_id: u64,
+    len: u64,
+    permission: Permission,
+    /// Take a range loan on it (this engine's registrations).
+    loan: bool,
+}
+
+/// Where the target-side descriptors are resolved.
+pub(crate) enum RemoteSide<'a> {
+    /// This engine's own registry (the self connection).
+    Loopback,
+    /// A peer's imported registrations, by raw id.
+    Peer(&'a HashMap<u64, ExportedRegistration>),
+}
 
 /// A resolved descriptor: an address (or, on a peer, an offset in the
 /// peer registration `reg`) and a length.
@@ -39,12 +65,15 @@ struct Resolved {
     len: u64,
 }
 
+/// A permission the target side needs: its name and its test.
+type Needs = (&'static str, fn(Permission) -> bool);
+
 fn resolve(
     side: &'static str,
     descs: &[Desc],
-    table: &Table,
     config: &EngineConfig,
     needs: Option<Needs>,
+    mut lookup: impl FnMut(RegistrationId) -> Result<View, Error>,
     ids: &mut Vec<RegistrationId>,
 ) -> Result<(Vec<Resolved>, u64), Error> {
     let invalid = |index: usize, reason: String| BatchError::InvalidDescriptor { side, index, reason };
@@ -60,9 +89,19 @@ fn resolve(
     }
     let mut out = Vec::with_capacity(descs.len());
     let mut total = 0u64;
-    let mut last: Option<RegistrationId> = None;
+    let mut last: Option<View> = None;
     for (index, d) in descs.iter().enumerate() {
-        let reg = table.get(d.registration)?;
+        let reg = match last {
+            Some(v) if v.id == d.registration => v,
+            _ => {
+                let v = lookup(d.registration)?;
+                if v.loan {
+                    ids.push(v.id);
+                }
+                last = Some(v);
+                v
+            }
+        };
         if d.len == 0 {
             return Err(invalid(index, "zero length".into()).into());
         }
@@ -75,7 +114,7 @@ fn resolve(
             .into());
         }
         if let Some((needed, allowed)) = needs {
-            if !allowed(reg) {
+            if !allowed(reg.permission) {
                 return Err(BatchError::PermissionDenied { id: reg.id, needed }.into());
             }
         }
@@ -87,25 +126,50 @@ fn resolve(
                 requested: total,
             });
         }
-        if last != Some(reg.id) {
-            ids.push(reg.id);
-            last = Some(reg.id);
-        }
         // In bounds: offset + len <= registration length (checked).
-        out.push(Resolved { addr: reg.base as u64 + d.offset, reg: 0, len: d.len });
+        out.push(Resolved { addr: reg.base + d.offset, reg: reg.wire_id, len: d.len });
     }
     Ok((out, total))
 }
 
-/// Validates `spec` against the locked registry and builds its plan.
-pub(crate) fn build(spec: &TransferSpec<'_>, table: &Table, config: &EngineConfig) -> Result<(Plan, Loans), Error> {
+fn local_view(table: &Table, id: RegistrationId) -> Result<View, Error> {
+    let r = table.get(id)?;
+    Ok(View { id: r.id, base: r.base as u64, wire_id: 0, len: r.len, permission: r.permission, loan: true })
+}
+
+/// Validates `spec` against the locked registry (and, for a peer, its
+/// imported registrations) and builds its plan.
+pub(crate) fn build(
+    spec: &TransferSpec<'_>,
+    remote_side: RemoteSide<'_>,
+    table: &Table,
+    config: &EngineConfig,
+) -> Result<(Plan, Loans), Error> {
     let mut ids = Vec::new();
-    let (local, local_total) = resolve("local", spec.local, table, config, None, &mut ids)?;
+    let (local, local_total) = resolve("local", spec.local, config, None, |id| local_view(table, id), &mut ids)?;
     let needs: Needs = match spec.op {
-        Op::Write => ("remote write", |r| r.permission.remote_write()),
-        Op::Read => ("remote read", |r| r.permission.remote_read()),
+        Op::Write => ("remote write", Permission::remote_write),
+        Op::Read => ("remote read", Permission::remote_read),
     };
-    let (remote, remote_total) = resolve("remote", spec.remote, table, config, Some(needs), &mut ids)?;
+    let (remote, remote_total) = match remote_side {
+        RemoteSide::Loopback => {
+            resolve("remote", spec.remote, config, Some(needs), |id| local_view(table, id), &mut ids)?
+        }
+        RemoteSide::Peer(regs) => {
+            let peer_view = |id: RegistrationId| -> Result<View, Error> {
+                let r = regs.get(&id.to_raw()).ok_or(PeerError::UnknownRemoteRegistration(id))?;
+                Ok(View { id, base: 0, wire_id: id.to_raw(), len: r.len, permission: r.permission, loan: false })
+            };
+            resolve("remote", spec.remote, config, Some(needs), peer_view, &mut ids)?
+        }
+    };
+    if let Some(n) = spec.notification {
+        if n.len() as u64 > config.max_notification_bytes {
+            return Err(
+                PeerError::NotificationTooLarge { len: n.len() as u64, limit: config.max_notification_bytes }.into()
+            );
+        }
+    }
     if local_total != remote_total {
         return Err(BatchError::LengthMismatch { local: local_total, remote: remote_total }.into());
     }
@@ -125,7 +189,13 @@ pub(crate) fn build(spec: &TransferSpec<'_>, table: &Table, config: &EngineConfi
     ids.sort_unstable();
     ids.dedup();
     let loans = ids.iter().map(|id| table.get(*id).cloned()).collect::<Result<Vec<_>, _>>()?;
-    Ok((Plan { program, total_bytes: local_total, options: spec.options }, loans))
+    let plan = Plan {
+        program,
+        total_bytes: local_total,
+        options: spec.options,
+        notification: spec.notification.map(Box::from),
+    };
+    Ok((plan, loans))
 }
 
 /// Most spans in one route task (bounds a peer request's body).

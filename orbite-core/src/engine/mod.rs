@@ -5,13 +5,15 @@
 //! cheap to clone; many threads may call it at once. No lock is held across
 //! a copy, and no lock is held while an owner-release callback runs.
 
+mod peer;
 mod transfer;
 
+pub use peer::{Notification, RemoteSegment};
 pub use transfer::{ReleaseRefused, Transfer};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -26,8 +28,11 @@ use crate::config::EngineConfig;
 use crate::error::{Error, Resource};
 use crate::memory::{HostMemory, MemoryRange};
 use crate::registry::{RegistrationId, Registry};
+use crate::segment::SegmentDescriptor;
 use crate::transport::local::LocalRoute;
-use transfer::{Cell, Owners, RouteTask, TransferShared};
+use crate::transport::tcp::{PeerJob, Server};
+use peer::{NotificationQueue, Peer};
+use transfer::{Cell, Owners, PlanTarget, RouteTask, TransferShared};
 
 /// An execution waiting (partly or wholly) for admission.
 pub(crate) struct QueuedExec {
@@ -65,6 +70,25 @@ pub(crate) struct EngineInner {
     close_finished: AtomicBool,
     next_transfer: AtomicU64,
     progress_thread: Mutex<Option<JoinHandle<()>>>,
+    /// This engine's identity for this run.
+    epoch: u64,
+    endpoint: OnceLock<String>,
+    server: Mutex<Option<Server>>,
+    /// The latest opened peer per endpoint (the current epoch there).
+    peers: Mutex<HashMap<String, Weak<Peer>>>,
+    all_peers: Mutex<Vec<Weak<Peer>>>,
+    notifications: NotificationQueue,
+    #[cfg(feature = "fault-injection")]
+    remote_hold: (Mutex<bool>, Condvar),
+}
+
+/// A random, nonzero 64-bit epoch.
+fn new_epoch() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u32(std::process::id());
+    h.finish() | 1
 }
 
 impl EngineInner {
@@ -137,7 +161,11 @@ impl EngineInner {
             if all_started {
                 graveyard.extend(queue.pop_front(class));
             }
-            self.route.submit(RouteTask { engine: self.clone(), transfer, seq, task, in_flight });
+            let job = RouteTask { engine: self.clone(), transfer: transfer.clone(), seq, task, in_flight };
+            match &transfer.target {
+                PlanTarget::Loopback => self.route.submit(job),
+                PlanTarget::Peer(p) => p.link.submit(PeerJob::Task(job)),
+            }
         }
     }
 
@@ -191,6 +219,13 @@ impl EngineInner {
         }
         let drained = self.wait_idle(timeout);
         let unquiesced = self.unquiesced();
+        if let Some(server) = self.server.lock().take() {
+            server.shutdown();
+        }
+        if drained {
+            self.close_all_peers(Duration::ZERO);
+        }
+        self.notifications.lock().clear();
         if let Some(t) = self.progress_thread.lock().take() {
             let _ = t.join();
         }
@@ -321,8 +356,23 @@ impl TransferEngine {
             close_finished: AtomicBool::new(false),
             next_transfer: AtomicU64::new(1),
             progress_thread: Mutex::new(None),
+            epoch: new_epoch(),
+            endpoint: OnceLock::new(),
+            server: Mutex::new(None),
+            peers: Mutex::new(HashMap::new()),
+            all_peers: Mutex::new(Vec::new()),
+            notifications: Mutex::new(std::collections::VecDeque::new()),
+            #[cfg(feature = "fault-injection")]
+            remote_hold: (Mutex::new(false), Condvar::new()),
             config,
         });
+        if let Some(bind) = inner.config.listen.clone() {
+            let side: Weak<dyn crate::transport::tcp::TargetSide> = Arc::downgrade(&inner) as _;
+            let server =
+                Server::start(&bind, side).map_err(|e| Error::System(format!("cannot listen on {bind}: {e}")))?;
+            let _ = inner.endpoint.set(server.local_addr().to_string());
+            *inner.server.lock() = Some(server);
+        }
         if inner.config.progress_worker {
             let e = inner.clone();
             let t = std::thread::Builder::new()
@@ -389,9 +439,22 @@ impl TransferEngine {
             Resource::PreparedTransfers,
             inner.config.max_prepared_transfers,
         )?;
+        let target = match spec.target {
+            crate::Target::Loopback => PlanTarget::Loopback,
+            crate::Target::Peer(seg) => {
+                if let Some(e) = seg.peer.refusal(inner) {
+                    return Err(e.into());
+                }
+                PlanTarget::Peer(seg.peer.clone())
+            }
+        };
         let (plan, loans) = {
+            let remote_side = match &target {
+                PlanTarget::Loopback => plan::RemoteSide::Loopback,
+                PlanTarget::Peer(p) => plan::RemoteSide::Peer(&p.regs),
+            };
             let table = inner.registry.lock();
-            plan::build(spec, &table, &inner.config)?
+            plan::build(spec, remote_side, &table, &inner.config)?
         };
         if plan.program.tasks.len() > u32::MAX as usize {
             return Err(Error::ResourceExhausted {
@@ -403,6 +466,7 @@ impl TransferEngine {
         let shared = Arc::new(TransferShared {
             id: inner.next_transfer.fetch_add(1, Ordering::Relaxed),
             plan,
+            target,
             cell: Mutex::new(Cell {
                 life: TransferLifecycle::NotPosted,
                 exec_charge: None,
@@ -447,6 +511,75 @@ impl TransferEngine {
     /// unquiesced and its owners are kept, never freed.
     pub fn close_with_timeout(&self, timeout: Duration) -> CloseReport {
         self.inner().close(timeout)
+    }
+
+    /// The endpoint peers connect to, if the engine listens.
+    pub fn endpoint(&self) -> Option<String> {
+        self.inner().endpoint.get().cloned()
+    }
+
+    /// This engine's epoch: its identity for this run. A restarted engine
+    /// has a new one.
+    pub fn source_epoch(&self) -> u64 {
+        self.inner().epoch
+    }
+
+    /// What this engine exposes to peers (endpoint, epoch and every
+    /// registration a peer may read or write). `to_bytes` gives the
+    /// bounded, versioned form to exchange out of band.
+    pub fn segment_descriptor(&self) -> SegmentDescriptor {
+        self.inner().segment_descriptor()
+    }
+
+    /// Connects to a peer and imports its segment. The peer's own Describe
+    /// answer is authoritative: if `expected_epoch` is given and differs,
+    /// this fails with `PeerError::EpochMismatch`.
+    pub fn open_segment(
+        &self,
+        endpoint: &str,
+        expected_epoch: Option<u64>,
+        timeout: Duration,
+    ) -> Result<RemoteSegment, Error> {
+        self.inner().open_segment(endpoint, expected_epoch, timeout)
+    }
+
+    /// Fences new posts to the peer, waits up to `timeout` for admitted
+    /// executions to retire, then closes its connections. A failed close is
+    /// sticky: later calls return the same error and never retry.
+    pub fn close_segment(&self, segment: &RemoteSegment, timeout: Duration) -> Result<(), Error> {
+        self.inner().close_segment(segment, timeout)
+    }
+
+    /// Sends a notification to a peer and waits for it to be queued there.
+    /// Never replays anything on failure.
+    pub fn notify(&self, segment: &RemoteSegment, payload: &[u8]) -> Result<(), Error> {
+        self.inner().notify(segment, payload)
+    }
+
+    /// Queues a notification to this engine itself.
+    pub fn notify_self(&self, payload: &[u8]) -> Result<(), Error> {
+        let inner = self.inner();
+        inner.check_notification_size(payload.len())?;
+        inner.enqueue_notification(Notification {
+            sender_endpoint: inner.own_endpoint(),
+            sender_epoch: inner.epoch,
+            payload: payload.to_vec(),
+        })
+    }
+
+    /// Takes every queued notification, oldest first (refunds their charge).
+    pub fn take_notifications(&self) -> Vec<Notification> {
+        let taken: Vec<_> = self.inner().notifications.lock().drain(..).collect();
+        taken.into_iter().map(|(n, _charge)| n).collect()
+    }
+
+    /// Test-only: holds incoming peer requests after validation (their
+    /// range loans taken) and before any byte moves, until set to false.
+    #[cfg(feature = "fault-injection")]
+    pub fn hold_remote_requests(&self, on: bool) {
+        let (m, cv) = &self.inner().remote_hold;
+        *m.lock() = on;
+        cv.notify_all();
     }
 
     /// Test-only fault hooks of the local route.

@@ -15,9 +15,11 @@ use crate::batch::lifecycle::TransferLifecycle;
 use crate::batch::plan::Plan;
 use crate::batch::{TaskReport, TransferStatus};
 use crate::charge::{Charge, Counter};
+use crate::engine::peer::{Notification, Peer};
 use crate::engine::{EngineInner, QueuedExec};
 use crate::error::{BatchError, Error, RegistryError, Resource};
 use crate::registry::Registration;
+use crate::transport::tcp::{NotifyJob, PeerJob};
 use crate::transport::{CopyJob, CopyProgram};
 
 /// What a transfer owns apart from its program: refunded on release.
@@ -34,10 +36,17 @@ pub(crate) struct Cell {
     pub orphaned: bool,
 }
 
+/// Whose memory the remote descriptors name.
+pub(crate) enum PlanTarget {
+    Loopback,
+    Peer(Arc<Peer>),
+}
+
 /// Shared between the handle, queue entries and route tasks.
 pub(crate) struct TransferShared {
     pub id: u64,
     pub plan: Plan,
+    pub target: PlanTarget,
     pub cell: Mutex<Cell>,
     pub retired: Condvar,
     /// Retirements so far; lets `wait` poll briefly without the lock.
@@ -78,6 +87,9 @@ impl AfterRetire {
         drop(self.owners);
         drop(self.exec_charge);
         engine.forget_active(transfer.id);
+        if let PlanTarget::Peer(p) = &transfer.target {
+            p.execution_retired();
+        }
         transfer.retirements.fetch_add(1, Ordering::Release);
         transfer.retired.notify_all();
         engine.notify_drain();
@@ -104,6 +116,7 @@ impl CopyJob for RouteTask {
 
     fn finish(mut self, report: TaskReport) {
         let engine = self.engine.clone();
+        let notify;
         let (after, grave) = {
             let mut a = engine.admission.lock();
             drop(self.in_flight.take()); // refund the budget first
@@ -118,6 +131,7 @@ impl CopyJob for RouteTask {
                     false
                 });
                 let stopped_early = m.stopped_early();
+                notify = m.take_notification();
                 let after = if retired { cell.on_retired() } else { AfterRetire::default() };
                 (after, stopped_early)
             };
@@ -129,7 +143,45 @@ impl CopyJob for RouteTask {
         };
         drop(grave);
         after.complete(&engine, &self.transfer);
+        if notify {
+            send_transfer_notification(&engine, &self.transfer, self.seq);
+        }
     }
+}
+
+/// Delivers a transfer's notification (its bytes all landed), exactly once,
+/// then lets the execution retire with the outcome of that delivery.
+fn send_transfer_notification(engine: &Arc<EngineInner>, transfer: &Arc<TransferShared>, seq: u64) {
+    let payload = transfer.plan.notification.clone().unwrap_or_default();
+    match &transfer.target {
+        PlanTarget::Loopback => {
+            let n = Notification {
+                sender_endpoint: engine.own_endpoint(),
+                sender_epoch: engine.epoch,
+                payload: payload.into(),
+            };
+            let ok = engine.enqueue_notification(n).is_ok();
+            notification_ended(engine, transfer, seq, ok);
+        }
+        PlanTarget::Peer(p) => {
+            let (e, t) = (engine.clone(), transfer.clone());
+            p.link.submit(PeerJob::Notify(NotifyJob {
+                payload,
+                sender_endpoint: engine.own_endpoint(),
+                sender_epoch: engine.epoch,
+                done: Box::new(move |r| notification_ended(&e, &t, seq, r.is_ok())),
+            }));
+        }
+    }
+}
+
+fn notification_ended(engine: &EngineInner, transfer: &TransferShared, seq: u64, delivered: bool) {
+    let after = {
+        let mut cell = transfer.cell.lock();
+        let retired = cell.life.active_mut(seq).is_some_and(|m| m.notification_ended(delivered));
+        if retired { cell.on_retired() } else { AfterRetire::default() }
+    };
+    after.complete(engine, transfer);
 }
 
 /// A prepared transfer. Post it, poll or wait for it, cancel it, release it.
@@ -193,6 +245,11 @@ impl Transfer {
             {
                 let mut cell = self.shared.cell.lock();
                 let seq = cell.life.check_post()?;
+                if let PlanTarget::Peer(p) = &self.shared.target {
+                    if let Some(e) = p.refusal(engine) {
+                        return Err(e.into());
+                    }
+                }
                 let loans = cell.owners.as_ref().map_or(&[][..], |o| &o.loans[..]);
                 if let Some(id) = loans.iter().find(|r| r.is_fenced()).map(|r| r.id) {
                     return Err(RegistryError::Deregistered(id).into());
@@ -210,8 +267,16 @@ impl Transfer {
                     });
                 }
                 let p = &self.shared.plan;
-                cell.life.post(seq, p.program.tasks.len() as u32, p.total_bytes);
+                cell.life.post_with_notification(
+                    seq,
+                    p.program.tasks.len() as u32,
+                    p.total_bytes,
+                    p.notification.is_some(),
+                );
                 cell.exec_charge = Some(exec_charge);
+                if let PlanTarget::Peer(p) = &self.shared.target {
+                    p.execution_started();
+                }
             }
             engine.remember_active(&self.shared);
             engine.admit_pass(&mut a);

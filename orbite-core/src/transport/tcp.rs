@@ -1,1 +1,593 @@
+//! The TCP route: a target server that lands peers' requests in registered
+//! memory, and per-peer links of a few connections on the initiator side.
+//!
+//! Data path: a WRITE frame is a header, a body of remote descriptors and
+//! the payload, sent with one `writev` straight from registered memory; the
+//! target validates the whole body (epoch, ids, generations, bounds,
+//! permissions) before it reads a payload byte, then receives the payload
+//! straight into its registered memory. A READ reply is sent straight from
+//! registered memory. Many descriptors travel in one frame (one route task,
+//! up to `task_bytes` and 4096 spans); a peer's tasks spread over its
+//! connections. A refusal is a typed error frame and the connection stays
+//! usable; a malformed frame closes that connection only.
 
+use std::collections::VecDeque;
+use std::io;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::batch::{Op, TaskEnd, TaskReport};
+use crate::registry::Registration;
+use crate::segment::SegmentDescriptor;
+use crate::transport::CopyJob;
+use crate::transport::local::poll;
+use crate::transport::sock::{discard, iov, read_exact, readv_all, writev_all};
+use crate::wire::{self, Header, Kind, Limits, NotifyEnvelope, RemoteDesc, RemoteStatus, Request, WireError};
+
+/// What the target side of the engine provides to the server.
+pub(crate) trait TargetSide: Send + Sync + 'static {
+    /// This engine's epoch.
+    fn epoch(&self) -> u64;
+    /// The encoded segment descriptor.
+    fn descriptor(&self) -> Vec<u8>;
+    /// Resolves every descriptor of a request (live id and generation,
+    /// bounds, permission) into I/O vectors and range loans, or refuses.
+    fn resolve(
+        &self,
+        req: &Request<'_>,
+        write: bool,
+        iovs: &mut Vec<libc::iovec>,
+        loans: &mut Vec<Arc<Registration>>,
+    ) -> Result<(), (RemoteStatus, String)>;
+    /// Queues a notification, or refuses it.
+    fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)>;
+    /// Frame limits.
+    fn limits(&self) -> Limits;
+    /// Test hook: blocks while remote requests are held (after their loans
+    /// were taken, before any byte moves).
+    fn remote_gate(&self) {}
+}
+
+/// The listening side.
+pub(crate) struct Server {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<Vec<(u64, TcpStream)>>>,
+    threads: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    accept: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Server {
+    /// Binds and starts accepting. The server holds the target side weakly.
+    pub fn start(bind: &str, side: Weak<dyn TargetSide>) -> io::Result<Server> {
+        let listener = TcpListener::bind(bind)?;
+        let addr = listener.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns: Arc<Mutex<Vec<(u64, TcpStream)>>> = Arc::new(Mutex::new(Vec::new()));
+        let threads: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::new(Mutex::new(Vec::new()));
+        let accept = {
+            let (stop, conns, threads) = (stop.clone(), conns.clone(), threads.clone());
+            std::thread::Builder::new().name("orbite-accept".into()).spawn(move || {
+                let mut next = 0u64;
+                for stream in listener.incoming() {
+                    if stop.load(Ordering::Acquire) {
+                        return;
+                    }
+                    let Ok(stream) = stream else { continue };
+                    let _ = stream.set_nodelay(true);
+                    let Ok(clone) = stream.try_clone() else { continue };
+                    next += 1;
+                    let id = next;
+                    conns.lock().push((id, clone));
+                    let (side, conns2) = (side.clone(), conns.clone());
+                    let spawned = std::thread::Builder::new().name("orbite-serve".into()).spawn(move || {
+                        serve_connection(stream, &side);
+                        conns2.lock().retain(|(i, _)| *i != id);
+                    });
+                    match spawned {
+                        Ok(h) => {
+                            let mut t = threads.lock();
+                            t.retain(|h| !h.is_finished());
+                            t.push(h);
+                        }
+                        Err(_) => conns.lock().retain(|(i, _)| *i != id),
+                    }
+                }
+            })?
+        };
+        Ok(Server { addr, stop, conns, threads, accept: Mutex::new(Some(accept)) })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops accepting, closes every connection and joins the threads.
+    pub fn shutdown(&self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1)); // wakes accept
+        if let Some(h) = self.accept.lock().take() {
+            let _ = h.join();
+        }
+        for (_, s) in self.conns.lock().iter() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+        let threads = std::mem::take(&mut *self.threads.lock());
+        for t in threads {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Reusable per-connection buffers: no allocation per request once warm.
+#[derive(Default)]
+struct Scratch {
+    body: Vec<u8>,
+    out: Vec<u8>,
+    iovs: Vec<libc::iovec>,
+    loans: Vec<Arc<Registration>>,
+    discard: Vec<u8>,
+}
+
+fn serve_connection(stream: TcpStream, side: &Weak<dyn TargetSide>) {
+    let fd = stream.as_raw_fd();
+    let mut s = Scratch { discard: vec![0u8; 64 * 1024], ..Scratch::default() };
+    loop {
+        let mut hb = [0u8; wire::HEADER_LEN];
+        if read_exact(fd, &mut hb).is_err() {
+            return;
+        }
+        let Some(side) = side.upgrade() else { return };
+        let Ok(h) = wire::decode_header(&hb, side.limits()) else { return };
+        s.body.resize(h.body_len as usize, 0);
+        if read_exact(fd, &mut s.body).is_err() {
+            return;
+        }
+        if serve_request(fd, &h, side.as_ref(), &mut s).is_err() {
+            return; // malformed frame or broken connection: close this one only
+        }
+        s.loans.clear(); // range loans end after the bytes moved
+    }
+}
+
+/// Why a connection must close.
+enum Close {
+    Io,
+    Malformed,
+}
+
+impl From<io::Error> for Close {
+    fn from(_: io::Error) -> Self {
+        Close::Io
+    }
+}
+impl From<WireError> for Close {
+    fn from(_: WireError) -> Self {
+        Close::Malformed
+    }
+}
+
+fn send_frame(fd: i32, kind: Kind, request: u64, body: &[u8]) -> io::Result<()> {
+    let hb = wire::encode_header(&wire::header(kind, body.len(), 0, request));
+    let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
+    // SAFETY: both entries borrow live local buffers for the call.
+    unsafe { writev_all(fd, &mut v) }
+}
+
+fn send_error(fd: i32, request: u64, out: &mut Vec<u8>, status: RemoteStatus, detail: &str) -> io::Result<()> {
+    wire::encode_error(out, status, detail);
+    send_frame(fd, Kind::Error, request, out)
+}
+
+fn serve_request(fd: i32, h: &Header, side: &dyn TargetSide, s: &mut Scratch) -> Result<(), Close> {
+    match h.kind {
+        Kind::Describe => {
+            wire::decode_describe(&s.body)?;
+            if h.data_len != 0 {
+                return Err(Close::Malformed);
+            }
+            let d = side.descriptor();
+            send_frame(fd, Kind::DescribeReply, h.request, &d)?;
+        }
+        Kind::Write | Kind::Read => {
+            let write = h.kind == Kind::Write;
+            let req = Request::decode(&s.body)?;
+            let total = req.total_len().ok_or(Close::Malformed)?;
+            // A WRITE's payload length must match its descriptors, or the
+            // stream cannot be kept in sync: close. A READ carries none.
+            if (write && total != h.data_len as u64) || (!write && h.data_len != 0) {
+                return Err(Close::Malformed);
+            }
+            let refusal = if req.target_epoch != side.epoch() {
+                Some((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
+            } else if !write && total > side.limits().max_data as u64 {
+                Some((RemoteStatus::BadLength, "read larger than one frame".to_owned()))
+            } else {
+                s.iovs.clear();
+                side.resolve(&req, write, &mut s.iovs, &mut s.loans).err()
+            };
+            if let Some((status, detail)) = refusal {
+                s.loans.clear();
+                if write {
+                    discard(fd, h.data_len as u64, &mut s.discard)?;
+                }
+                send_error(fd, h.request, &mut s.out, status, &detail)?;
+                return Ok(());
+            }
+            side.remote_gate();
+            if write {
+                let mut done = 0;
+                // SAFETY: `resolve` checked every range against a live
+                // registration and `s.loans` keeps those registrations (and
+                // their backing) alive until after this call.
+                unsafe { readv_all(fd, &mut s.iovs, &mut done)? };
+                s.loans.clear(); // landed: release the loans, then ack
+                send_frame(fd, Kind::WriteAck, h.request, &[])?;
+            } else {
+                let hb = wire::encode_header(&wire::header(Kind::ReadReply, 0, total, h.request));
+                s.iovs.insert(0, iov(hb.as_ptr() as u64, hb.len() as u64));
+                // SAFETY: as above, for reads; the header is a live local.
+                unsafe { writev_all(fd, &mut s.iovs)? };
+            }
+        }
+        Kind::Notify => {
+            let env = wire::decode_notify(&s.body)?;
+            if h.data_len != 0 {
+                return Err(Close::Malformed);
+            }
+            let result = if env.target_epoch != side.epoch() {
+                Err((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
+            } else {
+                side.deliver(&env)
+            };
+            match result {
+                Ok(()) => send_frame(fd, Kind::NotifyAck, h.request, &[])?,
+                Err((status, detail)) => send_error(fd, h.request, &mut s.out, status, &detail)?,
+            }
+        }
+        Kind::DescribeReply | Kind::WriteAck | Kind::ReadReply | Kind::NotifyAck | Kind::Error => {
+            return Err(Close::Malformed);
+        }
+    }
+    Ok(())
+}
+
+/// Why a peer operation failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum PeerFailure {
+    /// The connection broke or timed out; the peer is lost.
+    Lost(String),
+    /// The target refused with a typed status.
+    Refused(RemoteStatus, String),
+}
+
+/// A standalone notification for a peer.
+pub(crate) struct NotifyJob {
+    pub payload: Box<[u8]>,
+    pub sender_endpoint: String,
+    pub sender_epoch: u64,
+    pub done: Box<dyn FnOnce(Result<(), PeerFailure>) + Send>,
+}
+
+pub(crate) enum PeerJob<J> {
+    Task(J),
+    Notify(NotifyJob),
+}
+
+struct LinkQueue<J> {
+    jobs: VecDeque<PeerJob<J>>,
+    lost: Option<String>,
+    closing: bool,
+}
+
+/// Options of a link.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LinkOptions {
+    pub connections: u32,
+    pub io_timeout: Duration,
+    pub spin: Duration,
+    pub limits: Limits,
+    pub max_descriptor: usize,
+}
+
+/// Errors of opening a link.
+#[derive(Debug)]
+pub(crate) enum OpenError {
+    Connect(String),
+    Protocol(String),
+    EpochMismatch { expected: u64, found: u64 },
+}
+
+/// The initiator's link to one peer epoch: a few connections, each with a
+/// worker that sends tasks and waits for their replies.
+pub(crate) struct PeerLink<J> {
+    pub descriptor: SegmentDescriptor,
+    queue: Mutex<LinkQueue<J>>,
+    ready: Condvar,
+    pending: AtomicUsize,
+    streams: Mutex<Vec<TcpStream>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    opts: LinkOptions,
+    next_request: AtomicU64,
+}
+
+impl<J: CopyJob> PeerLink<J> {
+    /// Connects, runs the authoritative Describe exchange, checks the epoch
+    /// and starts the connection workers.
+    pub fn open(
+        endpoint: &str,
+        expected_epoch: Option<u64>,
+        timeout: Duration,
+        my_epoch: u64,
+        opts: LinkOptions,
+    ) -> Result<Arc<Self>, OpenError> {
+        let deadline = crate::time::deadline_after(timeout);
+        let addr = endpoint
+            .to_socket_addrs()
+            .map_err(|e| OpenError::Connect(format!("{endpoint}: {e}")))?
+            .next()
+            .ok_or_else(|| OpenError::Connect(format!("{endpoint}: no address")))?;
+        let connect = || -> Result<TcpStream, OpenError> {
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            let s =
+                TcpStream::connect_timeout(&addr, left).map_err(|e| OpenError::Connect(format!("{endpoint}: {e}")))?;
+            let _ = s.set_nodelay(true);
+            s.set_read_timeout(Some(opts.io_timeout)).map_err(|e| OpenError::Connect(e.to_string()))?;
+            s.set_write_timeout(Some(opts.io_timeout)).map_err(|e| OpenError::Connect(e.to_string()))?;
+            Ok(s)
+        };
+        let first = connect()?;
+        let fd = first.as_raw_fd();
+        let mut body = Vec::new();
+        wire::encode_describe(&mut body, my_epoch, expected_epoch.unwrap_or(0));
+        send_frame(fd, Kind::Describe, 1, &body).map_err(|e| OpenError::Connect(e.to_string()))?;
+        let mut hb = [0u8; wire::HEADER_LEN];
+        read_exact(fd, &mut hb).map_err(|e| OpenError::Connect(e.to_string()))?;
+        let h = wire::decode_header(&hb, opts.limits).map_err(|e| OpenError::Protocol(e.to_string()))?;
+        if h.kind != Kind::DescribeReply || h.data_len != 0 || h.request != 1 {
+            return Err(OpenError::Protocol(format!("unexpected {:?} reply to describe", h.kind)));
+        }
+        body.resize(h.body_len as usize, 0);
+        read_exact(fd, &mut body).map_err(|e| OpenError::Connect(e.to_string()))?;
+        let descriptor =
+            SegmentDescriptor::decode(&body, opts.max_descriptor).map_err(|e| OpenError::Protocol(e.to_string()))?;
+        if let Some(expected) = expected_epoch {
+            if expected != descriptor.epoch {
+                return Err(OpenError::EpochMismatch { expected, found: descriptor.epoch });
+            }
+        }
+        let mut streams = vec![first];
+        for _ in 1..opts.connections.max(1) {
+            streams.push(connect()?);
+        }
+        let link = Arc::new(PeerLink {
+            descriptor,
+            queue: Mutex::new(LinkQueue { jobs: VecDeque::new(), lost: None, closing: false }),
+            ready: Condvar::new(),
+            pending: AtomicUsize::new(0),
+            streams: Mutex::new(Vec::new()),
+            threads: Mutex::new(Vec::new()),
+            opts,
+            next_request: AtomicU64::new(2),
+        });
+        for (i, s) in streams.into_iter().enumerate() {
+            let clone = s.try_clone().map_err(|e| OpenError::Connect(e.to_string()))?;
+            link.streams.lock().push(clone);
+            let l = link.clone();
+            let h = std::thread::Builder::new()
+                .name(format!("orbite-tcp-{i}"))
+                .spawn(move || connection_worker(&l, s))
+                .map_err(|e| OpenError::Connect(e.to_string()))?;
+            link.threads.lock().push(h);
+        }
+        Ok(link)
+    }
+
+    /// Queues a job. Never runs it inline (callers may hold engine locks).
+    pub fn submit(&self, job: PeerJob<J>) {
+        self.queue.lock().jobs.push_back(job);
+        self.pending.fetch_add(1, Ordering::Release);
+        self.ready.notify_one();
+    }
+
+    /// Why the peer is lost, if it is.
+    pub fn lost(&self) -> Option<String> {
+        self.queue.lock().lost.clone()
+    }
+
+    fn mark_lost(&self, why: String) {
+        let mut q = self.queue.lock();
+        if q.lost.is_none() {
+            q.lost = Some(why);
+        }
+        drop(q);
+        self.ready.notify_all();
+        // Wake workers blocked in I/O on the other connections.
+        for s in self.streams.lock().iter() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Closes the connections once the queue is empty and joins workers.
+    pub fn close(&self) {
+        self.queue.lock().closing = true;
+        self.ready.notify_all();
+        let threads = std::mem::take(&mut *self.threads.lock());
+        for t in threads {
+            let _ = t.join();
+        }
+        for s in self.streams.lock().drain(..) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Test hook: breaks every connection as a dying peer would.
+    #[allow(dead_code)]
+    pub fn sever(&self) {
+        for s in self.streams.lock().iter() {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn next_job(&self) -> Option<(PeerJob<J>, Option<String>)> {
+        let mut polled = false;
+        let mut q = self.queue.lock();
+        loop {
+            if let Some(job) = q.jobs.pop_front() {
+                self.pending.fetch_sub(1, Ordering::AcqRel);
+                return Some((job, q.lost.clone()));
+            }
+            if q.closing {
+                return None;
+            }
+            if !polled && !self.opts.spin.is_zero() {
+                polled = true;
+                parking_lot::MutexGuard::unlocked(&mut q, || poll(&self.pending, self.opts.spin));
+                continue;
+            }
+            self.ready.wait(&mut q);
+        }
+    }
+}
+
+fn connection_worker<J: CopyJob>(link: &PeerLink<J>, stream: TcpStream) {
+    let fd = stream.as_raw_fd();
+    let mut s = Scratch::default();
+    while let Some((job, lost)) = link.next_job() {
+        match job {
+            PeerJob::Task(j) => {
+                let planned = j.planned();
+                if lost.is_some() {
+                    // Never put on the wire: nothing moved, effect known.
+                    j.finish(TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: false } });
+                    continue;
+                }
+                let id = link.next_request.fetch_add(1, Ordering::Relaxed);
+                let (report, broken) = run_task(fd, link, &j, id, &mut s);
+                if let Some(why) = broken {
+                    link.mark_lost(why);
+                }
+                j.finish(report);
+            }
+            PeerJob::Notify(n) => {
+                if let Some(why) = lost {
+                    (n.done)(Err(PeerFailure::Lost(why)));
+                    continue;
+                }
+                let id = link.next_request.fetch_add(1, Ordering::Relaxed);
+                let result = send_notification(fd, link, &n, id, &mut s);
+                if let Err(PeerFailure::Lost(why)) = &result {
+                    link.mark_lost(why.clone());
+                }
+                (n.done)(result);
+            }
+        }
+    }
+    drop(stream);
+}
+
+/// Reads a reply header; protocol violations count as a lost peer.
+fn read_reply(fd: i32, link: &PeerLink<impl CopyJob>, id: u64, s: &mut Scratch) -> Result<Header, String> {
+    let mut hb = [0u8; wire::HEADER_LEN];
+    read_exact(fd, &mut hb).map_err(|e| format!("connection lost: {e}"))?;
+    let h = wire::decode_header(&hb, link.opts.limits).map_err(|e| format!("protocol violation: {e}"))?;
+    if h.request != id {
+        return Err(format!("reply to request {} while {id} was outstanding", h.request));
+    }
+    s.body.resize(h.body_len as usize, 0);
+    read_exact(fd, &mut s.body).map_err(|e| format!("connection lost: {e}"))?;
+    Ok(h)
+}
+
+fn run_task<J: CopyJob>(fd: i32, link: &PeerLink<J>, j: &J, id: u64, s: &mut Scratch) -> (TaskReport, Option<String>) {
+    let planned = j.planned();
+    let op = j.program().op;
+    let spans = j.spans();
+    let epoch = link.descriptor.epoch;
+    wire::encode_request(
+        &mut s.out,
+        epoch,
+        spans.iter().map(|sp| RemoteDesc { registration: sp.remote_reg, offset: sp.remote, len: sp.len }),
+    );
+    let (kind, data) = if op == Op::Write { (Kind::Write, planned) } else { (Kind::Read, 0) };
+    let hb = wire::encode_header(&wire::header(kind, s.out.len(), data, id));
+    s.iovs.clear();
+    s.iovs.push(iov(hb.as_ptr() as u64, hb.len() as u64));
+    s.iovs.push(iov(s.out.as_ptr() as u64, s.out.len() as u64));
+    if op == Op::Write {
+        s.iovs.extend(spans.iter().map(|sp| iov(sp.local, sp.len)));
+    }
+    let unknown = |why: String| {
+        // Some payload may have landed: the effect cannot be known.
+        (TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: op == Op::Write } }, Some(why))
+    };
+    // SAFETY: header and body are live locals; span addresses are kept
+    // valid by the job's range loans (CopyJob contract).
+    if let Err(e) = unsafe { writev_all(fd, &mut s.iovs) } {
+        return unknown(format!("connection lost: {e}"));
+    }
+    let h = match read_reply(fd, link, id, s) {
+        Ok(h) => h,
+        Err(why) => return unknown(why),
+    };
+    let refused = |s: &Scratch| match wire::decode_error(&s.body) {
+        // The target validates everything before any byte moves.
+        Ok(_) => (TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: false } }, None),
+        Err(e) => unknown(format!("protocol violation: {e}")),
+    };
+    match (op, h.kind) {
+        (_, Kind::Error) => refused(s),
+        (Op::Write, Kind::WriteAck) if h.data_len == 0 => {
+            (TaskReport { planned, done: planned, end: TaskEnd::Complete }, None)
+        }
+        (Op::Read, Kind::ReadReply) if h.data_len as u64 == planned && h.body_len == 0 => {
+            s.iovs.clear();
+            s.iovs.extend(spans.iter().map(|sp| iov(sp.local, sp.len)));
+            let mut done = 0;
+            // SAFETY: local span addresses are valid and retained (CopyJob
+            // contract); nothing else writes them during the task.
+            match unsafe { readv_all(fd, &mut s.iovs, &mut done) } {
+                Ok(()) => (TaskReport { planned, done, end: TaskEnd::Complete }, None),
+                // Exactly `done` bytes landed locally; a READ has no remote effect.
+                Err(e) => (
+                    TaskReport { planned, done, end: TaskEnd::Failed { effect_unknown: false } },
+                    Some(format!("connection lost: {e}")),
+                ),
+            }
+        }
+        (_, k) => unknown(format!("protocol violation: unexpected {k:?} reply")),
+    }
+}
+
+fn send_notification<J: CopyJob>(
+    fd: i32,
+    link: &PeerLink<J>,
+    n: &NotifyJob,
+    id: u64,
+    s: &mut Scratch,
+) -> Result<(), PeerFailure> {
+    let env = NotifyEnvelope {
+        sender_endpoint: &n.sender_endpoint,
+        sender_epoch: n.sender_epoch,
+        target_epoch: link.descriptor.epoch,
+        payload: &n.payload,
+    };
+    wire::encode_notify(&mut s.out, &env);
+    send_frame(fd, Kind::Notify, id, &s.out).map_err(|e| PeerFailure::Lost(format!("connection lost: {e}")))?;
+    let h = read_reply(fd, link, id, s).map_err(PeerFailure::Lost)?;
+    match h.kind {
+        Kind::NotifyAck => Ok(()),
+        Kind::Error => match wire::decode_error(&s.body) {
+            Ok((status, detail)) => Err(PeerFailure::Refused(status, detail)),
+            Err(e) => Err(PeerFailure::Lost(format!("protocol violation: {e}"))),
+        },
+        k => Err(PeerFailure::Lost(format!("protocol violation: unexpected {k:?} reply"))),
+    }
+}

@@ -108,7 +108,7 @@ pub fn expected(src: &[u8], src_ranges: &[(u64, u64)], dst: &[u8], dst_ranges: &
 }
 
 pub fn spec<'a>(op: Op, local: &'a [Desc], remote: &'a [Desc]) -> TransferSpec<'a> {
-    TransferSpec { op, local, remote, target: Target::Loopback, options: TransferOptions::default() }
+    TransferSpec::new(op, local, remote, Target::Loopback)
 }
 
 pub fn wait_retired(t: &Transfer) -> TransferResult {

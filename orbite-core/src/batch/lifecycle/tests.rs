@@ -80,6 +80,41 @@ fn short_completion_reports_the_exact_prefix() {
 }
 
 #[test]
+fn notification_is_sent_once_after_the_bytes_and_decides_success() {
+    let mut m = ExecutionMachine::with_notification(1, 2, 20, true);
+    m.admit_next();
+    m.admit_next();
+    assert!(!m.take_notification(), "not before the bytes landed");
+    assert!(!m.task_ended(0, complete(10)).unwrap());
+    assert!(!m.task_ended(1, complete(10)).unwrap(), "bytes landed but the notification is due");
+    assert!(matches!(m.status(), TransferStatus::InProgress { phase: ExecutionPhase::Draining, .. }));
+    assert!(m.take_notification());
+    assert!(!m.take_notification(), "exactly once");
+    assert!(m.notification_ended(true));
+    assert_eq!(m.result().unwrap().outcome.code, OutcomeCode::Success);
+
+    let mut m = ExecutionMachine::with_notification(1, 1, 10, true);
+    m.admit_next();
+    m.task_ended(0, complete(10)).unwrap();
+    assert!(m.take_notification());
+    assert!(m.notification_ended(false));
+    let o = m.result().unwrap().outcome;
+    assert_eq!(
+        (o.code, o.transferred_prefix, o.remote_effect),
+        (OutcomeCode::NotificationFailed, 10, RemoteEffect::Known)
+    );
+
+    // A failed transfer never sends its notification.
+    let mut m = ExecutionMachine::with_notification(1, 1, 10, true);
+    m.admit_next();
+    assert!(
+        m.task_ended(0, TaskReport { planned: 10, done: 0, end: TaskEnd::Failed { effect_unknown: false } }).unwrap()
+    );
+    assert!(!m.take_notification());
+    assert_eq!(m.result().unwrap().outcome.code, OutcomeCode::Failed);
+}
+
+#[test]
 fn protocol_violations_are_refused() {
     let mut m = ExecutionMachine::new(1, 2, 20);
     assert_eq!(m.task_ended(0, complete(10)), Err(ProtocolViolation::NotStarted(0)));

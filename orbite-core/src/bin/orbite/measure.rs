@@ -3,8 +3,8 @@
 use std::time::{Duration, Instant};
 
 use orbite_core::{
-    Desc, EngineConfig, HostMemory, MemoryRange, Op, Permission, RegistrationId, Target, TransferEngine,
-    TransferOptions, TransferSpec, TransferStatus,
+    Desc, EngineConfig, HostMemory, MemoryRange, Op, Permission, RegistrationId, Target, TransferEngine, TransferSpec,
+    TransferStatus,
 };
 
 /// A source and a destination region of one engine.
@@ -65,7 +65,7 @@ pub fn memcpy_blocks(src: &HostMemory, dst: &HostMemory, blocks: &[(u64, u64, u6
 }
 
 pub fn spec<'a>(op: Op, local: &'a [Desc], remote: &'a [Desc]) -> TransferSpec<'a> {
-    TransferSpec { op, local, remote, target: Target::Loopback, options: TransferOptions::default() }
+    TransferSpec::new(op, local, remote, Target::Loopback)
 }
 
 /// Posts a prepared transfer and waits for its retirement; returns seconds.

@@ -1,0 +1,346 @@
+//! Peers: segments opened on other engines, the target side this engine
+//! offers them, and notifications.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::charge::{Charge, Counter};
+use crate::engine::EngineInner;
+use crate::engine::transfer::RouteTask;
+use crate::error::{Error, PeerError, Resource};
+use crate::registry::{Registration, RegistrationId};
+use crate::segment::{ExportedRegistration, SegmentDescriptor};
+use crate::transport::sock::iov;
+use crate::transport::tcp::{NotifyJob, PeerFailure, PeerJob, PeerLink, TargetSide};
+use crate::wire::{Limits, NotifyEnvelope, RemoteStatus, Request};
+
+/// A notification received by this engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Notification {
+    /// Endpoint of the sender (empty for an engine without a listener).
+    pub sender_endpoint: String,
+    /// Epoch of the sender.
+    pub sender_epoch: u64,
+    /// The payload, byte for byte.
+    pub payload: Vec<u8>,
+}
+
+pub(crate) struct PeerState {
+    fenced: bool,
+    close: Option<Result<(), PeerError>>,
+}
+
+/// One opened peer epoch.
+pub(crate) struct Peer {
+    pub link: Arc<PeerLink<RouteTask>>,
+    pub endpoint: String,
+    pub epoch: u64,
+    pub regs: HashMap<u64, ExportedRegistration>,
+    state: Mutex<PeerState>,
+    active: AtomicU64,
+    drain_lock: Mutex<()>,
+    drained: Condvar,
+}
+
+impl Peer {
+    /// Why new work may not start on this peer, if it may not.
+    pub fn refusal(&self, engine: &EngineInner) -> Option<PeerError> {
+        if self.state.lock().fenced {
+            return Some(PeerError::SegmentClosed);
+        }
+        if let Some(why) = self.link.lost() {
+            return Some(PeerError::Lost(why));
+        }
+        let current = engine.peers.lock().get(&self.endpoint).and_then(|w| w.upgrade()).map(|p| p.epoch);
+        match current {
+            Some(found) if found != self.epoch => Some(PeerError::EpochMismatch { expected: self.epoch, found }),
+            _ => None,
+        }
+    }
+
+    pub fn execution_started(&self) {
+        self.active.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn execution_retired(&self) {
+        self.active.fetch_sub(1, Ordering::AcqRel);
+        let _g = self.drain_lock.lock();
+        self.drained.notify_all();
+    }
+
+    fn close(&self, timeout: Duration) -> Result<(), PeerError> {
+        {
+            let mut st = self.state.lock();
+            if let Some(result) = &st.close {
+                return result.clone(); // sticky: never retried
+            }
+            st.fenced = true;
+        }
+        let deadline = crate::time::deadline_after(timeout);
+        let mut g = self.drain_lock.lock();
+        while self.active.load(Ordering::Acquire) > 0 {
+            if self.drained.wait_until(&mut g, deadline).timed_out() {
+                break;
+            }
+        }
+        drop(g);
+        let left = self.active.load(Ordering::Acquire);
+        let result = if left == 0 {
+            self.link.close();
+            Ok(())
+        } else {
+            Err(PeerError::CloseFailed(format!("{left} admitted executions did not retire in time")))
+        };
+        self.state.lock().close = Some(result.clone());
+        result
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        // Nothing references this peer any more: no execution can be active.
+        if self.state.lock().close.is_none() {
+            self.link.close();
+        }
+    }
+}
+
+/// A lease on a peer's imported segment: transfers target it with
+/// [`crate::Target::Peer`]. Prepared transfers keep it alive.
+#[derive(Clone)]
+pub struct RemoteSegment {
+    pub(crate) peer: Arc<Peer>,
+}
+
+impl std::fmt::Debug for RemoteSegment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteSegment").field("endpoint", &self.peer.endpoint).field("epoch", &self.peer.epoch).finish()
+    }
+}
+
+impl RemoteSegment {
+    /// The peer's endpoint.
+    pub fn endpoint(&self) -> &str {
+        &self.peer.endpoint
+    }
+    /// The peer's epoch.
+    pub fn epoch(&self) -> u64 {
+        self.peer.epoch
+    }
+    /// The descriptor the peer described itself with.
+    pub fn descriptor(&self) -> &SegmentDescriptor {
+        &self.peer.link.descriptor
+    }
+    /// Why the peer is lost, if it is.
+    pub fn lost(&self) -> Option<String> {
+        self.peer.link.lost()
+    }
+    /// Test hook: breaks the connections as if the peer died.
+    #[cfg(feature = "fault-injection")]
+    pub fn sever(&self) {
+        self.peer.link.sever();
+    }
+}
+
+/// A one-shot answer slot for a synchronous peer call.
+type Reply = (Mutex<Option<Result<(), PeerFailure>>>, Condvar);
+
+pub(crate) type NotificationQueue = Mutex<VecDeque<(Notification, Charge)>>;
+
+impl EngineInner {
+    pub(crate) fn open_segment(
+        &self,
+        endpoint: &str,
+        expected_epoch: Option<u64>,
+        timeout: Duration,
+    ) -> Result<RemoteSegment, Error> {
+        if self.is_closed() {
+            return Err(Error::Closed);
+        }
+        let c = &self.config;
+        let opts = crate::transport::tcp::LinkOptions {
+            connections: c.connections_per_peer,
+            io_timeout: c.peer_timeout(),
+            spin: c.spin(),
+            limits: self.limits(),
+            max_descriptor: c.max_frame_body as usize,
+        };
+        use crate::transport::tcp::OpenError;
+        let link = PeerLink::open(endpoint, expected_epoch, timeout, self.epoch, opts).map_err(|e| match e {
+            OpenError::Connect(m) => PeerError::Connect(m),
+            OpenError::Protocol(m) => PeerError::Protocol(m),
+            OpenError::EpochMismatch { expected, found } => PeerError::EpochMismatch { expected, found },
+        })?;
+        let regs = link.descriptor.registrations.iter().map(|r| (r.id.to_raw(), *r)).collect();
+        let peer = Arc::new(Peer {
+            endpoint: endpoint.to_owned(),
+            epoch: link.descriptor.epoch,
+            link,
+            regs,
+            state: Mutex::new(PeerState { fenced: false, close: None }),
+            active: AtomicU64::new(0),
+            drain_lock: Mutex::new(()),
+            drained: Condvar::new(),
+        });
+        self.peers.lock().insert(endpoint.to_owned(), Arc::downgrade(&peer));
+        let mut all = self.all_peers.lock();
+        all.retain(|w| w.strong_count() > 0);
+        all.push(Arc::downgrade(&peer));
+        Ok(RemoteSegment { peer })
+    }
+
+    pub(crate) fn close_segment(&self, seg: &RemoteSegment, timeout: Duration) -> Result<(), Error> {
+        Ok(seg.peer.close(timeout)?)
+    }
+
+    pub(crate) fn close_all_peers(&self, timeout: Duration) {
+        let peers: Vec<Arc<Peer>> = self.all_peers.lock().iter().filter_map(|w| w.upgrade()).collect();
+        for p in peers {
+            let _ = p.close(timeout);
+        }
+    }
+
+    pub(crate) fn own_endpoint(&self) -> String {
+        self.endpoint.get().cloned().unwrap_or_default()
+    }
+
+    fn limits(&self) -> Limits {
+        Limits { max_body: self.config.max_frame_body as u32, max_data: self.config.task_bytes as u32 }
+    }
+
+    /// Queues a received (or self-sent) notification, charged.
+    pub(crate) fn enqueue_notification(&self, n: Notification) -> Result<(), Error> {
+        let charge = Charge::limited(
+            &self.counters,
+            Counter::NotificationBytes,
+            n.payload.len() as u64,
+            Resource::NotificationBytes,
+            self.config.notification_queue_bytes,
+        )?;
+        self.notifications.lock().push_back((n, charge));
+        Ok(())
+    }
+
+    pub(crate) fn check_notification_size(&self, len: usize) -> Result<(), PeerError> {
+        let limit = self.config.max_notification_bytes;
+        if len as u64 > limit {
+            return Err(PeerError::NotificationTooLarge { len: len as u64, limit });
+        }
+        Ok(())
+    }
+
+    /// Sends a standalone notification and waits for the peer's answer.
+    pub(crate) fn notify(&self, seg: &RemoteSegment, payload: &[u8]) -> Result<(), Error> {
+        self.check_notification_size(payload.len())?;
+        if let Some(e) = seg.peer.refusal(self) {
+            return Err(e.into());
+        }
+        let slot: Arc<Reply> = Arc::new((Mutex::new(None), Condvar::new()));
+        let s2 = slot.clone();
+        seg.peer.link.submit(PeerJob::Notify(NotifyJob {
+            payload: payload.into(),
+            sender_endpoint: self.own_endpoint(),
+            sender_epoch: self.epoch,
+            done: Box::new(move |r| {
+                *s2.0.lock() = Some(r);
+                s2.1.notify_all();
+            }),
+        }));
+        let mut g = slot.0.lock();
+        while g.is_none() {
+            slot.1.wait(&mut g);
+        }
+        match g.take() {
+            Some(Ok(())) => Ok(()),
+            Some(Err(PeerFailure::Lost(why))) => Err(PeerError::Lost(why).into()),
+            Some(Err(PeerFailure::Refused(status, detail))) => Err(PeerError::Refused { status, detail }.into()),
+            None => Err(PeerError::Lost("no answer".into()).into()),
+        }
+    }
+}
+
+impl TargetSide for EngineInner {
+    fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    fn descriptor(&self) -> Vec<u8> {
+        self.segment_descriptor().to_bytes()
+    }
+
+    fn resolve(
+        &self,
+        req: &Request<'_>,
+        write: bool,
+        iovs: &mut Vec<libc::iovec>,
+        loans: &mut Vec<Arc<Registration>>,
+    ) -> Result<(), (RemoteStatus, String)> {
+        if self.is_closed() {
+            return Err((RemoteStatus::Closing, "engine is closing".into()));
+        }
+        let table = self.registry.lock();
+        for d in req.descs() {
+            let id = RegistrationId::from_raw(d.registration);
+            let reg = table.get(id).map_err(|e| match e {
+                crate::RegistryError::Unknown(_) => (RemoteStatus::UnknownRegistration, e.to_string()),
+                _ => (RemoteStatus::StaleRegistration, e.to_string()),
+            })?;
+            let allowed = if write { reg.permission.remote_write() } else { reg.permission.remote_read() };
+            if !allowed || reg.is_fenced() {
+                return Err((RemoteStatus::PermissionDenied, format!("{id} does not permit this access")));
+            }
+            match d.offset.checked_add(d.len) {
+                Some(end) if end <= reg.len && d.len > 0 => {}
+                _ => return Err((RemoteStatus::OutOfBounds, format!("{}+{} outside {id}", d.offset, d.len))),
+            }
+            iovs.push(iov(reg.base as u64 + d.offset, d.len));
+            if !loans.last().is_some_and(|l| Arc::ptr_eq(l, reg)) {
+                loans.push(reg.clone());
+            }
+        }
+        Ok(())
+    }
+
+    fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)> {
+        if env.payload.len() as u64 > self.config.max_notification_bytes {
+            return Err((RemoteStatus::NotificationTooLarge, format!("limit {}", self.config.max_notification_bytes)));
+        }
+        // A sender we know under another epoch is a stale (or future)
+        // identity: refuse rather than attribute it wrongly.
+        let known = self.peers.lock().get(env.sender_endpoint).and_then(|w| w.upgrade()).map(|p| p.epoch);
+        if let Some(epoch) = known {
+            if epoch != env.sender_epoch {
+                return Err((RemoteStatus::EpochMismatch, format!("sender epoch is {epoch:#x}")));
+            }
+        }
+        let n = Notification {
+            sender_endpoint: env.sender_endpoint.to_owned(),
+            sender_epoch: env.sender_epoch,
+            payload: env.payload.to_vec(),
+        };
+        self.enqueue_notification(n).map_err(|e| (RemoteStatus::ResourceExhausted, e.to_string()))
+    }
+
+    fn limits(&self) -> Limits {
+        EngineInner::limits(self)
+    }
+
+    #[cfg(feature = "fault-injection")]
+    fn remote_gate(&self) {
+        let mut held = self.remote_hold.0.lock();
+        while *held {
+            self.remote_hold.1.wait(&mut held);
+        }
+    }
+}
+
+impl EngineInner {
+    pub(crate) fn segment_descriptor(&self) -> SegmentDescriptor {
+        let registrations = self.registry.exported().into_iter().filter(|r| r.permission.remote_read()).collect();
+        SegmentDescriptor { endpoint: self.own_endpoint(), epoch: self.epoch, pid: std::process::id(), registrations }
+    }
+}
