@@ -124,3 +124,13 @@ pub fn assert_idle(engine: &TransferEngine) {
     let s = engine.stats();
     assert_eq!((s.executions, s.queued_executions, s.bytes_in_flight, s.tasks_in_flight), (0, 0, 0, 0), "{s:?}");
 }
+
+/// FNV-1a over bytes: a digest both processes can compute.
+pub fn fnv(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in bytes {
+        h ^= *b as u64;
+        h = h.wrapping_mul(0x100_0000_01b3);
+    }
+    h
+}

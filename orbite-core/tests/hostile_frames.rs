@@ -1,0 +1,238 @@
+//! A raw socket sends bad frames to a listening engine: the engine answers
+//! with typed errors or drops that connection, keeps serving others, and
+//! never touches a byte outside registered ranges.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use common::*;
+use orbite_core::wire::{self, Kind, RemoteDesc, RemoteStatus};
+use orbite_core::*;
+
+struct Listener {
+    e: TransferEngine,
+    rw: Region,
+    ro: Region,
+    guard_before: Vec<u8>,
+}
+
+fn target() -> Listener {
+    let e = engine(r#"{"listen": "127.0.0.1:0", "max_frame_body": 131072, "max_notification_bytes": 1000}"#);
+    let rw = region(&e, 65536, Permission::RemoteReadWrite);
+    let ro = region(&e, 4096, Permission::RemoteRead);
+    fill(&rw.mem, 1);
+    fill(&ro.mem, 2);
+    let guard_before = snapshot(&ro.mem);
+    Listener { e, rw, ro, guard_before }
+}
+
+fn connect(t: &Listener) -> TcpStream {
+    let s = TcpStream::connect(t.e.endpoint().unwrap()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s
+}
+
+fn frame(kind: Kind, body: &[u8], data: &[u8], request: u64) -> Vec<u8> {
+    let mut f = wire::encode_header(&wire::header(kind, body.len(), data.len() as u64, request)).to_vec();
+    f.extend_from_slice(body);
+    f.extend_from_slice(data);
+    f
+}
+
+fn request(epoch: u64, descs: &[RemoteDesc]) -> Vec<u8> {
+    let mut b = Vec::new();
+    wire::encode_request(&mut b, epoch, descs.iter().copied());
+    b
+}
+
+/// Reads one reply: its header and body.
+fn reply(s: &mut TcpStream) -> (wire::Header, Vec<u8>) {
+    let mut h = [0u8; wire::HEADER_LEN];
+    s.read_exact(&mut h).unwrap();
+    let h = wire::decode_header(&h, wire::Limits { max_body: 1 << 20, max_data: 1 << 30 }).unwrap();
+    let mut body = vec![0u8; h.body_len as usize];
+    s.read_exact(&mut body).unwrap();
+    (h, body)
+}
+
+fn closed(s: &mut TcpStream) -> bool {
+    let mut b = [0u8; 1];
+    matches!(s.read(&mut b), Ok(0) | Err(_))
+}
+
+fn describe_works(s: &mut TcpStream) {
+    let mut b = Vec::new();
+    wire::encode_describe(&mut b, 1, 0);
+    s.write_all(&frame(Kind::Describe, &b, &[], 77)).unwrap();
+    let (h, _) = reply(s);
+    assert_eq!((h.kind, h.request), (Kind::DescribeReply, 77), "connection must stay usable");
+}
+
+fn refused(s: &mut TcpStream, f: &[u8]) -> RemoteStatus {
+    s.write_all(f).unwrap();
+    let (h, body) = reply(s);
+    assert_eq!(h.kind, Kind::Error);
+    wire::decode_error(&body).unwrap().0
+}
+
+#[test]
+fn malformed_frames_close_only_their_connection() {
+    let t = target();
+    let mut bystander = connect(&t);
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("bad magic", {
+            let mut f = frame(Kind::Describe, &[0u8; 16], &[], 1);
+            f[0] = b'X';
+            f
+        }),
+        ("unknown major", {
+            let mut f = frame(Kind::Describe, &[0u8; 16], &[], 1);
+            f[4] = 9;
+            f
+        }),
+        ("unknown kind", {
+            let mut f = frame(Kind::Describe, &[0u8; 16], &[], 1);
+            f[6] = 250;
+            f
+        }),
+        ("huge body length", wire::encode_header(&wire::header(Kind::Write, u32::MAX as usize, 0, 1)).to_vec()),
+        ("huge data length", wire::encode_header(&wire::header(Kind::Write, 40, u32::MAX as u64, 1)).to_vec()),
+        ("truncated request body", frame(Kind::Read, &[1, 2, 3], &[], 1)),
+        ("write payload length disagrees with descriptors", {
+            let b = request(t.e.source_epoch(), &[RemoteDesc { registration: t.rw.id.to_raw(), offset: 0, len: 10 }]);
+            frame(Kind::Write, &b, &[0u8; 4], 1)
+        }),
+        ("a reply kind sent as a request", frame(Kind::WriteAck, &[], &[], 1)),
+    ];
+    for (what, f) in cases {
+        let mut s = connect(&t);
+        s.write_all(&f).unwrap();
+        assert!(closed(&mut s), "{what}: connection should be closed");
+    }
+    describe_works(&mut bystander);
+    assert_eq!(snapshot(&t.ro.mem), t.guard_before);
+}
+
+#[test]
+fn invalid_requests_get_typed_errors_and_the_connection_stays_usable() {
+    let t = target();
+    let before_rw = snapshot(&t.rw.mem);
+    let epoch = t.e.source_epoch();
+    let rw = t.rw.id.to_raw();
+    let ro = t.ro.id.to_raw();
+    let mut s = connect(&t);
+    let d = |registration, offset, len| RemoteDesc { registration, offset, len };
+    let payload = vec![0xEEu8; 100];
+    type Case<'a> = (&'a str, Kind, Vec<u8>, &'a [u8], RemoteStatus);
+    let cases: Vec<Case> = vec![
+        ("out of range offset", Kind::Write, request(epoch, &[d(rw, 65500, 100)]), &payload, RemoteStatus::OutOfBounds),
+        ("offset overflow", Kind::Read, request(epoch, &[d(rw, u64::MAX, 2)]), &[], RemoteStatus::OutOfBounds),
+        (
+            "stale generation",
+            Kind::Write,
+            request(epoch, &[d(rw + (1 << 32), 0, 100)]),
+            &payload,
+            RemoteStatus::StaleRegistration,
+        ),
+        ("unknown registration", Kind::Read, request(epoch, &[d(999, 0, 1)]), &[], RemoteStatus::UnknownRegistration),
+        (
+            "write to a read-only range",
+            Kind::Write,
+            request(epoch, &[d(ro, 0, 100)]),
+            &payload,
+            RemoteStatus::PermissionDenied,
+        ),
+        ("wrong epoch", Kind::Write, request(epoch ^ 1, &[d(rw, 0, 100)]), &payload, RemoteStatus::EpochMismatch),
+        ("zero-length descriptor", Kind::Read, request(epoch, &[d(rw, 0, 0)]), &[], RemoteStatus::OutOfBounds),
+        (
+            "second descriptor bad after a good one",
+            Kind::Write,
+            request(epoch, &[d(rw, 0, 50), d(rw, 65536, 50)]),
+            &payload,
+            RemoteStatus::OutOfBounds,
+        ),
+    ];
+    for (what, kind, body, data, want) in cases {
+        assert_eq!(refused(&mut s, &frame(kind, &body, data, 5)), want, "{what}");
+        describe_works(&mut s);
+    }
+    // Oversized and stale notifications.
+    let mut n = Vec::new();
+    let env = |target_epoch, payload: &'static [u8]| wire::NotifyEnvelope {
+        sender_endpoint: "127.0.0.1:1",
+        sender_epoch: 5,
+        target_epoch,
+        payload,
+    };
+    wire::encode_notify(&mut n, &env(epoch ^ 1, b"hi"));
+    assert_eq!(refused(&mut s, &frame(Kind::Notify, &n, &[], 6)), RemoteStatus::EpochMismatch);
+    static BIG: [u8; 65000] = [1u8; 65000];
+    wire::encode_notify(&mut n, &env(epoch, &BIG));
+    assert_eq!(refused(&mut s, &frame(Kind::Notify, &n, &[], 7)), RemoteStatus::NotificationTooLarge);
+    assert!(t.e.take_notifications().is_empty());
+    // Nothing was written anywhere, and no loan is left behind.
+    assert_eq!(snapshot(&t.rw.mem), before_rw);
+    assert_eq!(snapshot(&t.ro.mem), t.guard_before);
+    assert_eq!(t.e.stats().fenced_registrations, 0);
+    // A valid write on the same connection still lands, exactly in range.
+    let body = request(epoch, &[d(rw, 10, 100)]);
+    s.write_all(&frame(Kind::Write, &body, &payload, 8)).unwrap();
+    let (h, _) = reply(&mut s);
+    assert_eq!((h.kind, h.request), (Kind::WriteAck, 8));
+    let after = snapshot(&t.rw.mem);
+    assert_eq!(&after[10..110], &payload[..]);
+    assert_eq!(&after[..10], &before_rw[..10]);
+    assert_eq!(&after[110..], &before_rw[110..]);
+}
+
+#[test]
+fn stale_sender_epoch_is_refused_by_a_receiver_that_knows_the_sender() {
+    let receiver = engine(r#"{"listen": "127.0.0.1:0"}"#);
+    let sender = engine(r#"{"listen": "127.0.0.1:0"}"#);
+    // The receiver knows the sender (it opened the sender's segment).
+    let _known = receiver.open_segment(&sender.endpoint().unwrap(), Some(sender.source_epoch()), WAIT).unwrap();
+    let mut s = TcpStream::connect(receiver.endpoint().unwrap()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let ep = sender.endpoint().unwrap();
+    let mut n = Vec::new();
+    wire::encode_notify(
+        &mut n,
+        &wire::NotifyEnvelope {
+            sender_endpoint: &ep,
+            sender_epoch: sender.source_epoch() ^ 0x10,
+            target_epoch: receiver.source_epoch(),
+            payload: b"stale",
+        },
+    );
+    assert_eq!(refused(&mut s, &frame(Kind::Notify, &n, &[], 1)), RemoteStatus::EpochMismatch);
+    // The real sender's notification is accepted, with its identity.
+    let seg = sender.open_segment(&receiver.endpoint().unwrap(), None, WAIT).unwrap();
+    sender.notify(&seg, b"fresh").unwrap();
+    let got = receiver.take_notifications();
+    assert_eq!(got.len(), 1);
+    assert_eq!((got[0].sender_endpoint.as_str(), got[0].sender_epoch), (ep.as_str(), sender.source_epoch()));
+}
+
+#[test]
+fn failed_notification_fails_the_transfer_without_replaying_the_write() {
+    let target = engine(r#"{"listen": "127.0.0.1:0", "notification_queue_bytes": 4}"#);
+    let t_reg = region(&target, 65536, Permission::RemoteReadWrite);
+    let init = engine("{}");
+    let local = region(&init, 65536, Permission::RemoteReadWrite);
+    fill(&local.mem, 9);
+    let seg = init.open_segment(&target.endpoint().unwrap(), Some(target.source_epoch()), WAIT).unwrap();
+    let (l, r) = ([Desc::new(local.id, 0, 4096)], [Desc::new(t_reg.id, 0, 4096)]);
+    let mut s = TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg));
+    s.notification = Some(b"too long for the queue");
+    let t = init.prepare(&s).unwrap();
+    t.post().unwrap();
+    let res = wait_retired(&t);
+    assert_eq!(res.outcome.code, OutcomeCode::NotificationFailed);
+    assert_eq!((res.outcome.transferred_prefix, res.outcome.remote_effect), (4096, RemoteEffect::Known));
+    assert_eq!(&snapshot(&t_reg.mem)[..4096], &snapshot(&local.mem)[..4096]);
+    assert!(matches!(t.post(), Err(Error::Batch(BatchError::RepostRefused { .. }))), "no replay");
+    assert!(target.take_notifications().is_empty());
+}
