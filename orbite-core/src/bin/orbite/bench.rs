@@ -5,23 +5,25 @@
 
 use std::time::{Duration, Instant};
 
-use orbite_core::{Desc, EngineConfig, MemoryRange, Op, Permission};
+use orbite_core::{Desc, EngineConfig, Op, TransferSpec};
 use serde_json::{Map, Value, json};
 
-use crate::measure::{self, Pair, memcpy_blocks, percentiles_us, post_and_wait, same, spec};
+use crate::measure::{self, memcpy_blocks, percentiles_us, post_and_wait};
+use crate::rig::{MIB, Rig, W3_REGION, W3_REGIONS, Which, digest, pattern, read};
 
 const KIB: u64 = 1024;
-const MIB: u64 = 1024 * KIB;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Route {
     Local,
+    Tcp,
 }
 
 impl Route {
     fn name(self) -> &'static str {
         match self {
             Route::Local => "local",
+            Route::Tcp => "tcp",
         }
     }
 }
@@ -45,7 +47,7 @@ pub struct BenchArgs {
 impl BenchArgs {
     pub fn parse(args: &[String]) -> Result<Self, String> {
         let mut out = BenchArgs {
-            routes: vec![Route::Local],
+            routes: vec![Route::Local, Route::Tcp],
             workloads: vec![Workload::W1, Workload::W2, Workload::W3, Workload::Idle],
             quick: false,
             json: false,
@@ -58,8 +60,10 @@ impl BenchArgs {
                 "--route" => {
                     let v = it.next().ok_or("--route needs a value")?;
                     out.routes = match v.as_str() {
-                        "local" | "all" => vec![Route::Local],
-                        other => return Err(format!("unknown route `{other}` (this build has: local, all)")),
+                        "local" => vec![Route::Local],
+                        "tcp" => vec![Route::Tcp],
+                        "all" => vec![Route::Local, Route::Tcp],
+                        other => return Err(format!("unknown route `{other}` (this build has: local, tcp, all)")),
                     };
                 }
                 "--workload" => {
@@ -103,18 +107,27 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
     let mut report = Report { json: args.json, rows: Vec::new() };
     let started = Instant::now();
     for &route in &args.routes {
+        progress(&format!("{} route: setting up", route.name()));
+        let config = EngineConfig { progress_worker: true, ..EngineConfig::default() };
+        let mut rig = match route {
+            Route::Local => Rig::local(config)?,
+            Route::Tcp => Rig::tcp(config)?,
+        };
+        if route == Route::Tcp && args.workloads.iter().any(|w| matches!(w, Workload::W1 | Workload::W3)) {
+            socket_reference(args.quick, &mut report)?;
+        }
         for &w in &args.workloads {
             match w {
                 Workload::W1 => {
-                    w1(route, Op::Write, args.quick, &mut report)?;
-                    w1(route, Op::Read, args.quick, &mut report)?;
+                    w1(&mut rig, Op::Write, args.quick, &mut report)?;
+                    w1(&mut rig, Op::Read, args.quick, &mut report)?;
                 }
-                Workload::W2 => w2(route, args.quick, &mut report)?,
+                Workload::W2 => w2(&mut rig, args.quick, &mut report)?,
                 Workload::W3 => {
-                    w3(route, Op::Write, args.quick, &mut report)?;
-                    w3(route, Op::Read, args.quick, &mut report)?;
+                    w3(&mut rig, Op::Write, args.quick, &mut report)?;
+                    w3(&mut rig, Op::Read, args.quick, &mut report)?;
                 }
-                Workload::Idle => idle(route, args.quick, &mut report)?,
+                Workload::Idle => idle(&mut rig, args.quick, &mut report)?,
             }
         }
     }
@@ -126,46 +139,48 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
     if failed { Err("some destination bytes did not verify".into()) } else { Ok(()) }
 }
 
-fn local_engine() -> Result<orbite_core::TransferEngine, String> {
-    measure::engine(EngineConfig::default())
-}
-
 fn name(op: Op, base: &str) -> String {
     format!("{base}-{}", if op == Op::Write { "write" } else { "read" })
 }
 
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
 /// W1: 64 MiB in descriptors of B bytes, repeated; interleaved with the
-/// memcpy reference over the same blocks.
-fn w1(route: Route, op: Op, quick: bool, report: &mut Report) -> Result<(), String> {
+/// memcpy reference over the same blocks (between two local buffers).
+fn w1(rig: &mut Rig, op: Op, quick: bool, report: &mut Report) -> Result<(), String> {
     let total = 64 * MIB;
-    let p = measure::pair(local_engine()?, (256 * MIB) as usize)?;
     let per_size = if quick { Duration::from_millis(300) } else { Duration::from_secs(2) };
     for block in [4 * KIB, 16 * KIB, 64 * KIB, MIB, 16 * MIB] {
-        progress(&format!("{} {} W1 block {} KiB", route.name(), name(op, "W1"), block / KIB));
+        progress(&format!("{} {} block {} KiB", rig.route, name(op, "W1"), block / KIB));
         let n = total / block;
-        let src_descs: Vec<Desc> = (0..n).map(|i| Desc::new(p.src_id, i * block, block)).collect();
-        let dst_descs: Vec<Desc> = (0..n).map(|i| Desc::new(p.dst_id, i * block, block)).collect();
-        let (local, remote) = match op {
-            Op::Write => (&src_descs, &dst_descs),
-            Op::Read => (&dst_descs, &src_descs),
-        };
+        let local: Vec<Desc> = (0..n).map(|i| Desc::new(rig.local.l_id, i * block, block)).collect();
+        let remote: Vec<Desc> = (0..n).map(|i| Desc::new(rig.r_id, i * block, block)).collect();
         let blocks: Vec<(u64, u64, u64)> = (0..n).map(|i| (i * block, i * block, block)).collect();
-        measure::fill(&p.dst, 0);
-        let t = p.engine.prepare(&spec(op, local, remote)).map_err(|e| e.to_string())?;
+        let t = rig.engine.prepare(&TransferSpec::new(op, &local, &remote, rig.target())).map_err(err)?;
         let (mut ours, mut refs) = (Vec::new(), Vec::new());
         let start = Instant::now();
         while start.elapsed() < per_size || ours.len() < 3 {
             let r0 = Instant::now();
-            memcpy_blocks(&p.src, &p.dst, &blocks);
+            memcpy_blocks(&rig.local.l, &rig.local.l3, &blocks);
             refs.push(r0.elapsed().as_secs_f64());
             ours.push(post_and_wait(&t)?);
         }
-        measure::fill(&p.dst, 0);
+        // Verify one more execution from a known state.
+        rig.fill_remote(0x2222)?;
+        measure::fill(&rig.local.l, if op == Op::Write { 0x1111 } else { 0 });
         post_and_wait(&t)?;
-        let verified = same(&p.src, 0, &p.dst, 0, total);
+        let verified = match op {
+            Op::Write => rig.remote_digest(Which::W1, 0, total)? == digest(&read(&rig.local.l, 0, total)),
+            Op::Read => read(&rig.local.l, 0, total) == pattern(0x2222, 0, total),
+        };
+        measure::fill(&rig.local.l, 0x1111);
         drop(t);
-        emit_bulk(report, "reference", "memcpy", &name(op, "W1"), block, n, total, &mut refs, true, None);
-        emit_bulk(report, "orbite", route.name(), &name(op, "W1"), block, n, total, &mut ours, verified, None);
+        if rig.route == "local" || block == MIB {
+            emit_bulk(report, "reference", "memcpy", &name(op, "W1"), block, n, total, &mut refs, true, None);
+        }
+        emit_bulk(report, "orbite", rig.route, &name(op, "W1"), block, n, total, &mut ours, verified, None);
     }
     Ok(())
 }
@@ -201,23 +216,65 @@ fn round(v: f64, digits: i32) -> f64 {
     (v * f).round() / f
 }
 
+/// One TCP stream over loopback, 1 MiB writes, plain blocking I/O.
+fn socket_reference(quick: bool, report: &mut Report) -> Result<(), String> {
+    use std::io::{Read, Write};
+    progress("socket reference: one loopback TCP stream, 1 MiB writes");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(err)?;
+    let addr = listener.local_addr().map_err(err)?;
+    let receiver = std::thread::spawn(move || -> std::io::Result<(u64, Instant)> {
+        let (mut s, _) = listener.accept()?;
+        let mut buf = vec![0u8; MIB as usize];
+        let mut got = 0u64;
+        loop {
+            let n = s.read(&mut buf)?;
+            if n == 0 {
+                return Ok((got, Instant::now()));
+            }
+            got += n as u64;
+        }
+    });
+    let mut s = std::net::TcpStream::connect(addr).map_err(err)?;
+    let buf = vec![0x5Au8; MIB as usize];
+    let dur = if quick { Duration::from_millis(300) } else { Duration::from_secs(2) };
+    let start = Instant::now();
+    let mut sent = 0u64;
+    while start.elapsed() < dur {
+        s.write_all(&buf).map_err(err)?;
+        sent += MIB;
+    }
+    drop(s);
+    let (got, end) = receiver.join().map_err(|_| "receiver panicked")?.map_err(err)?;
+    let secs = (end - start).as_secs_f64();
+    report.emit(json!({
+        "system": "reference", "route": "socket", "workload": "W1-write", "block_bytes": MIB,
+        "gbps": round(got as f64 / secs / 1e9, 3), "verified": got == sent,
+    }));
+    Ok(())
+}
+
 /// W2: one 4 KiB transfer from post to retirement, many times.
-fn w2(route: Route, quick: bool, report: &mut Report) -> Result<(), String> {
-    let p: Pair = measure::pair(local_engine()?, (MIB) as usize)?;
+fn w2(rig: &mut Rig, quick: bool, report: &mut Report) -> Result<(), String> {
     let iters = if quick { 500 } else { 2000 };
     for op in [Op::Write, Op::Read] {
-        progress(&format!("{} {} 4 KiB x {iters}", route.name(), name(op, "W2")));
-        let (s, d) = ([Desc::new(p.src_id, 0, 4096)], [Desc::new(p.dst_id, 0, 4096)]);
-        let (local, remote) = if op == Op::Write { (&s, &d) } else { (&d, &s) };
-        let t = p.engine.prepare(&spec(op, local, remote)).map_err(|e| e.to_string())?;
+        progress(&format!("{} {} 4 KiB x {iters}", rig.route, name(op, "W2")));
+        let (l, r) = ([Desc::new(rig.local.l_id, 0, 4096)], [Desc::new(rig.r_id, 0, 4096)]);
+        let t = rig.engine.prepare(&TransferSpec::new(op, &l, &r, rig.target())).map_err(err)?;
         for _ in 0..50 {
             post_and_wait(&t)?; // warm-up
         }
         let mut samples: Vec<f64> = (0..iters).map(|_| post_and_wait(&t)).collect::<Result<_, _>>()?;
-        let verified = same(&p.src, 0, &p.dst, 0, 4096);
+        rig.fill_remote(0x2222)?;
+        measure::fill(&rig.local.l, if op == Op::Write { 0x1111 } else { 0 });
+        post_and_wait(&t)?;
+        let verified = match op {
+            Op::Write => rig.remote_digest(Which::W1, 0, 4096)? == digest(&read(&rig.local.l, 0, 4096)),
+            Op::Read => read(&rig.local.l, 0, 4096) == pattern(0x2222, 0, 4096),
+        };
+        measure::fill(&rig.local.l, 0x1111);
         let (p50, p99) = percentiles_us(&mut samples);
         report.emit(json!({
-            "system": "orbite", "route": route.name(), "workload": name(op, "W2"), "block_bytes": 4096, "descs": 1,
+            "system": "orbite", "route": rig.route, "workload": name(op, "W2"), "block_bytes": 4096, "descs": 1,
             "p50_us": round(p50, 2), "p99_us": round(p99, 2), "verified": verified,
         }));
     }
@@ -239,107 +296,105 @@ fn permutation(n: u64, seed: u64) -> Vec<u64> {
 
 /// W3: vLLM-style paged KV: 64 regions of 4 MiB per side, every 16 KiB
 /// block moved, block ids permuted on both sides (16384 descriptors).
-fn w3(route: Route, op: Op, quick: bool, report: &mut Report) -> Result<(), String> {
-    const REGIONS: u64 = 64;
-    const REGION: u64 = 4 * MIB;
+fn w3(rig: &mut Rig, op: Op, quick: bool, report: &mut Report) -> Result<(), String> {
     const BLOCK: u64 = 16 * KIB;
-    let per_region = REGION / BLOCK;
-    let engine = local_engine()?;
-    let src = engine.allocate_host_memory((REGIONS * REGION) as usize).map_err(|e| e.to_string())?;
-    let dst = engine.allocate_host_memory((REGIONS * REGION) as usize).map_err(|e| e.to_string())?;
-    measure::fill(&src, 0x3333);
-    measure::fill(&dst, 0);
-    let mut ranges = Vec::new();
-    for mem in [&src, &dst] {
-        for r in 0..REGIONS {
-            ranges.push(
-                MemoryRange::host(mem, (r * REGION) as usize, REGION as usize, Permission::RemoteReadWrite)
-                    .map_err(|e| e.to_string())?,
-            );
-        }
-    }
-    let ids = engine.register_memory_ranges(ranges).map_err(|e| e.to_string())?;
-    let (src_ids, dst_ids) = ids.split_at(REGIONS as usize);
-    let (mut src_descs, mut dst_descs, mut blocks) = (Vec::new(), Vec::new(), Vec::new());
-    for r in 0..REGIONS {
-        let (ps, pd) = (permutation(per_region, 11 + r), permutation(per_region, 1000 + r));
+    let per_region = W3_REGION / BLOCK;
+    let perms: Vec<(Vec<u64>, Vec<u64>)> =
+        (0..W3_REGIONS).map(|r| (permutation(per_region, 11 + r), permutation(per_region, 1000 + r))).collect();
+    let (mut local, mut remote, mut blocks) = (Vec::new(), Vec::new(), Vec::new());
+    for (r, (a, b)) in perms.iter().enumerate() {
         for k in 0..per_region as usize {
-            src_descs.push(Desc::new(src_ids[r as usize], ps[k] * BLOCK, BLOCK));
-            dst_descs.push(Desc::new(dst_ids[r as usize], pd[k] * BLOCK, BLOCK));
-            blocks.push((r * REGION + ps[k] * BLOCK, r * REGION + pd[k] * BLOCK, BLOCK));
+            local.push(Desc::new(rig.local.l3_ids[r], a[k] * BLOCK, BLOCK));
+            remote.push(Desc::new(rig.r3_ids[r], b[k] * BLOCK, BLOCK));
+            blocks.push((r as u64 * W3_REGION + a[k] * BLOCK, r as u64 * W3_REGION + b[k] * BLOCK, BLOCK));
         }
     }
-    let (local, remote) = match op {
-        Op::Write => (&src_descs, &dst_descs),
-        Op::Read => (&dst_descs, &src_descs),
-    };
     let rounds = if quick { 4 } else { 16 };
-    progress(&format!("{} {} 16384 x 16 KiB, {rounds} rounds", route.name(), name(op, "W3")));
-    let (mut prep, mut run, mut whole, mut refs, mut lifecycle) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let mut verified = true;
+    progress(&format!("{} {} 16384 x 16 KiB, {rounds} rounds", rig.route, name(op, "W3")));
+    let (mut prep, mut run, mut whole, mut refs, mut lifecycle) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for i in 0..rounds + 1 {
-        // Both sides start from the same state: destination rewritten.
-        measure::fill(&dst, 0);
+        measure::fill(&rig.local.l, 0);
         let r0 = Instant::now();
-        memcpy_blocks(&src, &dst, &blocks);
+        memcpy_blocks(&rig.local.l3, &rig.local.l, &blocks);
         let r = r0.elapsed().as_secs_f64();
-        measure::fill(&dst, 0);
-        let busy0 = engine.route_busy();
+        let busy0 = rig.engine.route_busy();
         let p0 = Instant::now();
-        let t = engine.prepare(&spec(op, local, remote)).map_err(|e| e.to_string())?;
+        let t = rig.engine.prepare(&TransferSpec::new(op, &local, &remote, rig.target())).map_err(err)?;
         let pr = p0.elapsed().as_secs_f64();
         let secs = post_and_wait(&t)?;
         let w = p0.elapsed().as_secs_f64();
-        let copy = (engine.route_busy() - busy0).as_secs_f64();
+        let copy = (rig.engine.route_busy() - busy0).as_secs_f64();
         drop(t);
-        verified &= blocks.iter().all(|&(s, d, l)| same(&src, s, &dst, d, l));
         if i > 0 {
             // round 0 warms caches and page tables
             prep.push(pr);
             run.push(secs);
             whole.push(w);
             refs.push(r);
-            lifecycle.push((w - copy) / copy);
+            if copy > 0.0 {
+                lifecycle.push((w - copy) / copy);
+            }
         }
     }
-    let total = REGIONS * REGION;
-    let n = src_descs.len() as u64;
+    // Verify one more execution from a known state.
+    rig.fill_remote(0x4444)?;
+    if op == Op::Read {
+        measure::fill(&rig.local.l3, 0);
+    }
+    let t = rig.engine.prepare(&TransferSpec::new(op, &local, &remote, rig.target())).map_err(err)?;
+    post_and_wait(&t)?;
+    drop(t);
+    let mut verified = true;
+    for (r, (a, b)) in perms.iter().enumerate() {
+        let base = r as u64 * W3_REGION;
+        let mut want = vec![0u8; W3_REGION as usize];
+        for k in 0..per_region as usize {
+            let (dst, src) = if op == Op::Write { (b[k], a[k]) } else { (a[k], b[k]) };
+            let bytes = match op {
+                Op::Write => read(&rig.local.l3, base + src * BLOCK, BLOCK),
+                Op::Read => pattern(0x4444, base + src * BLOCK, BLOCK),
+            };
+            want[(dst * BLOCK) as usize..((dst + 1) * BLOCK) as usize].copy_from_slice(&bytes);
+        }
+        verified &= match op {
+            Op::Write => rig.remote_digest(Which::W3, base, W3_REGION)? == digest(&want),
+            Op::Read => read(&rig.local.l3, base, W3_REGION) == want,
+        };
+    }
+    measure::fill(&rig.local.l3, 0x3333);
+    let total = W3_REGIONS * W3_REGION;
+    let n = local.len() as u64;
     let (prep_us, _) = percentiles_us(&mut prep);
     let (whole_us, _) = percentiles_us(&mut whole);
     let (ref_us, _) = percentiles_us(&mut refs.clone());
-    let (lifecycle_med, _) = percentiles_us(&mut lifecycle);
-    // lifecycle_overhead_pct: prepare + post + completion time that is not
-    // the copy itself, relative to the copy (median of rounds);
-    // vs_memcpy_pct: the whole (prepare included) against the reference.
-    let overhead = json!({
-        "prep_us": round(prep_us, 1),
-        "lifecycle_overhead_pct": round(lifecycle_med / 1e6 * 100.0, 2),
-        "vs_memcpy_pct": round((whole_us / ref_us - 1.0) * 100.0, 2),
-    });
+    let mut extra = json!({ "prep_us": round(prep_us, 1) });
+    if !lifecycle.is_empty() {
+        // lifecycle_overhead_pct: prepare + post + completion time that is
+        // not the copy itself, relative to the copy (median of rounds);
+        // vs_memcpy_pct: the whole (prepare included) against the reference.
+        let (lifecycle_med, _) = percentiles_us(&mut lifecycle);
+        if let Value::Object(m) = &mut extra {
+            m.insert("lifecycle_overhead_pct".into(), json!(round(lifecycle_med / 1e6 * 100.0, 2)));
+            m.insert("vs_memcpy_pct".into(), json!(round((whole_us / ref_us - 1.0) * 100.0, 2)));
+        }
+    }
     emit_bulk(report, "reference", "memcpy", &name(op, "W3"), BLOCK, n, total, &mut refs, true, None);
-    emit_bulk(report, "orbite", route.name(), &name(op, "W3"), BLOCK, n, total, &mut run, verified, Some(overhead));
+    emit_bulk(report, "orbite", rig.route, &name(op, "W3"), BLOCK, n, total, &mut run, verified, Some(extra));
     Ok(())
 }
 
-/// Idle: CPU used by an engine with its progress worker on and nothing in
-/// flight.
-fn idle(route: Route, quick: bool, report: &mut Report) -> Result<(), String> {
+/// Idle: CPU used by the engines (both processes for a peer route) with
+/// the progress worker on, peers connected and nothing in flight.
+fn idle(rig: &mut Rig, quick: bool, report: &mut Report) -> Result<(), String> {
     let secs = if quick { 0.5 } else { 2.0 };
-    progress(&format!("{} idle for {secs} s", route.name()));
-    let config = EngineConfig { progress_worker: true, ..EngineConfig::default() };
-    let p = measure::pair(measure::engine(config)?, MIB as usize)?;
-    let t = p
-        .engine
-        .prepare(&spec(Op::Write, &[Desc::new(p.src_id, 0, 4096)], &[Desc::new(p.dst_id, 0, 4096)]))
-        .map_err(|e| e.to_string())?;
-    post_and_wait(&t)?;
+    progress(&format!("{} idle for {secs} s", rig.route));
     std::thread::sleep(Duration::from_millis(50));
-    let c0 = measure::process_cpu_ns();
+    let (c0, r0) = (measure::process_cpu_ns(), rig.remote_cpu_ns()?);
     std::thread::sleep(Duration::from_secs_f64(secs));
-    let used = measure::process_cpu_ns().saturating_sub(c0);
+    let (c1, r1) = (measure::process_cpu_ns(), rig.remote_cpu_ns()?);
+    let used = c1.saturating_sub(c0) + r1.saturating_sub(r0);
     report.emit(json!({
-        "system": "orbite", "route": route.name(), "workload": "idle", "seconds": secs,
+        "system": "orbite", "route": rig.route, "workload": "idle", "seconds": secs,
         "cpu_pct": round(used as f64 / (secs * 1e9) * 100.0, 3),
     }));
     Ok(())
@@ -357,6 +412,9 @@ fn print_table(rows: &[Map<String, Value>]) {
         "{:<7} {:<12} {:>9} {:>10} {:>10} {:>8} {:>10} {:>10} {:>9}",
         "route", "workload", "block", "GB/s", "ref GB/s", "ratio", "p50 us", "p99 us", "verified"
     );
+    println!(
+        "(ref: memcpy of the same blocks for the local route; one loopback TCP stream for tcp)"
+    );
     for r in rows.iter().filter(|r| get(r, "system") == json!("orbite")) {
         let workload = s(get(r, "workload"));
         if workload == "idle" {
@@ -370,10 +428,15 @@ fn print_table(rows: &[Map<String, Value>]) {
             );
             continue;
         }
+        // Peer routes are compared with the socket, the self connection
+        // with memcpy of the same blocks.
         let reference = rows.iter().find(|x| {
             get(x, "system") == json!("reference")
-                && get(x, "workload") == get(r, "workload")
-                && get(x, "block_bytes") == get(r, "block_bytes")
+                && if get(r, "route") == json!("local") {
+                    get(x, "workload") == get(r, "workload") && get(x, "block_bytes") == get(r, "block_bytes")
+                } else {
+                    get(x, "route") == json!("socket")
+                }
         });
         let gbps = get(r, "gbps").as_f64();
         let ref_gbps = reference.and_then(|x| get(x, "gbps").as_f64());
@@ -396,6 +459,9 @@ fn print_table(rows: &[Map<String, Value>]) {
             s(get(r, "p99_us")),
             s(get(r, "verified")),
         );
+        if r.get("lifecycle_overhead_pct").is_none() && r.get("prep_us").is_some() {
+            println!("{:<7} {:<12} prepare {} us", "", "", s(get(r, "prep_us")));
+        }
         if let Some(o) = r.get("lifecycle_overhead_pct") {
             println!(
                 "{:<7} {:<12} prepare {} us; lifecycle (prepare + post + completion, copy excluded) {}% of the copy; \

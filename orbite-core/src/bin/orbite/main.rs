@@ -6,6 +6,7 @@
 
 mod bench;
 mod measure;
+mod rig;
 
 use std::process::ExitCode;
 
@@ -14,7 +15,8 @@ usage: orbite <command> [options]
 
 commands:
   bench   run the benchmark workloads against in-run references
-          --route local|all     routes to measure (default: all)
+          --route local|tcp|all routes to measure (default: all; tcp spawns
+                                its target as a child process on loopback)
           --workload LIST       comma list of W1,W2,W3,idle (default: all)
           --quick               short run (under 30 s)
           --json                print only JSON lines on stdout
@@ -29,6 +31,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         None | Some("bench") => bench::BenchArgs::parse(args.get(1..).unwrap_or(&[])).and_then(bench::run),
         Some("copy") => copy(&args[1..]),
+        Some("bench-target") => rig::serve_target(),
         Some("help" | "-h" | "--help") => {
             print!("{USAGE}");
             Ok(())

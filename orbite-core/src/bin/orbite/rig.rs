@@ -1,0 +1,281 @@
+//! Benchmark rigs: the memory each route is measured on. The local rig
+//! keeps both sides in one engine; the TCP rig runs the target side in a
+//! child process (`orbite bench-target`) on loopback.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::Duration;
+
+use orbite_core::{EngineConfig, HostMemory, MemoryRange, Permission, RegistrationId, RemoteSegment, Target, TransferEngine};
+
+use crate::measure;
+
+pub const MIB: u64 = 1 << 20;
+/// W1 regions: 256 MiB per side.
+pub const W1_REGION: u64 = 256 * MIB;
+/// W3: 64 regions of 4 MiB per side.
+pub const W3_REGIONS: u64 = 64;
+pub const W3_REGION: u64 = 4 * MIB;
+
+/// Which remote memory.
+#[derive(Clone, Copy)]
+pub enum Which {
+    W1,
+    W3,
+}
+
+/// A 64-bit digest of bytes (word-wise; both processes compute it).
+pub fn digest(bytes: &[u8]) -> u64 {
+    let mut h = 0x9E37_79B9_7F4A_7C15u64 ^ bytes.len() as u64;
+    let mut words = bytes.chunks_exact(8);
+    for w in &mut words {
+        let v = u64::from_le_bytes(w.try_into().unwrap_or([0; 8]));
+        h = (h ^ v).rotate_left(29).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    }
+    for b in words.remainder() {
+        h = (h ^ *b as u64).wrapping_mul(0x94D0_49BB_1331_11EB);
+    }
+    h
+}
+
+/// Bytes `off..off + len` of an allocation filled by `measure::fill(seed)`.
+pub fn pattern(seed: u64, off: u64, len: u64) -> Vec<u8> {
+    let first = off / 8;
+    let last = (off + len).div_ceil(8);
+    let mut out = Vec::with_capacity(((last - first) * 8) as usize);
+    for i in first..last {
+        let w = if seed == 0 { 0 } else { i.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed };
+        out.extend_from_slice(&w.to_le_bytes());
+    }
+    let skip = (off - first * 8) as usize;
+    out[skip..skip + len as usize].to_vec()
+}
+
+/// Local memory of every rig: W1 and W3 regions, and a scratch buffer for
+/// the memcpy reference.
+pub struct LocalSide {
+    pub l: HostMemory,
+    pub l_id: RegistrationId,
+    pub l3: HostMemory,
+    pub l3_ids: Vec<RegistrationId>,
+}
+
+fn register(engine: &TransferEngine, mem: &HostMemory, parts: u64, part: u64) -> Result<Vec<RegistrationId>, String> {
+    let ranges = (0..parts)
+        .map(|i| MemoryRange::host(mem, (i * part) as usize, part as usize, Permission::RemoteReadWrite))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    engine.register_memory_ranges(ranges).map_err(|e| e.to_string())
+}
+
+fn side(engine: &TransferEngine) -> Result<LocalSide, String> {
+    let l = engine.allocate_host_memory(W1_REGION as usize).map_err(|e| e.to_string())?;
+    let l3 = engine.allocate_host_memory((W3_REGIONS * W3_REGION) as usize).map_err(|e| e.to_string())?;
+    measure::fill(&l, 0x1111);
+    measure::fill(&l3, 0x3333);
+    let l_id = register(engine, &l, 1, W1_REGION)?[0];
+    let l3_ids = register(engine, &l3, W3_REGIONS, W3_REGION)?;
+    Ok(LocalSide { l, l_id, l3, l3_ids })
+}
+
+pub enum Remote {
+    /// The same engine (self connection).
+    Loopback { r: HostMemory, r3: HostMemory },
+    /// A child process over TCP.
+    Tcp { child: Child, stdin: ChildStdin, stdout: BufReader<ChildStdout>, segment: RemoteSegment },
+}
+
+pub struct Rig {
+    pub route: &'static str,
+    pub engine: TransferEngine,
+    pub local: LocalSide,
+    pub r_id: RegistrationId,
+    pub r3_ids: Vec<RegistrationId>,
+    pub remote: Remote,
+}
+
+impl Rig {
+    pub fn local(config: EngineConfig) -> Result<Rig, String> {
+        let engine = measure::engine(config)?;
+        let local = side(&engine)?;
+        let r = engine.allocate_host_memory(W1_REGION as usize).map_err(|e| e.to_string())?;
+        let r3 = engine.allocate_host_memory((W3_REGIONS * W3_REGION) as usize).map_err(|e| e.to_string())?;
+        let r_id = register(&engine, &r, 1, W1_REGION)?[0];
+        let r3_ids = register(&engine, &r3, W3_REGIONS, W3_REGION)?;
+        let mut rig = Rig { route: "local", engine, local, r_id, r3_ids, remote: Remote::Loopback { r, r3 } };
+        rig.fill_remote(0x2222)?;
+        Ok(rig)
+    }
+
+    pub fn tcp(config: EngineConfig) -> Result<Rig, String> {
+        let engine = measure::engine(config)?;
+        let local = side(&engine)?;
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut child = Command::new(exe)
+            .arg("bench-target")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start the target process: {e}"))?;
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err("no pipes to the target process".into());
+        };
+        let mut stdout = BufReader::new(stdout);
+        let mut line = String::new();
+        if stdout.read_line(&mut line).map_err(|e| e.to_string())? == 0 {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err("the target process exited".into());
+        }
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let parsed = (|| -> Option<(String, u64, RegistrationId, Vec<RegistrationId>)> {
+            if w.first() != Some(&"READY") || w.len() != 5 {
+                return None;
+            }
+            let r3 = w[4].split(',').map(|x| x.parse().ok().map(RegistrationId::from_raw)).collect::<Option<Vec<_>>>()?;
+            Some((w[1].to_owned(), w[2].parse().ok()?, RegistrationId::from_raw(w[3].parse().ok()?), r3))
+        })();
+        let Some((endpoint, epoch, r_id, r3_ids)) = parsed else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("unexpected line from the target process: {line}"));
+        };
+        let segment = match engine.open_segment(&endpoint, Some(epoch), Duration::from_secs(10)) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(e.to_string());
+            }
+        };
+        let mut rig = Rig { route: "tcp", engine, local, r_id, r3_ids, remote: Remote::Tcp { child, stdin, stdout, segment } };
+        rig.fill_remote(0x2222)?;
+        Ok(rig)
+    }
+
+    pub fn target(&self) -> Target<'_> {
+        match &self.remote {
+            Remote::Loopback { .. } => Target::Loopback,
+            Remote::Tcp { segment, .. } => Target::Peer(segment),
+        }
+    }
+
+    fn ask(&mut self, cmd: &str) -> Result<String, String> {
+        let Remote::Tcp { stdin, stdout, .. } = &mut self.remote else { return Err("not a child rig".into()) };
+        writeln!(stdin, "{cmd}").map_err(|e| e.to_string())?;
+        stdin.flush().map_err(|e| e.to_string())?;
+        let mut line = String::new();
+        stdout.read_line(&mut line).map_err(|e| e.to_string())?;
+        Ok(line.trim().to_owned())
+    }
+
+    /// Fills both remote memories with the pattern of `seed`.
+    pub fn fill_remote(&mut self, seed: u64) -> Result<(), String> {
+        match &self.remote {
+            Remote::Loopback { r, r3 } => {
+                measure::fill(r, seed);
+                measure::fill(r3, seed);
+                Ok(())
+            }
+            Remote::Tcp { .. } => {
+                let a = self.ask(&format!("fill {seed}"))?;
+                if a == "OK" { Ok(()) } else { Err(format!("target: {a}")) }
+            }
+        }
+    }
+
+    /// Digest of remote bytes.
+    pub fn remote_digest(&mut self, which: Which, off: u64, len: u64) -> Result<u64, String> {
+        match &self.remote {
+            Remote::Loopback { r, r3 } => {
+                let mem = match which {
+                    Which::W1 => r,
+                    Which::W3 => r3,
+                };
+                Ok(digest(&read(mem, off, len)))
+            }
+            Remote::Tcp { .. } => {
+                let w = match which {
+                    Which::W1 => 1,
+                    Which::W3 => 3,
+                };
+                let a = self.ask(&format!("digest {w} {off} {len}"))?;
+                a.strip_prefix("DIGEST ").and_then(|v| v.parse().ok()).ok_or(format!("target: {a}"))
+            }
+        }
+    }
+
+    /// CPU time of the remote process (0 for the self connection).
+    pub fn remote_cpu_ns(&mut self) -> Result<u64, String> {
+        match &self.remote {
+            Remote::Loopback { .. } => Ok(0),
+            Remote::Tcp { .. } => {
+                let a = self.ask("cpu")?;
+                a.strip_prefix("CPU ").and_then(|v| v.parse().ok()).ok_or(format!("target: {a}"))
+            }
+        }
+    }
+}
+
+impl Drop for Rig {
+    fn drop(&mut self) {
+        if let Remote::Tcp { child, stdin, .. } = &mut self.remote {
+            let _ = writeln!(stdin, "quit");
+            let _ = stdin.flush();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Copies bytes out of host memory.
+pub fn read(mem: &HostMemory, off: u64, len: u64) -> Vec<u8> {
+    let mut out = vec![0u8; len as usize];
+    // SAFETY: in bounds by construction of the workloads; no transfer is
+    // active on this memory while the bench verifies it.
+    unsafe { mem.read(off as usize, &mut out) };
+    out
+}
+
+/// `orbite bench-target`: the target side of the TCP rig.
+pub fn serve_target() -> Result<(), String> {
+    let config = EngineConfig { listen: Some("127.0.0.1:0".into()), ..EngineConfig::default() };
+    let engine = measure::engine(config)?;
+    let r = engine.allocate_host_memory(W1_REGION as usize).map_err(|e| e.to_string())?;
+    let r3 = engine.allocate_host_memory((W3_REGIONS * W3_REGION) as usize).map_err(|e| e.to_string())?;
+    let r_id = register(&engine, &r, 1, W1_REGION)?[0];
+    let r3_ids = register(&engine, &r3, W3_REGIONS, W3_REGION)?;
+    let ids: Vec<String> = r3_ids.iter().map(|i| i.to_raw().to_string()).collect();
+    let mut out = std::io::stdout().lock();
+    let endpoint = engine.endpoint().unwrap_or_default();
+    writeln!(out, "READY {endpoint} {} {} {}", engine.source_epoch(), r_id.to_raw(), ids.join(",")).map_err(|e| e.to_string())?;
+    out.flush().map_err(|e| e.to_string())?;
+    for line in std::io::stdin().lock().lines() {
+        let line = line.map_err(|e| e.to_string())?;
+        let w: Vec<&str> = line.split_whitespace().collect();
+        let reply = match w.as_slice() {
+            ["fill", seed] => {
+                let seed = seed.parse().map_err(|_| "bad seed")?;
+                measure::fill(&r, seed);
+                measure::fill(&r3, seed);
+                "OK".to_owned()
+            }
+            ["digest", which, off, len] => {
+                let mem = if *which == "3" { &r3 } else { &r };
+                let (off, len): (u64, u64) = (off.parse().map_err(|_| "bad off")?, len.parse().map_err(|_| "bad len")?);
+                if off.checked_add(len).is_none_or(|end| end > mem.len() as u64) {
+                    "ERR out of range".to_owned()
+                } else {
+                    format!("DIGEST {}", digest(&read(mem, off, len)))
+                }
+            }
+            ["cpu"] => format!("CPU {}", measure::process_cpu_ns()),
+            ["quit"] => break,
+            _ => format!("ERR unknown command {line}"),
+        };
+        writeln!(out, "{reply}").map_err(|e| e.to_string())?;
+        out.flush().map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
