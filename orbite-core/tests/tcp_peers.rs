@@ -221,6 +221,19 @@ fn hung_peer_fails_within_the_configured_bound() {
     let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
     // SAFETY: sending SIGSTOP to our own child process.
     unsafe { libc_kill(p.child.id() as i32, 19) };
+    // Group stop is asynchronous: wait until every thread of the peer is stopped.
+    let stat = format!("/proc/{}/task", p.child.id());
+    let stopped = || {
+        std::fs::read_dir(&stat).unwrap().flatten().all(|t| {
+            let s = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+            s.rsplit(") ").next().is_some_and(|rest| rest.starts_with('T') || rest.starts_with('t'))
+        })
+    };
+    let t0 = Instant::now();
+    while !stopped() {
+        assert!(t0.elapsed() < Duration::from_secs(5), "peer did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let start = Instant::now();
     t.post().unwrap();
     let res = wait_retired(&t);

@@ -52,6 +52,7 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
     /// Test hook: blocks while remote requests are held (after their loans
     /// were taken, before any byte moves).
     fn remote_gate(&self) {}
+
 }
 
 /// The listening side.

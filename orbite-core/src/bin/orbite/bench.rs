@@ -38,6 +38,7 @@ enum Workload {
 
 /// Parsed `orbite bench` options.
 pub struct BenchArgs {
+    config: EngineConfig,
     routes: Vec<Route>,
     workloads: Vec<Workload>,
     quick: bool,
@@ -47,6 +48,7 @@ pub struct BenchArgs {
 impl BenchArgs {
     pub fn parse(args: &[String]) -> Result<Self, String> {
         let mut out = BenchArgs {
+            config: EngineConfig { progress_worker: true, ..EngineConfig::default() },
             routes: vec![Route::Local, Route::Tcp],
             workloads: vec![Workload::W1, Workload::W2, Workload::W3, Workload::Idle],
             quick: false,
@@ -56,6 +58,17 @@ impl BenchArgs {
         while let Some(a) = it.next() {
             match a.as_str() {
                 "--quick" => out.quick = true,
+                "--config" => {
+                    let v = it.next().ok_or("--config needs a JSON object")?;
+                    // Fields given override the bench defaults (progress worker on).
+                    let mut base = serde_json::to_value(&out.config).map_err(err)?;
+                    let patch: Value = serde_json::from_str(v).map_err(|e| format!("--config: {e}"))?;
+                    let (Value::Object(b), Value::Object(p)) = (&mut base, patch) else {
+                        return Err("--config needs a JSON object".into());
+                    };
+                    b.extend(p);
+                    out.config = EngineConfig::from_json(&base.to_string()).map_err(err)?;
+                }
                 "--json" => out.json = true,
                 "--route" => {
                     let v = it.next().ok_or("--route needs a value")?;
@@ -108,7 +121,7 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
     let started = Instant::now();
     for &route in &args.routes {
         progress(&format!("{} route: setting up", route.name()));
-        let config = EngineConfig { progress_worker: true, ..EngineConfig::default() };
+        let config = args.config.clone();
         let mut rig = match route {
             Route::Local => Rig::local(config)?,
             Route::Tcp => Rig::tcp(config)?,

@@ -19,6 +19,7 @@ commands:
                                 its target as a child process on loopback)
           --workload LIST       comma list of W1,W2,W3,idle (default: all)
           --quick               short run (under 30 s)
+          --config JSON         engine configuration fields to use (both sides)
           --json                print only JSON lines on stdout
   copy    run one local transfer and print what moved and how fast
           --bytes N             bytes to move (default 268435456)

@@ -108,11 +108,13 @@ impl Rig {
     }
 
     pub fn tcp(config: EngineConfig) -> Result<Rig, String> {
-        let engine = measure::engine(config)?;
+        let engine = measure::engine(config.clone())?;
         let local = side(&engine)?;
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let config_json = serde_json::to_string(&config).map_err(|e| e.to_string())?;
         let mut child = Command::new(exe)
             .arg("bench-target")
+            .env("ORBITE_BENCH_TARGET_CONFIG", config_json)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -240,7 +242,12 @@ pub fn read(mem: &HostMemory, off: u64, len: u64) -> Vec<u8> {
 
 /// `orbite bench-target`: the target side of the TCP rig.
 pub fn serve_target() -> Result<(), String> {
-    let config = EngineConfig { listen: Some("127.0.0.1:0".into()), ..EngineConfig::default() };
+    // The initiator's configuration (same limits), listening on loopback.
+    let base = match std::env::var("ORBITE_BENCH_TARGET_CONFIG") {
+        Ok(json) => EngineConfig::from_json(&json).map_err(|e| e.to_string())?,
+        Err(_) => EngineConfig::default(),
+    };
+    let config = EngineConfig { listen: Some("127.0.0.1:0".into()), ..base };
     let engine = measure::engine(config)?;
     let r = engine.allocate_host_memory(W1_REGION as usize).map_err(|e| e.to_string())?;
     let r3 = engine.allocate_host_memory((W3_REGIONS * W3_REGION) as usize).map_err(|e| e.to_string())?;
