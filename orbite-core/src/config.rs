@@ -38,7 +38,7 @@ pub struct EngineConfig {
     /// Route tasks admitted and not yet retired. Default 64.
     pub max_tasks_in_flight: u64,
     /// Largest route task in bytes; larger descriptors are split. Must not
-    /// exceed `max_bytes_in_flight`. Default 4 MiB.
+    /// exceed `max_bytes_in_flight`. Default 1 MiB (one peer request).
     pub task_bytes: u64,
     /// Executions that may wait for admission; a post beyond it fails with
     /// `ResourceExhausted(AdmissionQueue)`. Default 1 024.
@@ -94,7 +94,7 @@ impl Default for EngineConfig {
             max_transfer_bytes: 1024 * GIB,
             max_bytes_in_flight: 256 * MIB,
             max_tasks_in_flight: 64,
-            task_bytes: 4 * MIB,
+            task_bytes: MIB,
             admission_queue_len: 1_024,
             anti_starvation_after: 16,
             notification_queue_bytes: 16 * MIB,

@@ -52,7 +52,6 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
     /// Test hook: blocks while remote requests are held (after their loans
     /// were taken, before any byte moves).
     fn remote_gate(&self) {}
-
 }
 
 /// The listening side.
@@ -437,6 +436,14 @@ impl<J: CopyJob> PeerLink<J> {
         }
     }
 
+    /// The next job if one is queued, without waiting.
+    fn try_next_job(&self) -> Option<(PeerJob<J>, Option<String>)> {
+        let mut q = self.queue.lock();
+        let job = q.jobs.pop_front()?;
+        self.pending.fetch_sub(1, Ordering::AcqRel);
+        Some((job, q.lost.clone()))
+    }
+
     fn next_job(&self) -> Option<(PeerJob<J>, Option<String>)> {
         let mut polled = false;
         let mut q = self.queue.lock();
@@ -458,32 +465,64 @@ impl<J: CopyJob> PeerLink<J> {
     }
 }
 
+/// Requests a connection keeps outstanding: the next request is on the
+/// wire while the previous reply is still coming, so neither side idles
+/// for a round trip between tasks.
+const PIPELINE_DEPTH: usize = 2;
+
+/// A request on the wire, waiting for its reply.
+enum Sent<J> {
+    Task(J, u64),
+    Notify(NotifyJob, u64),
+}
+
 fn connection_worker<J: CopyJob>(link: &PeerLink<J>, stream: TcpStream) {
     let fd = stream.as_raw_fd();
     let mut s = Scratch::default();
-    while let Some((job, lost)) = link.next_job() {
-        match job {
-            PeerJob::Task(j) => {
-                let planned = j.planned();
-                if lost.is_some() {
-                    // Never put on the wire: nothing moved, effect known.
-                    j.finish(TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: false } });
-                    continue;
-                }
-                let id = link.next_request.fetch_add(1, Ordering::Relaxed);
-                let (report, broken) = run_task(fd, link, &j, id, &mut s);
+    let mut inflight: VecDeque<Sent<J>> = VecDeque::with_capacity(PIPELINE_DEPTH);
+    loop {
+        // Fill the pipeline; block for work only when nothing is outstanding.
+        while inflight.len() < PIPELINE_DEPTH {
+            let next = if inflight.is_empty() { link.next_job() } else { link.try_next_job() };
+            let Some((job, lost)) = next else { break };
+            if let Some(why) = lost {
+                fail_unsent(job, why);
+                continue;
+            }
+            let id = link.next_request.fetch_add(1, Ordering::Relaxed);
+            let sent = match job {
+                PeerJob::Task(j) => match send_task(fd, link, &j, id, &mut s) {
+                    Ok(()) => Sent::Task(j, id),
+                    Err(why) => {
+                        link.mark_lost(why.clone());
+                        let planned = j.planned();
+                        let unknown = j.program().op == Op::Write;
+                        j.finish(TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: unknown } });
+                        continue;
+                    }
+                },
+                PeerJob::Notify(n) => match send_notification(fd, link, &n, id, &mut s) {
+                    Ok(()) => Sent::Notify(n, id),
+                    Err(why) => {
+                        link.mark_lost(why.clone());
+                        (n.done)(Err(PeerFailure::Lost(why)));
+                        continue;
+                    }
+                },
+            };
+            inflight.push_back(sent);
+        }
+        let Some(sent) = inflight.pop_front() else { break };
+        match sent {
+            Sent::Task(j, id) => {
+                let (report, broken) = complete_task(fd, link, &j, id, &mut s);
                 if let Some(why) = broken {
                     link.mark_lost(why);
                 }
                 j.finish(report);
             }
-            PeerJob::Notify(n) => {
-                if let Some(why) = lost {
-                    (n.done)(Err(PeerFailure::Lost(why)));
-                    continue;
-                }
-                let id = link.next_request.fetch_add(1, Ordering::Relaxed);
-                let result = send_notification(fd, link, &n, id, &mut s);
+            Sent::Notify(n, id) => {
+                let result = complete_notification(fd, link, id, &mut s);
                 if let Err(PeerFailure::Lost(why)) = &result {
                     link.mark_lost(why.clone());
                 }
@@ -492,6 +531,17 @@ fn connection_worker<J: CopyJob>(link: &PeerLink<J>, stream: TcpStream) {
         }
     }
     drop(stream);
+}
+
+/// A job that was never put on the wire: nothing moved, effect known.
+fn fail_unsent<J: CopyJob>(job: PeerJob<J>, why: String) {
+    match job {
+        PeerJob::Task(j) => {
+            let planned = j.planned();
+            j.finish(TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: false } });
+        }
+        PeerJob::Notify(n) => (n.done)(Err(PeerFailure::Lost(why))),
+    }
 }
 
 /// Reads a reply header; protocol violations count as a lost peer.
@@ -507,14 +557,14 @@ fn read_reply(fd: i32, link: &PeerLink<impl CopyJob>, id: u64, s: &mut Scratch) 
     Ok(h)
 }
 
-fn run_task<J: CopyJob>(fd: i32, link: &PeerLink<J>, j: &J, id: u64, s: &mut Scratch) -> (TaskReport, Option<String>) {
+/// Puts a task's request (and a WRITE's payload) on the wire.
+fn send_task<J: CopyJob>(fd: i32, link: &PeerLink<J>, j: &J, id: u64, s: &mut Scratch) -> Result<(), String> {
     let planned = j.planned();
     let op = j.program().op;
     let spans = j.spans();
-    let epoch = link.descriptor.epoch;
     wire::encode_request(
         &mut s.out,
-        epoch,
+        link.descriptor.epoch,
         spans.iter().map(|sp| RemoteDesc { registration: sp.remote_reg, offset: sp.remote, len: sp.len }),
     );
     let (kind, data) = if op == Op::Write { (Kind::Write, planned) } else { (Kind::Read, 0) };
@@ -525,26 +575,36 @@ fn run_task<J: CopyJob>(fd: i32, link: &PeerLink<J>, j: &J, id: u64, s: &mut Scr
     if op == Op::Write {
         s.iovs.extend(spans.iter().map(|sp| iov(sp.local, sp.len)));
     }
+    // SAFETY: header and body are live locals; span addresses are kept
+    // valid by the job's range loans (CopyJob contract).
+    unsafe { writev_all(fd, &mut s.iovs) }.map_err(|e| format!("connection lost: {e}"))
+}
+
+/// Reads the reply of a sent task and lands a READ's bytes.
+fn complete_task<J: CopyJob>(
+    fd: i32,
+    link: &PeerLink<J>,
+    j: &J,
+    id: u64,
+    s: &mut Scratch,
+) -> (TaskReport, Option<String>) {
+    let planned = j.planned();
+    let op = j.program().op;
+    let spans = j.spans();
     let unknown = |why: String| {
         // Some payload may have landed: the effect cannot be known.
         (TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: op == Op::Write } }, Some(why))
     };
-    // SAFETY: header and body are live locals; span addresses are kept
-    // valid by the job's range loans (CopyJob contract).
-    if let Err(e) = unsafe { writev_all(fd, &mut s.iovs) } {
-        return unknown(format!("connection lost: {e}"));
-    }
     let h = match read_reply(fd, link, id, s) {
         Ok(h) => h,
         Err(why) => return unknown(why),
     };
-    let refused = |s: &Scratch| match wire::decode_error(&s.body) {
-        // The target validates everything before any byte moves.
-        Ok(_) => (TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: false } }, None),
-        Err(e) => unknown(format!("protocol violation: {e}")),
-    };
     match (op, h.kind) {
-        (_, Kind::Error) => refused(s),
+        (_, Kind::Error) => match wire::decode_error(&s.body) {
+            // The target validates everything before any byte moves.
+            Ok(_) => (TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: false } }, None),
+            Err(e) => unknown(format!("protocol violation: {e}")),
+        },
         (Op::Write, Kind::WriteAck) if h.data_len == 0 => {
             (TaskReport { planned, done: planned, end: TaskEnd::Complete }, None)
         }
@@ -573,7 +633,7 @@ fn send_notification<J: CopyJob>(
     n: &NotifyJob,
     id: u64,
     s: &mut Scratch,
-) -> Result<(), PeerFailure> {
+) -> Result<(), String> {
     let env = NotifyEnvelope {
         sender_endpoint: &n.sender_endpoint,
         sender_epoch: n.sender_epoch,
@@ -581,7 +641,10 @@ fn send_notification<J: CopyJob>(
         payload: &n.payload,
     };
     wire::encode_notify(&mut s.out, &env);
-    send_frame(fd, Kind::Notify, id, &s.out).map_err(|e| PeerFailure::Lost(format!("connection lost: {e}")))?;
+    send_frame(fd, Kind::Notify, id, &s.out).map_err(|e| format!("connection lost: {e}"))
+}
+
+fn complete_notification<J: CopyJob>(fd: i32, link: &PeerLink<J>, id: u64, s: &mut Scratch) -> Result<(), PeerFailure> {
     let h = read_reply(fd, link, id, s).map_err(PeerFailure::Lost)?;
     match h.kind {
         Kind::NotifyAck => Ok(()),

@@ -324,7 +324,8 @@ fn w3(rig: &mut Rig, op: Op, quick: bool, report: &mut Report) -> Result<(), Str
     }
     let rounds = if quick { 4 } else { 16 };
     progress(&format!("{} {} 16384 x 16 KiB, {rounds} rounds", rig.route, name(op, "W3")));
-    let (mut prep, mut run, mut whole, mut refs, mut lifecycle) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut prep, mut run, mut whole, mut refs, mut lifecycle) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for i in 0..rounds + 1 {
         measure::fill(&rig.local.l, 0);
         let r0 = Instant::now();
@@ -425,9 +426,7 @@ fn print_table(rows: &[Map<String, Value>]) {
         "{:<7} {:<12} {:>9} {:>10} {:>10} {:>8} {:>10} {:>10} {:>9}",
         "route", "workload", "block", "GB/s", "ref GB/s", "ratio", "p50 us", "p99 us", "verified"
     );
-    println!(
-        "(ref: memcpy of the same blocks for the local route; one loopback TCP stream for tcp)"
-    );
+    println!("(ref: memcpy of the same blocks for the local route; one loopback TCP stream for tcp)");
     for r in rows.iter().filter(|r| get(r, "system") == json!("orbite")) {
         let workload = s(get(r, "workload"));
         if workload == "idle" {

@@ -6,7 +6,9 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
-use orbite_core::{EngineConfig, HostMemory, MemoryRange, Permission, RegistrationId, RemoteSegment, Target, TransferEngine};
+use orbite_core::{
+    EngineConfig, HostMemory, MemoryRange, Permission, RegistrationId, RemoteSegment, Target, TransferEngine,
+};
 
 use crate::measure;
 
@@ -136,7 +138,8 @@ impl Rig {
             if w.first() != Some(&"READY") || w.len() != 5 {
                 return None;
             }
-            let r3 = w[4].split(',').map(|x| x.parse().ok().map(RegistrationId::from_raw)).collect::<Option<Vec<_>>>()?;
+            let r3 =
+                w[4].split(',').map(|x| x.parse().ok().map(RegistrationId::from_raw)).collect::<Option<Vec<_>>>()?;
             Some((w[1].to_owned(), w[2].parse().ok()?, RegistrationId::from_raw(w[3].parse().ok()?), r3))
         })();
         let Some((endpoint, epoch, r_id, r3_ids)) = parsed else {
@@ -152,7 +155,8 @@ impl Rig {
                 return Err(e.to_string());
             }
         };
-        let mut rig = Rig { route: "tcp", engine, local, r_id, r3_ids, remote: Remote::Tcp { child, stdin, stdout, segment } };
+        let mut rig =
+            Rig { route: "tcp", engine, local, r_id, r3_ids, remote: Remote::Tcp { child, stdin, stdout, segment } };
         rig.fill_remote(0x2222)?;
         Ok(rig)
     }
@@ -256,7 +260,8 @@ pub fn serve_target() -> Result<(), String> {
     let ids: Vec<String> = r3_ids.iter().map(|i| i.to_raw().to_string()).collect();
     let mut out = std::io::stdout().lock();
     let endpoint = engine.endpoint().unwrap_or_default();
-    writeln!(out, "READY {endpoint} {} {} {}", engine.source_epoch(), r_id.to_raw(), ids.join(",")).map_err(|e| e.to_string())?;
+    writeln!(out, "READY {endpoint} {} {} {}", engine.source_epoch(), r_id.to_raw(), ids.join(","))
+        .map_err(|e| e.to_string())?;
     out.flush().map_err(|e| e.to_string())?;
     for line in std::io::stdin().lock().lines() {
         let line = line.map_err(|e| e.to_string())?;
