@@ -78,6 +78,7 @@ pub(crate) struct EngineInner {
     peers: Mutex<HashMap<String, Weak<Peer>>>,
     all_peers: Mutex<Vec<Weak<Peer>>>,
     notifications: NotificationQueue,
+    notification_arrived: Condvar,
     #[cfg(feature = "fault-injection")]
     remote_hold: (Mutex<bool>, Condvar),
 }
@@ -362,6 +363,7 @@ impl TransferEngine {
             peers: Mutex::new(HashMap::new()),
             all_peers: Mutex::new(Vec::new()),
             notifications: Mutex::new(std::collections::VecDeque::new()),
+            notification_arrived: Condvar::new(),
             #[cfg(feature = "fault-injection")]
             remote_hold: (Mutex::new(false), Condvar::new()),
             config,
@@ -569,7 +571,31 @@ impl TransferEngine {
 
     /// Takes every queued notification, oldest first (refunds their charge).
     pub fn take_notifications(&self) -> Vec<Notification> {
-        let taken: Vec<_> = self.inner().notifications.lock().drain(..).collect();
+        self.wait_notifications(Duration::ZERO)
+    }
+
+    /// Like [`Self::take_notifications`], but if none is queued, waits up
+    /// to `timeout` for one (polling briefly, then sleeping).
+    pub fn wait_notifications(&self, timeout: Duration) -> Vec<Notification> {
+        let inner = self.inner();
+        let deadline = crate::time::deadline_after(timeout);
+        let spin_until = Instant::now() + inner.config.spin().min(timeout);
+        let mut q = inner.notifications.lock();
+        while q.is_empty() {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            if now < spin_until {
+                parking_lot::MutexGuard::unlocked(&mut q, std::hint::spin_loop);
+                continue;
+            }
+            if inner.notification_arrived.wait_until(&mut q, deadline).timed_out() {
+                break;
+            }
+        }
+        let taken: Vec<_> = q.drain(..).collect();
+        drop(q);
         taken.into_iter().map(|(n, _charge)| n).collect()
     }
 

@@ -222,6 +222,7 @@ impl EngineInner {
             self.config.notification_queue_bytes,
         )?;
         self.notifications.lock().push_back((n, charge));
+        self.notification_arrived.notify_all();
         Ok(())
     }
 
@@ -250,8 +251,13 @@ impl EngineInner {
                 s2.1.notify_all();
             }),
         }));
+        let spin_until = std::time::Instant::now() + self.config.spin();
         let mut g = slot.0.lock();
         while g.is_none() {
+            if std::time::Instant::now() < spin_until {
+                parking_lot::MutexGuard::unlocked(&mut g, std::hint::spin_loop);
+                continue;
+            }
             slot.1.wait(&mut g);
         }
         match g.take() {

@@ -7,7 +7,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -36,6 +36,8 @@ pub(crate) struct RouteShared<J> {
     pending: AtomicUsize,
     /// Nanoseconds workers spent copying bytes, cumulative.
     busy_ns: AtomicU64,
+    /// Set while one idle worker polls.
+    spinner: AtomicBool,
     spin: Duration,
     #[cfg(feature = "fault-injection")]
     pub(crate) faults: FaultState<J>,
@@ -55,6 +57,7 @@ impl<J: CopyJob> LocalRoute<J> {
             ready: Condvar::new(),
             pending: AtomicUsize::new(0),
             busy_ns: AtomicU64::new(0),
+            spinner: AtomicBool::new(false),
             spin,
             #[cfg(feature = "fault-injection")]
             faults: FaultState::default(),
@@ -128,11 +131,13 @@ fn worker<J: CopyJob>(shared: &RouteShared<J>) {
                 if q.shutdown {
                     return;
                 }
-                if !polled && !shared.spin.is_zero() {
+                if !polled && !shared.spin.is_zero() && claim(&shared.spinner) {
                     // Poll once, unlocked, then look at the queue (and the
-                    // shutdown flag) again before sleeping.
+                    // shutdown flag) again before sleeping. One worker
+                    // polls at a time; the others sleep at once.
                     polled = true;
                     parking_lot::MutexGuard::unlocked(&mut q, || poll(&shared.pending, shared.spin));
+                    shared.spinner.store(false, Ordering::Release);
                     continue;
                 }
                 shared.ready.wait(&mut q);
@@ -151,6 +156,11 @@ fn worker<J: CopyJob>(shared: &RouteShared<J>) {
             run(job, &shared.busy_ns);
         }
     }
+}
+
+/// Claims the right to poll; false if another thread holds it.
+pub(crate) fn claim(flag: &AtomicBool) -> bool {
+    flag.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_ok()
 }
 
 /// Polls `pending` for up to `spin`; true if work arrived.

@@ -26,7 +26,7 @@ use crate::batch::{Op, TaskEnd, TaskReport};
 use crate::registry::Registration;
 use crate::segment::SegmentDescriptor;
 use crate::transport::CopyJob;
-use crate::transport::local::poll;
+use crate::transport::local::{claim, poll};
 use crate::transport::sock::{discard, iov, read_exact, readv_all, writev_all};
 use crate::wire::{self, Header, Kind, Limits, NotifyEnvelope, RemoteDesc, RemoteStatus, Request, WireError};
 
@@ -316,6 +316,7 @@ pub(crate) struct PeerLink<J> {
     threads: Mutex<Vec<JoinHandle<()>>>,
     opts: LinkOptions,
     next_request: AtomicU64,
+    spinner: AtomicBool,
 }
 
 impl<J: CopyJob> PeerLink<J> {
@@ -376,6 +377,7 @@ impl<J: CopyJob> PeerLink<J> {
             threads: Mutex::new(Vec::new()),
             opts,
             next_request: AtomicU64::new(2),
+            spinner: AtomicBool::new(false),
         });
         for (i, s) in streams.into_iter().enumerate() {
             let clone = s.try_clone().map_err(|e| OpenError::Connect(e.to_string()))?;
@@ -455,9 +457,12 @@ impl<J: CopyJob> PeerLink<J> {
             if q.closing {
                 return None;
             }
-            if !polled && !self.opts.spin.is_zero() {
+            // One idle worker per link polls; the others sleep at once, so
+            // idle connections never compete with the threads doing work.
+            if !polled && !self.opts.spin.is_zero() && claim(&self.spinner) {
                 polled = true;
                 parking_lot::MutexGuard::unlocked(&mut q, || poll(&self.pending, self.opts.spin));
+                self.spinner.store(false, Ordering::Release);
                 continue;
             }
             self.ready.wait(&mut q);

@@ -291,6 +291,55 @@ fn w2(rig: &mut Rig, quick: bool, report: &mut Report) -> Result<(), String> {
             "p50_us": round(p50, 2), "p99_us": round(p99, 2), "verified": verified,
         }));
     }
+    w2_notifications(rig, iters, report)
+}
+
+/// W2 with notifications: a 4 KiB WRITE carrying a notification (post to
+/// retirement, which includes the notification's delivery), and a
+/// notification ping-pong between the two engines.
+fn w2_notifications(rig: &mut Rig, iters: usize, report: &mut Report) -> Result<(), String> {
+    progress(&format!("{} W2-write-notif 4 KiB x {iters}", rig.route));
+    let (l, r) = ([Desc::new(rig.local.l_id, 0, 4096)], [Desc::new(rig.r_id, 0, 4096)]);
+    let note = b"kv-ready\0\xff";
+    let mut spec = TransferSpec::new(Op::Write, &l, &r, rig.target());
+    spec.notification = Some(note);
+    let t = rig.engine.prepare(&spec).map_err(err)?;
+    let mut samples = Vec::with_capacity(iters);
+    for i in 0..iters + 50 {
+        let secs = post_and_wait(&t)?;
+        if i >= 50 {
+            samples.push(secs);
+        }
+    }
+    drop(t);
+    let delivered = rig.take_remote_notifications()?;
+    let verified = delivered == (iters + 50) as u64;
+    let (p50, p99) = percentiles_us(&mut samples);
+    report.emit(json!({
+        "system": "orbite", "route": rig.route, "workload": "W2-write-notif", "block_bytes": 4096, "descs": 1,
+        "p50_us": round(p50, 2), "p99_us": round(p99, 2), "verified": verified,
+    }));
+    if rig.route == "local" {
+        return Ok(()); // a ping-pong needs two engines
+    }
+    progress(&format!("{} W2-notif-pingpong x {iters}", rig.route));
+    rig.start_pong(iters + 50)?;
+    let mut samples = Vec::with_capacity(iters);
+    let mut ok = true;
+    for i in 0..iters + 50 {
+        let start = Instant::now();
+        rig.ping(b"ping")?;
+        let got = rig.engine.wait_notifications(Duration::from_secs(10));
+        ok &= got.len() == 1 && got[0].payload == b"pong";
+        if i >= 50 {
+            samples.push(start.elapsed().as_secs_f64());
+        }
+    }
+    let (p50, p99) = percentiles_us(&mut samples);
+    report.emit(json!({
+        "system": "orbite", "route": rig.route, "workload": "W2-notif-pingpong", "p50_us": round(p50, 2),
+        "p99_us": round(p99, 2), "verified": ok,
+    }));
     Ok(())
 }
 
@@ -423,7 +472,7 @@ fn print_table(rows: &[Map<String, Value>]) {
     };
     println!();
     println!(
-        "{:<7} {:<12} {:>9} {:>10} {:>10} {:>8} {:>10} {:>10} {:>9}",
+        "{:<7} {:<18} {:>9} {:>10} {:>10} {:>8} {:>10} {:>10} {:>9}",
         "route", "workload", "block", "GB/s", "ref GB/s", "ratio", "p50 us", "p99 us", "verified"
     );
     println!("(ref: memcpy of the same blocks for the local route; one loopback TCP stream for tcp)");
@@ -431,7 +480,7 @@ fn print_table(rows: &[Map<String, Value>]) {
         let workload = s(get(r, "workload"));
         if workload == "idle" {
             println!(
-                "{:<7} {:<12} {:>9} cpu {}% of one core over {} s",
+                "{:<7} {:<18} {:>9} cpu {}% of one core over {} s",
                 s(get(r, "route")),
                 workload,
                 "-",
@@ -460,7 +509,7 @@ fn print_table(rows: &[Map<String, Value>]) {
             .as_u64()
             .map_or("-".into(), |b| if b >= MIB { format!("{} MiB", b / MIB) } else { format!("{} KiB", b / KIB) });
         println!(
-            "{:<7} {:<12} {:>9} {:>10} {:>10} {:>8} {:>10} {:>10} {:>9}",
+            "{:<7} {:<18} {:>9} {:>10} {:>10} {:>8} {:>10} {:>10} {:>9}",
             s(get(r, "route")),
             workload,
             block,
@@ -472,11 +521,11 @@ fn print_table(rows: &[Map<String, Value>]) {
             s(get(r, "verified")),
         );
         if r.get("lifecycle_overhead_pct").is_none() && r.get("prep_us").is_some() {
-            println!("{:<7} {:<12} prepare {} us", "", "", s(get(r, "prep_us")));
+            println!("{:<7} {:<18} prepare {} us", "", "", s(get(r, "prep_us")));
         }
         if let Some(o) = r.get("lifecycle_overhead_pct") {
             println!(
-                "{:<7} {:<12} prepare {} us; lifecycle (prepare + post + completion, copy excluded) {}% of the copy; \
+                "{:<7} {:<18} prepare {} us; lifecycle (prepare + post + completion, copy excluded) {}% of the copy; \
                  whole transfer {}% over memcpy",
                 "",
                 "",

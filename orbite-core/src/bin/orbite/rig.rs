@@ -110,7 +110,9 @@ impl Rig {
     }
 
     pub fn tcp(config: EngineConfig) -> Result<Rig, String> {
-        let engine = measure::engine(config.clone())?;
+        // The initiator listens too, so that the target can answer pings.
+        let listening = EngineConfig { listen: Some("127.0.0.1:0".into()), ..config.clone() };
+        let engine = measure::engine(listening)?;
         let local = side(&engine)?;
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let config_json = serde_json::to_string(&config).map_err(|e| e.to_string())?;
@@ -213,6 +215,33 @@ impl Rig {
         }
     }
 
+    /// Counts (and drops) the notifications the target side received.
+    pub fn take_remote_notifications(&mut self) -> Result<u64, String> {
+        match &self.remote {
+            Remote::Loopback { .. } => Ok(self.engine.take_notifications().len() as u64),
+            Remote::Tcp { .. } => {
+                let a = self.ask("notifs")?;
+                a.strip_prefix("NOTIFS ").and_then(|v| v.parse().ok()).ok_or(format!("target: {a}"))
+            }
+        }
+    }
+
+    /// Makes the target answer each of the next `n` notifications with
+    /// `pong` (the initiator must listen).
+    pub fn start_pong(&mut self, n: usize) -> Result<(), String> {
+        let endpoint = self.engine.endpoint().ok_or("the initiator does not listen")?;
+        let a = self.ask(&format!("pong {endpoint} {} {n}", self.engine.source_epoch()))?;
+        if a == "OK" { Ok(()) } else { Err(format!("target: {a}")) }
+    }
+
+    /// Sends one notification to the target.
+    pub fn ping(&self, payload: &[u8]) -> Result<(), String> {
+        match &self.remote {
+            Remote::Loopback { .. } => self.engine.notify_self(payload).map_err(|e| e.to_string()),
+            Remote::Tcp { segment, .. } => self.engine.notify(segment, payload).map_err(|e| e.to_string()),
+        }
+    }
+
     /// CPU time of the remote process (0 for the self connection).
     pub fn remote_cpu_ns(&mut self) -> Result<u64, String> {
         match &self.remote {
@@ -283,6 +312,29 @@ pub fn serve_target() -> Result<(), String> {
                 }
             }
             ["cpu"] => format!("CPU {}", measure::process_cpu_ns()),
+            ["notifs"] => format!("NOTIFS {}", engine.take_notifications().len()),
+            ["pong", endpoint, epoch, n] => {
+                let epoch = epoch.parse().map_err(|_| "bad epoch")?;
+                let n: usize = n.parse().map_err(|_| "bad count")?;
+                match engine.open_segment(endpoint, Some(epoch), Duration::from_secs(10)) {
+                    Ok(back) => {
+                        let e = engine.clone();
+                        std::thread::spawn(move || {
+                            let mut answered = 0;
+                            while answered < n {
+                                for _ in e.wait_notifications(Duration::from_secs(10)) {
+                                    if e.notify(&back, b"pong").is_err() {
+                                        return;
+                                    }
+                                    answered += 1;
+                                }
+                            }
+                        });
+                        "OK".to_owned()
+                    }
+                    Err(e) => format!("ERR {e}"),
+                }
+            }
             ["quit"] => break,
             _ => format!("ERR unknown command {line}"),
         };
