@@ -59,13 +59,25 @@ fn n01_fragmented_write_and_read_with_guards_and_charges() {
         assert_eq!(e.stats().executions, 0);
         t.release().unwrap();
     }
+    // Merged aliases: one list names the region and an alias of it; the
+    // bytes land where the alias maps them.
+    fill(&local.mem, 77);
+    let l = [Desc::new(local.id, 0, 3000), Desc::new(local.id, 3000, 5000)];
+    let r = [Desc::new(p.alias, 10, 3000), Desc::new(p.region, peer::ALIAS_OFFSET as u64 + 3010, 5000)];
+    let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+    t.post().unwrap();
+    assert!(wait_retired(&t).outcome.is_success());
+    let at = peer::ALIAS_OFFSET + 10;
+    remote_bytes[at..at + 8000].copy_from_slice(&snapshot(&local.mem)[..8000]);
+    assert_eq!(p.hash(0, REGION), fnv(&remote_bytes), "alias bytes or guards differ");
+    t.release().unwrap();
     e.deregister(local.id).unwrap();
     drop(local);
     e.close_segment(&seg, WAIT).unwrap();
     drop(seg);
     assert_eq!(e.stats(), base);
-    // The target's loans are gone too: only its two registrations remain.
-    assert_eq!(p.ask("stats"), "STATS 2 0 2 0");
+    // The target's loans are gone too: only its three registrations remain.
+    assert_eq!(p.ask("stats"), "STATS 3 0 2 0");
 }
 
 /// The target fences a deregistered range at once but frees it only after
@@ -86,13 +98,14 @@ fn target_deregistration_waits_for_remote_borrowers() {
     std::thread::sleep(Duration::from_millis(100)); // the request reaches the target and is held
     assert_eq!(p.ask("dereg"), "OK");
     assert_eq!(p.ask("drop_region"), "OK");
-    // Fenced (1), still registered (3 = region + read-only + fenced), memory alive (2).
-    assert_eq!(p.ask("stats"), "STATS 2 1 2 0");
+    // Fenced (1), still registered (3: read-only, alias, the fenced region), memory alive (2).
+    assert_eq!(p.ask("stats"), "STATS 3 1 2 0");
     assert!(!t.check().is_terminal());
     assert_eq!(p.ask("hold off"), "OK");
     assert!(wait_retired(&t).outcome.is_success());
-    // Loans released after landing: the owner is gone now.
-    assert_eq!(p.ask("stats"), "STATS 1 0 1 0");
+    // Loans released after landing: the fenced registration is gone; the
+    // memory stays for the alias that still covers it.
+    assert_eq!(p.ask("stats"), "STATS 2 0 2 0");
     // New requests against the deregistered range are refused by the target.
     t2.post().unwrap();
     let r2 = wait_retired(&t2);

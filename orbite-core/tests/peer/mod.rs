@@ -12,6 +12,9 @@ use orbite_core::*;
 
 pub const PEER_ENV: &str = "ORBITE_TEST_PEER";
 pub const REGION: usize = 8 << 20;
+/// Where the alias registration starts in the region, and its length.
+pub const ALIAS_OFFSET: usize = 1 << 20;
+pub const ALIAS_LEN: usize = 2 << 20;
 
 /// Runs the peer loop if this process is a peer; returns otherwise.
 pub fn entry() {
@@ -22,6 +25,12 @@ pub fn entry() {
     let e = engine(&format!(r#"{{"listen": "{listen}", "peer_timeout_ms": 3000}}"#));
     let r = region(&e, REGION, Permission::RemoteReadWrite);
     let ro = region(&e, 4096, Permission::RemoteRead);
+    // An alias: a second registration over part of the region.
+    let alias = e
+        .register_memory_ranges(vec![
+            MemoryRange::host(&r.mem, ALIAS_OFFSET, ALIAS_LEN, Permission::RemoteReadWrite).unwrap(),
+        ])
+        .unwrap()[0];
     fill(&r.mem, 0xAB);
     fill(&ro.mem, 0xCD);
     let out = std::io::stdout();
@@ -30,7 +39,14 @@ pub fn entry() {
         let _ = writeln!(o, "{s}");
         let _ = o.flush();
     };
-    say(format!("READY {} {} {} {}", e.endpoint().unwrap(), e.source_epoch(), r.id.to_raw(), ro.id.to_raw()));
+    say(format!(
+        "READY {} {} {} {} {}",
+        e.endpoint().unwrap(),
+        e.source_epoch(),
+        r.id.to_raw(),
+        ro.id.to_raw(),
+        alias.to_raw()
+    ));
     let mut regions = Some(r);
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
@@ -86,6 +102,7 @@ pub struct PeerProcess {
     pub epoch: u64,
     pub region: RegistrationId,
     pub read_only: RegistrationId,
+    pub alias: RegistrationId,
 }
 
 impl PeerProcess {
@@ -125,6 +142,7 @@ impl PeerProcess {
                     epoch: w[1].parse().unwrap(),
                     region: RegistrationId::from_raw(w[2].parse().unwrap()),
                     read_only: RegistrationId::from_raw(w[3].parse().unwrap()),
+                    alias: RegistrationId::from_raw(w[4].parse().unwrap()),
                 };
             }
         }
