@@ -500,7 +500,7 @@ fn print_table(rows: &[Map<String, Value>]) {
                 }
         });
         let gbps = get(r, "gbps").as_f64();
-        let ref_gbps = reference.and_then(|x| get(x, "gbps").as_f64());
+        let ref_gbps = reference.and_then(|x| get(x, "gbps").as_f64()).filter(|_| gbps.is_some());
         let ratio = match (gbps, ref_gbps) {
             (Some(a), Some(b)) if b > 0.0 => format!("{:.2}x", a / b),
             _ => "-".into(),
