@@ -17,12 +17,16 @@ pub(crate) fn iov(ptr: u64, len: u64) -> libc::iovec {
     libc::iovec { iov_base: ptr as *mut libc::c_void, iov_len: len as usize }
 }
 
-/// Writes every byte of `iovs` (advancing them in place).
+/// One `readv` or `writev`.
+type VectoredCall = unsafe extern "C" fn(libc::c_int, *const libc::iovec, libc::c_int) -> libc::ssize_t;
+
+/// Runs `call` until every byte of `iovs` moved (advancing them in place),
+/// retrying on `EINTR`; `done` counts the bytes moved, also on error.
 ///
 /// # Safety
-/// Every entry must address memory readable for its length for the whole
-/// call (kept alive by range loans).
-pub(crate) unsafe fn writev_all(fd: RawFd, iovs: &mut [libc::iovec]) -> io::Result<()> {
+/// Every entry must address memory valid for `call` (readable for writes,
+/// writable and unaliased for reads) for the whole call.
+unsafe fn vectored(fd: RawFd, iovs: &mut [libc::iovec], done: &mut u64, call: VectoredCall) -> io::Result<()> {
     let mut first = 0;
     while first < iovs.len() {
         if iovs[first].iov_len == 0 {
@@ -32,35 +36,7 @@ pub(crate) unsafe fn writev_all(fd: RawFd, iovs: &mut [libc::iovec]) -> io::Resu
         let n = (iovs.len() - first).min(IOV_MAX);
         // SAFETY: the entries are valid per the function contract; the
         // array slice is in bounds.
-        let r = unsafe { libc::writev(fd, iovs[first..].as_ptr(), n as libc::c_int) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        advance(iovs, &mut first, r as usize);
-    }
-    Ok(())
-}
-
-/// Fills every byte of `iovs` from the socket; `done` counts the bytes that
-/// landed, also when an error or EOF stops it early.
-///
-/// # Safety
-/// Every entry must address memory writable for its length for the whole
-/// call, which no Rust reference aliases.
-pub(crate) unsafe fn readv_all(fd: RawFd, iovs: &mut [libc::iovec], done: &mut u64) -> io::Result<()> {
-    let mut first = 0;
-    while first < iovs.len() {
-        if iovs[first].iov_len == 0 {
-            first += 1;
-            continue;
-        }
-        let n = (iovs.len() - first).min(IOV_MAX);
-        // SAFETY: as above.
-        let r = unsafe { libc::readv(fd, iovs[first..].as_ptr(), n as libc::c_int) };
+        let r = unsafe { call(fd, iovs[first..].as_ptr(), n as libc::c_int) };
         if r < 0 {
             let e = io::Error::last_os_error();
             if e.kind() == io::ErrorKind::Interrupted {
@@ -75,6 +51,28 @@ pub(crate) unsafe fn readv_all(fd: RawFd, iovs: &mut [libc::iovec], done: &mut u
         advance(iovs, &mut first, r as usize);
     }
     Ok(())
+}
+
+/// Writes every byte of `iovs` (advancing them in place).
+///
+/// # Safety
+/// Every entry must address memory readable for its length for the whole
+/// call (kept alive by range loans).
+pub(crate) unsafe fn writev_all(fd: RawFd, iovs: &mut [libc::iovec]) -> io::Result<()> {
+    let mut done = 0;
+    // SAFETY: forwarded contract.
+    unsafe { vectored(fd, iovs, &mut done, libc::writev) }
+}
+
+/// Fills every byte of `iovs` from the socket; `done` counts the bytes that
+/// landed, also when an error or EOF stops it early.
+///
+/// # Safety
+/// Every entry must address memory writable for its length for the whole
+/// call, which no Rust reference aliases.
+pub(crate) unsafe fn readv_all(fd: RawFd, iovs: &mut [libc::iovec], done: &mut u64) -> io::Result<()> {
+    // SAFETY: forwarded contract.
+    unsafe { vectored(fd, iovs, done, libc::readv) }
 }
 
 fn advance(iovs: &mut [libc::iovec], first: &mut usize, mut n: usize) {
