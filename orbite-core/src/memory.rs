@@ -41,15 +41,34 @@ impl Permission {
 }
 
 /// Kind of memory behind a registration.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum MemoryKind {
-    /// Ordinary host DRAM (engine-allocated or borrowed).
+    /// Ordinary host DRAM (engine-allocated or borrowed): private to this
+    /// process; a same-host peer may reach it only through CMA.
     Host,
+    /// A range of a shared allocation: peers on the same boot can map the
+    /// file `name` under /dev/shm and copy at `offset` in it.
+    Shm {
+        /// File name under /dev/shm.
+        name: Arc<str>,
+        /// Offset of the registration in that file.
+        offset: u64,
+    },
+}
+
+/// Where an allocation's bytes come from.
+enum Source {
+    /// The process heap.
+    Heap(Layout),
+    /// A file under /dev/shm mapped shared, so that a peer on the same
+    /// host can map the same pages.
+    Shm { map_len: usize, path: std::path::PathBuf, name: Arc<str> },
 }
 
 struct HostAllocation {
     ptr: NonNull<u8>,
-    layout: Layout,
+    len: usize,
+    source: Source,
     _charge: Charge,
 }
 
@@ -61,13 +80,25 @@ unsafe impl Sync for HostAllocation {}
 
 impl Drop for HostAllocation {
     fn drop(&mut self) {
-        // SAFETY: `ptr` came from `alloc_zeroed(layout)` and is freed only
-        // here; Drop runs once, after the last Arc reference is gone.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+        match &self.source {
+            // SAFETY: `ptr` came from `alloc_zeroed(layout)` and is freed
+            // only here; Drop runs once, after the last Arc reference.
+            Source::Heap(layout) => unsafe { std::alloc::dealloc(self.ptr.as_ptr(), *layout) },
+            Source::Shm { map_len, path, .. } => {
+                // SAFETY: `ptr`/`map_len` are the mapping made in
+                // `allocate_shared`, unmapped only here. Peers that mapped
+                // the file keep their own mapping of the same pages.
+                unsafe { libc::munmap(self.ptr.as_ptr().cast(), *map_len) };
+                let _ = std::fs::remove_file(path);
+            }
+        }
     }
 }
 
-/// Page-aligned, zero-initialised host memory allocated by the engine.
+/// Page-aligned, zero-initialised host memory allocated by the engine:
+/// private heap memory ([`crate::TransferEngine::allocate_host_memory`]) or
+/// a shared allocation a same-host peer can map
+/// ([`crate::TransferEngine::allocate_shm_memory`]).
 ///
 /// Cloning shares the same bytes. The bytes are freed when the last clone
 /// and the last registration of a range inside it are gone.
@@ -76,6 +107,8 @@ pub struct HostMemory {
     alloc: Arc<HostAllocation>,
 }
 
+static SHM_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 impl std::fmt::Debug for HostMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostMemory").field("ptr", &self.alloc.ptr).field("len", &self.len()).finish()
@@ -83,6 +116,77 @@ impl std::fmt::Debug for HostMemory {
 }
 
 impl HostMemory {
+    /// A shared allocation: a new file under /dev/shm, mapped shared. Only
+    /// this process creates it (exclusive create, mode 0600); it is
+    /// unlinked when the allocation is freed.
+    pub(crate) fn allocate_shared(counters: &Arc<Counters>, len: usize, limit: u64, tag: u64) -> Result<Self, Error> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::OpenOptionsExt;
+        if len == 0 {
+            return Err(RegistryError::InvalidRange("shared memory of zero bytes".into()).into());
+        }
+        let map_len = len
+            .checked_next_multiple_of(PAGE_SIZE)
+            .ok_or_else(|| RegistryError::InvalidRange(format!("{len} bytes")))?;
+        let charge = Charge::try_new(
+            counters,
+            [
+                (Counter::HostAllocations, 1, None),
+                (Counter::HostMemoryBytes, len as u64, Some((Resource::HostMemoryBytes, limit))),
+            ],
+        )?;
+        let seq = SHM_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name: Arc<str> = format!("orbite-{}-{tag:x}-{seq}", std::process::id()).into();
+        let path = std::path::Path::new("/dev/shm").join(&*name);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(|e| Error::System(format!("cannot create {}: {e}", path.display())))?;
+        let cleanup = |e: String| {
+            let _ = std::fs::remove_file(&path);
+            Error::System(e)
+        };
+        file.set_len(map_len as u64).map_err(|e| cleanup(format!("cannot size {}: {e}", path.display())))?;
+        // SAFETY: a fresh shared mapping of a file we just sized; no other
+        // mapping aliases it in this process.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return Err(cleanup(format!("cannot map {}: {}", path.display(), std::io::Error::last_os_error())));
+        }
+        let ptr = NonNull::new(raw.cast::<u8>()).ok_or_else(|| cleanup("mmap returned null".into()))?;
+        Ok(HostMemory {
+            alloc: Arc::new(HostAllocation { ptr, len, source: Source::Shm { map_len, path, name }, _charge: charge }),
+        })
+    }
+
+    /// The name peers open under /dev/shm, for a shared allocation.
+    pub fn shared_name(&self) -> Option<&str> {
+        match &self.alloc.source {
+            Source::Shm { name, .. } => Some(name),
+            Source::Heap(_) => None,
+        }
+    }
+
+    pub(crate) fn shared_name_arc(&self) -> Option<Arc<str>> {
+        match &self.alloc.source {
+            Source::Shm { name, .. } => Some(name.clone()),
+            Source::Heap(_) => None,
+        }
+    }
+
     pub(crate) fn allocate(counters: &Arc<Counters>, len: usize, limit: u64) -> Result<Self, Error> {
         if len == 0 {
             return Err(RegistryError::InvalidRange("host memory of zero bytes".into()).into());
@@ -99,12 +203,12 @@ impl HostMemory {
         // SAFETY: layout has nonzero size (checked above).
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(raw).ok_or_else(|| Error::System(format!("allocation of {len} bytes failed")))?;
-        Ok(HostMemory { alloc: Arc::new(HostAllocation { ptr, layout, _charge: charge }) })
+        Ok(HostMemory { alloc: Arc::new(HostAllocation { ptr, len, source: Source::Heap(layout), _charge: charge }) })
     }
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.alloc.layout.size()
+        self.alloc.len
     }
 
     /// Never true: zero-byte allocations are refused.

@@ -55,7 +55,6 @@ pub(crate) struct Registration {
     pub base: *mut u8,
     pub len: u64,
     pub permission: Permission,
-    #[allow(dead_code)] // read by later routes (shm, cuda) to pick transports
     pub kind: MemoryKind,
     fenced: AtomicBool,
     fence_charge: Mutex<Option<Charge>>,
@@ -159,12 +158,19 @@ impl Registry {
             };
             let slot = &mut table.slots[index as usize];
             let id = RegistrationId { index, generation: slot.generation };
+            let kind = match &r.backing {
+                Backing::Host(m) => match m.shared_name_arc() {
+                    Some(name) => MemoryKind::Shm { name, offset: r.ptr as u64 - m.as_ptr() as u64 },
+                    None => MemoryKind::Host,
+                },
+                Backing::Borrowed(_) => MemoryKind::Host,
+            };
             slot.registration = Some(Arc::new(Registration {
                 id,
                 base: r.ptr,
                 len: r.len,
                 permission: r.permission,
-                kind: MemoryKind::Host,
+                kind,
                 fenced: AtomicBool::new(false),
                 fence_charge: Mutex::new(None),
                 backing: r.backing,
@@ -202,7 +208,16 @@ impl Registry {
             .slots
             .iter()
             .filter_map(|s| s.registration.as_ref())
-            .map(|r| crate::segment::ExportedRegistration { id: r.id, len: r.len, permission: r.permission })
+            .map(|r| crate::segment::ExportedRegistration {
+                id: r.id,
+                len: r.len,
+                permission: r.permission,
+                addr: r.base as u64,
+                shm: match &r.kind {
+                    MemoryKind::Shm { name, offset } => Some((name.to_string(), *offset)),
+                    MemoryKind::Host => None,
+                },
+            })
             .collect()
     }
 

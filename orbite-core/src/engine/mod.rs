@@ -72,6 +72,7 @@ pub(crate) struct EngineInner {
     progress_thread: Mutex<Option<JoinHandle<()>>>,
     /// This engine's identity for this run.
     epoch: u64,
+    boot_id: [u8; 16],
     endpoint: OnceLock<String>,
     server: Mutex<Option<Server>>,
     /// The latest opened peer per endpoint (the current epoch there).
@@ -358,6 +359,7 @@ impl TransferEngine {
             next_transfer: AtomicU64::new(1),
             progress_thread: Mutex::new(None),
             epoch: new_epoch(),
+            boot_id: crate::segment::local_boot_id(),
             endpoint: OnceLock::new(),
             server: Mutex::new(None),
             peers: Mutex::new(HashMap::new()),
@@ -407,6 +409,18 @@ impl TransferEngine {
             return Err(Error::Closed);
         }
         HostMemory::allocate(&inner.counters, len, inner.config.max_host_memory_bytes)
+    }
+
+    /// Allocates page-aligned, zeroed memory that same-host peers can map
+    /// (a file under /dev/shm, removed when the memory is freed). Register
+    /// ranges of it like host memory; peers on this boot then copy into it
+    /// one-sided over the shm route.
+    pub fn allocate_shm_memory(&self, len: usize) -> Result<HostMemory, Error> {
+        let inner = self.inner();
+        if inner.is_closed() {
+            return Err(Error::Closed);
+        }
+        HostMemory::allocate_shared(&inner.counters, len, inner.config.max_host_memory_bytes, inner.epoch)
     }
 
     /// Registers ranges, all or none. Each range becomes its own

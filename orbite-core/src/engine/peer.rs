@@ -175,7 +175,7 @@ impl EngineInner {
             OpenError::Protocol(m) => PeerError::Protocol(m),
             OpenError::EpochMismatch { expected, found } => PeerError::EpochMismatch { expected, found },
         })?;
-        let regs = link.descriptor.registrations.iter().map(|r| (r.id.to_raw(), *r)).collect();
+        let regs = link.descriptor.registrations.iter().map(|r| (r.id.to_raw(), r.clone())).collect();
         let peer = Arc::new(Peer {
             endpoint: endpoint.to_owned(),
             epoch: link.descriptor.epoch,
@@ -347,6 +347,12 @@ impl TargetSide for EngineInner {
 impl EngineInner {
     pub(crate) fn segment_descriptor(&self) -> SegmentDescriptor {
         let registrations = self.registry.exported().into_iter().filter(|r| r.permission.remote_read()).collect();
-        SegmentDescriptor { endpoint: self.own_endpoint(), epoch: self.epoch, pid: std::process::id(), registrations }
+        SegmentDescriptor {
+            endpoint: self.own_endpoint(),
+            epoch: self.epoch,
+            pid: std::process::id(),
+            boot_id: self.boot_id,
+            registrations,
+        }
     }
 }
