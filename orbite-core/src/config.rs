@@ -80,6 +80,9 @@ pub struct EngineConfig {
     pub max_frame_body: u64,
     /// Largest notification payload, in bytes. Default 64 KiB.
     pub max_notification_bytes: u64,
+    /// Route policy for peer transfers: "auto" (shm, then cma, then tcp),
+    /// "tcp", "shm" or "cma". Transfers may override it. Default "auto".
+    pub route: crate::batch::RoutePolicy,
 }
 
 impl Default for EngineConfig {
@@ -108,6 +111,7 @@ impl Default for EngineConfig {
             peer_timeout_ms: 10_000,
             max_frame_body: MIB,
             max_notification_bytes: 64 * KIB,
+            route: crate::batch::RoutePolicy::Auto,
         }
     }
 }

@@ -168,6 +168,14 @@ pub enum PeerError {
         /// Its detail text.
         detail: String,
     },
+    /// A forced route cannot reach these ranges of this peer.
+    #[error("route {route:?} is not available: {reason}")]
+    RouteUnavailable {
+        /// The forced route.
+        route: crate::batch::Route,
+        /// Why not.
+        reason: String,
+    },
     /// A notification larger than `max_notification_bytes`.
     #[error("notification of {len} bytes exceeds the limit of {limit}")]
     NotificationTooLarge {

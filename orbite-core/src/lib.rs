@@ -55,8 +55,8 @@ mod transport;
 pub mod wire;
 
 pub use batch::{
-    Desc, ExecutionPhase, Intent, LogicalOutcome, Op, OutcomeCode, RemoteEffect, RetirementReceipt, Target,
-    TransferOptions, TransferResult, TransferSpec, TransferStatus,
+    Desc, ExecutionPhase, Intent, LogicalOutcome, Op, OutcomeCode, RemoteEffect, RetirementReceipt, Route, RouteChoice,
+    RoutePolicy, Target, TransferOptions, TransferResult, TransferSpec, TransferStatus,
 };
 pub use charge::Stats;
 pub use config::EngineConfig;

@@ -16,7 +16,9 @@ fn peer_process_entry() {
 }
 
 fn initiator() -> TransferEngine {
-    engine(r#"{"listen": "127.0.0.1:0", "task_bytes": 262144, "peer_timeout_ms": 2000}"#)
+    // The TCP route is forced: peers here are on the same host, where auto
+    // would pick a one-sided route.
+    engine(r#"{"listen": "127.0.0.1:0", "task_bytes": 262144, "peer_timeout_ms": 2000, "route": "tcp"}"#)
 }
 
 /// N01 (TCP): fragmented lists both ways, guards around every range,

@@ -68,6 +68,45 @@ pub enum Target<'a> {
     Peer(&'a crate::RemoteSegment),
 }
 
+/// How bytes reach a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Route {
+    /// Copies inside this engine (the self connection).
+    Loopback,
+    /// Frames over TCP; the peer's CPU lands the bytes.
+    Tcp,
+    /// One-sided copies into a peer's shared allocation mapped here.
+    Shm,
+    /// One-sided cross-memory copies into a same-host peer's memory.
+    Cma,
+}
+
+/// Which route a transfer to a peer may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RoutePolicy {
+    /// shm if every target range is a shared allocation on this boot, else
+    /// cma if the peer is on this boot and the kernel permits it, else tcp.
+    #[default]
+    Auto,
+    /// Only tcp.
+    Tcp,
+    /// Only shm; a transfer that cannot use it fails at prepare.
+    Shm,
+    /// Only cma; a transfer that cannot use it fails at prepare.
+    Cma,
+}
+
+/// The route a transfer takes, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RouteChoice {
+    /// The route.
+    pub route: Route,
+    /// Why it was chosen (the policy and what ruled the others out).
+    pub reason: String,
+}
+
 /// Per-transfer options.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TransferOptions {
@@ -75,11 +114,13 @@ pub struct TransferOptions {
     pub intent: Intent,
     /// Measured from each post: work not started by then never starts.
     pub deadline: Option<Duration>,
+    /// Route policy for a peer transfer (default: the engine's `route`).
+    pub route: Option<RoutePolicy>,
 }
 
 impl Default for TransferOptions {
     fn default() -> Self {
-        TransferOptions { intent: Intent::Normal, deadline: None }
+        TransferOptions { intent: Intent::Normal, deadline: None, route: None }
     }
 }
 

@@ -52,8 +52,8 @@ struct View {
 pub(crate) enum RemoteSide<'a> {
     /// This engine's own registry (the self connection).
     Loopback,
-    /// A peer's imported registrations, by raw id.
-    Peer(&'a HashMap<u64, ExportedRegistration>),
+    /// A peer's imported registrations, by raw id, reached by `route`.
+    Peer { regs: &'a HashMap<u64, ExportedRegistration>, route: crate::batch::Route, peer: &'a crate::engine::PeerRef },
 }
 
 /// A resolved descriptor: an address (or, on a peer, an offset in the
@@ -155,10 +155,24 @@ pub(crate) fn build(
         RemoteSide::Loopback => {
             resolve("remote", spec.remote, config, Some(needs), |id| local_view(table, id), &mut ids)?
         }
-        RemoteSide::Peer(regs) => {
+        RemoteSide::Peer { regs, route, peer } => {
             let peer_view = |id: RegistrationId| -> Result<View, Error> {
                 let r = regs.get(&id.to_raw()).ok_or(PeerError::UnknownRemoteRegistration(id))?;
-                Ok(View { id, base: 0, wire_id: id.to_raw(), len: r.len, permission: r.permission, loan: false })
+                // tcp: offsets in the peer's registration, named on the wire;
+                // shm: addresses of its shared allocation mapped here;
+                // cma: addresses in the peer's process.
+                let (base, wire_id) = match route {
+                    crate::batch::Route::Shm => (
+                        peer.shm_base(r).ok_or(PeerError::RouteUnavailable {
+                            route,
+                            reason: format!("{id} is not mapped shared memory"),
+                        })?,
+                        0,
+                    ),
+                    crate::batch::Route::Cma => (r.addr, 0),
+                    _ => (0, id.to_raw()),
+                };
+                Ok(View { id, base, wire_id, len: r.len, permission: r.permission, loan: false })
             };
             resolve("remote", spec.remote, config, Some(needs), peer_view, &mut ids)?
         }
@@ -246,7 +260,7 @@ fn build_program(op: Op, local: &[Resolved], remote: &[Resolved], task_bytes: u6
     if task.bytes > 0 {
         tasks.push(task);
     }
-    CopyProgram { op, spans, tasks }
+    CopyProgram { op, cma_pid: None, spans, tasks }
 }
 
 #[cfg(test)]

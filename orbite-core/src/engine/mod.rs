@@ -8,6 +8,7 @@
 mod peer;
 mod transfer;
 
+pub(crate) use peer::Peer as PeerRef;
 pub use peer::{Notification, RemoteSegment};
 pub use transfer::{ReleaseRefused, Transfer};
 
@@ -22,7 +23,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::admission::AdmissionQueue;
 use crate::batch::lifecycle::TransferLifecycle;
 use crate::batch::plan;
-use crate::batch::{ExecutionPhase, TransferSpec, TransferStatus};
+use crate::batch::{ExecutionPhase, Route, RouteChoice, TransferSpec, TransferStatus};
 use crate::charge::{Charge, Counter, Counters, Stats};
 use crate::config::EngineConfig;
 use crate::error::{Error, Resource};
@@ -82,6 +83,8 @@ pub(crate) struct EngineInner {
     notification_arrived: Condvar,
     #[cfg(feature = "fault-injection")]
     remote_hold: (Mutex<bool>, Condvar),
+    #[cfg(feature = "fault-injection")]
+    deny_cma: AtomicBool,
 }
 
 /// A random, nonzero 64-bit epoch.
@@ -164,9 +167,11 @@ impl EngineInner {
                 graveyard.extend(queue.pop_front(class));
             }
             let job = RouteTask { engine: self.clone(), transfer: transfer.clone(), seq, task, in_flight };
-            match &transfer.target {
-                PlanTarget::Loopback => self.route.submit(job),
-                PlanTarget::Peer(p) => p.link.submit(PeerJob::Task(job)),
+            match (&transfer.target, transfer.route.route) {
+                (PlanTarget::Peer(p), Route::Tcp) => p.link.submit(PeerJob::Task(job)),
+                // The self connection and the one-sided routes copy on the
+                // local workers: the peer spends no CPU.
+                _ => self.route.submit(job),
             }
         }
     }
@@ -368,6 +373,8 @@ impl TransferEngine {
             notification_arrived: Condvar::new(),
             #[cfg(feature = "fault-injection")]
             remote_hold: (Mutex::new(false), Condvar::new()),
+            #[cfg(feature = "fault-injection")]
+            deny_cma: AtomicBool::new(false),
             config,
         });
         if let Some(bind) = inner.config.listen.clone() {
@@ -455,23 +462,30 @@ impl TransferEngine {
             Resource::PreparedTransfers,
             inner.config.max_prepared_transfers,
         )?;
-        let target = match spec.target {
-            crate::Target::Loopback => PlanTarget::Loopback,
+        let (target, route) = match spec.target {
+            crate::Target::Loopback => {
+                (PlanTarget::Loopback, RouteChoice { route: Route::Loopback, reason: "self connection".into() })
+            }
             crate::Target::Peer(seg) => {
                 if let Some(e) = seg.peer.refusal(inner) {
                     return Err(e.into());
                 }
-                PlanTarget::Peer(seg.peer.clone())
+                let policy = spec.options.route.unwrap_or(inner.config.route);
+                let route = inner.choose_route(&seg.peer, policy, spec.remote)?;
+                (PlanTarget::Peer(seg.peer.clone()), route)
             }
         };
-        let (plan, loans) = {
+        let (mut plan, loans) = {
             let remote_side = match &target {
                 PlanTarget::Loopback => plan::RemoteSide::Loopback,
-                PlanTarget::Peer(p) => plan::RemoteSide::Peer(&p.regs),
+                PlanTarget::Peer(p) => plan::RemoteSide::Peer { regs: &p.regs, route: route.route, peer: p },
             };
             let table = inner.registry.lock();
             plan::build(spec, remote_side, &table, &inner.config)?
         };
+        if let (PlanTarget::Peer(p), Route::Cma) = (&target, route.route) {
+            plan.program.cma_pid = Some(p.pid);
+        }
         if plan.program.tasks.len() > u32::MAX as usize {
             return Err(Error::ResourceExhausted {
                 resource: Resource::DescriptorsPerTransfer,
@@ -483,6 +497,7 @@ impl TransferEngine {
             id: inner.next_transfer.fetch_add(1, Ordering::Relaxed),
             plan,
             target,
+            route,
             cell: Mutex::new(Cell {
                 life: TransferLifecycle::NotPosted,
                 exec_charge: None,
@@ -620,6 +635,13 @@ impl TransferEngine {
         let (m, cv) = &self.inner().remote_hold;
         *m.lock() = on;
         cv.notify_all();
+    }
+
+    /// Test-only: the CMA probe of segments opened from now on reports a
+    /// denial, as a kernel that forbids cross-memory access would.
+    #[cfg(feature = "fault-injection")]
+    pub fn deny_cma_for_tests(&self, on: bool) {
+        self.inner().deny_cma.store(on, Ordering::Release);
     }
 
     /// Test-only fault hooks of the local route.

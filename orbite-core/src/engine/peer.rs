@@ -34,12 +34,67 @@ pub(crate) struct PeerState {
     close: Option<Result<(), PeerError>>,
 }
 
+/// A peer's shared allocation mapped into this process.
+pub(crate) struct ShmMapping {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+// SAFETY: a shared mapping owned by this value; transfers access it only
+// through spans whose lifetimes are bounded by the owning `Peer`.
+unsafe impl Send for ShmMapping {}
+// SAFETY: as above.
+unsafe impl Sync for ShmMapping {}
+
+impl Drop for ShmMapping {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `map_shared`, unmapped once, after the
+        // last transfer holding its peer is gone.
+        unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// Maps a peer's shared allocation `/dev/shm/<name>`.
+fn map_shared(name: &str) -> Result<ShmMapping, String> {
+    use std::os::fd::AsRawFd;
+    let path = std::path::Path::new("/dev/shm").join(name);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+    let len = file.metadata().map_err(|e| e.to_string())?.len() as usize;
+    if len == 0 {
+        return Err(format!("{} is empty", path.display()));
+    }
+    // SAFETY: a fresh shared mapping of the whole file; nothing in this
+    // process aliases it yet.
+    let raw = unsafe {
+        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd(), 0)
+    };
+    if raw == libc::MAP_FAILED {
+        return Err(format!("cannot map {}: {}", path.display(), std::io::Error::last_os_error()));
+    }
+    Ok(ShmMapping { ptr: raw.cast(), len })
+}
+
+/// How one peer's target ranges are reached from this process.
+pub(crate) struct SameHost {
+    /// Shared allocations of the peer, mapped here (or why not).
+    pub maps: HashMap<String, Result<Arc<ShmMapping>, String>>,
+    /// Whether the kernel lets this process use CMA on the peer.
+    pub cma: Result<(), String>,
+}
+
 /// One opened peer epoch.
 pub(crate) struct Peer {
     pub link: Arc<PeerLink<RouteTask>>,
     pub endpoint: String,
     pub epoch: u64,
+    pub pid: i32,
     pub regs: HashMap<u64, ExportedRegistration>,
+    /// `Err(why)` when the peer is not on this boot.
+    pub same_host: Result<SameHost, String>,
     state: Mutex<PeerState>,
     active: AtomicU64,
     drain_lock: Mutex<()>,
@@ -97,6 +152,16 @@ impl Peer {
         };
         self.state.lock().close = Some(result.clone());
         result
+    }
+}
+
+impl Peer {
+    /// Where a shared registration of the peer is mapped in this process.
+    pub fn shm_base(&self, r: &ExportedRegistration) -> Option<u64> {
+        let h = self.same_host.as_ref().ok()?;
+        let (name, offset) = r.shm.as_ref()?;
+        let map = h.maps.get(name)?.as_ref().ok()?;
+        (offset.checked_add(r.len)? <= map.len as u64).then(|| map.ptr as u64 + offset)
     }
 }
 
@@ -175,10 +240,14 @@ impl EngineInner {
             OpenError::Protocol(m) => PeerError::Protocol(m),
             OpenError::EpochMismatch { expected, found } => PeerError::EpochMismatch { expected, found },
         })?;
-        let regs = link.descriptor.registrations.iter().map(|r| (r.id.to_raw(), r.clone())).collect();
+        let regs: HashMap<u64, ExportedRegistration> =
+            link.descriptor.registrations.iter().map(|r| (r.id.to_raw(), r.clone())).collect();
+        let same_host = self.same_host(&link.descriptor);
         let peer = Arc::new(Peer {
             endpoint: endpoint.to_owned(),
             epoch: link.descriptor.epoch,
+            pid: link.descriptor.pid as i32,
+            same_host,
             link,
             regs,
             state: Mutex::new(PeerState { fenced: false, close: None }),
@@ -191,6 +260,82 @@ impl EngineInner {
         all.retain(|w| w.strong_count() > 0);
         all.push(Arc::downgrade(&peer));
         Ok(RemoteSegment { peer })
+    }
+
+    /// Maps a same-boot peer's shared allocations and probes CMA.
+    fn same_host(&self, d: &SegmentDescriptor) -> Result<SameHost, String> {
+        if !d.same_boot(&self.boot_id) {
+            return Err("peer is not on this boot".into());
+        }
+        let mut maps = HashMap::new();
+        for r in &d.registrations {
+            if let Some((name, _)) = &r.shm {
+                maps.entry(name.clone()).or_insert_with(|| map_shared(name).map(Arc::new));
+            }
+        }
+        let probe_at = d.registrations.iter().find(|r| r.permission.remote_read() && r.len > 0).map(|r| r.addr);
+        #[cfg_attr(not(feature = "fault-injection"), allow(unused_mut))]
+        let mut cma = match probe_at {
+            Some(addr) => crate::transport::cma::probe(d.pid as i32, addr),
+            None => Err("the peer exports no readable registration to probe".into()),
+        };
+        #[cfg(feature = "fault-injection")]
+        if self.deny_cma.load(Ordering::Acquire) {
+            cma = Err("process_vm_readv denied (injected by a test)".into());
+        }
+        Ok(SameHost { maps, cma })
+    }
+
+    /// Picks the route of a peer transfer under `policy`, and resolves how
+    /// each target range is addressed on it.
+    pub(crate) fn choose_route(
+        &self,
+        peer: &Peer,
+        policy: crate::batch::RoutePolicy,
+        remote: &[crate::batch::Desc],
+    ) -> Result<crate::batch::RouteChoice, PeerError> {
+        use crate::batch::{Route, RouteChoice, RoutePolicy};
+        let shm = match &peer.same_host {
+            Err(why) => Err(why.clone()),
+            Ok(h) => remote
+                .iter()
+                .try_for_each(|d| {
+                    let r = peer.regs.get(&d.registration.to_raw()).ok_or("names an unknown registration")?;
+                    let (name, offset) = r.shm.as_ref().ok_or("not every target range is shared memory")?;
+                    let map = h
+                        .maps
+                        .get(name)
+                        .ok_or("shared allocation not mapped")?
+                        .as_ref()
+                        .map_err(|_| "shared allocation could not be mapped")?;
+                    match offset.checked_add(r.len) {
+                        Some(end) if end <= map.len as u64 => Ok(()),
+                        _ => Err("registration outside its shared allocation"),
+                    }
+                })
+                .map_err(str::to_owned),
+        };
+        let cma = match &peer.same_host {
+            Err(why) => Err(why.clone()),
+            Ok(h) => h.cma.clone(),
+        };
+        let pick = |route, reason: String| Ok(RouteChoice { route, reason });
+        match policy {
+            RoutePolicy::Tcp => pick(Route::Tcp, "policy tcp".into()),
+            RoutePolicy::Shm => match shm {
+                Ok(()) => pick(Route::Shm, "policy shm".into()),
+                Err(reason) => Err(PeerError::RouteUnavailable { route: Route::Shm, reason }),
+            },
+            RoutePolicy::Cma => match cma {
+                Ok(()) => pick(Route::Cma, "policy cma".into()),
+                Err(reason) => Err(PeerError::RouteUnavailable { route: Route::Cma, reason }),
+            },
+            RoutePolicy::Auto => match (shm, cma) {
+                (Ok(()), _) => pick(Route::Shm, "auto: every target range is shared memory on this boot".into()),
+                (Err(no_shm), Ok(())) => pick(Route::Cma, format!("auto: same boot, CMA permitted; not shm: {no_shm}")),
+                (Err(no_shm), Err(no_cma)) => pick(Route::Tcp, format!("auto: not shm: {no_shm}; not cma: {no_cma}")),
+            },
+        }
     }
 
     pub(crate) fn close_segment(&self, seg: &RemoteSegment, timeout: Duration) -> Result<(), Error> {

@@ -47,6 +47,7 @@ pub(crate) struct TransferShared {
     pub id: u64,
     pub plan: Plan,
     pub target: PlanTarget,
+    pub route: crate::batch::RouteChoice,
     pub cell: Mutex<Cell>,
     pub retired: Condvar,
     /// Retirements so far; lets `wait` poll briefly without the lock.
@@ -214,6 +215,11 @@ impl Transfer {
     /// Engine-unique id of this transfer.
     pub fn id(&self) -> u64 {
         self.shared.id
+    }
+
+    /// The route the transfer takes, and why it was chosen.
+    pub fn route(&self) -> &crate::batch::RouteChoice {
+        &self.shared.route
     }
 
     /// Bytes the transfer moves.

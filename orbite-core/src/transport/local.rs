@@ -181,13 +181,32 @@ pub(crate) fn poll(pending: &AtomicUsize, spin: Duration) -> bool {
 
 #[cfg_attr(feature = "fault-injection", allow(dead_code))]
 fn run<J: CopyJob>(job: J, busy_ns: &AtomicU64) {
-    let start = Instant::now();
-    // SAFETY: the job retains the range loans of every span (CopyJob
-    // contract), and the lifecycle admits each task once.
-    let done = unsafe { copy_spans(job.program().op, job.spans(), u64::MAX) };
-    busy_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    let (done, end) = copy(&job, u64::MAX, busy_ns);
     let planned = job.planned();
-    job.finish(TaskReport { planned, done, end: TaskEnd::Complete });
+    job.finish(TaskReport { planned, done, end: end.unwrap_or(TaskEnd::Complete) });
+}
+
+/// Copies a task (at most `limit` bytes) by the program's means: memory of
+/// this process (self connection, mapped shared memory) or CMA. Returns
+/// the bytes moved and, on failure, how the task ended.
+fn copy<J: CopyJob>(job: &J, limit: u64, busy_ns: &AtomicU64) -> (u64, Option<TaskEnd>) {
+    let start = Instant::now();
+    let p = job.program();
+    let result = match p.cma_pid {
+        // SAFETY: the job retains the range loans of every local span
+        // (CopyJob contract); remote addresses are checked by the kernel.
+        Some(pid) => match unsafe { crate::transport::cma::copy(pid, p.op, job.spans(), limit) } {
+            Ok(done) => (done, None),
+            // A WRITE into a peer that failed (or died) mid-copy may have
+            // landed more than we can prove.
+            Err((done, _)) => (done, Some(TaskEnd::Failed { effect_unknown: p.op == crate::batch::Op::Write })),
+        },
+        // SAFETY: the job retains the range loans (and mappings) of every
+        // span, and the lifecycle admits each task once.
+        None => (unsafe { copy_spans(p.op, job.spans(), limit) }, None),
+    };
+    busy_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    result
 }
 
 #[cfg(feature = "fault-injection")]
@@ -198,7 +217,6 @@ fn run_faulty<J: CopyJob>(job: J, directive: FaultDirective, busy_ns: &AtomicU64
         FaultDirective::Short { bytes } => (bytes.min(planned), TaskEnd::Short),
         FaultDirective::Fail { bytes, effect_unknown } => (bytes.min(planned), TaskEnd::Failed { effect_unknown }),
     };
-    // SAFETY: as in `run`.
-    let done = unsafe { copy_spans(job.program().op, job.spans(), limit) };
-    job.finish(TaskReport { planned, done, end });
+    let (done, failed) = copy(&job, limit, busy_ns);
+    job.finish(TaskReport { planned, done, end: failed.unwrap_or(end) });
 }

@@ -1,6 +1,7 @@
 //! Routes: the workers that move bytes. A route knows spans and completions,
 //! never policy: admission, lifecycle and accounting live above it.
 
+pub(crate) mod cma;
 pub(crate) mod local;
 pub(crate) mod sock;
 pub(crate) mod tcp;
@@ -36,6 +37,9 @@ pub(crate) struct TaskRange {
 #[derive(Debug)]
 pub(crate) struct CopyProgram {
     pub op: Op,
+    /// For the CMA route: the peer's pid (`Span::remote` are addresses
+    /// there). `None`: both sides are addresses of this process.
+    pub cma_pid: Option<i32>,
     pub spans: Vec<Span>,
     pub tasks: Vec<TaskRange>,
 }
