@@ -49,6 +49,15 @@ pub enum Kind {
     NotifyAck = 8,
     /// A typed refusal of the request with the same id.
     Error = 9,
+    /// Initiator of a one-sided route asks the target to keep registrations
+    /// alive (fenced or not) until it returns them.
+    Borrow = 10,
+    /// The borrow is held.
+    BorrowAck = 11,
+    /// The initiator gives a borrow back.
+    Return = 12,
+    /// The borrow was dropped.
+    ReturnAck = 13,
 }
 
 impl Kind {
@@ -63,6 +72,10 @@ impl Kind {
             7 => Kind::Notify,
             8 => Kind::NotifyAck,
             9 => Kind::Error,
+            10 => Kind::Borrow,
+            11 => Kind::BorrowAck,
+            12 => Kind::Return,
+            13 => Kind::ReturnAck,
             _ => return None,
         })
     }
@@ -244,6 +257,35 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
     let mut a = [0u8; 8];
     a.copy_from_slice(&b[at..at + 8]);
     u64::from_le_bytes(a)
+}
+
+/// Flag of a Borrow frame: the borrower will write (not only read).
+pub const BORROW_WRITE: u8 = 1;
+
+/// Encodes a Borrow body: the borrow id, then a request body naming the
+/// registrations (whole ranges) to keep.
+pub fn encode_borrow(out: &mut Vec<u8>, borrow_id: u64, target_epoch: u64, descs: impl Iterator<Item = RemoteDesc>) {
+    let mut req = Vec::new();
+    encode_request(&mut req, target_epoch, descs);
+    out.clear();
+    out.extend_from_slice(&borrow_id.to_le_bytes());
+    out.extend_from_slice(&req);
+}
+
+/// Decodes a Borrow body.
+pub fn decode_borrow(body: &[u8]) -> Result<(u64, Request<'_>), WireError> {
+    if body.len() < 8 {
+        return Err(WireError::Malformed("borrow"));
+    }
+    Ok((u64_at(body, 0), Request::decode(&body[8..])?))
+}
+
+/// Decodes a Return body (the borrow id).
+pub fn decode_return(body: &[u8]) -> Result<u64, WireError> {
+    if body.len() != 8 {
+        return Err(WireError::Malformed("return"));
+    }
+    Ok(u64_at(body, 0))
 }
 
 /// Why a target refused a request (carried in an error frame).
@@ -439,6 +481,8 @@ mod tests {
             let _ = decode_notify(&bytes);
             let _ = decode_error(&bytes);
             let _ = decode_describe(&bytes);
+            let _ = decode_borrow(&bytes).map(|(id, r)| (id, r.total_len()));
+            let _ = decode_return(&bytes);
             let _ = crate::segment::SegmentDescriptor::decode(&bytes, 1 << 20);
         }
     }

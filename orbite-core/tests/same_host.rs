@@ -1,36 +1,195 @@
-//! Same-host routes: shm (one-sided copies into a peer's shared
-//! allocation mapped here) and cma (cross-memory copies into a peer's
-//! ordinary memory), with an explicit route policy.
+//! Same-host routes with real processes: shm (one-sided copies into a
+//! peer's shared allocation mapped here) and cma (cross-memory copies into
+//! a peer's ordinary memory), the route policy, target-side borrows, and
+//! peers dying mid-copy.
 
 mod common;
+mod peer;
+
+use std::time::Duration;
 
 use common::*;
 use orbite_core::*;
+use peer::{PeerProcess, REGION};
 
-fn listening() -> TransferEngine {
-    engine(r#"{"listen": "127.0.0.1:0"}"#)
+#[test]
+fn peer_process_entry() {
+    peer::entry();
+}
+
+fn initiator() -> TransferEngine {
+    engine(r#"{"task_bytes": 262144, "peer_timeout_ms": 3000}"#)
+}
+
+fn spec<'a>(op: Op, l: &'a [Desc], r: &'a [Desc], seg: &'a RemoteSegment) -> TransferSpec<'a> {
+    TransferSpec::new(op, l, r, Target::Peer(seg))
+}
+
+/// N01 (SHM part) and CMA: malloc memory never selects shm; an actual
+/// shared allocation does; bytes and guards agree both ways; charges come
+/// back to baseline only after drain.
+#[test]
+fn n01_shm_and_cma_fragmented_with_guards_and_charges() {
+    let mut p = PeerProcess::spawn();
+    let e = initiator();
+    let base = e.stats();
+    let seg = p.open(&e);
+    let local = region(&e, REGION, Permission::RemoteReadWrite);
+    let mut shm_bytes = PeerProcess::initial(0xEF);
+    let mut plain_bytes = PeerProcess::initial(0xAB);
+    // Ordinary memory of the peer cannot take the shm route.
+    let probe = [Desc::new(local.id, 0, 4096)];
+    let plain = [Desc::new(p.region, 0, 4096)];
+    let mut forced = spec(Op::Write, &probe, &plain, &seg);
+    forced.options.route = Some(RoutePolicy::Shm);
+    assert!(matches!(e.prepare(&forced), Err(Error::Peer(PeerError::RouteUnavailable { route: Route::Shm, .. }))));
+    for (round, op) in [Op::Write, Op::Read, Op::Write, Op::Read].into_iter().enumerate() {
+        for (target, want_route) in [(p.shm, Route::Shm), (p.region, Route::Cma)] {
+            let mut rng = Rng(round as u64 * 7 + want_route as u64);
+            let total = rng.range(200_000, 2_000_000);
+            let frag = rng.range(1, 100_000);
+            let ll = layout(&mut rng, total, frag, REGION as u64);
+            let frag = rng.range(1, 100_000);
+            let rl = layout(&mut rng, total, frag, REGION as u64);
+            fill(&local.mem, 500 + round as u64);
+            let before_local = snapshot(&local.mem);
+            let (l, r) = (descs(local.id, &ll), descs(target, &rl));
+            let t = e.prepare(&spec(op, &l, &r, &seg)).unwrap();
+            assert_eq!(t.route().route, want_route, "{}", t.route().reason);
+            t.post().unwrap();
+            let res = wait_retired(&t);
+            assert_eq!(res.outcome.code, OutcomeCode::Success, "{want_route:?} {op:?}: {res:?}");
+            let remote = if want_route == Route::Shm { &mut shm_bytes } else { &mut plain_bytes };
+            match op {
+                Op::Write => *remote = expected(&before_local, &ll, remote, &rl),
+                Op::Read => {
+                    assert_eq!(snapshot(&local.mem), expected(remote, &rl, &before_local, &ll), "local bytes or guards")
+                }
+            }
+            let got = if want_route == Route::Shm { p.shm_hash(0, REGION) } else { p.hash(0, REGION) };
+            assert_eq!(got, fnv(remote), "{want_route:?} {op:?}: remote bytes or guards differ");
+            assert_eq!(e.stats().executions, 0);
+            t.release().unwrap();
+        }
+    }
+    e.deregister(local.id).unwrap();
+    drop(local);
+    e.close_segment(&seg, WAIT).unwrap();
+    drop(seg);
+    assert_eq!(e.stats(), base);
 }
 
 #[test]
-fn smoke_routes_in_process() {
-    let t = listening();
-    let shm = t.allocate_shm_memory(1 << 20).unwrap();
-    let shm_id = t
-        .register_memory_ranges(vec![MemoryRange::host(&shm, 0, 1 << 20, Permission::RemoteReadWrite).unwrap()])
-        .unwrap()[0];
-    let plain = region(&t, 1 << 20, Permission::RemoteReadWrite);
-    let i = listening();
-    let src = region(&i, 1 << 20, Permission::RemoteReadWrite);
-    fill(&src.mem, 3);
-    let seg = i.open_segment(&t.endpoint().unwrap(), Some(t.source_epoch()), WAIT).unwrap();
-    let l = [Desc::new(src.id, 0, 1 << 20)];
-    for (remote, want) in [(shm_id, Route::Shm), (plain.id, Route::Cma)] {
-        let r = [Desc::new(remote, 0, 1 << 20)];
-        let x = i.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
-        assert_eq!(x.route().route, want, "{}", x.route().reason);
-        x.post().unwrap();
-        assert!(wait_retired(&x).outcome.is_success());
+fn cma_denied_falls_back_to_tcp_and_forced_routes_fail_at_prepare() {
+    let p = PeerProcess::spawn();
+    let e = initiator();
+    e.deny_cma_for_tests(true);
+    let seg = p.open(&e);
+    let local = region(&e, 1 << 20, Permission::RemoteReadWrite);
+    fill(&local.mem, 9);
+    let (l, r) = ([Desc::new(local.id, 0, 65536)], [Desc::new(p.region, 0, 65536)]);
+    let t = e.prepare(&spec(Op::Write, &l, &r, &seg)).unwrap();
+    assert_eq!(t.route().route, Route::Tcp);
+    assert!(t.route().reason.contains("denied"), "the fallback is recorded: {}", t.route().reason);
+    t.post().unwrap();
+    assert!(wait_retired(&t).outcome.is_success());
+    let mut forced = spec(Op::Write, &l, &r, &seg);
+    forced.options.route = Some(RoutePolicy::Cma);
+    let err = e.prepare(&forced).unwrap_err();
+    assert!(matches!(err, Error::Peer(PeerError::RouteUnavailable { route: Route::Cma, .. })), "{err}");
+    // Shared memory still takes shm under auto.
+    let rs = [Desc::new(p.shm, 0, 65536)];
+    assert_eq!(e.prepare(&spec(Op::Write, &l, &rs, &seg)).unwrap().route().route, Route::Shm);
+    // And tcp may always be forced.
+    let mut tcp = spec(Op::Write, &l, &rs, &seg);
+    tcp.options.route = Some(RoutePolicy::Tcp);
+    assert_eq!(e.prepare(&tcp).unwrap().route().route, Route::Tcp);
+}
+
+/// The target deregisters and drops memory that a one-sided borrower still
+/// uses: it stays alive until the borrower releases its transfer.
+#[test]
+fn target_keeps_memory_borrowed_by_one_sided_routes() {
+    let mut p = PeerProcess::spawn();
+    let e = initiator();
+    let seg = p.open(&e);
+    let local = region(&e, 1 << 20, Permission::RemoteReadWrite);
+    // The plain region is also covered by the peer's alias registration, so
+    // its memory outlives the deregistered registration.
+    for (target, route, dereg, drop_cmd, freed) in
+        [(p.shm, Route::Shm, "sdereg", "sdrop", 1), (p.region, Route::Cma, "dereg", "drop_region", 0)]
+    {
+        fill(&local.mem, 11);
+        let (l, r) = ([Desc::new(local.id, 0, 65536)], [Desc::new(target, 0, 65536)]);
+        let t = e.prepare(&spec(Op::Write, &l, &r, &seg)).unwrap();
+        assert_eq!(t.route().route, route);
+        t.post().unwrap(); // the first post borrows
+        assert!(wait_retired(&t).outcome.is_success());
+        let before = p.ask("stats");
+        assert_eq!(p.ask(dereg), "OK");
+        assert_eq!(p.ask(drop_cmd), "OK");
+        let during = p.ask("stats");
+        // Registrations unchanged, one more fenced: nothing was freed.
+        let fields = |s: &str| s.split_whitespace().skip(1).map(|x| x.parse::<u64>().unwrap()).collect::<Vec<_>>();
+        let (b, d) = (fields(&before), fields(&during));
+        assert_eq!((d[0], d[1], d[2]), (b[0], b[1] + 1, b[2]), "{before} -> {during}");
+        // A repost still lands in the (fenced, alive) memory.
+        fill(&local.mem, 12);
+        t.post().unwrap();
+        assert!(wait_retired(&t).outcome.is_success());
+        // A new transfer cannot borrow a fenced registration.
+        let t2 = e.prepare(&spec(Op::Write, &l, &r, &seg)).unwrap();
+        assert!(matches!(t2.post(), Err(Error::Peer(PeerError::Refused { .. }))));
+        drop(t2);
+        t.release().unwrap(); // returns the borrow
+        let start = std::time::Instant::now();
+        loop {
+            let after = fields(&p.ask("stats"));
+            if after[1] == b[1] {
+                assert_eq!((after[0], after[2]), (b[0] - 1, b[2] - freed), "owner freed after the return");
+                break;
+            }
+            assert!(start.elapsed() < WAIT, "the borrow was never returned");
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
-    assert_eq!(snapshot(&shm), snapshot(&src.mem));
-    assert_eq!(snapshot(&plain.mem), snapshot(&src.mem));
+}
+
+fn peer_dies_mid_copy(route: Route, op: Op) {
+    let mut p = PeerProcess::spawn();
+    let e = initiator();
+    let seg = p.open(&e);
+    let local = region(&e, REGION, Permission::RemoteReadWrite);
+    let target = if route == Route::Shm { p.shm } else { p.region };
+    let (l, r) = ([Desc::new(local.id, 0, 1 << 20)], [Desc::new(target, 0, 1 << 20)]);
+    let t = e.prepare(&spec(op, &l, &r, &seg)).unwrap();
+    assert_eq!(t.route().route, route);
+    e.fault_hooks().hold_all(true);
+    t.post().unwrap();
+    assert!(e.fault_hooks().wait_held(1, WAIT));
+    p.kill(); // dead and reaped before the held task runs
+    e.fault_hooks().hold_all(false);
+    e.fault_hooks().release_all();
+    let res = wait_retired(&t);
+    assert_eq!(res.outcome.code, OutcomeCode::Failed, "{route:?} {op:?}: {res:?}");
+    if op == Op::Write {
+        assert_eq!(res.outcome.remote_effect, RemoteEffect::Unknown);
+    }
+    assert!(matches!(t.post(), Err(Error::Batch(BatchError::RepostRefused { .. }))), "no replay");
+    assert!(e.wait_idle(WAIT));
+}
+
+#[test]
+fn peer_killed_during_shm_write() {
+    peer_dies_mid_copy(Route::Shm, Op::Write);
+}
+
+#[test]
+fn peer_killed_during_cma_write() {
+    peer_dies_mid_copy(Route::Cma, Op::Write);
+}
+
+#[test]
+fn peer_killed_during_cma_read() {
+    peer_dies_mid_copy(Route::Cma, Op::Read);
 }

@@ -78,8 +78,9 @@ fn n01_fragmented_write_and_read_with_guards_and_charges() {
     e.close_segment(&seg, WAIT).unwrap();
     drop(seg);
     assert_eq!(e.stats(), base);
-    // The target's loans are gone too: only its three registrations remain.
-    assert_eq!(p.ask("stats"), "STATS 3 0 2 0");
+    // The target's loans are gone too: only its four registrations remain
+    // (region, read-only, alias, shared) over three allocations.
+    assert_eq!(p.ask("stats"), "STATS 4 0 3 0");
 }
 
 /// The target fences a deregistered range at once but frees it only after
@@ -100,14 +101,15 @@ fn target_deregistration_waits_for_remote_borrowers() {
     std::thread::sleep(Duration::from_millis(100)); // the request reaches the target and is held
     assert_eq!(p.ask("dereg"), "OK");
     assert_eq!(p.ask("drop_region"), "OK");
-    // Fenced (1), still registered (3: read-only, alias, the fenced region), memory alive (2).
-    assert_eq!(p.ask("stats"), "STATS 3 1 2 0");
+    // Fenced (1), still registered (4: read-only, alias, shared, the fenced
+    // region), memory alive (3).
+    assert_eq!(p.ask("stats"), "STATS 4 1 3 0");
     assert!(!t.check().is_terminal());
     assert_eq!(p.ask("hold off"), "OK");
     assert!(wait_retired(&t).outcome.is_success());
     // Loans released after landing: the fenced registration is gone; the
     // memory stays for the alias that still covers it.
-    assert_eq!(p.ask("stats"), "STATS 2 0 2 0");
+    assert_eq!(p.ask("stats"), "STATS 3 0 3 0");
     // New requests against the deregistered range are refused by the target.
     t2.post().unwrap();
     let r2 = wait_retired(&t2);

@@ -73,6 +73,7 @@ pub(crate) struct EngineInner {
     progress_thread: Mutex<Option<JoinHandle<()>>>,
     /// This engine's identity for this run.
     epoch: u64,
+    next_borrow: AtomicU64,
     boot_id: [u8; 16],
     endpoint: OnceLock<String>,
     server: Mutex<Option<Server>>,
@@ -364,6 +365,7 @@ impl TransferEngine {
             next_transfer: AtomicU64::new(1),
             progress_thread: Mutex::new(None),
             epoch: new_epoch(),
+            next_borrow: AtomicU64::new(1),
             boot_id: crate::segment::local_boot_id(),
             endpoint: OnceLock::new(),
             server: Mutex::new(None),
@@ -483,9 +485,20 @@ impl TransferEngine {
             let table = inner.registry.lock();
             plan::build(spec, remote_side, &table, &inner.config)?
         };
-        if let (PlanTarget::Peer(p), Route::Cma) = (&target, route.route) {
-            plan.program.cma_pid = Some(p.pid);
+        if let PlanTarget::Peer(p) = &target {
+            if matches!(route.route, Route::Shm | Route::Cma) {
+                plan.program.peer_pid = Some(p.pid);
+            }
+            if route.route == Route::Cma {
+                plan.program.cma_pid = Some(p.pid);
+            }
         }
+        let mut remote_ids: Vec<u64> = match target {
+            PlanTarget::Peer(_) => spec.remote.iter().map(|d| d.registration.to_raw()).collect(),
+            PlanTarget::Loopback => Vec::new(),
+        };
+        remote_ids.sort_unstable();
+        remote_ids.dedup();
         if plan.program.tasks.len() > u32::MAX as usize {
             return Err(Error::ResourceExhausted {
                 resource: Resource::DescriptorsPerTransfer,
@@ -498,10 +511,11 @@ impl TransferEngine {
             plan,
             target,
             route,
+            remote_ids,
             cell: Mutex::new(Cell {
                 life: TransferLifecycle::NotPosted,
                 exec_charge: None,
-                owners: Some(Owners { loans, _charge: charge }),
+                owners: Some(Owners { loans, remote_loan: None, _charge: charge }),
                 orphaned: false,
             }),
             retired: Condvar::new(),

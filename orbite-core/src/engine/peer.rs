@@ -15,8 +15,8 @@ use crate::error::{Error, PeerError, Resource};
 use crate::registry::{Registration, RegistrationId};
 use crate::segment::{ExportedRegistration, SegmentDescriptor};
 use crate::transport::sock::iov;
-use crate::transport::tcp::{NotifyJob, PeerFailure, PeerJob, PeerLink, TargetSide};
-use crate::wire::{Limits, NotifyEnvelope, RemoteStatus, Request};
+use crate::transport::tcp::{ControlJob, PeerFailure, PeerJob, PeerLink, TargetSide};
+use crate::wire::{Kind, Limits, NotifyEnvelope, RemoteStatus, Request};
 
 /// A notification received by this engine.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -379,23 +379,33 @@ impl EngineInner {
         Ok(())
     }
 
-    /// Sends a standalone notification and waits for the peer's answer.
-    pub(crate) fn notify(&self, seg: &RemoteSegment, payload: &[u8]) -> Result<(), Error> {
-        self.check_notification_size(payload.len())?;
-        if let Some(e) = seg.peer.refusal(self) {
-            return Err(e.into());
-        }
+    /// A notification frame for `peer`, answered through `done`.
+    pub(crate) fn notification_job(
+        &self,
+        peer: &Peer,
+        payload: &[u8],
+        done: Box<dyn FnOnce(Result<(), PeerFailure>) + Send>,
+    ) -> PeerJob<RouteTask> {
+        let mut body = Vec::new();
+        let own = self.own_endpoint();
+        let env = NotifyEnvelope { sender_endpoint: &own, sender_epoch: self.epoch, target_epoch: peer.epoch, payload };
+        crate::wire::encode_notify(&mut body, &env);
+        PeerJob::Control(ControlJob { kind: Kind::Notify, flags: 0, body, done })
+    }
+
+    /// Sends one control frame to `peer` and waits for its answer (the
+    /// connection's I/O timeout bounds the wait).
+    fn call(
+        &self,
+        peer: &Peer,
+        make: impl FnOnce(Box<dyn FnOnce(Result<(), PeerFailure>) + Send>) -> PeerJob<RouteTask>,
+    ) -> Result<(), PeerError> {
         let slot: Arc<Reply> = Arc::new((Mutex::new(None), Condvar::new()));
         let s2 = slot.clone();
-        seg.peer.link.submit(PeerJob::Notify(NotifyJob {
-            payload: payload.into(),
-            sender_endpoint: self.own_endpoint(),
-            sender_epoch: self.epoch,
-            done: Box::new(move |r| {
-                *s2.0.lock() = Some(r);
-                s2.1.notify_all();
-            }),
-        }));
+        peer.link.submit(make(Box::new(move |r| {
+            *s2.0.lock() = Some(r);
+            s2.1.notify_all();
+        })));
         let spin_until = std::time::Instant::now() + self.config.spin();
         let mut g = slot.0.lock();
         while g.is_none() {
@@ -407,10 +417,55 @@ impl EngineInner {
         }
         match g.take() {
             Some(Ok(())) => Ok(()),
-            Some(Err(PeerFailure::Lost(why))) => Err(PeerError::Lost(why).into()),
-            Some(Err(PeerFailure::Refused(status, detail))) => Err(PeerError::Refused { status, detail }.into()),
-            None => Err(PeerError::Lost("no answer".into()).into()),
+            Some(Err(PeerFailure::Lost(why))) => Err(PeerError::Lost(why)),
+            Some(Err(PeerFailure::Refused(status, detail))) => Err(PeerError::Refused { status, detail }),
+            None => Err(PeerError::Lost("no answer".into())),
         }
+    }
+
+    /// Sends a standalone notification and waits for the peer's answer.
+    pub(crate) fn notify(&self, seg: &RemoteSegment, payload: &[u8]) -> Result<(), Error> {
+        self.check_notification_size(payload.len())?;
+        if let Some(e) = seg.peer.refusal(self) {
+            return Err(e.into());
+        }
+        Ok(self.call(&seg.peer, |done| self.notification_job(&seg.peer, payload, done))?)
+    }
+
+    /// Asks `peer` to keep registrations `ids` alive for a one-sided route
+    /// until the returned loan is dropped.
+    pub(crate) fn borrow(&self, peer: &Arc<Peer>, ids: &[u64], write: bool) -> Result<RemoteLoan, PeerError> {
+        let id = self.next_borrow.fetch_add(1, Ordering::Relaxed) ^ self.epoch.rotate_left(32);
+        let mut body = Vec::new();
+        crate::wire::encode_borrow(
+            &mut body,
+            id,
+            peer.epoch,
+            ids.iter().filter_map(|raw| {
+                peer.regs.get(raw).map(|r| crate::wire::RemoteDesc { registration: *raw, offset: 0, len: r.len })
+            }),
+        );
+        let flags = if write { crate::wire::BORROW_WRITE } else { 0 };
+        self.call(peer, |done| PeerJob::Control(ControlJob { kind: Kind::Borrow, flags, body, done }))?;
+        Ok(RemoteLoan { peer: peer.clone(), id })
+    }
+}
+
+/// Registrations a same-host peer keeps alive for this engine's one-sided
+/// copies; given back (asynchronously) when dropped.
+pub(crate) struct RemoteLoan {
+    peer: Arc<Peer>,
+    id: u64,
+}
+
+impl Drop for RemoteLoan {
+    fn drop(&mut self) {
+        self.peer.link.submit(PeerJob::Control(ControlJob {
+            kind: Kind::Return,
+            flags: 0,
+            body: self.id.to_le_bytes().to_vec(),
+            done: Box::new(|_| {}),
+        }));
     }
 }
 

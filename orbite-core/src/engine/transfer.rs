@@ -19,12 +19,13 @@ use crate::engine::peer::{Notification, Peer};
 use crate::engine::{EngineInner, QueuedExec};
 use crate::error::{BatchError, Error, RegistryError, Resource};
 use crate::registry::Registration;
-use crate::transport::tcp::{NotifyJob, PeerJob};
 use crate::transport::{CopyJob, CopyProgram};
 
 /// What a transfer owns apart from its program: refunded on release.
 pub(crate) struct Owners {
     pub loans: Vec<Arc<Registration>>,
+    /// For a one-sided route: what the peer keeps alive for us.
+    pub remote_loan: Option<crate::engine::peer::RemoteLoan>,
     pub _charge: Charge,
 }
 
@@ -48,6 +49,9 @@ pub(crate) struct TransferShared {
     pub plan: Plan,
     pub target: PlanTarget,
     pub route: crate::batch::RouteChoice,
+    /// Raw ids of the peer registrations the transfer names (one-sided
+    /// routes borrow them).
+    pub remote_ids: Vec<u64>,
     pub cell: Mutex<Cell>,
     pub retired: Condvar,
     /// Retirements so far; lets `wait` poll briefly without the lock.
@@ -166,12 +170,8 @@ fn send_transfer_notification(engine: &Arc<EngineInner>, transfer: &Arc<Transfer
         }
         PlanTarget::Peer(p) => {
             let (e, t) = (engine.clone(), transfer.clone());
-            p.link.submit(PeerJob::Notify(NotifyJob {
-                payload,
-                sender_endpoint: engine.own_endpoint(),
-                sender_epoch: engine.epoch,
-                done: Box::new(move |r| notification_ended(&e, &t, seq, r.is_ok())),
-            }));
+            let done = Box::new(move |r: Result<(), _>| notification_ended(&e, &t, seq, r.is_ok()));
+            p.link.submit(engine.notification_job(p, &payload, done));
         }
     }
 }
@@ -242,6 +242,7 @@ impl Transfer {
         if engine.is_closed() {
             return Err(Error::Closed);
         }
+        self.borrow_remote()?;
         let config = &engine.config;
         let exec_charge =
             Charge::limited(&engine.counters, Counter::Executions, 1, Resource::Executions, config.max_executions)?;
@@ -292,6 +293,31 @@ impl Transfer {
             std::mem::take(&mut a.graveyard)
         };
         drop(grave);
+        Ok(())
+    }
+
+    /// On a one-sided route, makes sure the peer keeps the target ranges
+    /// alive (once per transfer; one round trip on its first post).
+    fn borrow_remote(&self) -> Result<(), Error> {
+        let (PlanTarget::Peer(p), crate::batch::Route::Shm | crate::batch::Route::Cma) =
+            (&self.shared.target, self.shared.route.route)
+        else {
+            return Ok(());
+        };
+        if self.shared.cell.lock().owners.as_ref().is_some_and(|o| o.remote_loan.is_some()) {
+            return Ok(());
+        }
+        if let Some(e) = p.refusal(&self.engine) {
+            return Err(e.into());
+        }
+        let write = self.shared.plan.program.op == crate::batch::Op::Write;
+        let loan = self.engine.borrow(p, &self.shared.remote_ids, write)?;
+        let mut cell = self.shared.cell.lock();
+        if let Some(o) = cell.owners.as_mut() {
+            if o.remote_loan.is_none() {
+                o.remote_loan = Some(loan);
+            }
+        }
         Ok(())
     }
 

@@ -22,6 +22,13 @@ pub(crate) fn probe(pid: i32, addr: u64) -> Result<(), String> {
     if r == 1 { Ok(()) } else { Err(format!("process_vm_readv denied: {}", io::Error::last_os_error())) }
 }
 
+/// True while process `pid` exists (signal 0 checks without sending).
+pub(crate) fn alive(pid: i32) -> bool {
+    // SAFETY: signal 0 performs only the existence and permission check.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
 /// Copies the spans in order (at most `limit` bytes) between this process
 /// (`span.local`) and `pid` (`span.remote`, an address there). Returns the
 /// bytes moved, or the bytes moved before an error and the error.

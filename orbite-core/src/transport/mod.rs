@@ -40,6 +40,9 @@ pub(crate) struct CopyProgram {
     /// For the CMA route: the peer's pid (`Span::remote` are addresses
     /// there). `None`: both sides are addresses of this process.
     pub cma_pid: Option<i32>,
+    /// For one-sided routes (shm, cma): the peer process, checked after each
+    /// task: bytes that went into a dead peer's memory did not reach it.
+    pub peer_pid: Option<i32>,
     pub spans: Vec<Span>,
     pub tasks: Vec<TaskRange>,
 }

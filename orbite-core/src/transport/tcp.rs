@@ -30,6 +30,13 @@ use crate::transport::local::{claim, poll};
 use crate::transport::sock::{discard, iov, read_exact, readv_all, writev_all};
 use crate::wire::{self, Header, Kind, Limits, NotifyEnvelope, RemoteDesc, RemoteStatus, Request, WireError};
 
+/// Borrows held for initiators of one-sided routes: id to (connection,
+/// range loans). A connection's borrows end with it.
+type BorrowTable = Mutex<std::collections::HashMap<u64, (u64, Vec<Arc<Registration>>)>>;
+
+/// Most borrows one server holds at once.
+const MAX_BORROWS: usize = 65_536;
+
 /// What the target side of the engine provides to the server.
 pub(crate) trait TargetSide: Send + Sync + 'static {
     /// This engine's epoch.
@@ -70,6 +77,7 @@ impl Server {
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<Vec<(u64, TcpStream)>>> = Arc::new(Mutex::new(Vec::new()));
+        let borrows: Arc<BorrowTable> = Arc::new(Mutex::new(std::collections::HashMap::new()));
         let threads: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::new(Mutex::new(Vec::new()));
         let accept = {
             let (stop, conns, threads) = (stop.clone(), conns.clone(), threads.clone());
@@ -85,10 +93,20 @@ impl Server {
                     next += 1;
                     let id = next;
                     conns.lock().push((id, clone));
-                    let (side, conns2) = (side.clone(), conns.clone());
+                    let (side, conns2, borrows) = (side.clone(), conns.clone(), borrows.clone());
                     let spawned = std::thread::Builder::new().name("orbite-serve".into()).spawn(move || {
-                        serve_connection(stream, &side);
+                        serve_connection(stream, &side, id, &borrows);
                         conns2.lock().retain(|(i, _)| *i != id);
+                        // The borrower is gone with its connection: give back
+                        // its loans (dropped outside the lock).
+                        let mut ended = Vec::new();
+                        borrows.lock().retain(|_, (conn, loans)| {
+                            if *conn == id {
+                                ended.push(std::mem::take(loans));
+                            }
+                            *conn != id
+                        });
+                        drop(ended);
                     });
                     match spawned {
                         Ok(h) => {
@@ -136,7 +154,7 @@ struct Scratch {
     discard: Vec<u8>,
 }
 
-fn serve_connection(stream: TcpStream, side: &Weak<dyn TargetSide>) {
+fn serve_connection(stream: TcpStream, side: &Weak<dyn TargetSide>, conn: u64, borrows: &BorrowTable) {
     let fd = stream.as_raw_fd();
     let mut s = Scratch { discard: vec![0u8; 64 * 1024], ..Scratch::default() };
     loop {
@@ -150,7 +168,7 @@ fn serve_connection(stream: TcpStream, side: &Weak<dyn TargetSide>) {
         if read_exact(fd, &mut s.body).is_err() {
             return;
         }
-        if serve_request(fd, &h, side.as_ref(), &mut s).is_err() {
+        if serve_request(fd, &h, side.as_ref(), &mut s, conn, borrows).is_err() {
             return; // malformed frame or broken connection: close this one only
         }
         s.loans.clear(); // range loans end after the bytes moved
@@ -186,8 +204,55 @@ fn send_error(fd: i32, request: u64, out: &mut Vec<u8>, status: RemoteStatus, de
     send_frame(fd, Kind::Error, request, out)
 }
 
-fn serve_request(fd: i32, h: &Header, side: &dyn TargetSide, s: &mut Scratch) -> Result<(), Close> {
+fn serve_request(
+    fd: i32,
+    h: &Header,
+    side: &dyn TargetSide,
+    s: &mut Scratch,
+    conn: u64,
+    borrows: &BorrowTable,
+) -> Result<(), Close> {
     match h.kind {
+        Kind::Borrow => {
+            let (borrow_id, req) = wire::decode_borrow(&s.body)?;
+            if h.data_len != 0 {
+                return Err(Close::Malformed);
+            }
+            let write = h.flags & wire::BORROW_WRITE != 0;
+            let refusal = if req.target_epoch != side.epoch() {
+                Some((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
+            } else {
+                s.iovs.clear();
+                side.resolve(&req, write, &mut s.iovs, &mut s.loans).err()
+            };
+            let refusal = refusal.or_else(|| {
+                let mut table = borrows.lock();
+                if table.len() >= MAX_BORROWS {
+                    Some((RemoteStatus::ResourceExhausted, "too many borrows".to_owned()))
+                } else {
+                    match table.entry(borrow_id) {
+                        std::collections::hash_map::Entry::Occupied(_) => {
+                            Some((RemoteStatus::Other, "borrow id in use".to_owned()))
+                        }
+                        std::collections::hash_map::Entry::Vacant(v) => {
+                            v.insert((conn, std::mem::take(&mut s.loans)));
+                            None
+                        }
+                    }
+                }
+            });
+            s.loans.clear();
+            match refusal {
+                Some((status, detail)) => send_error(fd, h.request, &mut s.out, status, &detail)?,
+                None => send_frame(fd, Kind::BorrowAck, h.request, &[])?,
+            }
+        }
+        Kind::Return => {
+            let borrow_id = wire::decode_return(&s.body)?;
+            let ended = borrows.lock().remove(&borrow_id);
+            drop(ended);
+            send_frame(fd, Kind::ReturnAck, h.request, &[])?;
+        }
         Kind::Describe => {
             wire::decode_describe(&s.body)?;
             if h.data_len != 0 {
@@ -252,7 +317,13 @@ fn serve_request(fd: i32, h: &Header, side: &dyn TargetSide, s: &mut Scratch) ->
                 Err((status, detail)) => send_error(fd, h.request, &mut s.out, status, &detail)?,
             }
         }
-        Kind::DescribeReply | Kind::WriteAck | Kind::ReadReply | Kind::NotifyAck | Kind::Error => {
+        Kind::DescribeReply
+        | Kind::WriteAck
+        | Kind::ReadReply
+        | Kind::NotifyAck
+        | Kind::Error
+        | Kind::BorrowAck
+        | Kind::ReturnAck => {
             return Err(Close::Malformed);
         }
     }
@@ -268,17 +339,28 @@ pub(crate) enum PeerFailure {
     Refused(RemoteStatus, String),
 }
 
-/// A standalone notification for a peer.
-pub(crate) struct NotifyJob {
-    pub payload: Box<[u8]>,
-    pub sender_endpoint: String,
-    pub sender_epoch: u64,
+/// A control request for a peer (a notification, a borrow or a return):
+/// one frame with an encoded body, answered by one acknowledgement.
+pub(crate) struct ControlJob {
+    pub kind: Kind,
+    pub flags: u8,
+    pub body: Vec<u8>,
     pub done: Box<dyn FnOnce(Result<(), PeerFailure>) + Send>,
+}
+
+impl ControlJob {
+    fn expected_reply(&self) -> Kind {
+        match self.kind {
+            Kind::Borrow => Kind::BorrowAck,
+            Kind::Return => Kind::ReturnAck,
+            _ => Kind::NotifyAck,
+        }
+    }
 }
 
 pub(crate) enum PeerJob<J> {
     Task(J),
-    Notify(NotifyJob),
+    Control(ControlJob),
 }
 
 struct LinkQueue<J> {
@@ -422,8 +504,13 @@ impl<J: CopyJob> PeerLink<J> {
         self.queue.lock().closing = true;
         self.ready.notify_all();
         let threads = std::mem::take(&mut *self.threads.lock());
+        let me = std::thread::current().id();
         for t in threads {
-            let _ = t.join();
+            // The last owner of a link may be one of its own workers (it
+            // finished the last task): that one exits on its own.
+            if t.thread().id() != me {
+                let _ = t.join();
+            }
         }
         for s in self.streams.lock().drain(..) {
             let _ = s.shutdown(Shutdown::Both);
@@ -478,7 +565,7 @@ const PIPELINE_DEPTH: usize = 2;
 /// A request on the wire, waiting for its reply.
 enum Sent<J> {
     Task(J, u64),
-    Notify(NotifyJob, u64),
+    Control(ControlJob, u64),
 }
 
 fn connection_worker<J: CopyJob>(link: &PeerLink<J>, stream: TcpStream) {
@@ -506,8 +593,8 @@ fn connection_worker<J: CopyJob>(link: &PeerLink<J>, stream: TcpStream) {
                         continue;
                     }
                 },
-                PeerJob::Notify(n) => match send_notification(fd, link, &n, id, &mut s) {
-                    Ok(()) => Sent::Notify(n, id),
+                PeerJob::Control(n) => match send_control(fd, &n, id) {
+                    Ok(()) => Sent::Control(n, id),
                     Err(why) => {
                         link.mark_lost(why.clone());
                         (n.done)(Err(PeerFailure::Lost(why)));
@@ -526,8 +613,8 @@ fn connection_worker<J: CopyJob>(link: &PeerLink<J>, stream: TcpStream) {
                 }
                 j.finish(report);
             }
-            Sent::Notify(n, id) => {
-                let result = complete_notification(fd, link, id, &mut s);
+            Sent::Control(n, id) => {
+                let result = complete_control(fd, link, n.expected_reply(), id, &mut s);
                 if let Err(PeerFailure::Lost(why)) = &result {
                     link.mark_lost(why.clone());
                 }
@@ -545,7 +632,7 @@ fn fail_unsent<J: CopyJob>(job: PeerJob<J>, why: String) {
             let planned = j.planned();
             j.finish(TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: false } });
         }
-        PeerJob::Notify(n) => (n.done)(Err(PeerFailure::Lost(why))),
+        PeerJob::Control(n) => (n.done)(Err(PeerFailure::Lost(why))),
     }
 }
 
@@ -632,27 +719,25 @@ fn complete_task<J: CopyJob>(
     }
 }
 
-fn send_notification<J: CopyJob>(
-    fd: i32,
-    link: &PeerLink<J>,
-    n: &NotifyJob,
-    id: u64,
-    s: &mut Scratch,
-) -> Result<(), String> {
-    let env = NotifyEnvelope {
-        sender_endpoint: &n.sender_endpoint,
-        sender_epoch: n.sender_epoch,
-        target_epoch: link.descriptor.epoch,
-        payload: &n.payload,
-    };
-    wire::encode_notify(&mut s.out, &env);
-    send_frame(fd, Kind::Notify, id, &s.out).map_err(|e| format!("connection lost: {e}"))
+fn send_control(fd: i32, n: &ControlJob, id: u64) -> Result<(), String> {
+    let mut h = wire::header(n.kind, n.body.len(), 0, id);
+    h.flags = n.flags;
+    let hb = wire::encode_header(&h);
+    let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(n.body.as_ptr() as u64, n.body.len() as u64)];
+    // SAFETY: both entries borrow live buffers for the call.
+    unsafe { writev_all(fd, &mut v) }.map_err(|e| format!("connection lost: {e}"))
 }
 
-fn complete_notification<J: CopyJob>(fd: i32, link: &PeerLink<J>, id: u64, s: &mut Scratch) -> Result<(), PeerFailure> {
+fn complete_control<J: CopyJob>(
+    fd: i32,
+    link: &PeerLink<J>,
+    expected: Kind,
+    id: u64,
+    s: &mut Scratch,
+) -> Result<(), PeerFailure> {
     let h = read_reply(fd, link, id, s).map_err(PeerFailure::Lost)?;
     match h.kind {
-        Kind::NotifyAck => Ok(()),
+        k if k == expected => Ok(()),
         Kind::Error => match wire::decode_error(&s.body) {
             Ok((status, detail)) => Err(PeerFailure::Refused(status, detail)),
             Err(e) => Err(PeerFailure::Lost(format!("protocol violation: {e}"))),

@@ -31,8 +31,13 @@ pub fn entry() {
             MemoryRange::host(&r.mem, ALIAS_OFFSET, ALIAS_LEN, Permission::RemoteReadWrite).unwrap(),
         ])
         .unwrap()[0];
+    let shm = e.allocate_shm_memory(REGION).unwrap();
+    let shm_id = e
+        .register_memory_ranges(vec![MemoryRange::host(&shm, 0, REGION, Permission::RemoteReadWrite).unwrap()])
+        .unwrap()[0];
     fill(&r.mem, 0xAB);
     fill(&ro.mem, 0xCD);
+    fill(&shm, 0xEF);
     let out = std::io::stdout();
     let say = |s: String| {
         let mut o = out.lock();
@@ -40,13 +45,15 @@ pub fn entry() {
         let _ = o.flush();
     };
     say(format!(
-        "READY {} {} {} {} {}",
+        "READY {} {} {} {} {} {}",
         e.endpoint().unwrap(),
         e.source_epoch(),
         r.id.to_raw(),
         ro.id.to_raw(),
-        alias.to_raw()
+        alias.to_raw(),
+        shm_id.to_raw()
     ));
+    let mut shm = Some((shm, shm_id));
     let mut regions = Some(r);
     for line in std::io::stdin().lock().lines() {
         let Ok(line) = line else { break };
@@ -56,6 +63,19 @@ pub fn entry() {
                 let bytes = snapshot(&regions.as_ref().unwrap().mem);
                 let (o, l): (usize, usize) = (off.parse().unwrap(), len.parse().unwrap());
                 say(format!("HASH {}", fnv(&bytes[o..o + l])));
+            }
+            ["shash", off, len] => {
+                let bytes = snapshot(&shm.as_ref().unwrap().0);
+                let (o, l): (usize, usize) = (off.parse().unwrap(), len.parse().unwrap());
+                say(format!("HASH {}", fnv(&bytes[o..o + l])));
+            }
+            ["sdereg"] => {
+                e.deregister(shm.as_ref().unwrap().1).unwrap();
+                say("OK".into());
+            }
+            ["sdrop"] => {
+                shm = None;
+                say("OK".into());
             }
             ["fill", seed] => {
                 fill(&regions.as_ref().unwrap().mem, seed.parse().unwrap());
@@ -103,6 +123,7 @@ pub struct PeerProcess {
     pub region: RegistrationId,
     pub read_only: RegistrationId,
     pub alias: RegistrationId,
+    pub shm: RegistrationId,
 }
 
 impl PeerProcess {
@@ -143,6 +164,7 @@ impl PeerProcess {
                     region: RegistrationId::from_raw(w[2].parse().unwrap()),
                     read_only: RegistrationId::from_raw(w[3].parse().unwrap()),
                     alias: RegistrationId::from_raw(w[4].parse().unwrap()),
+                    shm: RegistrationId::from_raw(w[5].parse().unwrap()),
                 };
             }
         }
@@ -164,6 +186,10 @@ impl PeerProcess {
                 return line;
             }
         }
+    }
+
+    pub fn shm_hash(&mut self, off: usize, len: usize) -> u64 {
+        self.ask(&format!("shash {off} {len}")).trim_start_matches("HASH ").parse().unwrap()
     }
 
     pub fn hash(&mut self, off: usize, len: usize) -> u64 {

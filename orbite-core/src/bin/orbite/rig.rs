@@ -112,11 +112,8 @@ impl Rig {
     pub fn tcp(config: EngineConfig) -> Result<Rig, String> {
         // The initiator listens too, so that the target can answer pings.
         // The route is forced: on one host, auto would pick shm or cma.
-        let listening = EngineConfig {
-            listen: Some("127.0.0.1:0".into()),
-            route: orbite_core::RoutePolicy::Tcp,
-            ..config.clone()
-        };
+        let listening =
+            EngineConfig { listen: Some("127.0.0.1:0".into()), route: orbite_core::RoutePolicy::Tcp, ..config.clone() };
         let engine = measure::engine(listening)?;
         let local = side(&engine)?;
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
