@@ -15,8 +15,9 @@ usage: orbite <command> [options]
 
 commands:
   bench   run the benchmark workloads against in-run references
-          --route local|tcp|all routes to measure (default: all; tcp spawns
-                                its target as a child process on loopback)
+          --route LIST          local, shm, cma, tcp, auto or all (default all =
+                                local,shm,cma,tcp); peer routes spawn their
+                                target as a child process on loopback
           --workload LIST       comma list of W1,W2,W3,idle (default: all)
           --quick               short run (under 30 s)
           --config JSON         engine configuration fields to use (both sides)

@@ -7,7 +7,8 @@ use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
 use orbite_core::{
-    EngineConfig, HostMemory, MemoryRange, Permission, RegistrationId, RemoteSegment, Target, TransferEngine,
+    EngineConfig, HostMemory, MemoryRange, Permission, RegistrationId, RemoteSegment, RoutePolicy, Target,
+    TransferEngine,
 };
 
 use crate::measure;
@@ -109,11 +110,11 @@ impl Rig {
         Ok(rig)
     }
 
-    pub fn tcp(config: EngineConfig) -> Result<Rig, String> {
+    /// A target process on loopback reached by `policy`. Its memory is a
+    /// shared allocation for the shm policy, ordinary memory otherwise.
+    pub fn peer(config: EngineConfig, policy: RoutePolicy) -> Result<Rig, String> {
         // The initiator listens too, so that the target can answer pings.
-        // The route is forced: on one host, auto would pick shm or cma.
-        let listening =
-            EngineConfig { listen: Some("127.0.0.1:0".into()), route: orbite_core::RoutePolicy::Tcp, ..config.clone() };
+        let listening = EngineConfig { listen: Some("127.0.0.1:0".into()), route: policy, ..config.clone() };
         let engine = measure::engine(listening)?;
         let local = side(&engine)?;
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
@@ -121,6 +122,7 @@ impl Rig {
         let mut child = Command::new(exe)
             .arg("bench-target")
             .env("ORBITE_BENCH_TARGET_CONFIG", config_json)
+            .env("ORBITE_BENCH_TARGET_SHM", if policy == RoutePolicy::Shm { "1" } else { "0" })
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -159,8 +161,14 @@ impl Rig {
                 return Err(e.to_string());
             }
         };
-        let mut rig =
-            Rig { route: "tcp", engine, local, r_id, r3_ids, remote: Remote::Tcp { child, stdin, stdout, segment } };
+        let mut rig = Rig {
+            route: route_name(policy),
+            engine,
+            local,
+            r_id,
+            r3_ids,
+            remote: Remote::Tcp { child, stdin, stdout, segment },
+        };
         rig.fill_remote(0x2222)?;
         Ok(rig)
     }
@@ -256,6 +264,15 @@ impl Rig {
     }
 }
 
+fn route_name(policy: RoutePolicy) -> &'static str {
+    match policy {
+        RoutePolicy::Tcp => "tcp",
+        RoutePolicy::Shm => "shm",
+        RoutePolicy::Cma => "cma",
+        RoutePolicy::Auto => "auto",
+    }
+}
+
 impl Drop for Rig {
     fn drop(&mut self) {
         if let Remote::Tcp { child, stdin, .. } = &mut self.remote {
@@ -284,8 +301,13 @@ pub fn serve_target() -> Result<(), String> {
     };
     let config = EngineConfig { listen: Some("127.0.0.1:0".into()), ..base };
     let engine = measure::engine(config)?;
-    let r = engine.allocate_host_memory(W1_REGION as usize).map_err(|e| e.to_string())?;
-    let r3 = engine.allocate_host_memory((W3_REGIONS * W3_REGION) as usize).map_err(|e| e.to_string())?;
+    let shared = std::env::var("ORBITE_BENCH_TARGET_SHM").is_ok_and(|v| v == "1");
+    let alloc = |len: u64| {
+        if shared { engine.allocate_shm_memory(len as usize) } else { engine.allocate_host_memory(len as usize) }
+            .map_err(|e| e.to_string())
+    };
+    let r = alloc(W1_REGION)?;
+    let r3 = alloc(W3_REGIONS * W3_REGION)?;
     let r_id = register(&engine, &r, 1, W1_REGION)?[0];
     let r3_ids = register(&engine, &r3, W3_REGIONS, W3_REGION)?;
     let ids: Vec<String> = r3_ids.iter().map(|i| i.to_raw().to_string()).collect();
