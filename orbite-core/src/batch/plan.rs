@@ -260,7 +260,7 @@ fn build_program(op: Op, local: &[Resolved], remote: &[Resolved], task_bytes: u6
     if task.bytes > 0 {
         tasks.push(task);
     }
-    CopyProgram { op, cma_pid: None, peer_pid: None, spans, tasks }
+    CopyProgram { op, cma_pid: None, peer_alive: None, spans, tasks }
 }
 
 #[cfg(test)]

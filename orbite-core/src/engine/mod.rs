@@ -487,7 +487,7 @@ impl TransferEngine {
         };
         if let PlanTarget::Peer(p) = &target {
             if matches!(route.route, Route::Shm | Route::Cma) {
-                plan.program.peer_pid = Some(p.pid);
+                plan.program.peer_alive = p.liveness.as_ref().map(|l| l.handle());
             }
             if route.route == Route::Cma {
                 plan.program.cma_pid = Some(p.pid);

@@ -95,6 +95,8 @@ pub(crate) struct Peer {
     pub regs: HashMap<u64, ExportedRegistration>,
     /// `Err(why)` when the peer is not on this boot.
     pub same_host: Result<SameHost, String>,
+    /// For a same-host peer: whether its process still runs.
+    pub liveness: Option<crate::transport::cma::PeerLiveness>,
     state: Mutex<PeerState>,
     active: AtomicU64,
     drain_lock: Mutex<()>,
@@ -243,7 +245,10 @@ impl EngineInner {
         let regs: HashMap<u64, ExportedRegistration> =
             link.descriptor.registrations.iter().map(|r| (r.id.to_raw(), r.clone())).collect();
         let same_host = self.same_host(&link.descriptor);
+        let liveness =
+            same_host.is_ok().then(|| crate::transport::cma::PeerLiveness::watch(link.descriptor.pid as i32));
         let peer = Arc::new(Peer {
+            liveness,
             endpoint: endpoint.to_owned(),
             epoch: link.descriptor.epoch,
             pid: link.descriptor.pid as i32,

@@ -206,8 +206,8 @@ fn copy<J: CopyJob>(job: &J, limit: u64, busy_ns: &AtomicU64) -> (u64, Option<Ta
         None => (unsafe { copy_spans(p.op, job.spans(), limit) }, None),
     };
     busy_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    match p.peer_pid {
-        Some(pid) if result.1.is_none() && !crate::transport::cma::alive(pid) => {
+    match &p.peer_alive {
+        Some(check) if result.1.is_none() && !check.alive() => {
             (result.0, Some(TaskEnd::Failed { effect_unknown: p.op == crate::batch::Op::Write }))
         }
         _ => result,

@@ -42,7 +42,7 @@ pub(crate) struct CopyProgram {
     pub cma_pid: Option<i32>,
     /// For one-sided routes (shm, cma): the peer process, checked after each
     /// task: bytes that went into a dead peer's memory did not reach it.
-    pub peer_pid: Option<i32>,
+    pub peer_alive: Option<crate::transport::cma::LivenessCheck>,
     pub spans: Vec<Span>,
     pub tasks: Vec<TaskRange>,
 }
