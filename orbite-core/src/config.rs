@@ -56,8 +56,9 @@ pub struct EngineConfig {
     /// microseconds (it sleeps without bound when nothing is queued).
     /// At least 50. Default 1 000.
     pub progress_interval_us: u64,
-    /// Worker threads of the local (self-connection) route. 1 to 64.
-    /// Default 1.
+    /// Worker threads that copy for the self connection and the one-sided
+    /// same-host routes (shm, cma); large transfers spread over them. 1 to
+    /// 64, or 0 for one per available core (at most 8). Default 0.
     pub local_route_workers: u32,
     /// After its last event, a route worker (and a caller in `wait`) polls
     /// for up to this many microseconds before it sleeps, which saves a
@@ -103,7 +104,7 @@ impl Default for EngineConfig {
             notification_queue_bytes: 16 * MIB,
             progress_worker: false,
             progress_interval_us: 1_000,
-            local_route_workers: 1,
+            local_route_workers: 0,
             spin_us: 50,
             close_drain_timeout_ms: 5_000,
             listen: None,
@@ -176,8 +177,8 @@ impl EngineConfig {
         if self.task_bytes > u32::MAX as u64 {
             return invalid("task_bytes", "must be below 4 GiB (one frame)");
         }
-        if !(1..=64).contains(&self.local_route_workers) {
-            return invalid("local_route_workers", "must be 1 to 64");
+        if self.local_route_workers > 64 {
+            return invalid("local_route_workers", "must be 0 (one per core) to 64");
         }
         Ok(())
     }
@@ -185,6 +186,14 @@ impl EngineConfig {
     /// The progress worker's longest sleep while work is queued.
     pub fn progress_interval(&self) -> Duration {
         Duration::from_micros(self.progress_interval_us)
+    }
+
+    /// Route workers to start (`local_route_workers`, 0 = one per core).
+    pub fn route_workers(&self) -> u32 {
+        match self.local_route_workers {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get().min(8) as u32),
+            n => n,
+        }
     }
 
     /// How long workers and waiters poll before sleeping.
@@ -232,7 +241,7 @@ mod tests {
             (r#"{"max_executions": 0}"#, "max_executions"),
             (r#"{"task_bytes": 2048, "max_bytes_in_flight": 1024}"#, "task_bytes"),
             (r#"{"progress_interval_us": 1}"#, "progress_interval_us"),
-            (r#"{"local_route_workers": 0}"#, "local_route_workers"),
+            (r#"{"local_route_workers": 65}"#, "local_route_workers"),
         ] {
             let err = EngineConfig::from_json(json).unwrap_err();
             assert!(err.to_string().contains(field), "{json}: {err}");

@@ -87,7 +87,8 @@ struct World {
 impl World {
     fn new() -> World {
         let e = engine(&format!(
-            r#"{{"max_tasks_in_flight": {MAX_TASKS}, "admission_queue_len": {QUEUE}, "max_executions": 100}}"#
+            // One worker: held tasks are then held in admission order.
+            r#"{{"max_tasks_in_flight": {MAX_TASKS}, "admission_queue_len": {QUEUE}, "max_executions": 100, "local_route_workers": 1}}"#
         ));
         e.fault_hooks().hold_all(true);
         let src = region(&e, 8192, Permission::RemoteReadWrite);

@@ -346,7 +346,7 @@ impl TransferEngine {
     pub fn new(config: EngineConfig) -> Result<Self, Error> {
         config.validate()?;
         let route =
-            LocalRoute::start(config.local_route_workers, config.spin()).map_err(|e| Error::System(e.to_string()))?;
+            LocalRoute::start(config.route_workers(), config.spin()).map_err(|e| Error::System(e.to_string()))?;
         let inner = Arc::new(EngineInner {
             admission: Mutex::new(AdmissionState {
                 queue: AdmissionQueue::new(config.admission_queue_len as usize, config.anti_starvation_after),
