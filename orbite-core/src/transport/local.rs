@@ -79,8 +79,12 @@ impl<J: CopyJob> LocalRoute<J> {
         #[cfg(not(feature = "fault-injection"))]
         let forced = ();
         self.shared.queue.lock().jobs.push_back((job, forced));
-        self.shared.pending.fetch_add(1, Ordering::Release);
-        self.shared.ready.notify_one();
+        let pending = self.shared.pending.fetch_add(1, Ordering::AcqRel) + 1;
+        // A polling worker sees a lone job (and re-checks the queue before it
+        // sleeps): waking a sleeping one too would only cost a system call.
+        if pending > 1 || !self.shared.spinner.load(Ordering::Acquire) {
+            self.shared.ready.notify_one();
+        }
     }
 
     /// Cumulative time workers spent copying bytes.
@@ -122,6 +126,9 @@ fn worker<J: CopyJob>(shared: &RouteShared<J>) {
             loop {
                 if let Some((job, forced)) = q.jobs.pop_front() {
                     shared.pending.fetch_sub(1, Ordering::AcqRel);
+                    if !q.jobs.is_empty() {
+                        shared.ready.notify_one(); // more work: a second pair of hands
+                    }
                     // Directives are taken under the queue lock, so they
                     // apply to tasks in the order the route received them.
                     #[cfg(feature = "fault-injection")]

@@ -477,8 +477,12 @@ impl<J: CopyJob> PeerLink<J> {
     /// Queues a job. Never runs it inline (callers may hold engine locks).
     pub fn submit(&self, job: PeerJob<J>) {
         self.queue.lock().jobs.push_back(job);
-        self.pending.fetch_add(1, Ordering::Release);
-        self.ready.notify_one();
+        let pending = self.pending.fetch_add(1, Ordering::AcqRel) + 1;
+        // A polling worker sees a lone job and re-checks the queue before it
+        // sleeps: no need to wake a sleeping one too.
+        if pending > 1 || !self.spinner.load(Ordering::Acquire) {
+            self.ready.notify_one();
+        }
     }
 
     /// Why the peer is lost, if it is.
@@ -539,6 +543,9 @@ impl<J: CopyJob> PeerLink<J> {
         loop {
             if let Some(job) = q.jobs.pop_front() {
                 self.pending.fetch_sub(1, Ordering::AcqRel);
+                if !q.jobs.is_empty() {
+                    self.ready.notify_one(); // more work for another connection
+                }
                 return Some((job, q.lost.clone()));
             }
             if q.closing {
