@@ -12,7 +12,7 @@ use crate::registry::RegistrationId;
 use crate::wire::WireError;
 
 /// Version of the descriptor encoding.
-pub const DESCRIPTOR_VERSION: u16 = 2;
+pub const DESCRIPTOR_VERSION: u16 = 3;
 const ENTRY_FIXED: usize = 40;
 const HEADER_FIXED: usize = 2 + 2 + 4 + 8 + 16 + 2;
 
@@ -44,6 +44,8 @@ pub struct SegmentDescriptor {
     /// The kernel's boot id (all zero if unknown): same-host routes need
     /// both sides to report the same nonzero one.
     pub boot_id: [u8; 16],
+    /// The engine's notification inbox under /dev/shm (empty: none).
+    pub inbox: String,
     /// Registrations peers may target.
     pub registrations: Vec<ExportedRegistration>,
 }
@@ -116,6 +118,8 @@ impl SegmentDescriptor {
         out.extend_from_slice(&self.boot_id);
         out.extend_from_slice(&(ep.len() as u16).to_le_bytes());
         out.extend_from_slice(ep);
+        out.extend_from_slice(&(self.inbox.len() as u16).to_le_bytes());
+        out.extend_from_slice(self.inbox.as_bytes());
         out.extend_from_slice(&(self.registrations.len() as u32).to_le_bytes());
         for r in &self.registrations {
             let (name, offset) = r.shm.as_ref().map_or(("", 0), |(n, o)| (n.as_str(), *o));
@@ -150,6 +154,11 @@ impl SegmentDescriptor {
         boot_id.copy_from_slice(r.take(16)?);
         let ep_len = r.u16()? as usize;
         let endpoint = r.str(ep_len)?.to_owned();
+        let inbox_len = r.u16()? as usize;
+        let inbox = r.str(inbox_len)?.to_owned();
+        if inbox.contains('/') || inbox.starts_with('.') {
+            return Err(bad);
+        }
         let count = r.u32()? as usize;
         // Each entry takes at least ENTRY_FIXED bytes: bound the count by
         // what is left before allocating.
@@ -185,7 +194,7 @@ impl SegmentDescriptor {
         if r.at != b.len() {
             return Err(bad);
         }
-        Ok(SegmentDescriptor { endpoint, epoch, pid, boot_id, registrations })
+        Ok(SegmentDescriptor { endpoint, epoch, pid, boot_id, inbox, registrations })
     }
 
     /// True if both descriptors come from one boot of one machine.
@@ -204,6 +213,7 @@ mod tests {
             epoch: 0xDEAD_BEEF,
             pid: 42,
             boot_id: [7; 16],
+            inbox: "orbite-inbox-1".into(),
             registrations: vec![
                 ExportedRegistration {
                     id: RegistrationId::from_raw(7 | (3 << 32)),

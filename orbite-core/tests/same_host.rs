@@ -196,3 +196,31 @@ fn peer_killed_during_cma_write() {
 fn peer_killed_during_cma_read() {
     peer_dies_mid_copy(Route::Cma, Op::Read);
 }
+
+/// Same-host notifications take the peer's shared-memory inbox: binary
+/// payloads arrive exactly once, after their transfer's bytes.
+#[test]
+fn notifications_through_the_shared_memory_inbox() {
+    let mut p = PeerProcess::spawn();
+    let e = engine(r#"{"listen": "127.0.0.1:0"}"#);
+    let seg = p.open(&e);
+    let local = region(&e, 1 << 20, Permission::RemoteReadWrite);
+    fill(&local.mem, 21);
+    let (l, r) = ([Desc::new(local.id, 0, 4096)], [Desc::new(p.shm, 0, 4096)]);
+    let mut want = Vec::new();
+    for i in 0..20u8 {
+        let note = [0, i, 0xFF, 0x80];
+        let mut s = spec(Op::Write, &l, &r, &seg);
+        s.notification = Some(&note);
+        let t = e.prepare(&s).unwrap();
+        assert_eq!(t.route().route, Route::Shm);
+        t.post().unwrap();
+        assert!(wait_retired(&t).outcome.is_success());
+        want.push(format!("00{i:02x}ff80"));
+    }
+    e.notify(&seg, &[0, 0, 0]).unwrap();
+    want.push("000000".into());
+    assert_eq!(p.ask("notifs"), format!("NOTIFS 21 {}", want.join(",")));
+    assert_eq!(p.shm_hash(0, 4096), fnv(&snapshot(&local.mem)[..4096]));
+    assert_eq!(p.ask("notifs"), "NOTIFS 0", "exactly once");
+}

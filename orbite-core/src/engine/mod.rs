@@ -82,6 +82,8 @@ pub(crate) struct EngineInner {
     all_peers: Mutex<Vec<Weak<Peer>>>,
     notifications: NotificationQueue,
     notification_arrived: Condvar,
+    /// Same-host peers append notifications here (listening engines only).
+    inbox: OnceLock<(HostMemory, crate::transport::inbox::Inbox)>,
     #[cfg(feature = "fault-injection")]
     remote_hold: (Mutex<bool>, Condvar),
     #[cfg(feature = "fault-injection")]
@@ -373,6 +375,7 @@ impl TransferEngine {
             all_peers: Mutex::new(Vec::new()),
             notifications: Mutex::new(std::collections::VecDeque::new()),
             notification_arrived: Condvar::new(),
+            inbox: OnceLock::new(),
             #[cfg(feature = "fault-injection")]
             remote_hold: (Mutex::new(false), Condvar::new()),
             #[cfg(feature = "fault-injection")]
@@ -385,6 +388,22 @@ impl TransferEngine {
                 Server::start(&bind, side).map_err(|e| Error::System(format!("cannot listen on {bind}: {e}")))?;
             let _ = inner.endpoint.set(server.local_addr().to_string());
             *inner.server.lock() = Some(server);
+            use crate::transport::inbox::{CAPACITY, HEADER, Inbox};
+            let mem =
+                HostMemory::allocate_shared(&inner.counters, HEADER + CAPACITY, u64::MAX, inner.epoch ^ 0x1_b0c5)?;
+            // SAFETY: a fresh, page-aligned shared mapping of exactly this
+            // length, kept alive next to the view.
+            let c = &inner.config;
+            let inbox = unsafe {
+                Inbox::create(
+                    mem.as_ptr(),
+                    mem.len(),
+                    inner.epoch,
+                    c.max_notification_bytes,
+                    c.notification_queue_bytes,
+                )
+            };
+            let _ = inner.inbox.set((mem, inbox));
         }
         if inner.config.progress_worker {
             let e = inner.clone();
@@ -623,23 +642,38 @@ impl TransferEngine {
         let inner = self.inner();
         let deadline = crate::time::deadline_after(timeout);
         let spin_until = Instant::now() + inner.config.spin().min(timeout);
-        let mut q = inner.notifications.lock();
-        while q.is_empty() {
+        loop {
+            // Read the wake-up word before looking, so that an arrival after
+            // the look moves it and the sleep below returns at once.
+            let seen = inner.inbox.get().map(|(_, i)| i.word());
+            let mut q = inner.notifications.lock();
+            inner.drain_inbox(&mut q);
             let now = Instant::now();
-            if now >= deadline {
-                break;
+            if !q.is_empty() || now >= deadline {
+                let taken: Vec<_> = q.drain(..).collect();
+                drop(q);
+                return taken.into_iter().map(|(n, _charge)| n).collect();
             }
-            if now < spin_until {
-                parking_lot::MutexGuard::unlocked(&mut q, std::hint::spin_loop);
-                continue;
-            }
-            if inner.notification_arrived.wait_until(&mut q, deadline).timed_out() {
-                break;
+            match (inner.inbox.get(), seen) {
+                (Some((_, inbox)), Some(seen)) => {
+                    drop(q);
+                    if now < spin_until {
+                        while inbox.word() == seen && Instant::now() < spin_until {
+                            std::hint::spin_loop();
+                        }
+                    } else {
+                        inbox.sleep(seen, deadline - now);
+                    }
+                }
+                _ => {
+                    if now < spin_until {
+                        parking_lot::MutexGuard::unlocked(&mut q, std::hint::spin_loop);
+                    } else {
+                        inner.notification_arrived.wait_until(&mut q, deadline);
+                    }
+                }
             }
         }
-        let taken: Vec<_> = q.drain(..).collect();
-        drop(q);
-        taken.into_iter().map(|(n, _charge)| n).collect()
     }
 
     /// Test-only: holds incoming peer requests after validation (their

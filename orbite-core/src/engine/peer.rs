@@ -97,6 +97,8 @@ pub(crate) struct Peer {
     pub same_host: Result<SameHost, String>,
     /// For a same-host peer: whether its process still runs.
     pub liveness: Option<crate::transport::cma::PeerLiveness>,
+    /// For a same-host peer: its notification inbox, mapped here.
+    pub inbox: Option<(Arc<ShmMapping>, crate::transport::inbox::Inbox)>,
     state: Mutex<PeerState>,
     active: AtomicU64,
     drain_lock: Mutex<()>,
@@ -247,8 +249,18 @@ impl EngineInner {
         let same_host = self.same_host(&link.descriptor);
         let liveness =
             same_host.is_ok().then(|| crate::transport::cma::PeerLiveness::watch(link.descriptor.pid as i32));
+        let inbox = match (&same_host, link.descriptor.inbox.as_str()) {
+            (Ok(_), name) if !name.is_empty() => map_shared(name).ok().and_then(|m| {
+                // SAFETY: a live shared mapping of the peer's inbox file,
+                // kept alive by the Arc stored next to the view.
+                let view = unsafe { crate::transport::inbox::Inbox::open(m.ptr, m.len, link.descriptor.epoch) }?;
+                Some((Arc::new(m), view))
+            }),
+            _ => None,
+        };
         let peer = Arc::new(Peer {
             liveness,
+            inbox,
             endpoint: endpoint.to_owned(),
             epoch: link.descriptor.epoch,
             pid: link.descriptor.pid as i32,
@@ -373,7 +385,68 @@ impl EngineInner {
         )?;
         self.notifications.lock().push_back((n, charge));
         self.notification_arrived.notify_all();
+        if let Some((_, inbox)) = self.inbox.get() {
+            inbox.wake(); // waiters sleep on the inbox word when there is one
+        }
         Ok(())
+    }
+
+    /// Moves notifications from the same-host inbox into the queue (the
+    /// caller holds the queue lock: one consumer). Envelopes that fail the
+    /// checks of a TCP delivery are dropped; a full queue leaves the rest in
+    /// the inbox, whose senders then fall back to TCP and its refusal.
+    pub(crate) fn drain_inbox(&self, q: &mut std::collections::VecDeque<(Notification, Charge)>) {
+        let Some((_, inbox)) = self.inbox.get() else { return };
+        if !inbox.has_entries() {
+            return;
+        }
+        let max = self.config.max_notification_bytes as usize;
+        let peers = self.peers.lock();
+        inbox.drain(max, |env| {
+            if env.target_epoch != self.epoch {
+                return true; // addressed to another epoch of ours: refused
+            }
+            let known = peers.get(&env.sender_endpoint).and_then(|w| w.upgrade()).map(|p| p.epoch);
+            if known.is_some_and(|e| e != env.sender_epoch) {
+                return true; // a stale sender identity: refused
+            }
+            let charge = Charge::limited(
+                &self.counters,
+                Counter::NotificationBytes,
+                env.payload.len() as u64,
+                Resource::NotificationBytes,
+                self.config.notification_queue_bytes,
+            );
+            match charge {
+                Ok(charge) => {
+                    let n = Notification {
+                        sender_endpoint: env.sender_endpoint,
+                        sender_epoch: env.sender_epoch,
+                        payload: env.payload,
+                    };
+                    q.push_back((n, charge));
+                    true
+                }
+                Err(_) => false, // the queue is full: it waits in the inbox
+            }
+        });
+    }
+
+    /// Appends a notification to a same-host peer's inbox; false if the
+    /// peer has none mapped or it is full (the caller then uses TCP).
+    pub(crate) fn notify_fast(&self, peer: &Peer, payload: &[u8]) -> bool {
+        let Some(inbox) = peer.inbox.as_ref() else { return false };
+        // A dead peer's inbox may outlive it: never report delivery there.
+        if peer.liveness.as_ref().is_some_and(|l| !l.handle().alive()) {
+            return false;
+        }
+        let env = crate::transport::inbox::Envelope {
+            sender_epoch: self.epoch,
+            target_epoch: peer.epoch,
+            sender_endpoint: self.own_endpoint(),
+            payload: payload.to_vec(),
+        };
+        inbox.1.append(&env).is_ok()
     }
 
     pub(crate) fn check_notification_size(&self, len: usize) -> Result<(), PeerError> {
@@ -428,11 +501,15 @@ impl EngineInner {
         }
     }
 
-    /// Sends a standalone notification and waits for the peer's answer.
+    /// Sends a standalone notification: into a same-host peer's inbox, or
+    /// over TCP waiting for the peer's answer.
     pub(crate) fn notify(&self, seg: &RemoteSegment, payload: &[u8]) -> Result<(), Error> {
         self.check_notification_size(payload.len())?;
         if let Some(e) = seg.peer.refusal(self) {
             return Err(e.into());
+        }
+        if self.notify_fast(&seg.peer, payload) {
+            return Ok(());
         }
         Ok(self.call(&seg.peer, |done| self.notification_job(&seg.peer, payload, done))?)
     }
@@ -557,6 +634,7 @@ impl EngineInner {
             epoch: self.epoch,
             pid: std::process::id(),
             boot_id: self.boot_id,
+            inbox: self.inbox.get().and_then(|(m, _)| m.shared_name()).unwrap_or_default().to_owned(),
             registrations,
         }
     }

@@ -168,6 +168,7 @@ fn send_transfer_notification(engine: &Arc<EngineInner>, transfer: &Arc<Transfer
             let ok = engine.enqueue_notification(n).is_ok();
             notification_ended(engine, transfer, seq, ok);
         }
+        PlanTarget::Peer(p) if engine.notify_fast(p, &payload) => notification_ended(engine, transfer, seq, true),
         PlanTarget::Peer(p) => {
             let (e, t) = (engine.clone(), transfer.clone());
             let done = Box::new(move |r: Result<(), _>| notification_ended(&e, &t, seq, r.is_ok()));

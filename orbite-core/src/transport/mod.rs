@@ -2,6 +2,7 @@
 //! never policy: admission, lifecycle and accounting live above it.
 
 pub(crate) mod cma;
+pub(crate) mod inbox;
 pub(crate) mod local;
 pub(crate) mod sock;
 pub(crate) mod tcp;
