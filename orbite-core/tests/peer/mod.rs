@@ -210,6 +210,13 @@ impl PeerProcess {
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // A killed engine cannot unlink its shared files: do it for it.
+        let prefix = format!("orbite-{}-", self.child.id());
+        for f in std::fs::read_dir("/dev/shm").into_iter().flatten().flatten() {
+            if f.file_name().to_string_lossy().starts_with(&prefix) {
+                let _ = std::fs::remove_file(f.path());
+            }
+        }
     }
 
     pub fn open(&self, e: &TransferEngine) -> RemoteSegment {
