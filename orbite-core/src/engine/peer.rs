@@ -376,19 +376,24 @@ impl EngineInner {
 
     /// Queues a received (or self-sent) notification, charged.
     pub(crate) fn enqueue_notification(&self, n: Notification) -> Result<(), Error> {
-        let charge = Charge::limited(
-            &self.counters,
-            Counter::NotificationBytes,
-            n.payload.len() as u64,
-            Resource::NotificationBytes,
-            self.config.notification_queue_bytes,
-        )?;
+        let charge = self.charge_notification(n.payload.len())?;
         self.notifications.lock().push_back((n, charge));
         self.notification_arrived.notify_all();
         if let Some((_, inbox)) = self.inbox.get() {
             inbox.wake(); // waiters sleep on the inbox word when there is one
         }
         Ok(())
+    }
+
+    /// Charges a queued notification's payload to `notification_queue_bytes`.
+    fn charge_notification(&self, len: usize) -> Result<Charge, Error> {
+        Charge::limited(
+            &self.counters,
+            Counter::NotificationBytes,
+            len as u64,
+            Resource::NotificationBytes,
+            self.config.notification_queue_bytes,
+        )
     }
 
     /// Moves notifications from the same-host inbox into the queue (the
@@ -410,14 +415,7 @@ impl EngineInner {
             if known.is_some_and(|e| e != env.sender_epoch) {
                 return true; // a stale sender identity: refused
             }
-            let charge = Charge::limited(
-                &self.counters,
-                Counter::NotificationBytes,
-                env.payload.len() as u64,
-                Resource::NotificationBytes,
-                self.config.notification_queue_bytes,
-            );
-            match charge {
+            match self.charge_notification(env.payload.len()) {
                 Ok(charge) => {
                     let n = Notification {
                         sender_endpoint: env.sender_endpoint,
