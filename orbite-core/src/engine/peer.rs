@@ -30,7 +30,6 @@ pub struct Notification {
 }
 
 pub(crate) struct PeerState {
-    fenced: bool,
     close: Option<Result<(), PeerError>>,
 }
 
@@ -100,6 +99,10 @@ pub(crate) struct Peer {
     /// For a same-host peer: its notification inbox, mapped here.
     pub inbox: Option<(Arc<ShmMapping>, crate::transport::inbox::Inbox)>,
     state: Mutex<PeerState>,
+    /// Set by `close_segment`: no new work.
+    fenced: std::sync::atomic::AtomicBool,
+    /// The epoch of a newer peer opened on the same endpoint (0: none).
+    superseded_by: AtomicU64,
     active: AtomicU64,
     drain_lock: Mutex<()>,
     drained: Condvar,
@@ -107,17 +110,17 @@ pub(crate) struct Peer {
 
 impl Peer {
     /// Why new work may not start on this peer, if it may not.
-    pub fn refusal(&self, engine: &EngineInner) -> Option<PeerError> {
-        if self.state.lock().fenced {
+    pub fn refusal(&self, _engine: &EngineInner) -> Option<PeerError> {
+        // Atomics only: this runs on every post.
+        if self.fenced.load(Ordering::Acquire) {
             return Some(PeerError::SegmentClosed);
         }
-        if let Some(why) = self.link.lost() {
-            return Some(PeerError::Lost(why));
+        if self.link.is_lost() {
+            return Some(PeerError::Lost(self.link.lost().unwrap_or_default()));
         }
-        let current = engine.peers.lock().get(&self.endpoint).and_then(|w| w.upgrade()).map(|p| p.epoch);
-        match current {
-            Some(found) if found != self.epoch => Some(PeerError::EpochMismatch { expected: self.epoch, found }),
-            _ => None,
+        match self.superseded_by.load(Ordering::Acquire) {
+            0 => None,
+            found => Some(PeerError::EpochMismatch { expected: self.epoch, found }),
         }
     }
 
@@ -133,11 +136,11 @@ impl Peer {
 
     fn close(&self, timeout: Duration) -> Result<(), PeerError> {
         {
-            let mut st = self.state.lock();
+            let st = self.state.lock();
             if let Some(result) = &st.close {
                 return result.clone(); // sticky: never retried
             }
-            st.fenced = true;
+            self.fenced.store(true, Ordering::Release);
         }
         let deadline = crate::time::deadline_after(timeout);
         let mut g = self.drain_lock.lock();
@@ -267,12 +270,21 @@ impl EngineInner {
             same_host,
             link,
             regs,
-            state: Mutex::new(PeerState { fenced: false, close: None }),
+            state: Mutex::new(PeerState { close: None }),
+            fenced: std::sync::atomic::AtomicBool::new(false),
+            superseded_by: AtomicU64::new(0),
             active: AtomicU64::new(0),
             drain_lock: Mutex::new(()),
             drained: Condvar::new(),
         });
-        self.peers.lock().insert(endpoint.to_owned(), Arc::downgrade(&peer));
+        let previous = self.peers.lock().insert(endpoint.to_owned(), Arc::downgrade(&peer));
+        // A new epoch on this endpoint makes work prepared for the old one
+        // fail (a restarted peer is a new identity).
+        if let Some(old) = previous.and_then(|w| w.upgrade()) {
+            if old.epoch != peer.epoch {
+                old.superseded_by.store(peer.epoch, Ordering::Release);
+            }
+        }
         let mut all = self.all_peers.lock();
         all.retain(|w| w.strong_count() > 0);
         all.push(Arc::downgrade(&peer));

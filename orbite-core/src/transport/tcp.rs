@@ -399,6 +399,7 @@ pub(crate) struct PeerLink<J> {
     opts: LinkOptions,
     next_request: AtomicU64,
     spinner: AtomicBool,
+    lost_flag: AtomicBool,
 }
 
 impl<J: CopyJob> PeerLink<J> {
@@ -460,6 +461,7 @@ impl<J: CopyJob> PeerLink<J> {
             opts,
             next_request: AtomicU64::new(2),
             spinner: AtomicBool::new(false),
+            lost_flag: AtomicBool::new(false),
         });
         for (i, s) in streams.into_iter().enumerate() {
             let clone = s.try_clone().map_err(|e| OpenError::Connect(e.to_string()))?;
@@ -490,11 +492,17 @@ impl<J: CopyJob> PeerLink<J> {
         self.queue.lock().lost.clone()
     }
 
+    /// True once the peer is lost (one atomic load).
+    pub fn is_lost(&self) -> bool {
+        self.lost_flag.load(Ordering::Acquire)
+    }
+
     fn mark_lost(&self, why: String) {
         let mut q = self.queue.lock();
         if q.lost.is_none() {
             q.lost = Some(why);
         }
+        self.lost_flag.store(true, Ordering::Release);
         drop(q);
         self.ready.notify_all();
         // Wake workers blocked in I/O on the other connections.
