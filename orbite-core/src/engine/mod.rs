@@ -488,7 +488,7 @@ impl TransferEngine {
                 (PlanTarget::Loopback, RouteChoice { route: Route::Loopback, reason: "self connection".into() })
             }
             crate::Target::Peer(seg) => {
-                if let Some(e) = seg.peer.refusal(inner) {
+                if let Some(e) = seg.peer.refusal() {
                     return Err(e.into());
                 }
                 let policy = spec.options.route.unwrap_or(inner.config.route);

@@ -110,7 +110,7 @@ pub(crate) struct Peer {
 
 impl Peer {
     /// Why new work may not start on this peer, if it may not.
-    pub fn refusal(&self, _engine: &EngineInner) -> Option<PeerError> {
+    pub fn refusal(&self) -> Option<PeerError> {
         // Atomics only: this runs on every post.
         if self.fenced.load(Ordering::Acquire) {
             return Some(PeerError::SegmentClosed);
@@ -210,11 +210,6 @@ impl RemoteSegment {
     /// Why the peer is lost, if it is.
     pub fn lost(&self) -> Option<String> {
         self.peer.link.lost()
-    }
-    /// Test hook: breaks the connections as if the peer died.
-    #[cfg(feature = "fault-injection")]
-    pub fn sever(&self) {
-        self.peer.link.sever();
     }
 }
 
@@ -515,7 +510,7 @@ impl EngineInner {
     /// over TCP waiting for the peer's answer.
     pub(crate) fn notify(&self, seg: &RemoteSegment, payload: &[u8]) -> Result<(), Error> {
         self.check_notification_size(payload.len())?;
-        if let Some(e) = seg.peer.refusal(self) {
+        if let Some(e) = seg.peer.refusal() {
             return Err(e.into());
         }
         if self.notify_fast(&seg.peer, payload) {

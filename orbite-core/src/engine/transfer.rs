@@ -254,7 +254,7 @@ impl Transfer {
                 let mut cell = self.shared.cell.lock();
                 let seq = cell.life.check_post()?;
                 if let PlanTarget::Peer(p) = &self.shared.target {
-                    if let Some(e) = p.refusal(engine) {
+                    if let Some(e) = p.refusal() {
                         return Err(e.into());
                     }
                 }
@@ -308,7 +308,7 @@ impl Transfer {
         if self.shared.cell.lock().owners.as_ref().is_some_and(|o| o.remote_loan.is_some()) {
             return Ok(());
         }
-        if let Some(e) = p.refusal(&self.engine) {
+        if let Some(e) = p.refusal() {
             return Err(e.into());
         }
         let write = self.shared.plan.program.op == crate::batch::Op::Write;

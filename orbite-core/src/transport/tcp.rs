@@ -529,14 +529,6 @@ impl<J: CopyJob> PeerLink<J> {
         }
     }
 
-    /// Test hook: breaks every connection as a dying peer would.
-    #[allow(dead_code)]
-    pub fn sever(&self) {
-        for s in self.streams.lock().iter() {
-            let _ = s.shutdown(Shutdown::Both);
-        }
-    }
-
     /// The next job if one is queued, without waiting.
     fn try_next_job(&self) -> Option<(PeerJob<J>, Option<String>)> {
         let mut q = self.queue.lock();
