@@ -236,3 +236,68 @@ fn failed_notification_fails_the_transfer_without_replaying_the_write() {
     assert!(matches!(t.post(), Err(Error::Batch(BatchError::RepostRefused { .. }))), "no replay");
     assert!(target.take_notifications().is_empty());
 }
+
+#[test]
+fn borrow_and_return_frames_are_validated() {
+    let t = target();
+    let epoch = t.e.source_epoch();
+    let d = |registration, len| RemoteDesc { registration, offset: 0, len };
+    let mut s = connect(&t);
+    let borrow = |id: u64, write: bool, descs: &[RemoteDesc], epoch: u64| {
+        let mut b = Vec::new();
+        wire::encode_borrow(&mut b, id, epoch, descs.iter().copied());
+        let mut f = frame(Kind::Borrow, &b, &[], 3);
+        f[7] = if write { wire::BORROW_WRITE } else { 0 };
+        f
+    };
+    // Writing a read-only registration, a stale id, a wrong epoch: refused.
+    assert_eq!(refused(&mut s, &borrow(1, true, &[d(t.ro.id.to_raw(), 4096)], epoch)), RemoteStatus::PermissionDenied);
+    assert_eq!(
+        refused(&mut s, &borrow(2, false, &[d(t.rw.id.to_raw() + (1 << 32), 1)], epoch)),
+        RemoteStatus::StaleRegistration
+    );
+    assert_eq!(refused(&mut s, &borrow(3, false, &[d(t.rw.id.to_raw(), 1)], epoch ^ 1)), RemoteStatus::EpochMismatch);
+    assert_eq!(refused(&mut s, &borrow(4, false, &[d(t.rw.id.to_raw(), 65537)], epoch)), RemoteStatus::OutOfBounds);
+    // A valid borrow keeps a deregistered registration alive until returned.
+    s.write_all(&borrow(5, true, &[d(t.rw.id.to_raw(), 65536)], epoch)).unwrap();
+    assert_eq!(reply(&mut s).0.kind, Kind::BorrowAck);
+    assert_eq!(refused(&mut s, &borrow(5, false, &[d(t.rw.id.to_raw(), 1)], epoch)), RemoteStatus::Other, "id in use");
+    t.e.deregister(t.rw.id).unwrap();
+    assert_eq!(t.e.stats().fenced_registrations, 1);
+    s.write_all(&frame(Kind::Return, &5u64.to_le_bytes(), &[], 6)).unwrap();
+    assert_eq!(reply(&mut s).0.kind, Kind::ReturnAck);
+    let start = std::time::Instant::now();
+    while t.e.stats().fenced_registrations != 0 {
+        assert!(start.elapsed() < WAIT, "the returned borrow kept its loan");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Returning an unknown id is harmless; a malformed return closes.
+    s.write_all(&frame(Kind::Return, &99u64.to_le_bytes(), &[], 7)).unwrap();
+    assert_eq!(reply(&mut s).0.kind, Kind::ReturnAck);
+    s.write_all(&frame(Kind::Return, &[1, 2, 3], &[], 8)).unwrap();
+    assert!(closed(&mut s));
+}
+
+#[test]
+fn a_closed_connection_gives_back_its_borrows() {
+    let t = target();
+    let epoch = t.e.source_epoch();
+    let mut s = connect(&t);
+    let mut b = Vec::new();
+    wire::encode_borrow(
+        &mut b,
+        1,
+        epoch,
+        [RemoteDesc { registration: t.rw.id.to_raw(), offset: 0, len: 100 }].into_iter(),
+    );
+    s.write_all(&frame(Kind::Borrow, &b, &[], 1)).unwrap();
+    assert_eq!(reply(&mut s).0.kind, Kind::BorrowAck);
+    t.e.deregister(t.rw.id).unwrap();
+    assert_eq!(t.e.stats().fenced_registrations, 1);
+    drop(s); // the borrower goes away without returning
+    let start = std::time::Instant::now();
+    while t.e.stats().fenced_registrations != 0 {
+        assert!(start.elapsed() < WAIT, "a dead borrower's loans were kept");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
