@@ -224,3 +224,63 @@ fn notifications_through_the_shared_memory_inbox() {
     assert_eq!(p.shm_hash(0, 4096), fnv(&snapshot(&local.mem)[..4096]));
     assert_eq!(p.ask("notifs"), "NOTIFS 0", "exactly once");
 }
+
+/// Role of a re-executed test binary: an initiator that runs as an
+/// unprivileged user, so the kernel itself denies it CMA on the peer.
+const DENIED_ENV: &str = "ORBITE_TEST_DENIED_INITIATOR";
+
+#[test]
+fn denied_initiator_entry() {
+    let Ok(args) = std::env::var(DENIED_ENV) else { return };
+    let w: Vec<&str> = args.split_whitespace().collect();
+    let (endpoint, epoch, target) =
+        (w[0], w[1].parse::<u64>().unwrap(), RegistrationId::from_raw(w[2].parse().unwrap()));
+    // Become nobody: no CAP_SYS_PTRACE, another uid than the peer.
+    // SAFETY: plain system calls in a single-purpose child process.
+    unsafe {
+        assert_eq!(libc::setgroups(0, std::ptr::null()), 0);
+        assert_eq!(libc::setgid(65534), 0);
+        assert_eq!(libc::setuid(65534), 0);
+    }
+    let e = engine(r#"{"task_bytes": 262144}"#);
+    let seg = e.open_segment(endpoint, Some(epoch), WAIT).unwrap();
+    let local = region(&e, 1 << 16, Permission::RemoteReadWrite);
+    fill(&local.mem, 5);
+    let (l, r) = ([Desc::new(local.id, 0, 4096)], [Desc::new(target, 0, 4096)]);
+    let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+    t.post().unwrap();
+    let ok = wait_retired(&t).outcome.is_success();
+    let mut forced = TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg));
+    forced.options.route = Some(RoutePolicy::Cma);
+    let forced = match e.prepare(&forced) {
+        Err(Error::Peer(PeerError::RouteUnavailable { route: Route::Cma, reason })) => reason,
+        other => format!("unexpected: {other:?}"),
+    };
+    println!("DENIED {:?} ok={ok} reason={} forced={forced}", t.route().route, t.route().reason);
+    std::process::exit(0);
+}
+
+/// The kernel denies CMA to an initiator of another user: auto falls back
+/// to tcp and says why; a forced cma fails at prepare.
+#[test]
+fn real_cma_denial_falls_back_to_tcp() {
+    // SAFETY: reads the effective uid.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("SKIP real_cma_denial_falls_back_to_tcp: needs root to start an unprivileged initiator");
+        return;
+    }
+    let p = PeerProcess::spawn();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["denied_initiator_entry", "--exact", "--nocapture", "--test-threads=1", "-q"])
+        .env(DENIED_ENV, format!("{} {} {}", p.endpoint, p.epoch, p.region.to_raw()))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("DENIED "))
+        .unwrap_or_else(|| panic!("no result: {text} {}", String::from_utf8_lossy(&out.stderr)));
+    assert!(line.starts_with("DENIED Tcp ok=true"), "{line}");
+    assert!(line.contains("not cma: process_vm_readv denied"), "the fallback says why: {line}");
+    assert!(line.contains("forced=process_vm_readv denied"), "{line}");
+}
