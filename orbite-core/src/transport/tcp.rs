@@ -88,7 +88,7 @@ impl Server {
                         return;
                     }
                     let Ok(stream) = stream else { continue };
-                    let _ = stream.set_nodelay(true);
+                    tune(&stream);
                     let Ok(clone) = stream.try_clone() else { continue };
                     next += 1;
                     let id = next;
@@ -140,6 +140,26 @@ impl Server {
         let threads = std::mem::take(&mut *self.threads.lock());
         for t in threads {
             let _ = t.join();
+        }
+    }
+}
+
+/// Socket buffer size asked of the kernel on every connection: room for a
+/// few route tasks in flight each way.
+const SOCKET_BUFFER: libc::c_int = 4 << 20;
+
+fn tune(stream: &TcpStream) {
+    let _ = stream.set_nodelay(true);
+    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+        // SAFETY: setsockopt with a pointer to a live c_int of the right size.
+        unsafe {
+            libc::setsockopt(
+                stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&SOCKET_BUFFER as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
         }
     }
 }
@@ -422,7 +442,7 @@ impl<J: CopyJob> PeerLink<J> {
             let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
             let s =
                 TcpStream::connect_timeout(&addr, left).map_err(|e| OpenError::Connect(format!("{endpoint}: {e}")))?;
-            let _ = s.set_nodelay(true);
+            tune(&s);
             s.set_read_timeout(Some(opts.io_timeout)).map_err(|e| OpenError::Connect(e.to_string()))?;
             s.set_write_timeout(Some(opts.io_timeout)).map_err(|e| OpenError::Connect(e.to_string()))?;
             Ok(s)
