@@ -46,11 +46,7 @@ fn n01_shm_and_cma_fragmented_with_guards_and_charges() {
     for (round, op) in [Op::Write, Op::Read, Op::Write, Op::Read].into_iter().enumerate() {
         for (target, want_route) in [(p.shm, Route::Shm), (p.region, Route::Cma)] {
             let mut rng = Rng(round as u64 * 7 + want_route as u64);
-            let total = rng.range(200_000, 2_000_000);
-            let frag = rng.range(1, 100_000);
-            let ll = layout(&mut rng, total, frag, REGION as u64);
-            let frag = rng.range(1, 100_000);
-            let rl = layout(&mut rng, total, frag, REGION as u64);
+            let (_, ll, rl) = paired_layouts(&mut rng, 200_000, 2_000_000, 100_000, REGION as u64);
             fill(&local.mem, 500 + round as u64);
             let before_local = snapshot(&local.mem);
             let (l, r) = (descs(local.id, &ll), descs(target, &rl));

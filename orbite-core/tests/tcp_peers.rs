@@ -33,11 +33,7 @@ fn n01_fragmented_write_and_read_with_guards_and_charges() {
     let mut remote_bytes = PeerProcess::initial(0xAB);
     for (round, op) in [Op::Write, Op::Read, Op::Write, Op::Read].into_iter().enumerate() {
         let mut rng = Rng(round as u64 + 1);
-        let total = rng.range(300_000, 3_000_000);
-        let frag = rng.range(1, 200_000);
-        let ll = layout(&mut rng, total, frag, REGION as u64);
-        let frag = rng.range(1, 200_000);
-        let rl = layout(&mut rng, total, frag, REGION as u64);
+        let (total, ll, rl) = paired_layouts(&mut rng, 300_000, 3_000_000, 200_000, REGION as u64);
         fill(&local.mem, 100 + round as u64);
         let before_local = snapshot(&local.mem);
         let (l, r) = (descs(local.id, &ll), descs(p.region, &rl));

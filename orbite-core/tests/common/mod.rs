@@ -88,6 +88,20 @@ pub fn layout(rng: &mut Rng, total: u64, max_frag: u64, region_len: u64) -> Vec<
     offsets
 }
 
+/// Ranges `(offset, len)` of one region.
+pub type Layout = Vec<(u64, u64)>;
+
+/// A random total in `lo..=hi` and two independent layouts of it (local and
+/// remote), fragments up to `max_frag` bytes, in regions of `region` bytes.
+pub fn paired_layouts(rng: &mut Rng, lo: u64, hi: u64, max_frag: u64, region: u64) -> (u64, Layout, Layout) {
+    let total = rng.range(lo, hi);
+    let frag = rng.range(1, max_frag);
+    let local = layout(rng, total, frag, region);
+    let frag = rng.range(1, max_frag);
+    let remote = layout(rng, total, frag, region);
+    (total, local, remote)
+}
+
 pub fn descs(id: RegistrationId, ranges: &[(u64, u64)]) -> Vec<Desc> {
     ranges.iter().map(|&(o, l)| Desc::new(id, o, l)).collect()
 }
