@@ -78,8 +78,13 @@ impl<J: CopyJob> LocalRoute<J> {
         let forced = None;
         #[cfg(not(feature = "fault-injection"))]
         let forced = ();
-        self.shared.queue.lock().jobs.push_back((job, forced));
-        let pending = self.shared.pending.fetch_add(1, Ordering::AcqRel) + 1;
+        // Count under the queue lock: a worker pops (and decrements) only
+        // under it, so the count never runs below zero.
+        let pending = {
+            let mut q = self.shared.queue.lock();
+            q.jobs.push_back((job, forced));
+            self.shared.pending.fetch_add(1, Ordering::AcqRel) + 1
+        };
         // A polling worker sees a lone job (and re-checks the queue before it
         // sleeps): waking a sleeping one too would only cost a system call.
         if pending > 1 || !self.shared.spinner.load(Ordering::Acquire) {
@@ -112,8 +117,11 @@ impl<J: CopyJob> LocalRoute<J> {
 impl<J: CopyJob> RouteShared<J> {
     /// Re-queues a held job with a directive.
     pub(crate) fn requeue(&self, job: J, directive: FaultDirective) {
-        self.queue.lock().jobs.push_back((job, Some(directive)));
-        self.pending.fetch_add(1, Ordering::Release);
+        {
+            let mut q = self.queue.lock();
+            q.jobs.push_back((job, Some(directive)));
+            self.pending.fetch_add(1, Ordering::AcqRel);
+        }
         self.ready.notify_one();
     }
 }

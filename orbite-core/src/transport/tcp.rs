@@ -498,8 +498,13 @@ impl<J: CopyJob> PeerLink<J> {
 
     /// Queues a job. Never runs it inline (callers may hold engine locks).
     pub fn submit(&self, job: PeerJob<J>) {
-        self.queue.lock().jobs.push_back(job);
-        let pending = self.pending.fetch_add(1, Ordering::AcqRel) + 1;
+        // Count under the queue lock: a worker pops (and decrements) only
+        // under it, so the count never runs below zero.
+        let pending = {
+            let mut q = self.queue.lock();
+            q.jobs.push_back(job);
+            self.pending.fetch_add(1, Ordering::AcqRel) + 1
+        };
         // A polling worker sees a lone job and re-checks the queue before it
         // sleeps: no need to wake a sleeping one too.
         if pending > 1 || !self.spinner.load(Ordering::Acquire) {
