@@ -53,7 +53,12 @@ pub(crate) enum RemoteSide<'a> {
     /// This engine's own registry (the self connection).
     Loopback,
     /// A peer's imported registrations, by raw id, reached by `route`.
-    Peer { regs: &'a HashMap<u64, ExportedRegistration>, route: crate::batch::Route, peer: &'a crate::engine::PeerRef },
+    Peer {
+        regs: &'a HashMap<u64, ExportedRegistration>,
+        route: crate::batch::Route,
+        /// Where a shared registration of the peer is mapped here (shm).
+        shm_base: &'a dyn Fn(&ExportedRegistration) -> Option<u64>,
+    },
 }
 
 /// A resolved descriptor: an address (or, on a peer, an offset in the
@@ -155,7 +160,7 @@ pub(crate) fn build(
         RemoteSide::Loopback => {
             resolve("remote", spec.remote, config, Some(needs), |id| local_view(table, id), &mut ids)?
         }
-        RemoteSide::Peer { regs, route, peer } => {
+        RemoteSide::Peer { regs, route, shm_base } => {
             let peer_view = |id: RegistrationId| -> Result<View, Error> {
                 let r = regs.get(&id.to_raw()).ok_or(PeerError::UnknownRemoteRegistration(id))?;
                 // tcp: offsets in the peer's registration, named on the wire;
@@ -163,7 +168,7 @@ pub(crate) fn build(
                 // cma: addresses in the peer's process.
                 let (base, wire_id) = match route {
                     crate::batch::Route::Shm => (
-                        peer.shm_base(r).ok_or(PeerError::RouteUnavailable {
+                        shm_base(r).ok_or(PeerError::RouteUnavailable {
                             route,
                             reason: format!("{id} is not mapped shared memory"),
                         })?,

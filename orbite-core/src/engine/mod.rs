@@ -8,7 +8,6 @@
 mod peer;
 mod transfer;
 
-pub(crate) use peer::Peer as PeerRef;
 pub use peer::{Notification, RemoteSegment};
 pub use transfer::{ReleaseRefused, Transfer};
 
@@ -497,9 +496,15 @@ impl TransferEngine {
             }
         };
         let (mut plan, loans) = {
+            let shm_base = |r: &crate::segment::ExportedRegistration| match &target {
+                PlanTarget::Peer(p) => p.shm_base(r),
+                PlanTarget::Loopback => None,
+            };
             let remote_side = match &target {
                 PlanTarget::Loopback => plan::RemoteSide::Loopback,
-                PlanTarget::Peer(p) => plan::RemoteSide::Peer { regs: &p.regs, route: route.route, peer: p },
+                PlanTarget::Peer(p) => {
+                    plan::RemoteSide::Peer { regs: &p.regs, route: route.route, shm_base: &shm_base }
+                }
             };
             let table = inner.registry.lock();
             plan::build(spec, remote_side, &table, &inner.config)?
