@@ -65,6 +65,12 @@ pub struct EngineConfig {
     /// thread wake-up per small transfer. At most 1 000; 0 disables.
     /// An idle engine never polls longer than this. Default 50.
     pub spin_us: u64,
+    /// A transfer of a single route task of at most this many bytes, on
+    /// the self connection or a same-host route (shm, cma), is copied by
+    /// the posting thread inside `post` when nothing is queued ahead of it:
+    /// no hand-off to a worker. Its execution may then already be retired
+    /// when `post` returns. At most 1 MiB; 0 disables. Default 16 384.
+    pub inline_max_bytes: u64,
     /// How long `close` waits for admitted work to drain, in milliseconds.
     /// Default 5 000.
     pub close_drain_timeout_ms: u64,
@@ -106,6 +112,7 @@ impl Default for EngineConfig {
             progress_interval_us: 1_000,
             local_route_workers: 0,
             spin_us: 50,
+            inline_max_bytes: 16 * KIB,
             close_drain_timeout_ms: 5_000,
             listen: None,
             connections_per_peer: 2,
@@ -161,6 +168,9 @@ impl EngineConfig {
         }
         if self.spin_us > 1_000 {
             return invalid("spin_us", "must be at most 1000");
+        }
+        if self.inline_max_bytes > MIB {
+            return invalid("inline_max_bytes", "must be at most 1048576");
         }
         if !(1..=16).contains(&self.connections_per_peer) {
             return invalid("connections_per_peer", "must be 1 to 16");
@@ -242,6 +252,7 @@ mod tests {
             (r#"{"task_bytes": 2048, "max_bytes_in_flight": 1024}"#, "task_bytes"),
             (r#"{"progress_interval_us": 1}"#, "progress_interval_us"),
             (r#"{"local_route_workers": 65}"#, "local_route_workers"),
+            (r#"{"inline_max_bytes": 1048577}"#, "inline_max_bytes"),
         ] {
             let err = EngineConfig::from_json(json).unwrap_err();
             assert!(err.to_string().contains(field), "{json}: {err}");

@@ -165,3 +165,28 @@ fn repost_of_drained_success_moves_fresh_bytes() {
         assert_eq!(e.stats().executions, 0, "fresh accounting per execution");
     }
 }
+
+#[test]
+fn small_lone_transfer_is_copied_inside_post() {
+    // Copied on the posting thread, the execution has retired by the time
+    // post returns; handed to a worker, it almost never would have.
+    let e = engine(r#"{"local_route_workers": 1, "inline_max_bytes": 4096}"#);
+    let base = e.stats();
+    let a = region(&e, 1 << 16, Permission::RemoteReadWrite);
+    let b = region(&e, 1 << 16, Permission::RemoteReadWrite);
+    fill(&a.mem, 11);
+    for (off, len) in [(0u64, 4096u64), (8191, 1), (12289, 4000)] {
+        let t = e.prepare(&spec(Op::Write, &[Desc::new(a.id, off, len)], &[Desc::new(b.id, off, len)])).unwrap();
+        let before = snapshot(&b.mem);
+        t.post().unwrap();
+        let TransferStatus::Retired(r) = t.status() else { panic!("not retired when post returned") };
+        assert!(r.outcome.is_success());
+        assert_eq!(snapshot(&b.mem), expected(&snapshot(&a.mem), &[(off, len)], &before, &[(off, len)]));
+        t.release().unwrap();
+    }
+    e.deregister(a.id).unwrap();
+    e.deregister(b.id).unwrap();
+    assert_idle(&e);
+    drop((a, b));
+    assert_eq!(e.stats(), base);
+}

@@ -119,6 +119,17 @@ impl EngineInner {
     /// Expires queued work past its deadline, then admits tasks in intent
     /// order while the budgets allow. Called with the admission lock held.
     fn admit_pass(self: &Arc<Self>, a: &mut AdmissionState) {
+        self.admit(a, None);
+    }
+
+    /// `admit_pass`, except that the task of `inline.0`, if admitted now and
+    /// small enough to copy on the posting thread, is left in `inline.1`
+    /// instead of going to a route.
+    fn admit(
+        self: &Arc<Self>,
+        a: &mut AdmissionState,
+        mut inline: Option<(&Arc<TransferShared>, &mut Option<RouteTask>)>,
+    ) {
         let AdmissionState { queue, graveyard, .. } = a;
         if queue.has_deadlines() {
             let now = Instant::now();
@@ -171,6 +182,17 @@ impl EngineInner {
             let job = RouteTask { engine: self.clone(), transfer: transfer.clone(), seq, task, in_flight };
             match (&transfer.target, transfer.route.route) {
                 (PlanTarget::Peer(p), Route::Tcp) => p.link.submit(PeerJob::Task(job)),
+                _ if inline.as_ref().is_some_and(|(t, slot)| {
+                    slot.is_none()
+                        && Arc::ptr_eq(t, &transfer)
+                        && transfer.plan.program.tasks.len() == 1
+                        && bytes <= self.config.inline_max_bytes
+                }) =>
+                {
+                    if let Some((_, slot)) = inline.as_mut() {
+                        **slot = Some(job);
+                    }
+                }
                 // The self connection and the one-sided routes copy on the
                 // local workers: the peer spends no CPU.
                 _ => self.route.submit(job),

@@ -238,6 +238,9 @@ impl Transfer {
     /// failed, cancelled or timed-out one, when a named registration was
     /// deregistered, when the engine is closed, and when a budget or the
     /// admission queue is full. A refused post admits nothing.
+    ///
+    /// A lone small task (`inline_max_bytes`) on the self connection or a
+    /// same-host route is copied on this thread before `post` returns.
     pub fn post(&self) -> Result<(), Error> {
         let engine = &self.engine;
         if engine.is_closed() {
@@ -248,6 +251,7 @@ impl Transfer {
         let exec_charge =
             Charge::limited(&engine.counters, Counter::Executions, 1, Resource::Executions, config.max_executions)?;
         let deadline = self.shared.plan.options.deadline.map(crate::time::deadline_after);
+        let mut inline = None;
         let grave = {
             let mut a = engine.admission.lock();
             {
@@ -287,13 +291,16 @@ impl Transfer {
                 }
             }
             engine.remember_active(&self.shared);
-            engine.admit_pass(&mut a);
+            engine.admit(&mut a, Some((&self.shared, &mut inline)));
             if !a.queue.is_empty() {
                 engine.progress_cv.notify_one();
             }
             std::mem::take(&mut a.graveyard)
         };
         drop(grave);
+        if let Some(job) = inline {
+            engine.route.run_inline(job);
+        }
         Ok(())
     }
 

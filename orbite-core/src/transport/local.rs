@@ -1,5 +1,7 @@
 //! The local route: copies between registrations of one engine (the self
-//! connection), on worker threads, never inside `post`.
+//! connection) and into same-host peers (mapped shared memory, CMA), on
+//! worker threads; a small lone task may instead run on the posting
+//! thread (`run_inline`), which saves the hand-off.
 //!
 //! Workers block on a condition variable when the queue is empty: an idle
 //! engine spends no CPU here. A job is a route task: its spans stay valid
@@ -90,6 +92,29 @@ impl<J: CopyJob> LocalRoute<J> {
         if pending > 1 || !self.shared.spinner.load(Ordering::Acquire) {
             self.shared.ready.notify_one();
         }
+    }
+
+    /// Runs a task on the calling thread when no task is queued ahead of
+    /// it (so tasks still start in the order the route received them);
+    /// otherwise queues it for the workers. The caller holds no lock: the
+    /// job's `finish` takes the engine's locks.
+    pub fn run_inline(&self, job: J) {
+        let q = self.shared.queue.lock();
+        if !q.jobs.is_empty() {
+            drop(q);
+            return self.submit(job);
+        }
+        // Directives are taken under the queue lock, as a worker does.
+        #[cfg(feature = "fault-injection")]
+        let directive = self.shared.faults.next_directive();
+        drop(q);
+        #[cfg(feature = "fault-injection")]
+        match directive {
+            FaultDirective::Hold => self.shared.faults.hold(job),
+            other => run_faulty(job, other, &self.shared.busy_ns),
+        }
+        #[cfg(not(feature = "fault-injection"))]
+        run(job, &self.shared.busy_ns);
     }
 
     /// Cumulative time workers spent copying bytes.
