@@ -26,6 +26,7 @@ pub(crate) struct Counters {
     pub tasks_in_flight: AtomicU64,
     pub unquiesced_owners: AtomicU64,
     pub notification_bytes: AtomicU64,
+    pub binding_handles: AtomicU64,
 }
 
 /// Which counter a [`Charge`] pays into.
@@ -42,6 +43,7 @@ pub(crate) enum Counter {
     BytesInFlight,
     TasksInFlight,
     NotificationBytes,
+    BindingHandles,
 }
 
 impl Counters {
@@ -58,6 +60,7 @@ impl Counters {
             Counter::BytesInFlight => &self.bytes_in_flight,
             Counter::TasksInFlight => &self.tasks_in_flight,
             Counter::NotificationBytes => &self.notification_bytes,
+            Counter::BindingHandles => &self.binding_handles,
         }
     }
 
@@ -82,6 +85,7 @@ impl Counters {
             tasks_in_flight: g(&self.tasks_in_flight),
             unquiesced_owners: g(&self.unquiesced_owners),
             notification_bytes: g(&self.notification_bytes),
+            binding_handles: g(&self.binding_handles),
         }
     }
 }
@@ -184,6 +188,8 @@ pub struct Stats {
     pub unquiesced_owners: u64,
     /// Bytes of received notifications not yet taken.
     pub notification_bytes: u64,
+    /// Handles a binding (the C ABI) holds on this engine's objects.
+    pub binding_handles: u64,
 }
 
 #[cfg(test)]

@@ -71,6 +71,10 @@ pub struct EngineConfig {
     /// no hand-off to a worker. Its execution may then already be retired
     /// when `post` returns. At most 1 MiB; 0 disables. Default 16 384.
     pub inline_max_bytes: u64,
+    /// Handles a binding (the C ABI) may hold on this engine's objects at
+    /// once: registrations, transfers, peers, shared allocations. Default
+    /// 65 536.
+    pub max_binding_handles: u64,
     /// How long `close` waits for admitted work to drain, in milliseconds.
     /// Default 5 000.
     pub close_drain_timeout_ms: u64,
@@ -113,6 +117,7 @@ impl Default for EngineConfig {
             local_route_workers: 0,
             spin_us: 50,
             inline_max_bytes: 16 * KIB,
+            max_binding_handles: 65_536,
             close_drain_timeout_ms: 5_000,
             listen: None,
             connections_per_peer: 2,
@@ -168,6 +173,9 @@ impl EngineConfig {
         }
         if self.spin_us > 1_000 {
             return invalid("spin_us", "must be at most 1000");
+        }
+        if self.max_binding_handles == 0 {
+            return invalid("max_binding_handles", "must be at least 1");
         }
         if self.inline_max_bytes > MIB {
             return invalid("inline_max_bytes", "must be at most 1048576");

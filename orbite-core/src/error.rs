@@ -28,6 +28,8 @@ pub enum Resource {
     TransferBytes,
     /// Queued notification bytes (`notification_queue_bytes`).
     NotificationBytes,
+    /// Handles held by a binding such as the C ABI (`max_binding_handles`).
+    BindingHandles,
 }
 
 impl std::fmt::Display for Resource {
@@ -42,6 +44,7 @@ impl std::fmt::Display for Resource {
             Resource::DescriptorsPerTransfer => "descriptors per transfer",
             Resource::TransferBytes => "bytes per transfer",
             Resource::NotificationBytes => "notification queue bytes",
+            Resource::BindingHandles => "binding handles",
         };
         f.write_str(name)
     }

@@ -61,7 +61,8 @@ pub use batch::{
 pub use charge::Stats;
 pub use config::EngineConfig;
 pub use engine::{
-    CloseReport, Notification, ReleaseRefused, RemoteSegment, Transfer, TransferEngine, UnquiescedExecution,
+    BindingCharge, CloseReport, Notification, ReleaseRefused, RemoteSegment, Transfer, TransferEngine,
+    UnquiescedExecution,
 };
 pub use error::{BatchError, ConfigError, Error, PeerError, RegistryError, Resource};
 pub use memory::{HostMemory, MemoryRange, OwnerRelease, Permission};

@@ -156,6 +156,7 @@ impl World {
             tasks_in_flight: self.held.len() as u64,
             unquiesced_owners: 0,
             notification_bytes: 0,
+            binding_handles: 0,
         }
     }
 

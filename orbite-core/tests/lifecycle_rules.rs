@@ -571,3 +571,36 @@ fn admission_serves_intents_in_priority_order_without_starving_prefetch() {
     e.fault_hooks().release_all();
     assert_idle(&e);
 }
+
+#[test]
+fn bounded_notification_drain_keeps_what_it_does_not_take() {
+    let e = engine("{}");
+    let base = e.stats();
+    for p in [&b"one"[..], b"a longer payload", b"x"] {
+        e.notify_self(p).unwrap();
+    }
+    let mut budget = 10usize;
+    let first = e.take_notifications_while(|n| {
+        let fits = n.payload.len() <= budget;
+        budget = budget.saturating_sub(n.payload.len());
+        fits
+    });
+    assert_eq!(first.iter().map(|n| &n.payload[..]).collect::<Vec<_>>(), [&b"one"[..]]);
+    assert!(e.take_notifications_while(|_| false).is_empty());
+    let rest = e.take_notifications();
+    assert_eq!(rest.iter().map(|n| &n.payload[..]).collect::<Vec<_>>(), [&b"a longer payload"[..], b"x"]);
+    assert_eq!(e.stats(), base);
+}
+
+#[test]
+fn binding_handles_are_bounded_and_refunded() {
+    let e = engine(r#"{"max_binding_handles": 3}"#);
+    let base = e.stats();
+    let a = e.charge_binding_handles(2).unwrap();
+    assert_eq!(e.stats().binding_handles, 2);
+    let err = e.charge_binding_handles(2).unwrap_err();
+    assert!(matches!(err, Error::ResourceExhausted { resource: Resource::BindingHandles, limit: 3, .. }));
+    assert_eq!(e.stats().binding_handles, 2, "a refused charge takes nothing");
+    drop(a);
+    assert_eq!(e.stats(), base);
+}

@@ -350,6 +350,11 @@ impl Drop for EngineHandle {
     }
 }
 
+/// Handles a binding holds on an engine, charged to `max_binding_handles`
+/// and refunded when this value is dropped.
+#[derive(Debug)]
+pub struct BindingCharge(#[allow(dead_code)] Charge);
+
 /// The transfer engine. Clones share one engine; the engine closes when the
 /// last clone is dropped (or on [`TransferEngine::close`]).
 #[derive(Clone)]
@@ -661,6 +666,32 @@ impl TransferEngine {
     /// Takes every queued notification, oldest first (refunds their charge).
     pub fn take_notifications(&self) -> Vec<Notification> {
         self.wait_notifications(Duration::ZERO)
+    }
+
+    /// Takes queued notifications, oldest first, while `fits` accepts the
+    /// next one; the first it refuses, and every later one, stay queued.
+    /// Lets a caller with a bounded buffer drain without losing any.
+    pub fn take_notifications_while(&self, mut fits: impl FnMut(&Notification) -> bool) -> Vec<Notification> {
+        let inner = self.inner();
+        let taken = {
+            let mut q = inner.notifications.lock();
+            inner.drain_inbox(&mut q);
+            let mut taken = Vec::new();
+            while q.front().is_some_and(|(n, _)| fits(n)) {
+                taken.extend(q.pop_front());
+            }
+            taken
+        };
+        taken.into_iter().map(|(n, _charge)| n).collect()
+    }
+
+    /// Charges `count` handles held by a binding (the C ABI) against
+    /// `max_binding_handles`; refunded when the returned value is dropped.
+    pub fn charge_binding_handles(&self, count: u64) -> Result<BindingCharge, Error> {
+        let inner = self.inner();
+        let limit = inner.config.max_binding_handles;
+        Charge::limited(&inner.counters, Counter::BindingHandles, count, Resource::BindingHandles, limit)
+            .map(BindingCharge)
     }
 
     /// Like [`Self::take_notifications`], but if none is queued, waits up
