@@ -1,9 +1,41 @@
-//! C ABI of OrbiTE for the NIXL `ORBITE` backend.
+//! C ABI of OrbiTE, the boundary the NIXL `ORBITE` backend calls.
 //!
-//! Placeholder crate: the ABI itself (generation-checked handles, versioned
-//! records, panic barrier, cbindgen header) is tracked by its own issue. It
-//! exists now so that the workspace layout is the final one and so that a
-//! default build of `orbite-core` provably neither exports nor links it.
+//! Opt-in: a default build of `orbite-core` neither exports nor links this
+//! crate. The header `include/orbite/nixl.h` is generated from these
+//! declarations by cbindgen (see `build.rs`); docs/c-abi.md explains the
+//! rules in prose.
+//!
+//! Every entry point:
+//! * catches panics at the boundary and returns [`OrbiteStatus::Internal`];
+//! * returns a typed [`OrbiteStatus`], with a message for
+//!   [`orbite_last_error`] on failure;
+//! * checks handles (kind, generation, engine), record sizes and versions,
+//!   array lengths against the engine's limits and all arithmetic before
+//!   anything is allocated, charged or admitted;
+//! * writes outputs only on success, into storage the caller owns.
+//!
+//! No lock of this library is held while the engine runs (and so while a
+//! caller's release callback may run).
 
-/// ABI major version this crate will export once the C ABI lands.
-pub const ORBITE_NIXL_ABI_MAJOR: u32 = 0;
+#![warn(missing_docs)]
+// The entry points take raw pointers from C and check them before use;
+// each unsafe block says which invariant it relies on.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
+mod api;
+mod handles;
+mod objects;
+mod records;
+mod status;
+mod wire;
+
+pub use api::*;
+pub use records::*;
+pub use status::OrbiteStatus;
+
+/// ABI major. A breaking change takes a new major and a new SONAME
+/// (`liborbite_nixl.so.<major>`).
+pub const ORBITE_ABI_MAJOR: u32 = 1;
+/// ABI minor: additive changes (new entry points, new feature bits, new
+/// record versions negotiated by size).
+pub const ORBITE_ABI_MINOR: u32 = 0;

@@ -1,0 +1,1097 @@
+//! The entry points.
+
+use std::ffi::{c_char, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use orbite_core::{
+    Desc, ExecutionPhase, Intent, MemoryRange, Op, OutcomeCode, Permission, RegistrationId, RemoteEffect, Route,
+    RoutePolicy, Stats, Target, TransferEngine, TransferOptions, TransferSpec, TransferStatus,
+};
+use parking_lot::Mutex;
+
+use crate::handles::{self, Kind};
+use crate::objects::{Child, EngineObj, Object, PeerObj, RegObj, ShmObj, XferObj};
+use crate::records::*;
+use crate::status::{Failure, OrbiteStatus, Res, clear_last_error, fail, set_last_error, with_last_error};
+use crate::wire::{PeerInfo, RangeInfo};
+use crate::{ORBITE_ABI_MAJOR, ORBITE_ABI_MINOR};
+
+/// Longest JSON configuration accepted.
+const MAX_CONFIG_BYTES: usize = 1 << 20;
+/// Longest metadata blob accepted.
+const MAX_METADATA_BYTES: usize = 64 << 10;
+/// Header of a drained notification: epoch, sender length, payload length.
+const NOTIF_HEADER: usize = 16;
+
+#[cfg(feature = "test-hooks")]
+static INJECT_PANIC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+fn features() -> u64 {
+    let base = ORBITE_FEATURE_TCP | ORBITE_FEATURE_SHM | ORBITE_FEATURE_CMA | ORBITE_FEATURE_NOTIFICATIONS;
+    if cfg!(feature = "test-hooks") { base | ORBITE_FEATURE_TEST_HOOKS } else { base }
+}
+
+/// The panic barrier: runs `f`, records its failure for
+/// `orbite_last_error`, and turns a panic into `Internal`.
+fn entry(name: &str, f: impl FnOnce() -> Res) -> OrbiteStatus {
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        #[cfg(feature = "test-hooks")]
+        if INJECT_PANIC.swap(false, std::sync::atomic::Ordering::AcqRel) {
+            panic!("injected panic in {name}");
+        }
+        f()
+    }));
+    match r {
+        Ok(Ok(())) => {
+            clear_last_error();
+            OrbiteStatus::Ok
+        }
+        Ok(Err(Failure { status, message })) => {
+            set_last_error(format!("{name}: {message}"));
+            status
+        }
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            set_last_error(format!("{name}: internal error (panic): {what}"));
+            OrbiteStatus::Internal
+        }
+    }
+}
+
+fn check_header<T: Record>(size: u32, version: u32) -> Res {
+    if version != ORBITE_RECORD_VERSION {
+        return fail(
+            OrbiteStatus::VersionMismatch,
+            format!("{} version {version} (this library knows {ORBITE_RECORD_VERSION})", T::NAME),
+        );
+    }
+    if size as usize != size_of::<T>() {
+        return fail(
+            OrbiteStatus::VersionMismatch,
+            format!("{} of {size} bytes (version {version} has {})", T::NAME, size_of::<T>()),
+        );
+    }
+    Ok(())
+}
+
+fn check_pointer<T>(p: *const T, what: &str) -> Res {
+    if p.is_null() {
+        return fail(OrbiteStatus::InvalidArgument, format!("{what} is null"));
+    }
+    if (p as usize) % align_of::<T>() != 0 {
+        return fail(OrbiteStatus::InvalidArgument, format!("{what} is misaligned"));
+    }
+    Ok(())
+}
+
+/// An input record, after its size and version were checked.
+///
+/// # Safety
+/// `p` is null or points to a readable record that starts with the two
+/// `u32` header fields and is as long as its `size` field says.
+unsafe fn input<'a, T: Record>(p: *const T) -> Res<&'a T> {
+    check_pointer(p, T::NAME)?;
+    // SAFETY: non-null and aligned (checked); every record starts with two
+    // u32 fields, which the caller's contract makes readable.
+    let [size, version] = unsafe { std::ptr::read(p.cast::<[u32; 2]>()) };
+    check_header::<T>(size, version)?;
+    // SAFETY: the record is `size` bytes long, which equals size_of::<T>()
+    // (checked), and stays valid for the call.
+    Ok(unsafe { &*p })
+}
+
+/// Checks an output record's header before any work is done.
+///
+/// # Safety
+/// As for [`input`], and the record is writable.
+unsafe fn output_check<T: Record>(p: *mut T) -> Res {
+    check_pointer(p, T::NAME)?;
+    // SAFETY: as in `input`.
+    let [size, version] = unsafe { std::ptr::read(p.cast::<[u32; 2]>()) };
+    check_header::<T>(size, version)
+}
+
+/// Writes a checked output record.
+///
+/// # Safety
+/// `p` passed [`output_check`].
+unsafe fn put<T: Record>(p: *mut T, value: T) {
+    // SAFETY: checked: non-null, aligned, writable, size_of::<T>() bytes.
+    unsafe { std::ptr::write(p, value) }
+}
+
+/// A caller's array of `count` elements, checked against `max` before it is
+/// touched.
+///
+/// # Safety
+/// `p` is null with `count == 0`, or points to `count` readable elements
+/// that stay valid and unchanged for the call.
+unsafe fn array<'a, T>(p: *const T, count: u64, max: u64, what: &str) -> Res<&'a [T]> {
+    if count > max {
+        return fail(OrbiteStatus::ResourceExhausted, format!("{what}: {count} elements (limit {max})"));
+    }
+    if count == 0 {
+        return Ok(&[]);
+    }
+    check_pointer(p, what)?;
+    let count = usize::try_from(count).map_err(|_| Failure::new(OrbiteStatus::OutOfRange, "count overflows"))?;
+    if count.checked_mul(size_of::<T>()).is_none_or(|b| b > isize::MAX as usize) {
+        return fail(OrbiteStatus::OutOfRange, format!("{what}: size overflows"));
+    }
+    // SAFETY: non-null, aligned, `count` elements readable (caller's
+    // contract); the byte size fits in isize (checked).
+    Ok(unsafe { std::slice::from_raw_parts(p, count) })
+}
+
+/// Copies `bytes` into a caller's buffer, or reports the size needed.
+///
+/// # Safety
+/// `buf` is null or writable for `cap` bytes; `needed` is null or writable.
+unsafe fn write_bytes(bytes: &[u8], buf: *mut u8, cap: usize, needed: *mut usize) -> Res {
+    check_pointer(needed, "needed")?;
+    // SAFETY: non-null and aligned (checked), writable by contract.
+    unsafe { *needed = bytes.len() };
+    if buf.is_null() || cap < bytes.len() {
+        return fail(OrbiteStatus::BufferTooSmall, format!("{} bytes needed, {cap} given", bytes.len()));
+    }
+    // SAFETY: `buf` is writable for `cap >= bytes.len()` bytes and cannot
+    // overlap our own vector.
+    unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), buf, bytes.len()) };
+    Ok(())
+}
+
+fn engine_of(h: OrbiteEngine) -> Res<Arc<EngineObj>> {
+    match handles::get(h.raw, Kind::Engine)? {
+        Object::Engine(e) => Ok(e),
+        _ => unreachable!("kind checked"),
+    }
+}
+
+fn peer_of(h: OrbitePeer) -> Res<Arc<PeerObj>> {
+    match handles::get(h.raw, Kind::Peer)? {
+        Object::Peer(p) => Ok(p),
+        _ => unreachable!("kind checked"),
+    }
+}
+
+fn xfer_of(h: OrbiteXfer) -> Res<Arc<XferObj>> {
+    match handles::get(h.raw, Kind::Transfer)? {
+        Object::Transfer(x) => Ok(x),
+        _ => unreachable!("kind checked"),
+    }
+}
+
+fn reg_of(h: OrbiteRegistration) -> Res<Arc<RegObj>> {
+    match handles::get(h.raw, Kind::Registration)? {
+        Object::Registration(r) => Ok(r),
+        _ => unreachable!("kind checked"),
+    }
+}
+
+fn permission(p: u32) -> Res<Permission> {
+    Ok(match p {
+        ORBITE_PERM_LOCAL_ONLY => Permission::LocalOnly,
+        ORBITE_PERM_REMOTE_READ => Permission::RemoteRead,
+        ORBITE_PERM_REMOTE_READ_WRITE => Permission::RemoteReadWrite,
+        _ => return fail(OrbiteStatus::InvalidArgument, format!("unknown permission {p}")),
+    })
+}
+
+fn permission_code(p: Permission) -> u32 {
+    match p {
+        Permission::LocalOnly => ORBITE_PERM_LOCAL_ONLY,
+        Permission::RemoteRead => ORBITE_PERM_REMOTE_READ,
+        Permission::RemoteReadWrite => ORBITE_PERM_REMOTE_READ_WRITE,
+    }
+}
+
+fn stats_record(s: Stats) -> OrbiteStats {
+    OrbiteStats {
+        size: size_of::<OrbiteStats>() as u32,
+        version: ORBITE_RECORD_VERSION,
+        registrations: s.registrations,
+        registered_bytes: s.registered_bytes,
+        fenced_registrations: s.fenced_registrations,
+        host_allocations: s.host_allocations,
+        host_memory_bytes: s.host_memory_bytes,
+        prepared_transfers: s.prepared_transfers,
+        executions: s.executions,
+        queued_executions: s.queued_executions,
+        bytes_in_flight: s.bytes_in_flight,
+        tasks_in_flight: s.tasks_in_flight,
+        unquiesced_owners: s.unquiesced_owners,
+        notification_bytes: s.notification_bytes,
+        binding_handles: s.binding_handles,
+    }
+}
+
+/// Describes this library: ABI version, feature bits and the size of
+/// every record. Callable before anything else, with no engine.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_abi_info(out: *mut OrbiteAbiInfo) -> OrbiteStatus {
+    entry("orbite_abi_info", || {
+        // SAFETY: caller's contract: `out` is a writable OrbiteAbiInfo.
+        unsafe { output_check(out)? };
+        let s = |n: usize| n as u32;
+        let info = OrbiteAbiInfo {
+            size: s(size_of::<OrbiteAbiInfo>()),
+            version: ORBITE_RECORD_VERSION,
+            abi_major: ORBITE_ABI_MAJOR,
+            abi_minor: ORBITE_ABI_MINOR,
+            features: features(),
+            engine_options_size: s(size_of::<OrbiteEngineOptions>()),
+            mem_region_size: s(size_of::<OrbiteMemRegion>()),
+            desc_size: s(size_of::<OrbiteDesc>()),
+            xfer_spec_size: s(size_of::<OrbiteXferSpec>()),
+            xfer_state_size: s(size_of::<OrbiteXferState>()),
+            remote_range_size: s(size_of::<OrbiteRemoteRange>()),
+            close_report_size: s(size_of::<OrbiteCloseReport>()),
+            stats_size: s(size_of::<OrbiteStats>()),
+            drain_result_size: s(size_of::<OrbiteDrainResult>()),
+            notif_view_size: s(size_of::<OrbiteNotifView>()),
+        };
+        // SAFETY: checked above.
+        unsafe { put(out, info) };
+        Ok(())
+    })
+}
+
+/// Copies this thread's last failure message (NUL-terminated) into `buf`.
+/// `*needed` receives the size with the NUL; if `cap` is smaller, nothing
+/// is copied and `ORBITE_STATUS_BUFFER_TOO_SMALL` is returned. An empty
+/// message means the last call on this thread succeeded.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_last_error(buf: *mut c_char, cap: usize, needed: *mut usize) -> OrbiteStatus {
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        with_last_error(|m| {
+            let mut bytes = m.as_bytes().to_vec();
+            bytes.push(0);
+            // SAFETY: caller's contract: `buf` writable for `cap` bytes,
+            // `needed` writable.
+            unsafe { write_bytes(&bytes, buf.cast(), cap, needed) }
+        })
+    }));
+    match r {
+        Ok(Ok(())) => OrbiteStatus::Ok,
+        Ok(Err(f)) => f.status,
+        Err(_) => OrbiteStatus::Internal,
+    }
+}
+
+/// Creates an engine from an explicit JSON configuration. Refused, before
+/// anything is created, when `abi_major` differs from this library's, when
+/// a required feature is missing, or when the configuration is invalid.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_engine_create(options: *const OrbiteEngineOptions, out: *mut OrbiteEngine) -> OrbiteStatus {
+    entry("orbite_engine_create", || {
+        // SAFETY: caller's contract: a readable OrbiteEngineOptions.
+        let o = unsafe { input(options)? };
+        check_pointer(out, "out")?;
+        if o.abi_major != ORBITE_ABI_MAJOR {
+            return fail(
+                OrbiteStatus::VersionMismatch,
+                format!("caller built for ABI {}, library is ABI {ORBITE_ABI_MAJOR}", o.abi_major),
+            );
+        }
+        if o.reserved != 0 {
+            return fail(OrbiteStatus::InvalidArgument, "reserved field is not zero");
+        }
+        let missing = o.required_features & !features();
+        if missing != 0 {
+            return fail(OrbiteStatus::NotSupported, format!("features {missing:#x} are not in this build"));
+        }
+        // SAFETY: caller's contract: `config_json_len` readable bytes.
+        let json = unsafe { array(o.config_json, o.config_json_len, MAX_CONFIG_BYTES as u64, "config_json")? };
+        let json = std::str::from_utf8(json)
+            .map_err(|_| Failure::new(OrbiteStatus::InvalidArgument, "config_json is not UTF-8"))?;
+        let engine = TransferEngine::from_json(if json.is_empty() { "{}" } else { json })?;
+        let obj = Arc::new(EngineObj { engine, children: AtomicU64::new(0), shared: Mutex::new(Vec::new()) });
+        let raw = handles::insert(Object::Engine(obj))?;
+        // SAFETY: non-null and aligned (checked), writable by contract.
+        unsafe { *out = OrbiteEngine { raw } };
+        Ok(())
+    })
+}
+
+/// Closes an engine: fences new work, waits up to `timeout_ms` for admitted
+/// work to retire, and reports whether it drained. Executions that did not
+/// retire keep their owners. The handle stays valid (for stats and
+/// release). `report` may be null.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_engine_close(
+    engine: OrbiteEngine,
+    timeout_ms: u64,
+    report: *mut OrbiteCloseReport,
+) -> OrbiteStatus {
+    entry("orbite_engine_close", || {
+        let e = engine_of(engine)?;
+        if !report.is_null() {
+            // SAFETY: caller's contract: a writable OrbiteCloseReport.
+            unsafe { output_check(report)? };
+        }
+        let r = e.engine.close_with_timeout(Duration::from_millis(timeout_ms));
+        if !report.is_null() {
+            let value = OrbiteCloseReport {
+                size: size_of::<OrbiteCloseReport>() as u32,
+                version: ORBITE_RECORD_VERSION,
+                drained: u32::from(r.drained),
+                reserved: 0,
+                unquiesced: r.unquiesced.len() as u64,
+            };
+            // SAFETY: checked above.
+            unsafe { put(report, value) };
+        }
+        Ok(())
+    })
+}
+
+/// Releases an engine handle. Refused (`ORBITE_STATUS_ACTIVE`) while any
+/// registration, shared allocation, peer or transfer handle of the engine
+/// is alive. The engine closes (draining within its configured bound) when
+/// released.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_engine_release(engine: OrbiteEngine) -> OrbiteStatus {
+    entry("orbite_engine_release", || {
+        let obj = handles::remove_if(engine.raw, Kind::Engine, |o| {
+            let Object::Engine(e) = o else { unreachable!("kind checked") };
+            match e.children.load(std::sync::atomic::Ordering::Acquire) {
+                0 => Ok(()),
+                n => fail(OrbiteStatus::Active, format!("{n} handles of this engine are still alive")),
+            }
+        })?;
+        drop(obj); // no lock held: closing may wait for work to drain
+        Ok(())
+    })
+}
+
+/// Every charge of the engine (they return to their baseline once work
+/// drained and handles were released).
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_engine_stats(engine: OrbiteEngine, out: *mut OrbiteStats) -> OrbiteStatus {
+    entry("orbite_engine_stats", || {
+        let e = engine_of(engine)?;
+        // SAFETY: caller's contract: a writable OrbiteStats.
+        unsafe { output_check(out)? };
+        // SAFETY: checked above.
+        unsafe { put(out, stats_record(e.engine.stats())) };
+        Ok(())
+    })
+}
+
+/// Writes the engine's peer information (endpoint and epoch) for another
+/// process's `orbite_peer_open`, or for this engine's own self peer.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_engine_export_peer(
+    engine: OrbiteEngine,
+    buf: *mut u8,
+    cap: usize,
+    needed: *mut usize,
+) -> OrbiteStatus {
+    entry("orbite_engine_export_peer", || {
+        let e = engine_of(engine)?;
+        let info = PeerInfo { epoch: e.engine.source_epoch(), endpoint: e.engine.endpoint().unwrap_or_default() };
+        // SAFETY: caller's contract: `buf` writable for `cap`, `needed` writable.
+        unsafe { write_bytes(&info.encode(), buf, cap, needed) }
+    })
+}
+
+/// Allocates `len` bytes of memory peers on this host can map (a file under
+/// /dev/shm). Ranges of it registered with `orbite_mem_register` may take
+/// the shm route. The memory lives until the handle is released and every
+/// registration inside it is gone.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_shm_alloc(
+    engine: OrbiteEngine,
+    len: u64,
+    out: *mut OrbiteShm,
+    out_addr: *mut *mut c_void,
+) -> OrbiteStatus {
+    entry("orbite_shm_alloc", || {
+        let e = engine_of(engine)?;
+        check_pointer(out, "out")?;
+        check_pointer(out_addr, "out_addr")?;
+        let len = usize::try_from(len).map_err(|_| Failure::new(OrbiteStatus::OutOfRange, "len overflows"))?;
+        let child = Child::new(&e)?;
+        let memory = e.engine.allocate_shm_memory(len)?;
+        let addr = memory.as_ptr();
+        let raw = handles::insert(Object::SharedMemory(Arc::new(ShmObj { child, memory: memory.clone() })))?;
+        e.shared.lock().push(memory);
+        // SAFETY: both non-null and aligned (checked), writable by contract.
+        unsafe {
+            *out = OrbiteShm { raw };
+            *out_addr = addr.cast();
+        }
+        Ok(())
+    })
+}
+
+/// Releases a shared allocation handle. Registrations inside it keep the
+/// memory alive until they are gone.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_shm_release(shm: OrbiteShm) -> OrbiteStatus {
+    entry("orbite_shm_release", || {
+        let Object::SharedMemory(s) = handles::remove(shm.raw, Kind::SharedMemory)? else { unreachable!() };
+        s.child.engine.shared.lock().retain(|m| m.as_ptr() != s.memory.as_ptr());
+        Ok(())
+    })
+}
+
+/// Registers a range of memory. A range inside a live `orbite_shm_alloc`
+/// allocation of the same engine becomes a shared range; any other range is
+/// borrowed from the caller, never copied, and must stay valid until its
+/// `release` callback runs (or, without one, until it is deregistered and
+/// every transfer naming it is released).
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_mem_register(
+    engine: OrbiteEngine,
+    region: *const OrbiteMemRegion,
+    out: *mut OrbiteRegistration,
+) -> OrbiteStatus {
+    entry("orbite_mem_register", || {
+        let e = engine_of(engine)?;
+        // SAFETY: caller's contract: a readable OrbiteMemRegion.
+        let r = unsafe { input(region)? };
+        check_pointer(out, "out")?;
+        match r.kind {
+            ORBITE_MEM_DRAM => {}
+            ORBITE_MEM_VRAM => return fail(OrbiteStatus::NotSupported, "VRAM is not supported by this build"),
+            k => return fail(OrbiteStatus::InvalidArgument, format!("unknown memory kind {k}")),
+        }
+        if r.device != 0 || r.reserved != 0 {
+            return fail(OrbiteStatus::InvalidArgument, "device and reserved must be 0 for DRAM");
+        }
+        let perm = permission(r.permission)?;
+        let end = r.addr.checked_add(r.len);
+        if r.addr == 0 || r.len == 0 || end.is_none_or(|end| end > isize::MAX as u64) {
+            return fail(
+                OrbiteStatus::OutOfRange,
+                format!("range {:#x}+{} is empty, null or overflows", r.addr, r.len),
+            );
+        }
+        let shared = e.shared.lock().iter().find_map(|m| {
+            let base = m.as_ptr() as u64;
+            (r.addr >= base && r.addr + r.len <= base + m.len() as u64).then(|| (m.clone(), (r.addr - base) as usize))
+        });
+        let range = match shared {
+            Some(_) if r.release.is_some() => {
+                return fail(
+                    OrbiteStatus::InvalidArgument,
+                    "a range of a shared allocation is owned by the engine: release must be null",
+                );
+            }
+            Some((memory, offset)) => {
+                MemoryRange::host(&memory, offset, r.len as usize, perm).map_err(orbite_core::Error::from)?
+            }
+            None => {
+                // SAFETY: the caller vouches (documented contract of this
+                // entry point) that the range stays valid until the engine
+                // gives it up, which `release` reports.
+                let range = unsafe { MemoryRange::borrowed(r.addr as *mut u8, r.len as usize, perm) };
+                match r.release {
+                    Some(callback) => {
+                        let context = SendPtr(r.release_context);
+                        range.with_owner_release(Box::new(move || {
+                            let context = context;
+                            // SAFETY: the caller's callback with the
+                            // caller's context, called exactly once by the
+                            // core's owner release, with no lock of this
+                            // library held (none is held around engine
+                            // calls) and none of the core's.
+                            unsafe { callback(context.0) }
+                        }))
+                    }
+                    None => range,
+                }
+            }
+        };
+        let child = Child::new(&e)?;
+        let id = e.engine.register_memory_ranges(vec![range])?[0];
+        match handles::insert(Object::Registration(Arc::new(RegObj { child, id }))) {
+            Ok(raw) => {
+                // SAFETY: non-null and aligned (checked), writable.
+                unsafe { *out = OrbiteRegistration { raw } };
+                Ok(())
+            }
+            Err(f) => {
+                let _ = e.engine.deregister(id);
+                Err(f)
+            }
+        }
+    })
+}
+
+/// A caller's context pointer, moved to whichever thread releases the
+/// range last.
+struct SendPtr(*mut c_void);
+// SAFETY: the pointer is only handed back to the caller's callback; the C
+// contract says the callback may run on any thread.
+unsafe impl Send for SendPtr {}
+
+/// Deregisters: new transfers and posts naming it are refused at once; the
+/// engine gives the range up after the last transfer using it retired. The
+/// handle is released.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_mem_deregister(registration: OrbiteRegistration) -> OrbiteStatus {
+    entry("orbite_mem_deregister", || {
+        let r = reg_of(registration)?;
+        r.child.engine.engine.deregister(r.id)?;
+        let _ = handles::remove(registration.raw, Kind::Registration);
+        Ok(())
+    })
+}
+
+/// Writes a registration's range metadata for a peer's
+/// `orbite_peer_import_range` (or this engine's own self peer).
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_mem_export(
+    registration: OrbiteRegistration,
+    buf: *mut u8,
+    cap: usize,
+    needed: *mut usize,
+) -> OrbiteStatus {
+    entry("orbite_mem_export", || {
+        let r = reg_of(registration)?;
+        let engine = &r.child.engine.engine;
+        let d = engine.segment_descriptor();
+        let Some(x) = d.registrations.iter().find(|x| x.id == r.id) else {
+            return fail(OrbiteStatus::NotFound, "registration is deregistered");
+        };
+        let info = RangeInfo {
+            epoch: d.epoch,
+            registration: x.id.to_raw(),
+            addr: x.addr,
+            len: x.len,
+            permission: permission_code(x.permission),
+            shared: x.shm.is_some(),
+        };
+        // SAFETY: caller's contract: `buf` writable for `cap`, `needed` writable.
+        unsafe { write_bytes(&info.encode(), buf, cap, needed) }
+    })
+}
+
+/// Opens a peer from its exported information. Information naming this
+/// engine itself opens the self connection (local transfers); any other
+/// peer is connected over TCP within `timeout_ms` and must still be the
+/// same incarnation (epoch).
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_peer_open(
+    engine: OrbiteEngine,
+    info: *const u8,
+    len: usize,
+    timeout_ms: u64,
+    out: *mut OrbitePeer,
+) -> OrbiteStatus {
+    entry("orbite_peer_open", || {
+        let e = engine_of(engine)?;
+        check_pointer(out, "out")?;
+        // SAFETY: caller's contract: `len` readable bytes.
+        let bytes = unsafe { array(info, len as u64, MAX_METADATA_BYTES as u64, "info")? };
+        let info = PeerInfo::decode(bytes)?;
+        let child = Child::new(&e)?;
+        let segment = if info.epoch == e.engine.source_epoch() {
+            None
+        } else if info.endpoint.is_empty() {
+            return fail(OrbiteStatus::NotSupported, "the peer has no listener");
+        } else {
+            Some(e.engine.open_segment(&info.endpoint, Some(info.epoch), Duration::from_millis(timeout_ms))?)
+        };
+        let raw = handles::insert(Object::Peer(Arc::new(PeerObj { child, segment })))?;
+        // SAFETY: non-null and aligned (checked), writable.
+        unsafe { *out = OrbitePeer { raw } };
+        Ok(())
+    })
+}
+
+/// Checks a peer's range metadata against what the peer described itself
+/// with (same incarnation, registration present, same bounds) and returns
+/// the values to put in remote descriptors.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_peer_import_range(
+    peer: OrbitePeer,
+    metadata: *const u8,
+    len: usize,
+    out: *mut OrbiteRemoteRange,
+) -> OrbiteStatus {
+    entry("orbite_peer_import_range", || {
+        let p = peer_of(peer)?;
+        // SAFETY: caller's contract: a writable OrbiteRemoteRange.
+        unsafe { output_check(out)? };
+        // SAFETY: caller's contract: `len` readable bytes.
+        let bytes = unsafe { array(metadata, len as u64, MAX_METADATA_BYTES as u64, "metadata")? };
+        let info = RangeInfo::decode(bytes)?;
+        let own;
+        let descriptor = match &p.segment {
+            Some(s) => s.descriptor(),
+            None => {
+                own = p.child.engine.engine.segment_descriptor();
+                &own
+            }
+        };
+        if info.epoch != descriptor.epoch {
+            return fail(
+                OrbiteStatus::EpochMismatch,
+                format!("range of epoch {:#x}, peer has {:#x}", info.epoch, descriptor.epoch),
+            );
+        }
+        let id = RegistrationId::from_raw(info.registration);
+        let Some(x) = descriptor.registrations.iter().find(|x| x.id == id) else {
+            return fail(
+                OrbiteStatus::NotFound,
+                format!("the peer had no registration {id} when it was opened (reopen the peer to see newer ones)"),
+            );
+        };
+        if (x.addr, x.len, permission_code(x.permission), x.shm.is_some())
+            != (info.addr, info.len, info.permission, info.shared)
+        {
+            return fail(OrbiteStatus::NotFound, format!("registration {id} differs from the peer's description"));
+        }
+        let value = OrbiteRemoteRange {
+            size: size_of::<OrbiteRemoteRange>() as u32,
+            version: ORBITE_RECORD_VERSION,
+            remote_registration: info.registration,
+            addr: x.addr,
+            len: x.len,
+            permission: info.permission,
+            shared: u32::from(info.shared),
+        };
+        // SAFETY: checked above.
+        unsafe { put(out, value) };
+        Ok(())
+    })
+}
+
+/// Retires a peer: fences new posts to it, waits up to `timeout_ms` for
+/// admitted work to retire, closes its connections. The handle is released
+/// even when closing fails (the status says so); transfers prepared for it
+/// stay pollable and keep what they use.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_peer_close(peer: OrbitePeer, timeout_ms: u64) -> OrbiteStatus {
+    entry("orbite_peer_close", || {
+        let Object::Peer(p) = handles::remove(peer.raw, Kind::Peer)? else { unreachable!() };
+        if let Some(s) = &p.segment {
+            p.child.engine.engine.close_segment(s, Duration::from_millis(timeout_ms))?;
+        }
+        Ok(())
+    })
+}
+
+/// Prepares a transfer: validates both lists (bounds, permissions, equal
+/// totals, limits) with no I/O. Counts beyond the engine's descriptor limit
+/// are refused before the arrays are read.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_xfer_prepare(
+    engine: OrbiteEngine,
+    spec: *const OrbiteXferSpec,
+    out: *mut OrbiteXfer,
+) -> OrbiteStatus {
+    entry("orbite_xfer_prepare", || {
+        let e = engine_of(engine)?;
+        // SAFETY: caller's contract: a readable OrbiteXferSpec.
+        let s = unsafe { input(spec)? };
+        check_pointer(out, "out")?;
+        let op = match s.op {
+            ORBITE_OP_READ => Op::Read,
+            ORBITE_OP_WRITE => Op::Write,
+            v => return fail(OrbiteStatus::InvalidArgument, format!("unknown op {v}")),
+        };
+        let intent = match s.intent {
+            ORBITE_INTENT_NORMAL => Intent::Normal,
+            ORBITE_INTENT_DECODE_CRITICAL => Intent::DecodeCritical,
+            ORBITE_INTENT_PREFETCH => Intent::Prefetch,
+            v => return fail(OrbiteStatus::InvalidArgument, format!("unknown intent {v}")),
+        };
+        let route = match s.route {
+            ORBITE_ROUTE_DEFAULT => None,
+            ORBITE_ROUTE_AUTO => Some(RoutePolicy::Auto),
+            ORBITE_ROUTE_TCP => Some(RoutePolicy::Tcp),
+            ORBITE_ROUTE_SHM => Some(RoutePolicy::Shm),
+            ORBITE_ROUTE_CMA => Some(RoutePolicy::Cma),
+            v => return fail(OrbiteStatus::InvalidArgument, format!("unknown route {v}")),
+        };
+        if s.flags & !ORBITE_XFER_NOTIFY != 0 {
+            return fail(OrbiteStatus::InvalidArgument, format!("unknown flags {:#x}", s.flags));
+        }
+        let p = peer_of(s.peer)?;
+        if !Arc::ptr_eq(&p.child.engine, &e) {
+            return fail(OrbiteStatus::WrongHandle, "peer of another engine");
+        }
+        let config = e.engine.config();
+        let max = config.max_descriptors_per_transfer;
+        // SAFETY: caller's contract: the arrays hold their counts.
+        let local = unsafe { array(s.local, s.local_count, max, "local")? };
+        // SAFETY: as above.
+        let remote = unsafe { array(s.remote, s.remote_count, max, "remote")? };
+        let notification = if s.flags & ORBITE_XFER_NOTIFY != 0 {
+            // SAFETY: caller's contract: `notification_len` readable bytes.
+            Some(unsafe { array(s.notification, s.notification_len, config.max_notification_bytes, "notification")? })
+        } else {
+            None
+        };
+        let local: Vec<Desc> = handles::registrations(&e, local.iter().map(|d| d.registration), |i, id| {
+            Desc::new(id, local[i].offset, local[i].len)
+        })?;
+        let remote: Vec<Desc> =
+            remote.iter().map(|d| Desc::new(RegistrationId::from_raw(d.registration), d.offset, d.len)).collect();
+        let target = match &p.segment {
+            Some(seg) => Target::Peer(seg),
+            None => Target::Loopback,
+        };
+        let deadline = (s.deadline_us != 0).then(|| Duration::from_micros(s.deadline_us));
+        let spec = TransferSpec {
+            op,
+            local: &local,
+            remote: &remote,
+            target,
+            options: TransferOptions { intent, deadline, route },
+            notification,
+        };
+        let child = Child::new(&e)?;
+        let transfer = e.engine.prepare(&spec)?;
+        let raw = handles::insert(Object::Transfer(Arc::new(XferObj { _child: child, transfer })))?;
+        // SAFETY: non-null and aligned (checked), writable.
+        unsafe { *out = OrbiteXfer { raw } };
+        Ok(())
+    })
+}
+
+/// Posts a fresh execution. Refused while one is active, after a failed,
+/// cancelled or uncertain one, when a named registration was deregistered,
+/// and when a budget or the admission queue is full; a refused post admits
+/// nothing. A small transfer may already be retired when this returns.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_xfer_post(xfer: OrbiteXfer) -> OrbiteStatus {
+    entry("orbite_xfer_post", || Ok(xfer_of(xfer)?.transfer.post()?))
+}
+
+/// Asks the active execution to stop: queued work never starts, started
+/// work drains. Poll with `orbite_xfer_query` until it is retired.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_xfer_cancel(xfer: OrbiteXfer) -> OrbiteStatus {
+    entry("orbite_xfer_cancel", || {
+        xfer_of(xfer)?.transfer.cancel()?;
+        Ok(())
+    })
+}
+
+/// Makes one bounded, non-blocking progress step and reports where the
+/// transfer stands.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_xfer_query(xfer: OrbiteXfer, out: *mut OrbiteXferState) -> OrbiteStatus {
+    entry("orbite_xfer_query", || {
+        let x = xfer_of(xfer)?;
+        // SAFETY: caller's contract: a writable OrbiteXferState.
+        unsafe { output_check(out)? };
+        let route = match x.transfer.route().route {
+            Route::Loopback => ORBITE_ROUTE_LOOPBACK,
+            Route::Tcp => ORBITE_ROUTE_TCP,
+            Route::Shm => ORBITE_ROUTE_SHM,
+            Route::Cma => ORBITE_ROUTE_CMA,
+        };
+        let mut v = OrbiteXferState {
+            size: size_of::<OrbiteXferState>() as u32,
+            version: ORBITE_RECORD_VERSION,
+            route,
+            total_bytes: x.transfer.total_bytes(),
+            ..OrbiteXferState::default()
+        };
+        match x.transfer.check() {
+            TransferStatus::NotPosted => v.state = ORBITE_STATE_NOT_POSTED,
+            TransferStatus::InProgress { phase, transferred_bytes } => {
+                v.state = ORBITE_STATE_IN_PROGRESS;
+                v.phase = match phase {
+                    ExecutionPhase::Queued => ORBITE_PHASE_QUEUED,
+                    ExecutionPhase::Running => ORBITE_PHASE_RUNNING,
+                    ExecutionPhase::Draining => ORBITE_PHASE_DRAINING,
+                };
+                v.transferred_bytes = transferred_bytes;
+            }
+            TransferStatus::Retired(r) => {
+                let o = r.outcome;
+                v.state = ORBITE_STATE_RETIRED;
+                v.drained = 1;
+                v.code = match o.code {
+                    OutcomeCode::Success => ORBITE_OUTCOME_SUCCESS,
+                    OutcomeCode::Cancelled => ORBITE_OUTCOME_CANCELLED,
+                    OutcomeCode::TimedOut => ORBITE_OUTCOME_TIMED_OUT,
+                    OutcomeCode::ShortCompletion => ORBITE_OUTCOME_SHORT,
+                    OutcomeCode::Failed => ORBITE_OUTCOME_FAILED,
+                    OutcomeCode::NotificationFailed => ORBITE_OUTCOME_NOTIFICATION_FAILED,
+                };
+                v.remote_effect = match o.remote_effect {
+                    RemoteEffect::None => ORBITE_EFFECT_NONE,
+                    RemoteEffect::Known => ORBITE_EFFECT_KNOWN,
+                    RemoteEffect::Unknown => ORBITE_EFFECT_UNKNOWN,
+                };
+                v.transferred_bytes = o.transferred_bytes;
+                v.transferred_prefix = o.transferred_prefix;
+                v.total_bytes = o.total_bytes;
+                v.execution = r.receipt.execution;
+                v.tasks_started = r.receipt.tasks_started;
+                v.tasks_never_started = r.receipt.tasks_never_started;
+            }
+        }
+        // SAFETY: checked above.
+        unsafe { put(out, v) };
+        Ok(())
+    })
+}
+
+/// Releases a transfer. Refused with `ORBITE_STATUS_ACTIVE` while an
+/// execution is active: the handle stays valid and pollable, and nothing is
+/// cancelled.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_xfer_release(xfer: OrbiteXfer) -> OrbiteStatus {
+    entry("orbite_xfer_release", || {
+        let obj = handles::remove_if(xfer.raw, Kind::Transfer, |o| {
+            let Object::Transfer(x) = o else { unreachable!("kind checked") };
+            match x.transfer.status() {
+                TransferStatus::InProgress { phase, .. } => {
+                    fail(OrbiteStatus::Active, format!("the transfer has an active execution ({phase:?})"))
+                }
+                _ => Ok(()),
+            }
+        })?;
+        // With no lock held: dropping the last reference releases the
+        // transfer's owners (an owner's release callback may run).
+        drop(obj);
+        Ok(())
+    })
+}
+
+/// Sends a binary notification to a peer (to this engine itself for a self
+/// peer) and returns once it is queued there. Nothing is ever replayed.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_notify(peer: OrbitePeer, payload: *const u8, len: usize) -> OrbiteStatus {
+    entry("orbite_notify", || {
+        let p = peer_of(peer)?;
+        let engine = &p.child.engine.engine;
+        let max = engine.config().max_notification_bytes;
+        // SAFETY: caller's contract: `len` readable bytes.
+        let payload = unsafe { array(payload, len as u64, max, "payload")? };
+        match &p.segment {
+            Some(s) => engine.notify(s, payload)?,
+            None => engine.notify_self(payload)?,
+        }
+        Ok(())
+    })
+}
+
+/// Moves received notifications, oldest first, into `buf` while they fit.
+/// Each is written as: sender epoch (u64), sender length (u32), payload
+/// length (u32), sender bytes, payload bytes, in native byte order and
+/// unpadded; read them with `orbite_notif_next`. If not even the first
+/// fits, nothing is taken and `ORBITE_STATUS_BUFFER_TOO_SMALL` is returned
+/// with `next_needed` set.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_notifs_drain(
+    engine: OrbiteEngine,
+    buf: *mut u8,
+    cap: usize,
+    out: *mut OrbiteDrainResult,
+) -> OrbiteStatus {
+    entry("orbite_notifs_drain", || {
+        let e = engine_of(engine)?;
+        // SAFETY: caller's contract: a writable OrbiteDrainResult.
+        unsafe { output_check(out)? };
+        let cap = if buf.is_null() { 0 } else { cap };
+        let (mut used, mut next_needed) = (0usize, 0u64);
+        let taken = e.engine.take_notifications_while(|n| {
+            let need = NOTIF_HEADER + n.sender_endpoint.len() + n.payload.len();
+            if cap - used >= need {
+                used += need;
+                true
+            } else {
+                next_needed = need as u64;
+                false
+            }
+        });
+        let mut at = 0usize;
+        for n in &taken {
+            let (epoch, sender_len, payload_len) = (
+                n.sender_epoch.to_ne_bytes(),
+                (n.sender_endpoint.len() as u32).to_ne_bytes(),
+                (n.payload.len() as u32).to_ne_bytes(),
+            );
+            for part in [&epoch[..], &sender_len, &payload_len, n.sender_endpoint.as_bytes(), &n.payload] {
+                // SAFETY: `buf` is writable for `cap` bytes (contract) and
+                // the parts of the taken notifications add up to `used`
+                // <= `cap` (checked when they were taken).
+                unsafe { std::ptr::copy_nonoverlapping(part.as_ptr(), buf.add(at), part.len()) };
+                at += part.len();
+            }
+        }
+        let value = OrbiteDrainResult {
+            size: size_of::<OrbiteDrainResult>() as u32,
+            version: ORBITE_RECORD_VERSION,
+            count: taken.len() as u64,
+            written: at as u64,
+            next_needed,
+        };
+        // SAFETY: checked above.
+        unsafe { put(out, value) };
+        if taken.is_empty() && next_needed > 0 {
+            return fail(OrbiteStatus::BufferTooSmall, format!("the next notification needs {next_needed} bytes"));
+        }
+        Ok(())
+    })
+}
+
+/// Reads the notification at `*offset` of a drained buffer of `len` bytes
+/// into `view` and advances `*offset`. Returns `ORBITE_STATUS_NOT_FOUND` at
+/// the end of the buffer and `ORBITE_STATUS_INVALID_ARGUMENT` for bytes
+/// that are not a drained notification.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_notif_next(
+    buf: *const u8,
+    len: usize,
+    offset: *mut u64,
+    view: *mut OrbiteNotifView,
+) -> OrbiteStatus {
+    entry("orbite_notif_next", || {
+        check_pointer(offset, "offset")?;
+        // SAFETY: caller's contract: a writable OrbiteNotifView.
+        unsafe { output_check(view)? };
+        // SAFETY: caller's contract: `len` readable bytes.
+        let bytes = unsafe { array(buf, len as u64, u64::MAX, "buf")? };
+        // SAFETY: non-null and aligned (checked), readable and writable.
+        let at = unsafe { *offset };
+        let at = usize::try_from(at).ok().filter(|a| *a <= bytes.len());
+        let Some(at) = at else { return fail(OrbiteStatus::OutOfRange, "offset beyond the buffer") };
+        let rest = &bytes[at..];
+        if rest.is_empty() {
+            return fail(OrbiteStatus::NotFound, "no more notifications");
+        }
+        if rest.len() < NOTIF_HEADER {
+            return fail(OrbiteStatus::InvalidArgument, "truncated notification header");
+        }
+        let epoch = u64::from_ne_bytes(rest[0..8].try_into().expect("8 bytes"));
+        let sender_len = u32::from_ne_bytes(rest[8..12].try_into().expect("4 bytes")) as usize;
+        let payload_len = u32::from_ne_bytes(rest[12..16].try_into().expect("4 bytes")) as usize;
+        let total = NOTIF_HEADER as u64 + sender_len as u64 + payload_len as u64;
+        if total > rest.len() as u64 {
+            return fail(OrbiteStatus::InvalidArgument, "truncated notification");
+        }
+        let sender = &rest[NOTIF_HEADER..NOTIF_HEADER + sender_len];
+        let payload = &rest[NOTIF_HEADER + sender_len..total as usize];
+        let v = OrbiteNotifView {
+            size: size_of::<OrbiteNotifView>() as u32,
+            version: ORBITE_RECORD_VERSION,
+            sender_epoch: epoch,
+            sender: sender.as_ptr(),
+            sender_len: sender_len as u64,
+            payload: payload.as_ptr(),
+            payload_len: payload_len as u64,
+        };
+        // SAFETY: checked above; `offset` checked non-null and aligned.
+        unsafe {
+            put(view, v);
+            *offset = (at as u64) + total;
+        }
+        Ok(())
+    })
+}
+
+/// Test-only (`ORBITE_FEATURE_TEST_HOOKS`): the next entry point called
+/// panics inside its barrier, which must turn the panic into
+/// `ORBITE_STATUS_INTERNAL`.
+#[cfg(feature = "test-hooks")]
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_test_inject_panic() -> OrbiteStatus {
+    INJECT_PANIC.store(true, std::sync::atomic::Ordering::Release);
+    OrbiteStatus::Ok
+}
+
+#[cfg(feature = "test-hooks")]
+fn directive(kind: u32, bytes: u64, effect_unknown: u32) -> Res<orbite_core::fault::FaultDirective> {
+    use orbite_core::fault::FaultDirective as D;
+    Ok(match kind {
+        ORBITE_TEST_RUN => D::Run,
+        ORBITE_TEST_HOLD => D::Hold,
+        ORBITE_TEST_SHORT => D::Short { bytes },
+        ORBITE_TEST_FAIL => D::Fail { bytes, effect_unknown: effect_unknown != 0 },
+        k => return fail(OrbiteStatus::InvalidArgument, format!("unknown directive {k}")),
+    })
+}
+
+/// Test-only directive: copy normally.
+#[cfg(feature = "test-hooks")]
+pub const ORBITE_TEST_RUN: u32 = 0;
+/// Test-only directive: hold the task (nothing copied) until released.
+#[cfg(feature = "test-hooks")]
+pub const ORBITE_TEST_HOLD: u32 = 1;
+/// Test-only directive: copy `bytes`, then report a short completion.
+#[cfg(feature = "test-hooks")]
+pub const ORBITE_TEST_SHORT: u32 = 2;
+/// Test-only directive: copy `bytes`, then report failure.
+#[cfg(feature = "test-hooks")]
+pub const ORBITE_TEST_FAIL: u32 = 3;
+
+/// Test-only: the engine's fault hooks for tasks of the self connection and
+/// the same-host routes. Queues a directive for the next task.
+#[cfg(feature = "test-hooks")]
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_test_fault_push(
+    engine: OrbiteEngine,
+    kind: u32,
+    bytes: u64,
+    effect_unknown: u32,
+) -> OrbiteStatus {
+    entry("orbite_test_fault_push", || {
+        let d = directive(kind, bytes, effect_unknown)?;
+        engine_of(engine)?.engine.fault_hooks().push(d);
+        Ok(())
+    })
+}
+
+/// Test-only: holds every task with no queued directive while `on` is 1.
+#[cfg(feature = "test-hooks")]
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_test_hold_all(engine: OrbiteEngine, on: u32) -> OrbiteStatus {
+    entry("orbite_test_hold_all", || {
+        engine_of(engine)?.engine.fault_hooks().hold_all(on != 0);
+        Ok(())
+    })
+}
+
+/// Test-only: waits up to `timeout_ms` until at least `n` tasks are held;
+/// writes how many are.
+#[cfg(feature = "test-hooks")]
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_test_wait_held(engine: OrbiteEngine, n: u64, timeout_ms: u64, held: *mut u64) -> OrbiteStatus {
+    entry("orbite_test_wait_held", || {
+        check_pointer(held, "held")?;
+        let e = engine_of(engine)?;
+        let hooks = e.engine.fault_hooks();
+        hooks.wait_held(n as usize, Duration::from_millis(timeout_ms));
+        // SAFETY: non-null and aligned (checked), writable.
+        unsafe { *held = hooks.held().len() as u64 };
+        Ok(())
+    })
+}
+
+/// Test-only: lets every held task go with a directive.
+#[cfg(feature = "test-hooks")]
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_test_release_held(
+    engine: OrbiteEngine,
+    kind: u32,
+    bytes: u64,
+    effect_unknown: u32,
+) -> OrbiteStatus {
+    entry("orbite_test_release_held", || {
+        let d = directive(kind, bytes, effect_unknown)?;
+        let e = engine_of(engine)?;
+        let hooks = e.engine.fault_hooks();
+        for t in hooks.held() {
+            hooks.release(t, d);
+        }
+        Ok(())
+    })
+}

@@ -1,0 +1,148 @@
+//! The byte formats a caller carries between processes: peer information
+//! and range metadata. Both are bounded and versioned and are parsed
+//! defensively: they come from another process.
+
+use crate::status::{OrbiteStatus, Res, fail};
+
+const PEER_MAGIC: &[u8; 4] = b"ORBP";
+const RANGE_MAGIC: &[u8; 4] = b"ORBR";
+const VERSION: u16 = 1;
+/// Longest endpoint accepted (`host:port`).
+pub(crate) const MAX_ENDPOINT: usize = 1024;
+
+/// Who a peer is: where it listens and which incarnation it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PeerInfo {
+    pub epoch: u64,
+    pub endpoint: String,
+}
+
+/// One registered range of a peer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct RangeInfo {
+    pub epoch: u64,
+    pub registration: u64,
+    pub addr: u64,
+    pub len: u64,
+    pub permission: u32,
+    pub shared: bool,
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Res<&'a [u8]> {
+        if self.0.len() < n {
+            return fail(OrbiteStatus::InvalidArgument, "metadata is truncated");
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Ok(a)
+    }
+    fn u16(&mut self) -> Res<u16> {
+        Ok(u16::from_le_bytes(self.take(2)?.try_into().expect("2 bytes")))
+    }
+    fn u32(&mut self) -> Res<u32> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
+    }
+    fn u64(&mut self) -> Res<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+    fn header(&mut self, magic: &[u8; 4], what: &str) -> Res {
+        if self.take(4)? != magic {
+            return fail(OrbiteStatus::InvalidArgument, format!("not {what} metadata"));
+        }
+        match self.u16()? {
+            VERSION => Ok(()),
+            v => fail(
+                OrbiteStatus::VersionMismatch,
+                format!("{what} metadata version {v} (this library reads {VERSION})"),
+            ),
+        }
+    }
+    fn end(&self) -> Res {
+        if self.0.is_empty() { Ok(()) } else { fail(OrbiteStatus::InvalidArgument, "trailing bytes after metadata") }
+    }
+}
+
+impl PeerInfo {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(16 + self.endpoint.len());
+        b.extend_from_slice(PEER_MAGIC);
+        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.extend_from_slice(&(self.endpoint.len() as u16).to_le_bytes());
+        b.extend_from_slice(&self.epoch.to_le_bytes());
+        b.extend_from_slice(self.endpoint.as_bytes());
+        b
+    }
+
+    pub fn decode(bytes: &[u8]) -> Res<Self> {
+        let mut r = Reader(bytes);
+        r.header(PEER_MAGIC, "peer")?;
+        let len = r.u16()? as usize;
+        let epoch = r.u64()?;
+        if len > MAX_ENDPOINT {
+            return fail(OrbiteStatus::OutOfRange, format!("endpoint of {len} bytes"));
+        }
+        let endpoint = std::str::from_utf8(r.take(len)?)
+            .map_err(|_| crate::status::Failure::new(OrbiteStatus::InvalidArgument, "endpoint is not UTF-8"))?
+            .to_owned();
+        r.end()?;
+        Ok(PeerInfo { epoch, endpoint })
+    }
+}
+
+impl RangeInfo {
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(48);
+        b.extend_from_slice(RANGE_MAGIC);
+        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.extend_from_slice(&u16::from(self.shared).to_le_bytes());
+        b.extend_from_slice(&self.permission.to_le_bytes());
+        for v in [self.epoch, self.registration, self.addr, self.len] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b
+    }
+
+    pub fn decode(bytes: &[u8]) -> Res<Self> {
+        let mut r = Reader(bytes);
+        r.header(RANGE_MAGIC, "range")?;
+        let flags = r.u16()?;
+        if flags > 1 {
+            return fail(OrbiteStatus::InvalidArgument, format!("unknown range flags {flags:#x}"));
+        }
+        let permission = r.u32()?;
+        let (epoch, registration, addr, len) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+        r.end()?;
+        Ok(RangeInfo { epoch, registration, addr, len, permission, shared: flags == 1 })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_every_truncation_is_refused() {
+        let p = PeerInfo { epoch: 0x1234_5678_9abc, endpoint: "127.0.0.1:4000".into() };
+        let b = p.encode();
+        assert_eq!(PeerInfo::decode(&b).unwrap(), p);
+        for n in 0..b.len() {
+            assert!(PeerInfo::decode(&b[..n]).is_err(), "prefix {n}");
+        }
+        let mut long = b.clone();
+        long.push(0);
+        assert!(PeerInfo::decode(&long).is_err());
+        let r = RangeInfo { epoch: 7, registration: 9, addr: 4096, len: 100, permission: 2, shared: true };
+        let b = r.encode();
+        assert_eq!(RangeInfo::decode(&b).unwrap(), r);
+        for n in 0..b.len() {
+            assert!(RangeInfo::decode(&b[..n]).is_err(), "prefix {n}");
+        }
+        assert!(RangeInfo::decode(&p.encode()).is_err(), "a peer blob is not a range");
+        let mut v2 = b.clone();
+        v2[4] = 2;
+        assert_eq!(RangeInfo::decode(&v2).unwrap_err().status, OrbiteStatus::VersionMismatch);
+    }
+}
