@@ -1119,6 +1119,23 @@ OrbiteStatus orbite_test_release_held(struct OrbiteEngine engine,
                                       uint32_t effect_unknown);
 #endif
 
+#if defined(ORBITE_TEST_HOOKS)
+/*
+ Test-only: writes up to `cap` live engine handles into `out` and their
+ total into `*count` (for tests that reach an engine created inside
+ another component, such as the NIXL plugin).
+ */
+OrbiteStatus orbite_test_engines(struct OrbiteEngine *out, size_t cap, size_t *count);
+#endif
+
+#if defined(ORBITE_TEST_HOOKS)
+/*
+ Test-only: while `on` is 1, the engine's server holds peers' requests
+ after validating them and before any byte moves.
+ */
+OrbiteStatus orbite_test_hold_remote(struct OrbiteEngine engine, uint32_t on);
+#endif
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -1095,3 +1095,36 @@ pub extern "C" fn orbite_test_release_held(
         Ok(())
     })
 }
+
+/// Test-only: writes up to `cap` live engine handles into `out` and their
+/// total into `*count` (for tests that reach an engine created inside
+/// another component, such as the NIXL plugin).
+#[cfg(feature = "test-hooks")]
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_test_engines(out: *mut OrbiteEngine, cap: usize, count: *mut usize) -> OrbiteStatus {
+    entry("orbite_test_engines", || {
+        check_pointer(count, "count")?;
+        let all = handles::all(Kind::Engine);
+        if !all.is_empty() && cap > 0 {
+            check_pointer(out, "out")?;
+        }
+        for (i, raw) in all.iter().take(cap).enumerate() {
+            // SAFETY: `out` holds `cap` writable handles (contract), i < cap.
+            unsafe { *out.add(i) = OrbiteEngine { raw: *raw } };
+        }
+        // SAFETY: non-null and aligned (checked), writable.
+        unsafe { *count = all.len() };
+        Ok(())
+    })
+}
+
+/// Test-only: while `on` is 1, the engine's server holds peers' requests
+/// after validating them and before any byte moves.
+#[cfg(feature = "test-hooks")]
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_test_hold_remote(engine: OrbiteEngine, on: u32) -> OrbiteStatus {
+    entry("orbite_test_hold_remote", || {
+        engine_of(engine)?.engine.hold_remote_requests(on != 0);
+        Ok(())
+    })
+}

@@ -139,6 +139,18 @@ pub(crate) fn remove(handle: u64, kind: Kind) -> Res<Object> {
     remove_if(handle, kind, |_| Ok(()))
 }
 
+/// Every live handle of `kind` (test hooks).
+#[cfg(feature = "test-hooks")]
+pub(crate) fn all(kind: Kind) -> Vec<u64> {
+    let t = TABLE.lock();
+    t.slots
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.object.as_ref().is_some_and(|o| o.kind() == kind))
+        .map(|(i, s)| encode(kind, s.generation, i as u32))
+        .collect()
+}
+
 /// Resolves many registration handles of one engine under a single lock.
 pub(crate) fn registrations<R>(
     engine: &Arc<crate::objects::EngineObj>,

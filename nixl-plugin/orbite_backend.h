@@ -1,0 +1,155 @@
+// SPDX-License-Identifier: Apache-2.0
+// The NIXL backend "ORBITE": a thin adapter over OrbiTE's C ABI
+// (liborbite_nixl). It converts NIXL descriptors and statuses and calls the
+// ABI; it has no thread, queue, scheduler or retry of its own. See
+// docs/nixl-plugin.md.
+#ifndef ORBITE_NIXL_BACKEND_H
+#define ORBITE_NIXL_BACKEND_H
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "backend/backend_engine.h"
+
+#include <orbite/nixl.h>
+
+namespace orbite_nixl {
+
+// What the adapter knows about a finished request beyond NIXL's status: the
+// logical outcome and the retirement receipt, kept apart.
+struct XferDetail {
+    uint32_t state = ORBITE_STATE_NOT_POSTED;
+    uint32_t code = ORBITE_OUTCOME_SUCCESS;
+    uint32_t remote_effect = ORBITE_EFFECT_NONE;
+    uint32_t drained = 0;
+    uint32_t route = 0;
+    uint64_t transferred_prefix = 0;
+    uint64_t transferred_bytes = 0;
+    uint64_t total_bytes = 0;
+    uint64_t execution = 0;
+};
+
+// Metadata of a local registration.
+class LocalMD : public nixlBackendMD {
+public:
+    LocalMD(OrbiteRegistration reg, uint64_t addr, uint64_t len, std::string exported)
+        : nixlBackendMD(true), reg(reg), addr(addr), len(len), exported(std::move(exported)) {}
+    OrbiteRegistration reg;
+    uint64_t addr;
+    uint64_t len;
+    std::string exported; // range metadata for peers (getPublicData)
+};
+
+// Metadata of a peer's (or, through loadLocalMD, our own) registration.
+class RemoteMD : public nixlBackendMD {
+public:
+    RemoteMD(OrbitePeer peer, std::string agent, const OrbiteRemoteRange &range)
+        : nixlBackendMD(false), peer(peer), agent(std::move(agent)), range(range) {}
+    OrbitePeer peer;
+    std::string agent;
+    OrbiteRemoteRange range;
+};
+
+class Request : public nixlBackendReqH {
+public:
+    OrbiteXfer xfer{};
+    uint32_t op = 0;
+    OrbitePeer peer{};
+    std::vector<OrbiteDesc> local;
+    std::vector<OrbiteDesc> remote;
+    std::optional<std::string> notification; // payload as prepared (enveloped)
+    XferDetail detail;
+};
+
+// A notification's envelope: the sender's agent name travels with the
+// payload (binary, lossless). Version 1: "ONF1", u16 LE name length, name,
+// payload.
+std::string wrapNotification(const std::string &agent, const std::string &payload);
+bool unwrapNotification(const std::string &bytes, std::string &agent, std::string &payload);
+
+// NIXL status of a transfer's state (the spec's table: IN_PROG until
+// physical retirement, whatever the logical outcome).
+nixl_status_t statusOf(const OrbiteXferState &s);
+// NIXL status of a failed C ABI call.
+nixl_status_t statusOf(OrbiteStatus s);
+
+// Builds the engine's configuration from the backend's parameters: the
+// explicit OrbiTE JSON ("config"), with the progress worker taken from
+// enableProgTh/pthrDelay and a loopback listener when none is configured.
+// Returns false (and a reason) for any parameter it does not understand.
+bool buildConfig(const nixlBackendInitParams &params, std::string &json, std::string &error);
+
+class Engine : public nixlBackendEngine {
+public:
+    explicit Engine(const nixlBackendInitParams *init_params);
+    ~Engine() override;
+
+    bool supportsRemote() const override { return true; }
+    bool supportsLocal() const override { return true; }
+    bool supportsNotif() const override { return true; }
+    nixl_mem_list_t getSupportedMems() const override;
+
+    nixl_status_t registerMem(const nixlBlobDesc &mem, const nixl_mem_t &nixl_mem, nixlBackendMD *&out) override;
+    nixl_status_t deregisterMem(nixlBackendMD *meta) override;
+
+    nixl_status_t connect(const std::string &remote_agent) override;
+    nixl_status_t disconnect(const std::string &remote_agent) override;
+    nixl_status_t unloadMD(nixlBackendMD *input) override;
+
+    nixl_status_t prepXfer(const nixl_xfer_op_t &operation, const nixl_meta_dlist_t &local,
+                           const nixl_meta_dlist_t &remote, const std::string &remote_agent,
+                           nixlBackendReqH *&handle, const nixl_opt_b_args_t *opt_args = nullptr) const override;
+    nixl_status_t postXfer(const nixl_xfer_op_t &operation, const nixl_meta_dlist_t &local,
+                           const nixl_meta_dlist_t &remote, const std::string &remote_agent,
+                           nixlBackendReqH *&handle, const nixl_opt_b_args_t *opt_args = nullptr) const override;
+    nixl_status_t checkXfer(nixlBackendReqH *handle) const override;
+    nixl_status_t releaseReqH(nixlBackendReqH *handle) const override;
+
+    nixl_status_t getPublicData(const nixlBackendMD *meta, std::string &str) const override;
+    nixl_status_t getConnInfo(std::string &str) const override;
+    nixl_status_t loadRemoteConnInfo(const std::string &remote_agent, const std::string &remote_conn_info) override;
+    nixl_status_t loadRemoteMD(const nixlBlobDesc &input, const nixl_mem_t &nixl_mem,
+                               const std::string &remote_agent, nixlBackendMD *&output) override;
+    nixl_status_t loadLocalMD(nixlBackendMD *input, nixlBackendMD *&output) override;
+
+    nixl_status_t getNotifs(notif_list_t &notif_list) override;
+    nixl_status_t genNotif(const std::string &remote_agent, const std::string &msg) const override;
+
+    nixl_status_t queryMem(const nixl_reg_dlist_t &descs, std::vector<nixl_query_resp_t> &resp) const override;
+
+    // Not part of NIXL's interface (yet): OrbiTE's explicit cancel. Queued
+    // work never starts, started work drains; poll checkXfer until retired.
+    nixl_status_t cancelXfer(nixlBackendReqH *handle) const;
+    // The logical outcome and receipt of a request's last execution, which
+    // NIXL's single status cannot carry.
+    static const XferDetail &detailOf(const nixlBackendReqH *handle);
+    // The engine, for tests (stats, fault hooks in test builds).
+    OrbiteEngine orbiteEngine() const { return engine_; }
+    // Why initialisation failed, if it did.
+    const std::string &initError() const { return init_error_; }
+
+private:
+    struct Peer {
+        std::string info;  // conn info as loaded
+        OrbitePeer peer{}; // open once connected
+        uint64_t epoch = 0;
+    };
+    nixl_status_t peerFor(const std::string &agent, OrbitePeer &out) const;
+    nixl_status_t prepare(Request &r) const;
+    nixl_status_t fail(OrbiteStatus s, const char *what) const;
+
+    OrbiteEngine engine_{};
+    OrbitePeer self_{};
+    std::string self_info_;
+    std::string init_error_;
+    mutable std::mutex mutex_; // guards peers_
+    mutable std::map<std::string, Peer> peers_;
+};
+
+} // namespace orbite_nixl
+
+#endif
