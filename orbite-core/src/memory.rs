@@ -115,6 +115,29 @@ impl std::fmt::Debug for HostMemory {
     }
 }
 
+/// Removes the /dev/shm files of engines whose process is gone (a crash or
+/// a kill leaves them behind; their names carry the owner's pid). A file
+/// already mapped elsewhere stays valid for that mapping; a process that is
+/// gone can serve no new peer. Files of live processes, and files this user
+/// may not remove, are left alone.
+fn sweep_orphaned_shared_files() {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("orbite-")).and_then(|n| n.split('-').next()) else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<i32>() else { continue };
+        // SAFETY: kill with signal 0 only checks whether the process exists.
+        let gone = pid > 0
+            && unsafe { libc::kill(pid, 0) } == -1
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
 impl HostMemory {
     /// A shared allocation: a new file under /dev/shm, mapped shared. Only
     /// this process creates it (exclusive create, mode 0600); it is
@@ -135,6 +158,8 @@ impl HostMemory {
                 (Counter::HostMemoryBytes, len as u64, Some((Resource::HostMemoryBytes, limit))),
             ],
         )?;
+        static SWEEP: std::sync::Once = std::sync::Once::new();
+        SWEEP.call_once(sweep_orphaned_shared_files);
         let seq = SHM_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let name: Arc<str> = format!("orbite-{}-{tag:x}-{seq}", std::process::id()).into();
         let path = std::path::Path::new("/dev/shm").join(&*name);
@@ -330,5 +355,30 @@ impl MemoryRange {
             *slot = Some(release);
         }
         self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn orphaned_shared_files_of_dead_processes_are_removed() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let ours = format!("/dev/shm/orbite-{}-5eeb-test", std::process::id());
+        let theirs = format!("/dev/shm/orbite-{dead}-5eeb-test");
+        let other = format!("/dev/shm/not-orbite-{dead}-5eeb-test");
+        for p in [&ours, &theirs, &other] {
+            std::fs::write(p, b"x").unwrap();
+        }
+        super::sweep_orphaned_shared_files();
+        let exists = |p: &str| std::path::Path::new(p).exists();
+        let (kept_ours, kept_theirs, kept_other) = (exists(&ours), exists(&theirs), exists(&other));
+        for p in [&ours, &theirs, &other] {
+            let _ = std::fs::remove_file(p);
+        }
+        assert!(kept_ours, "a live process's file is kept");
+        assert!(!kept_theirs, "a dead process's file is removed");
+        assert!(kept_other, "other files are not touched");
     }
 }

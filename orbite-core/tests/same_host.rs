@@ -119,7 +119,7 @@ fn target_keeps_memory_borrowed_by_one_sided_routes() {
         let (l, r) = ([Desc::new(local.id, 0, 65536)], [Desc::new(target, 0, 65536)]);
         let t = e.prepare(&spec(Op::Write, &l, &r, &seg)).unwrap();
         assert_eq!(t.route().route, route);
-        t.post().unwrap(); // the first post borrows
+        t.post().unwrap(); // prepare borrowed
         assert!(wait_retired(&t).outcome.is_success());
         let before = p.ask("stats");
         assert_eq!(p.ask(dereg), "OK");
@@ -129,14 +129,18 @@ fn target_keeps_memory_borrowed_by_one_sided_routes() {
         let fields = |s: &str| s.split_whitespace().skip(1).map(|x| x.parse::<u64>().unwrap()).collect::<Vec<_>>();
         let (b, d) = (fields(&before), fields(&during));
         assert_eq!((d[0], d[1], d[2]), (b[0], b[1] + 1, b[2]), "{before} -> {during}");
-        // A repost still lands in the (fenced, alive) memory.
+        // The deregistration fenced the range for this borrower too: a
+        // repost asks the peer again and is refused, as it would be over
+        // tcp; nothing is copied into a range its owner gave up.
         fill(&local.mem, 12);
-        t.post().unwrap();
-        assert!(wait_retired(&t).outcome.is_success());
-        // A new transfer cannot borrow a fenced registration.
-        let t2 = e.prepare(&spec(Op::Write, &l, &r, &seg)).unwrap();
-        assert!(matches!(t2.post(), Err(Error::Peer(PeerError::Refused { .. }))));
-        drop(t2);
+        assert!(matches!(t.post(), Err(Error::Peer(PeerError::Refused { .. }))));
+        assert!(matches!(t.status(), TransferStatus::Retired(r) if r.receipt.execution == 1), "nothing posted");
+        // A new transfer cannot borrow a fenced registration either.
+        let err = e.prepare(&spec(Op::Write, &l, &r, &seg)).unwrap_err();
+        assert!(matches!(err, Error::Peer(PeerError::Refused { .. })), "{err}");
+        // The old loan still keeps the range alive.
+        let still = fields(&p.ask("stats"));
+        assert_eq!((still[0], still[1], still[2]), (d[0], d[1], d[2]));
         t.release().unwrap(); // returns the borrow
         let start = std::time::Instant::now();
         let want = (b[0] - 1, b[1], b[2] - freed);
@@ -279,4 +283,26 @@ fn real_cma_denial_falls_back_to_tcp() {
     assert!(line.starts_with("DENIED Tcp ok=true"), "{line}");
     assert!(line.contains("not cma: process_vm_readv denied"), "the fallback says why: {line}");
     assert!(line.contains("forced=process_vm_readv denied"), "{line}");
+}
+
+/// Any deregistration on the target makes a one-sided borrower ask again
+/// before its next post; a range that is still registered is lent again.
+#[test]
+fn one_sided_repost_after_an_unrelated_deregistration_asks_again_and_lands() {
+    let mut p = PeerProcess::spawn();
+    let e = initiator();
+    let seg = p.open(&e);
+    let local = region(&e, 1 << 20, Permission::RemoteReadWrite);
+    let (l, r) = ([Desc::new(local.id, 0, 65536)], [Desc::new(p.region, 0, 65536)]);
+    let t = e.prepare(&spec(Op::Write, &l, &r, &seg)).unwrap();
+    assert_eq!(t.route().route, Route::Cma);
+    fill(&local.mem, 21);
+    t.post().unwrap();
+    assert!(wait_retired(&t).outcome.is_success());
+    assert_eq!(p.ask("sdereg"), "OK"); // another registration
+    fill(&local.mem, 22);
+    t.post().unwrap();
+    assert!(wait_retired(&t).outcome.is_success());
+    assert_eq!(p.hash(0, 65536), fnv(&snapshot(&local.mem)[..65536]), "the repost landed");
+    t.release().unwrap();
 }

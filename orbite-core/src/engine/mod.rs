@@ -492,7 +492,13 @@ impl TransferEngine {
     /// naming it retires and is released.
     pub fn deregister(&self, id: RegistrationId) -> Result<(), Error> {
         let inner = self.inner();
-        Ok(inner.registry.deregister(id, &inner.counters)?)
+        inner.registry.deregister(id, &inner.counters)?;
+        // Same-host borrowers copy without asking us: tell them to ask again
+        // (their next post re-borrows, which a fenced range refuses).
+        if let Some((_, inbox)) = inner.inbox.get() {
+            inbox.announce_fence();
+        }
+        Ok(())
     }
 
     /// Validates and prepares a transfer (no I/O). It retains every
@@ -572,7 +578,11 @@ impl TransferEngine {
             retired: Condvar::new(),
             retirements: AtomicU64::new(0),
         });
-        Ok(Transfer { shared, engine: inner.clone() })
+        let transfer = Transfer { shared, engine: inner.clone() };
+        // One-sided routes borrow the peer's ranges now (bounded control
+        // work), so that a post does not wait for the peer.
+        transfer.borrow_remote()?;
+        Ok(transfer)
     }
 
     /// Current charges.

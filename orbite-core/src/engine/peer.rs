@@ -110,6 +110,11 @@ pub(crate) struct Peer {
 
 impl Peer {
     /// Why new work may not start on this peer, if it may not.
+    /// The peer's deregistration count, read from its mapped inbox.
+    pub fn fences(&self) -> Option<u64> {
+        self.inbox.as_ref().map(|(_, i)| i.fences())
+    }
+
     pub fn refusal(&self) -> Option<PeerError> {
         // Atomics only: this runs on every post.
         if self.fenced.load(Ordering::Acquire) {
@@ -533,8 +538,12 @@ impl EngineInner {
             }),
         );
         let flags = if write { crate::wire::BORROW_WRITE } else { 0 };
+        // Read before asking: a deregistration after this read either makes
+        // the peer refuse the borrow or moves the count, so the next post
+        // asks again.
+        let fences = peer.fences();
         self.call(peer, |done| PeerJob::Control(ControlJob { kind: Kind::Borrow, flags, body, done }))?;
-        Ok(RemoteLoan { peer: peer.clone(), id })
+        Ok(RemoteLoan { peer: peer.clone(), id, fences })
     }
 }
 
@@ -543,6 +552,16 @@ impl EngineInner {
 pub(crate) struct RemoteLoan {
     peer: Arc<Peer>,
     id: u64,
+    /// The peer's deregistration count when the loan was granted (`None`:
+    /// the peer's inbox is not mapped, so every post asks again).
+    fences: Option<u64>,
+}
+
+impl RemoteLoan {
+    /// True while the peer has deregistered nothing since the loan.
+    pub fn current(&self) -> bool {
+        self.fences.is_some() && self.fences == self.peer.fences()
+    }
 }
 
 impl Drop for RemoteLoan {

@@ -305,14 +305,17 @@ impl Transfer {
     }
 
     /// On a one-sided route, makes sure the peer keeps the target ranges
-    /// alive (once per transfer; one round trip on its first post).
-    fn borrow_remote(&self) -> Result<(), Error> {
+    /// alive: one round trip at prepare, and again only when the peer has
+    /// deregistered something since (a deregistered range is then refused:
+    /// nothing is copied into a range its owner gave up).
+    pub(crate) fn borrow_remote(&self) -> Result<(), Error> {
         let (PlanTarget::Peer(p), crate::batch::Route::Shm | crate::batch::Route::Cma) =
             (&self.shared.target, self.shared.route.route)
         else {
             return Ok(());
         };
-        if self.shared.cell.lock().owners.as_ref().is_some_and(|o| o.remote_loan.is_some()) {
+        if self.shared.cell.lock().owners.as_ref().is_some_and(|o| o.remote_loan.as_ref().is_some_and(|l| l.current()))
+        {
             return Ok(());
         }
         if let Some(e) = p.refusal() {
@@ -320,12 +323,11 @@ impl Transfer {
         }
         let write = self.shared.plan.program.op == crate::batch::Op::Write;
         let loan = self.engine.borrow(p, &self.shared.remote_ids, write)?;
-        let mut cell = self.shared.cell.lock();
-        if let Some(o) = cell.owners.as_mut() {
-            if o.remote_loan.is_none() {
-                o.remote_loan = Some(loan);
-            }
-        }
+        // The previous loan (if any) is given back once the lock is released.
+        let _previous = {
+            let mut cell = self.shared.cell.lock();
+            cell.owners.as_mut().and_then(|o| o.remote_loan.replace(loan))
+        };
         Ok(())
     }
 

@@ -11,9 +11,9 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-const MAGIC: u64 = u64::from_be_bytes(*b"ORBTINBX");
+const MAGIC: u64 = u64::from_be_bytes(*b"ORBTINB2");
 /// Bytes before the ring.
-pub(crate) const HEADER: usize = 64;
+pub(crate) const HEADER: usize = 128;
 /// Ring bytes of every inbox.
 pub(crate) const CAPACITY: usize = 1 << 20;
 
@@ -29,6 +29,9 @@ struct Header {
     tail: AtomicU64,
     lock: AtomicU32,
     futex: AtomicU32,
+    /// Deregistrations by the owner so far: a same-host borrower whose
+    /// loan predates a change asks again before its next one-sided post.
+    fences: AtomicU64,
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() <= HEADER);
@@ -114,6 +117,16 @@ impl Inbox {
 
     fn ring(&self) -> *mut u8 {
         self.base.wrapping_add(HEADER)
+    }
+
+    /// Deregistrations the owner announced so far.
+    pub fn fences(&self) -> u64 {
+        self.header().fences.load(Ordering::Acquire)
+    }
+
+    /// Announces a deregistration (owner only).
+    pub fn announce_fence(&self) {
+        self.header().fences.fetch_add(1, Ordering::AcqRel);
     }
 
     /// The futex word: it changes whenever something may have arrived.
