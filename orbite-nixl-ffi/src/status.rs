@@ -2,6 +2,7 @@
 
 use std::cell::RefCell;
 
+use orbite_core::wire::RemoteStatus;
 use orbite_core::{BatchError, Error, PeerError, RegistryError};
 
 /// What every entry point returns. Zero is success; every failure is
@@ -107,12 +108,22 @@ impl From<Error> for Failure {
                 PeerError::EpochMismatch { .. } => OrbiteStatus::EpochMismatch,
                 PeerError::UnknownRemoteRegistration(_) => OrbiteStatus::NotFound,
                 PeerError::NotificationTooLarge { .. } => OrbiteStatus::OutOfRange,
+                // The peer answered: say what it refused, not that it is gone.
+                PeerError::Refused { status, .. } => match status {
+                    RemoteStatus::UnknownRegistration | RemoteStatus::StaleRegistration => OrbiteStatus::NotFound,
+                    RemoteStatus::EpochMismatch => OrbiteStatus::EpochMismatch,
+                    RemoteStatus::OutOfBounds | RemoteStatus::BadLength | RemoteStatus::NotificationTooLarge => {
+                        OrbiteStatus::OutOfRange
+                    }
+                    RemoteStatus::PermissionDenied => OrbiteStatus::NotAllowed,
+                    RemoteStatus::ResourceExhausted => OrbiteStatus::ResourceExhausted,
+                    RemoteStatus::Closing | RemoteStatus::Other => OrbiteStatus::RemoteDisconnect,
+                },
                 PeerError::Connect(_)
                 | PeerError::Protocol(_)
                 | PeerError::Lost(_)
                 | PeerError::SegmentClosed
-                | PeerError::CloseFailed(_)
-                | PeerError::Refused { .. } => OrbiteStatus::RemoteDisconnect,
+                | PeerError::CloseFailed(_) => OrbiteStatus::RemoteDisconnect,
             },
             Error::ResourceExhausted { .. } => OrbiteStatus::ResourceExhausted,
             Error::Closed => OrbiteStatus::Closed,
