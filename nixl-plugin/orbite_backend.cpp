@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "orbite_backend.h"
 
+#include <algorithm>
 #include <cstring>
 #include <new>
 
@@ -220,6 +221,17 @@ Engine::~Engine() {
     if (self_.raw != 0) orbite_peer_close(self_, kCloseTimeoutMs);
     auto report = record<OrbiteCloseReport>();
     orbite_engine_close(engine_, kCloseTimeoutMs, &report);
+    // Requests whose release NIXL saw refused: NIXL calls nothing on them
+    // after destroying the backend.
+    reap();
+    for (Request *r : pending_) {
+        if (r->xfer_released) {
+            delete r;
+        } else {
+            NIXL_ERROR << "ORBITE: a request released while active never retired; its transfer is kept";
+        }
+    }
+    pending_.clear();
     // Refused while registrations or requests NIXL never released are
     // alive: then the engine (and every owner it keeps) is deliberately
     // left in place rather than freed under work that may still run.
@@ -425,6 +437,7 @@ nixl_status_t Engine::postXfer(const nixl_xfer_op_t &, const nixl_meta_dlist_t &
                                const std::string &, nixlBackendReqH *&handle, const nixl_opt_b_args_t *opt_args) const {
     auto *r = dynamic_cast<Request *>(handle);
     if (r == nullptr) return NIXL_ERR_INVALID_PARAM;
+    if (r->xfer_released) return NIXL_ERR_NOT_ALLOWED; // its release was asked for
     if (opt_args != nullptr && !opt_args->customParam.empty()) return NIXL_ERR_INVALID_PARAM;
     std::optional<std::string> notification;
     if (opt_args != nullptr && opt_args->hasNotif) notification = wrapNotification(localAgent, opt_args->notifMsg);
@@ -453,9 +466,25 @@ nixl_status_t Engine::postXfer(const nixl_xfer_op_t &, const nixl_meta_dlist_t &
     return checkXfer(handle);
 }
 
+void Engine::reap() const {
+    if (pending_count_.load(std::memory_order_acquire) == 0) return;
+    std::lock_guard<std::mutex> g(pending_mutex_);
+    for (Request *r : pending_) {
+        if (r->xfer_released) continue;
+        auto st = record<OrbiteXferState>();
+        if (orbite_xfer_query(r->xfer, &st) != ORBITE_STATUS_OK || st.state == ORBITE_STATE_IN_PROGRESS) continue;
+        r->final_status = statusOf(st);
+        r->detail = XferDetail{st.state,      st.code,           st.remote_effect,   st.drained, st.route,
+                               st.transferred_prefix, st.transferred_bytes, st.total_bytes, st.execution};
+        r->xfer_released = orbite_xfer_release(r->xfer) == ORBITE_STATUS_OK;
+    }
+}
+
 nixl_status_t Engine::checkXfer(nixlBackendReqH *handle) const {
     auto *r = dynamic_cast<Request *>(handle);
     if (r == nullptr) return NIXL_ERR_INVALID_PARAM;
+    reap();
+    if (r->xfer_released) return r->final_status;
     auto st = record<OrbiteXferState>();
     OrbiteStatus s = orbite_xfer_query(r->xfer, &st);
     if (s != ORBITE_STATUS_OK) return fail(s, "checkXfer");
@@ -472,6 +501,7 @@ nixl_status_t Engine::checkXfer(nixlBackendReqH *handle) const {
 nixl_status_t Engine::cancelXfer(nixlBackendReqH *handle) const {
     auto *r = dynamic_cast<Request *>(handle);
     if (r == nullptr) return NIXL_ERR_INVALID_PARAM;
+    if (r->xfer_released) return NIXL_SUCCESS; // already retired
     OrbiteStatus s = orbite_xfer_cancel(r->xfer);
     return s == ORBITE_STATUS_OK ? NIXL_SUCCESS : fail(s, "cancelXfer");
 }
@@ -485,10 +515,26 @@ const XferDetail &Engine::detailOf(const nixlBackendReqH *handle) {
 nixl_status_t Engine::releaseReqH(nixlBackendReqH *handle) const {
     auto *r = dynamic_cast<Request *>(handle);
     if (r == nullptr) return NIXL_ERR_INVALID_PARAM;
-    // Refused (negative) while an execution is active: NIXL keeps the
-    // handle, which stays pollable. Release never cancels.
-    OrbiteStatus s = orbite_xfer_release(r->xfer);
+    reap();
+    std::lock_guard<std::mutex> g(pending_mutex_);
+    auto it = std::find(pending_.begin(), pending_.end(), r);
+    OrbiteStatus s = r->xfer_released ? ORBITE_STATUS_OK : orbite_xfer_release(r->xfer);
+    if (s == ORBITE_STATUS_ACTIVE) {
+        // Refused (negative) while an execution is active, and nothing is
+        // cancelled. The request stays pollable; should NIXL drop it
+        // anyway (NIXL 1.5 deletes a request whose release failed when it
+        // is released again), its transfer is released once it retired.
+        if (it == pending_.end()) {
+            pending_.push_back(r);
+            pending_count_.fetch_add(1, std::memory_order_acq_rel);
+        }
+        return NIXL_ERR_REPOST_ACTIVE;
+    }
     if (s != ORBITE_STATUS_OK) return fail(s, "releaseReqH");
+    if (it != pending_.end()) {
+        pending_.erase(it);
+        pending_count_.fetch_sub(1, std::memory_order_acq_rel);
+    }
     delete r;
     return NIXL_SUCCESS;
 }
@@ -503,6 +549,7 @@ nixl_status_t Engine::genNotif(const std::string &remote_agent, const std::strin
 }
 
 nixl_status_t Engine::getNotifs(notif_list_t &notif_list) {
+    reap();
     std::string buf(64 * 1024, '\0');
     for (;;) {
         auto res = record<OrbiteDrainResult>();

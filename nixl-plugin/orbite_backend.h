@@ -6,6 +6,7 @@
 #ifndef ORBITE_NIXL_BACKEND_H
 #define ORBITE_NIXL_BACKEND_H
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -63,6 +64,10 @@ public:
     std::vector<OrbiteDesc> remote;
     std::optional<std::string> notification; // payload as prepared (enveloped)
     XferDetail detail;
+    // Set once a refused release was followed by retirement: the engine's
+    // transfer is released; `final_status` is what checkXfer reports.
+    bool xfer_released = false;
+    nixl_status_t final_status = NIXL_ERR_NOT_POSTED;
 };
 
 // A notification's envelope: the sender's agent name travels with the
@@ -141,6 +146,10 @@ private:
     nixl_status_t peerFor(const std::string &agent, OrbitePeer &out) const;
     nixl_status_t prepare(Request &r) const;
     nixl_status_t fail(OrbiteStatus s, const char *what) const;
+    // Releases the engine transfers of requests whose release was refused
+    // while active, once they retired (NIXL may drop such a request
+    // without asking again).
+    void reap() const;
 
     OrbiteEngine engine_{};
     OrbitePeer self_{};
@@ -148,6 +157,9 @@ private:
     std::string init_error_;
     mutable std::mutex mutex_; // guards peers_
     mutable std::map<std::string, Peer> peers_;
+    mutable std::mutex pending_mutex_; // guards pending_
+    mutable std::vector<Request *> pending_;
+    mutable std::atomic<size_t> pending_count_{0};
 };
 
 } // namespace orbite_nixl

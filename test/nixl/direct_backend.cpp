@@ -288,6 +288,45 @@ void active_release_failure_and_no_repost() {
     teardown_local(l);
 }
 
+// NIXL 1.5 deletes its request when a release it saw refused is asked for
+// again, without another successful releaseReqH: the backend must still
+// give the engine's transfer back once it retired, and free the request at
+// the latest when it is destroyed (ASan's leak check covers that here).
+void release_refused_then_dropped() {
+    Local l;
+    setup_local(l, "drop", {{"config", "{\"local_route_workers\": 1}"}}, 8192);
+    OrbiteEngine oe = l.b.orbite()->orbiteEngine();
+    auto local = list({at(l.src, 0, 4096, l.src_md)});
+    auto remote = list({at(l.dst, 0, 4096, l.dst_remote)});
+    nixlBackendReqH *kept = nullptr, *dropped = nullptr;
+    CHECK(l.b.engine->prepXfer(NIXL_WRITE, local, remote, "drop", kept) == NIXL_SUCCESS);
+    CHECK(l.b.engine->prepXfer(NIXL_WRITE, local, remote, "drop", dropped) == NIXL_SUCCESS);
+    CHECK(orbite_test_hold_all(oe, 1) == ORBITE_STATUS_OK);
+    CHECK(l.b.engine->postXfer(NIXL_WRITE, local, remote, "drop", kept) == NIXL_IN_PROG);
+    CHECK(l.b.engine->postXfer(NIXL_WRITE, local, remote, "drop", dropped) == NIXL_IN_PROG);
+    uint64_t held = 0;
+    CHECK(orbite_test_wait_held(oe, 2, 10000, &held) == ORBITE_STATUS_OK && held == 2);
+    CHECK(l.b.engine->releaseReqH(kept) == NIXL_ERR_REPOST_ACTIVE);
+    CHECK(l.b.engine->releaseReqH(dropped) == NIXL_ERR_REPOST_ACTIVE);
+    CHECK(l.b.engine->releaseReqH(dropped) == NIXL_ERR_REPOST_ACTIVE); // then NIXL forgets it
+    CHECK(stats(l.b).prepared_transfers == 2);
+    CHECK(orbite_test_hold_all(oe, 0) == ORBITE_STATUS_OK);
+    CHECK(orbite_test_release_held(oe, ORBITE_TEST_RUN, 0, 0) == ORBITE_STATUS_OK);
+    auto end = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    notif_list_t n;
+    while (stats(l.b).prepared_transfers != 0 && std::chrono::steady_clock::now() < end) {
+        CHECK(l.b.engine->getNotifs(n) == NIXL_SUCCESS); // any call reaps
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    CHECK(stats(l.b).prepared_transfers == 0);
+    // The kept request still answers, with its final status, and releases.
+    CHECK(l.b.engine->checkXfer(kept) == NIXL_SUCCESS);
+    CHECK(Engine::detailOf(kept).drained == 1);
+    CHECK(l.b.engine->postXfer(NIXL_WRITE, local, remote, "drop", kept) == NIXL_ERR_NOT_ALLOWED);
+    CHECK(l.b.engine->releaseReqH(kept) == NIXL_SUCCESS);
+    teardown_local(l); // frees `dropped`
+}
+
 void explicit_cancel_of_queued_work() {
     Local l;
     setup_local(l, "cancel", {{"config", "{\"local_route_workers\": 1, \"max_tasks_in_flight\": 1}"}}, 1 << 16);
@@ -379,6 +418,7 @@ int main(int argc, char **argv) {
     local_transfer_repost_and_notification();
     active_release_failure_and_no_repost();
     explicit_cancel_of_queued_work();
+    release_refused_then_dropped();
     two_engines_remote_write_and_notification();
     std::printf("direct backend test: %d checks, %d failed\n", checks, failures);
     return failures == 0 ? 0 : 1;
