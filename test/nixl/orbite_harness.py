@@ -1,0 +1,527 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Helpers of the two-process NIXL tests (test/nixl/run_tests.py).
+
+- `Hooks`: the test-only entry points of the staged liborbite_nixl (built with
+  test hooks), loaded with ctypes in the process whose engine a test controls.
+  The plugin links the same library, so with one ORBITE backend in the
+  process there is exactly one engine.
+- `serve` / `Peer`: a second process with its own NIXL agent and ORBITE
+  backend, driven by commands over a multiprocessing pipe (spawn start
+  method). Every call has a timeout; a peer that does not answer is killed.
+- `post` / `state` / `drive`: transfer(), check_xfer_state() and polling to a
+  terminal state, with the exception NIXL's Python agent raises for a
+  negative status folded into ("ERR", exc).
+- `let_go`: ends hold_all and lets held tasks go until the work is done.
+"""
+
+import ctypes
+import hashlib
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+
+sys.dont_write_bytecode = True
+
+ORBITE_TEST_RUN = 0
+ORBITE_TEST_HOLD = 1
+ORBITE_TEST_SHORT = 2
+ORBITE_TEST_FAIL = 3
+
+STAT_FIELDS = (
+    "registrations registered_bytes fenced_registrations host_allocations "
+    "host_memory_bytes prepared_transfers executions queued_executions "
+    "bytes_in_flight tasks_in_flight unquiesced_owners notification_bytes "
+    "binding_handles"
+).split()
+
+
+class TestFailure(Exception):
+    """An expectation of a test did not hold."""
+
+
+def check(cond, msg):
+    if not cond:
+        raise TestFailure(msg)
+
+
+def wait_until(pred, timeout, what, interval=0.002):
+    """Polls `pred` until it returns a true value; fails after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TestFailure(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+class _Engine(ctypes.Structure):
+    _fields_ = [("raw", ctypes.c_uint64)]
+
+
+class _Stats(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_uint32), ("version", ctypes.c_uint32)] + [
+        (f, ctypes.c_uint64) for f in STAT_FIELDS
+    ]
+
+
+class Hooks:
+    """The engine of this process's ORBITE backend, through the test hooks."""
+
+    def __init__(self):
+        path = os.environ.get("ORBITE_NIXL_LIB")
+        if not path:
+            raise TestFailure("ORBITE_NIXL_LIB is not set")
+        self.lib = lib = ctypes.CDLL(path)
+        u32, u64 = ctypes.c_uint32, ctypes.c_uint64
+        lib.orbite_test_engines.argtypes = [
+            ctypes.POINTER(_Engine),
+            ctypes.c_size_t,
+            ctypes.POINTER(ctypes.c_size_t),
+        ]
+        lib.orbite_engine_stats.argtypes = [_Engine, ctypes.POINTER(_Stats)]
+        lib.orbite_test_hold_all.argtypes = [_Engine, u32]
+        lib.orbite_test_hold_remote.argtypes = [_Engine, u32]
+        lib.orbite_test_wait_held.argtypes = [_Engine, u64, u64, ctypes.POINTER(u64)]
+        lib.orbite_test_release_held.argtypes = [_Engine, u32, u64, u32]
+        lib.orbite_test_fault_push.argtypes = [_Engine, u32, u64, u32]
+        for f in (
+            "orbite_test_engines",
+            "orbite_engine_stats",
+            "orbite_test_hold_all",
+            "orbite_test_hold_remote",
+            "orbite_test_wait_held",
+            "orbite_test_release_held",
+            "orbite_test_fault_push",
+        ):
+            getattr(lib, f).restype = ctypes.c_int32
+        engines = self.engines()
+        if len(engines) != 1:
+            raise TestFailure(f"expected exactly one live OrbiTE engine in this process, found {len(engines)}")
+        self.engine = engines[0]
+
+    def engines(self):
+        cap = 16
+        arr = (_Engine * cap)()
+        n = ctypes.c_size_t(0)
+        st = self.lib.orbite_test_engines(arr, cap, ctypes.byref(n))
+        check(st == 0, f"orbite_test_engines returned {st}")
+        return [_Engine(arr[i].raw) for i in range(min(n.value, cap))]
+
+    def _ok(self, what, st):
+        check(st == 0, f"{what} returned status {st}")
+
+    def stats(self):
+        s = _Stats()
+        s.size = ctypes.sizeof(_Stats)
+        s.version = 1
+        self._ok("orbite_engine_stats", self.lib.orbite_engine_stats(self.engine, ctypes.byref(s)))
+        return {f: getattr(s, f) for f in STAT_FIELDS}
+
+    def hold_all(self, on):
+        self._ok("orbite_test_hold_all", self.lib.orbite_test_hold_all(self.engine, 1 if on else 0))
+
+    def hold_remote(self, on):
+        self._ok("orbite_test_hold_remote", self.lib.orbite_test_hold_remote(self.engine, 1 if on else 0))
+
+    def wait_held(self, n, timeout_ms=10000):
+        held = ctypes.c_uint64(0)
+        st = self.lib.orbite_test_wait_held(self.engine, n, timeout_ms, ctypes.byref(held))
+        return st, held.value
+
+    def require_held(self, n, timeout_ms=10000):
+        st, held = self.wait_held(n, timeout_ms)
+        check(st == 0 and held >= n, f"orbite_test_wait_held({n}) returned status {st}, {held} held")
+        return held
+
+    def release_held(self, kind=ORBITE_TEST_RUN, nbytes=0, effect_unknown=0):
+        self._ok(
+            "orbite_test_release_held",
+            self.lib.orbite_test_release_held(self.engine, kind, nbytes, effect_unknown),
+        )
+
+    def fault_push(self, kind, nbytes=0, effect_unknown=0):
+        self._ok(
+            "orbite_test_fault_push",
+            self.lib.orbite_test_fault_push(self.engine, kind, nbytes, effect_unknown),
+        )
+
+
+def expect_stats(base, now, what, **overrides):
+    """`now` equals `base` except the fields given, which must equal the given values."""
+    want = dict(base)
+    want.update(overrides)
+    bad = [f"{f}={now[f]} (want {want[f]})" for f in STAT_FIELDS if want[f] != now[f]]
+    check(not bad, f"{what}: stats differ: " + ", ".join(bad))
+
+
+def wait_stats(hooks_stats, base, what, timeout=10.0, **overrides):
+    """Waits until stats (a callable) match `base` with `overrides`."""
+    want = dict(base)
+    want.update(overrides)
+    last = {}
+
+    def ok():
+        last["s"] = hooks_stats()
+        return all(last["s"][f] == want[f] for f in STAT_FIELDS)
+
+    try:
+        wait_until(ok, timeout, what, interval=0.005)
+    except TestFailure:
+        bad = [f"{f}={last['s'][f]} (want {want[f]})" for f in STAT_FIELDS if last["s"][f] != want[f]]
+        raise TestFailure(f"{what}: stats did not settle: " + ", ".join(bad)) from None
+    return last["s"]
+
+
+def let_go(hooks, done, kind=ORBITE_TEST_RUN, nbytes=0, effect_unknown=0, timeout=20.0):
+    """Ends hold_all and lets every held task go with the directive until
+    `done()`: a task that took its hold directive before hold_all was turned
+    off may only show up as held after an earlier release."""
+    hooks.hold_all(False)
+    deadline = time.monotonic() + timeout
+    while True:
+        hooks.release_held(kind, nbytes, effect_unknown)
+        if done():
+            return
+        if time.monotonic() > deadline:
+            raise TestFailure(f"work not done {timeout} s after its held tasks were let go")
+        hooks.wait_held(1, 20)
+
+
+# --- NIXL agent helpers -----------------------------------------------------
+
+
+def _bare(exc):
+    """The exception without its traceback (whose frames would keep the agent alive)."""
+    exc.__traceback__ = None
+    return exc
+
+
+def is_nixl_error(exc):
+    return type(exc).__module__.endswith("_bindings") and type(exc).__name__.startswith("nixl")
+
+
+def make_agent(name, config=None):
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent(name, nixl_agent_config(backends=[]))
+    params = {} if config is None else {"config": config}
+    agent.create_backend("ORBITE", params)
+    return agent
+
+
+def state(agent, handle):
+    """check_xfer_state, with a NIXL exception folded into ('ERR', exc)."""
+    try:
+        return agent.check_xfer_state(handle), None
+    except Exception as exc:  # NIXL's Python agent raises for a negative status
+        if not is_nixl_error(exc):
+            raise
+        return "ERR", _bare(exc)
+
+
+def drive(agent, handle, timeout=20.0):
+    """Polls a posted handle until it leaves PROC. Returns (state, exc)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s, exc = state(agent, handle)
+        if s != "PROC":
+            return s, exc
+        if time.monotonic() > deadline:
+            raise TestFailure(f"transfer still PROC after {timeout} s")
+        time.sleep(0.001)
+
+
+def post(agent, handle, notif=None):
+    """transfer(); returns ('DONE'|'PROC'|'ERR', exc)."""
+    try:
+        if notif is None:
+            return agent.transfer(handle), None
+        return agent.transfer(handle, notif), None
+    except Exception as exc:
+        if not is_nixl_error(exc):
+            raise
+        return "ERR", _bare(exc)
+
+
+def run_to_done(agent, handle, what, timeout=20.0):
+    s, exc = post(agent, handle)
+    check(s in ("DONE", "PROC"), f"{what}: post returned {s} {exc!r}")
+    s, exc = drive(agent, handle, timeout)
+    check(s == "DONE", f"{what}: ended {s} {exc!r}")
+
+
+def expect_raises(fn, what, *args, **kwargs):
+    """Calls fn; it must raise a NIXL error, which is returned."""
+    try:
+        r = fn(*args, **kwargs)
+    except Exception as exc:
+        if is_nixl_error(exc):
+            return _bare(exc)
+        raise
+    raise TestFailure(f"{what}: expected a NIXL error, got {r!r}")
+
+
+def descs(agent, frags):
+    """[(addr, len)] -> nixlXferDList of DRAM descriptors (never merged)."""
+    return agent.get_xfer_descs([(int(a), int(n), 0) for a, n in frags], "DRAM")
+
+
+def xfer(agent, op, local, remote, remote_name, notif=b""):
+    """initialize_xfer over [(addr, len)] lists (NIXL does not merge them)."""
+    return agent.initialize_xfer(op, descs(agent, local), descs(agent, remote), remote_name, notif)
+
+
+def digest(buf):
+    return hashlib.sha256(memoryview(buf).cast("B")).hexdigest()
+
+
+# --- the second process -------------------------------------------------------
+
+
+class _Server:
+    """State of a peer process; each public method is a command."""
+
+    def __init__(self, name, config):
+        import numpy as np
+
+        self.np = np
+        self.name = name
+        self.agent = make_agent(name, config)
+        self.hooks = Hooks()
+        self.bufs = {}  # key -> numpy array
+        self.regs = {}  # key -> nixlRegDList
+        self.notifs = {}  # sender -> [bytes], everything received so far
+
+    # memory
+    def alloc(self, key, size, fill=0):
+        buf = self.np.full(size, fill, dtype=self.np.uint8)
+        self.bufs[key] = buf
+        return buf.ctypes.data
+
+    def register(self, key, size, fill=0):
+        addr = self.alloc(key, size, fill)
+        self.regs[key] = self.agent.register_memory([(addr, size, 0, "")], "DRAM")
+        return addr
+
+    def deregister(self, key):
+        self.agent.deregister_memory(self.regs.pop(key))
+
+    def write(self, key, offset, data):
+        self.bufs[key][offset : offset + len(data)] = self.np.frombuffer(data, dtype=self.np.uint8)
+
+    def read(self, key, offset=0, length=None):
+        buf = self.bufs[key]
+        end = buf.nbytes if length is None else offset + length
+        return bytes(buf[offset:end])
+
+    def digest(self, key):
+        return digest(self.bufs[key])
+
+    # agent metadata
+    def metadata(self):
+        return self.agent.get_agent_metadata()
+
+    def add_remote(self, md):
+        name = self.agent.add_remote_agent(md)
+        return name.decode() if isinstance(name, bytes) else name
+
+    def remove_remote(self, name):
+        self.agent.remove_remote_agent(name)
+
+    # engine hooks
+    def stats(self):
+        return self.hooks.stats()
+
+    def hold_remote(self, on):
+        self.hooks.hold_remote(on)
+
+    def hold_all(self, on):
+        self.hooks.hold_all(on)
+
+    def wait_held(self, n, timeout_ms=10000):
+        return self.hooks.wait_held(n, timeout_ms)
+
+    def release_held(self, kind=ORBITE_TEST_RUN, nbytes=0, effect_unknown=0):
+        self.hooks.release_held(kind, nbytes, effect_unknown)
+
+    # notifications
+    def poll_notifs(self):
+        for sender, msgs in self.agent.get_new_notifs().items():
+            self.notifs.setdefault(sender, []).extend(msgs)
+        return {k: list(v) for k, v in self.notifs.items()}
+
+    def wait_notifs(self, sender, count, timeout=10.0):
+        """Waits until `count` notifications from `sender` arrived; returns them all."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.poll_notifs().get(sender, [])
+            if len(got) >= count or time.monotonic() > deadline:
+                return got
+            time.sleep(0.001)
+
+    def wait_for(self, sender, payload, timeout=10.0):
+        """Waits until `payload` arrived from `sender`; returns everything from
+        `sender` so far (and forgets it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.poll_notifs().get(sender, [])
+            if payload in got or time.monotonic() > deadline:
+                self.notifs.pop(sender, None)
+                return got
+            time.sleep(0.001)
+
+    def send_notif(self, to, msg):
+        self.agent.send_notif(to, msg)
+        return True
+
+    def shutdown(self):
+        for key in list(self.regs):
+            self.deregister(key)
+        return True
+
+
+def serve(conn, name, config):
+    """Entry point of a peer process (multiprocessing target)."""
+    try:
+        server = _Server(name, config)
+        conn.send(("ok", os.getpid()))
+    except BaseException as exc:  # report why the peer could not start
+        conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        cmd, args, kwargs = msg
+        if cmd == "quit":
+            # an orderly end: the agent, its backend and engine are destroyed
+            try:
+                server.shutdown()
+                del server
+                import gc
+
+                gc.collect()
+                conn.send(("ok", None))
+            except BaseException as exc:
+                conn.send(("exc", (type(exc).__name__, str(exc), traceback.format_exc())))
+            conn.close()
+            return
+        if cmd == "exit":
+            conn.send(("ok", None))
+            conn.close()
+            os._exit(0)  # no teardown at all: as a crashed process would
+        try:
+            conn.send(("ok", getattr(server, cmd)(*args, **kwargs)))
+        except BaseException as exc:
+            conn.send(("exc", (type(exc).__name__, str(exc), traceback.format_exc())))
+
+
+class PeerError(Exception):
+    """A command raised in the peer; `kind` is the exception's type name."""
+
+    def __init__(self, kind, msg, tb):
+        super().__init__(f"{kind}: {msg}")
+        self.kind = kind
+        self.tb = tb
+
+
+class Peer:
+    """A second process with its own NIXL agent named `name`."""
+
+    def __init__(self, name, config=None, start_timeout=30.0):
+        ctx = multiprocessing.get_context("spawn")
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(child, name, config), daemon=True)
+        self.proc.start()
+        child.close()
+        tag, val = self._recv(start_timeout, "start")
+        if tag != "ok":
+            self.kill()
+            raise TestFailure(f"peer {name} failed to start: {val}")
+        self.pid = val
+
+    def _recv(self, timeout, what):
+        if not self.conn.poll(timeout):
+            self.kill()
+            raise TestFailure(f"peer {self.name}: no answer to {what} within {timeout} s")
+        try:
+            return self.conn.recv()
+        except EOFError:
+            self.kill()
+            raise TestFailure(f"peer {self.name} died during {what}") from None
+
+    def call(self, cmd, *args, timeout=30.0, **kwargs):
+        self.conn.send((cmd, args, kwargs))
+        tag, val = self._recv(timeout, cmd)
+        if tag == "exc":
+            raise PeerError(*val)
+        return val
+
+    def __getattr__(self, cmd):
+        if cmd.startswith("_"):
+            raise AttributeError(cmd)
+        return lambda *a, **k: self.call(cmd, *a, **k)
+
+    def exit(self, timeout=10.0):
+        """Ends the process abruptly (os._exit: no NIXL or engine teardown)."""
+        if self.proc.is_alive():
+            try:
+                self.call("exit", timeout=timeout)
+            except (TestFailure, OSError, BrokenPipeError):
+                pass
+        self.proc.join(timeout)
+        self.kill()
+
+    def quit(self, timeout=20.0):
+        """Ends the process in order; it must exit with status 0."""
+        if not self.proc.is_alive():
+            return
+        self.call("quit", timeout=timeout)
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.kill()
+            raise TestFailure(f"peer {self.name} did not exit within {timeout} s of an orderly quit")
+        check(self.proc.exitcode == 0, f"peer {self.name} exited with status {self.proc.exitcode} after quit")
+
+    def kill(self):
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+
+class Peers:
+    """Context manager that kills every peer it started, on any exit."""
+
+    def __init__(self):
+        self.peers = []
+
+    def start(self, name, config=None):
+        p = Peer(name, config)
+        self.peers.append(p)
+        return p
+
+    def close_all(self):
+        """Orderly end of every peer still running (checked)."""
+        for p in self.peers:
+            p.quit()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.peers:
+            try:
+                p.kill()
+            except Exception:
+                pass
+        return False
