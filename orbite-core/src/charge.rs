@@ -27,6 +27,7 @@ pub(crate) struct Counters {
     pub unquiesced_owners: AtomicU64,
     pub notification_bytes: AtomicU64,
     pub binding_handles: AtomicU64,
+    pub pinned_ranges: AtomicU64,
 }
 
 /// Which counter a [`Charge`] pays into.
@@ -44,6 +45,7 @@ pub(crate) enum Counter {
     TasksInFlight,
     NotificationBytes,
     BindingHandles,
+    PinnedRanges,
 }
 
 impl Counters {
@@ -61,6 +63,7 @@ impl Counters {
             Counter::TasksInFlight => &self.tasks_in_flight,
             Counter::NotificationBytes => &self.notification_bytes,
             Counter::BindingHandles => &self.binding_handles,
+            Counter::PinnedRanges => &self.pinned_ranges,
         }
     }
 
@@ -86,6 +89,7 @@ impl Counters {
             unquiesced_owners: g(&self.unquiesced_owners),
             notification_bytes: g(&self.notification_bytes),
             binding_handles: g(&self.binding_handles),
+            pinned_ranges: g(&self.pinned_ranges),
         }
     }
 }
@@ -190,6 +194,8 @@ pub struct Stats {
     pub notification_bytes: u64,
     /// Handles a binding (the C ABI) holds on this engine's objects.
     pub binding_handles: u64,
+    /// Ranges held by [`crate::RangePin`]s (KV sessions pin their KV).
+    pub pinned_ranges: u64,
 }
 
 #[cfg(test)]

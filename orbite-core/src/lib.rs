@@ -50,6 +50,7 @@ pub mod error;
 pub mod memory;
 mod registry;
 pub mod segment;
+pub mod session;
 mod time;
 mod transport;
 pub mod wire;
@@ -61,7 +62,7 @@ pub use batch::{
 pub use charge::Stats;
 pub use config::EngineConfig;
 pub use engine::{
-    BindingCharge, CloseReport, Notification, ReleaseRefused, RemoteSegment, Transfer, TransferEngine,
+    BindingCharge, CloseReport, Notification, RangePin, ReleaseRefused, RemoteSegment, Transfer, TransferEngine,
     UnquiescedExecution,
 };
 pub use error::{BatchError, ConfigError, Error, PeerError, RegistryError, Resource};

@@ -157,6 +157,7 @@ impl World {
             unquiesced_owners: 0,
             notification_bytes: 0,
             binding_handles: 0,
+            pinned_ranges: 0,
         }
     }
 

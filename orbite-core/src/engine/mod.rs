@@ -350,6 +350,22 @@ impl Drop for EngineHandle {
     }
 }
 
+/// Range loans on registrations, held for as long as this value lives
+/// (a KV session pins the ranges it hands over). Deregistering a pinned
+/// registration fences it at once; its owner is released only after the
+/// last pin and transfer using it are gone. Drop it with no lock held: the
+/// last loan of a deregistered borrowed range runs its owner release.
+pub struct RangePin {
+    _loans: Vec<Arc<crate::registry::Registration>>,
+    _charge: Charge,
+}
+
+impl std::fmt::Debug for RangePin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RangePin").field("ranges", &self._loans.len()).finish()
+    }
+}
+
 /// Handles a binding holds on an engine, charged to `max_binding_handles`
 /// and refunded when this value is dropped.
 #[derive(Debug)]
@@ -499,6 +515,36 @@ impl TransferEngine {
             inbox.announce_fence();
         }
         Ok(())
+    }
+
+    /// Pins ranges of live registrations of this engine (bounds checked,
+    /// fenced registrations refused): see [`RangePin`].
+    pub fn pin_ranges(&self, ranges: &[crate::Desc]) -> Result<RangePin, Error> {
+        let inner = self.inner();
+        if inner.is_closed() {
+            return Err(Error::Closed);
+        }
+        let loans = {
+            let table = inner.registry.lock();
+            ranges
+                .iter()
+                .enumerate()
+                .map(|(index, d)| {
+                    let r = table.get(d.registration)?;
+                    if d.len == 0 || d.offset.checked_add(d.len).is_none_or(|end| end > r.len) {
+                        return Err(crate::BatchError::InvalidDescriptor {
+                            side: "pinned",
+                            index,
+                            reason: format!("{}+{} outside a registration of {} bytes", d.offset, d.len, r.len),
+                        }
+                        .into());
+                    }
+                    Ok(r.clone())
+                })
+                .collect::<Result<Vec<_>, Error>>()?
+        };
+        let charge = Charge::unlimited(&inner.counters, Counter::PinnedRanges, loans.len() as u64);
+        Ok(RangePin { _loans: loans, _charge: charge })
     }
 
     /// Validates and prepares a transfer (no I/O). It retains every

@@ -41,6 +41,8 @@ enum Workload {
     W2,
     W3,
     Idle,
+    /// The KV session layer (not tied to a route).
+    Sessions,
 }
 
 /// Parsed `orbite bench` options.
@@ -57,7 +59,7 @@ impl BenchArgs {
         let mut out = BenchArgs {
             config: EngineConfig { progress_worker: true, ..EngineConfig::default() },
             routes: vec![Route::Local, Route::Shm, Route::Cma, Route::Tcp],
-            workloads: vec![Workload::W1, Workload::W2, Workload::W3, Workload::Idle],
+            workloads: vec![Workload::W1, Workload::W2, Workload::W3, Workload::Idle, Workload::Sessions],
             quick: false,
             json: false,
         };
@@ -102,7 +104,8 @@ impl BenchArgs {
                             "w2" => Ok(Workload::W2),
                             "w3" => Ok(Workload::W3),
                             "idle" => Ok(Workload::Idle),
-                            other => Err(format!("unknown workload `{other}` (W1, W2, W3, idle)")),
+                            "sessions" => Ok(Workload::Sessions),
+                            other => Err(format!("unknown workload `{other}` (W1, W2, W3, idle, sessions)")),
                         })
                         .collect::<Result<_, _>>()?;
                 }
@@ -133,7 +136,8 @@ fn progress(msg: &str) {
 pub fn run(args: BenchArgs) -> Result<(), String> {
     let mut report = Report { json: args.json, rows: Vec::new() };
     let started = Instant::now();
-    for &route in &args.routes {
+    let route_work = args.workloads.iter().any(|w| *w != Workload::Sessions);
+    for &route in args.routes.iter().filter(|_| route_work) {
         let config = args.config.clone();
         let mut rig = match route.policy() {
             None => Rig::local(config)?,
@@ -155,7 +159,15 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
                     w3(&mut rig, Op::Read, args.quick, &mut report)?;
                 }
                 Workload::Idle => idle(&mut rig, args.quick, &mut report)?,
+                Workload::Sessions => {}
             }
+        }
+    }
+    if args.workloads.contains(&Workload::Sessions) {
+        progress("sessions: S1 session life, S2 reaper with 100 000 and 1 000 live sessions");
+        report.emit(crate::sessions::lifecycle(args.quick)?);
+        for row in crate::sessions::reaper_scaling(args.quick)? {
+            report.emit(row);
         }
     }
     progress(&format!("done in {:.1} s", started.elapsed().as_secs_f64()));
@@ -499,6 +511,21 @@ fn print_table(rows: &[Map<String, Value>]) {
     println!("(ref: one loopback TCP stream for tcp; memcpy of the same blocks for every other route)");
     for r in rows.iter().filter(|r| get(r, "system") == json!("orbite")) {
         let workload = s(get(r, "workload"));
+        if workload == "S2-reaper" {
+            println!(
+                "{:<7} {:<18} {} live, {} renewals/tick: {} expired, {} leases visited; tick {} ns with none \
+                 expiring, {} ns per expired lease",
+                "-",
+                workload,
+                s(get(r, "live_sessions")),
+                s(get(r, "renewals_per_tick")),
+                s(get(r, "expired")),
+                s(get(r, "leases_visited")),
+                s(get(r, "tick_ns_none_expiring")),
+                s(get(r, "tick_ns_per_expired"))
+            );
+            continue;
+        }
         if workload == "idle" {
             println!(
                 "{:<7} {:<18} {:>9} cpu {}% of one core over {} s",

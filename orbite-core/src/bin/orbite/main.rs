@@ -7,6 +7,7 @@
 mod bench;
 mod measure;
 mod rig;
+mod sessions;
 
 use std::process::ExitCode;
 

@@ -1,0 +1,304 @@
+//! KV sessions: the lifecycle of one prefill/decode handoff.
+//!
+//! A session ties a producer (prefill), which fills KV ranges and marks
+//! them ready, to a consumer (decode), which attaches and reads them, under
+//! a lease. [`SessionMachine`] is the state machine: sans-IO, every
+//! operation takes the time, and it says what to do through [`Effect`]s.
+//! [`KvSessionService`] runs it over a [`crate::TransferEngine`]: it owns
+//! the clock, pins the producer's ranges through the engine, tracks the
+//! session's transfers and frees a session's resources exactly once, after
+//! the engine proved every transfer retired. docs/api.md describes the
+//! contract; docs/mappings.md relates it to vLLM, SGLang and TensorRT-LLM.
+
+mod machine;
+mod service;
+
+pub use machine::{AttachOutcome, Effect, SessionMachine};
+pub use service::{Clock, KvSessionService, ManualClock, SystemClock};
+
+/// How producer and consumer start (values fixed by the protocol).
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum KvScheduleStyle {
+    /// The caller asks for the service's default without claiming support.
+    Unspecified = 0,
+    /// The producer computes first; the consumer attaches once ready.
+    ContextFirst = 1,
+    /// The consumer allocates and may queue; the producer fills later.
+    GenerationFirst = 2,
+    /// Both start at once on one session.
+    Concurrent = 3,
+}
+
+/// Whether the consumer needs the transfer (values fixed by the protocol).
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum KvTransferDisposition {
+    /// Treated as `Required`.
+    Unspecified = 0,
+    /// The consumer needs the producer's KV.
+    Required = 1,
+    /// The consumer may go on without it (conditional bypass).
+    Bypass = 2,
+}
+
+/// Where a session stands (values fixed by the protocol).
+#[repr(i32)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum KvSessionState {
+    /// Never a session's state; the protocol's zero value.
+    Unspecified = 0,
+    /// Allocated; the producer has not marked KV ready.
+    Allocated = 1,
+    /// The producer's KV is pinned and ready.
+    Ready = 2,
+    /// The consumer attached and may read.
+    Attached = 3,
+    /// The consumer finished: terminal.
+    Complete = 4,
+    /// The consumer went on without the transfer: terminal.
+    Bypassed = 5,
+    /// A participant refused the session: terminal.
+    Rejected = 6,
+    /// Aborted: terminal.
+    Cancelled = 7,
+    /// A transfer failed or a peer was lost: terminal.
+    Failed = 8,
+    /// Released before it ended otherwise: terminal.
+    Released = 9,
+    /// Its lease ran out: terminal.
+    Expired = 10,
+}
+
+impl KvSessionState {
+    /// Terminal states never change.
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self,
+            KvSessionState::Complete
+                | KvSessionState::Bypassed
+                | KvSessionState::Rejected
+                | KvSessionState::Cancelled
+                | KvSessionState::Failed
+                | KvSessionState::Released
+                | KvSessionState::Expired
+        )
+    }
+}
+
+/// One pinned KV range, as a peer names it in a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct KvRangeRef {
+    /// Raw registration id in the producer's engine.
+    pub registration: u64,
+    /// Offset in it.
+    pub offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// What both participants use to find the session and its KV.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct KvRendezvous {
+    /// The producer engine's endpoint.
+    pub endpoint: String,
+    /// Its epoch (a restarted engine is another identity).
+    pub epoch: u64,
+    /// The session.
+    pub session_id: u64,
+    /// The pinned KV ranges (empty until ready).
+    pub ranges: Vec<KvRangeRef>,
+}
+
+/// The shape of the KV both sides must agree on.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct KvTransferMeta {
+    /// Layout name (model, dtype, block geometry), compared exactly.
+    pub layout: String,
+    /// Bytes per block.
+    pub block_bytes: u64,
+    /// Blocks in the session.
+    pub blocks: u64,
+}
+
+/// A session as the service reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct KvSession {
+    /// Unique on this service.
+    pub session_id: u64,
+    /// The serving system's request.
+    pub request_id: String,
+    /// The model.
+    pub model: String,
+    /// The caller's idempotency key.
+    pub idempotency_key: String,
+    /// As requested (`Unspecified` stays so: no support is claimed).
+    pub style: KvScheduleStyle,
+    /// The style the service applies.
+    pub effective_style: KvScheduleStyle,
+    /// As requested.
+    pub disposition: KvTransferDisposition,
+    /// Where it stands.
+    pub state: KvSessionState,
+    /// Absolute lease expiry on the service clock (milliseconds).
+    pub lease_expires_at_ms: u64,
+    /// A consumer attached before the KV was ready and waits.
+    pub consumer_queued: bool,
+    /// How to reach the KV.
+    pub rendezvous: KvRendezvous,
+    /// The KV's shape.
+    pub meta: KvTransferMeta,
+    /// Why it ended (terminal states), if a reason was given.
+    pub reason: Option<String>,
+}
+
+/// What a service supports, so that clients reject incompatible
+/// deployments before traffic.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct KvConnectorInfo {
+    /// Styles a caller may ask for explicitly.
+    pub supported_styles: Vec<KvScheduleStyle>,
+    /// The style `Unspecified` gets.
+    pub default_style: KvScheduleStyle,
+    /// Callers may allocate sessions (before either participant starts).
+    pub caller_allocation: bool,
+    /// Leases can be renewed.
+    pub renewable_leases: bool,
+    /// Release is an explicit operation.
+    pub explicit_release: bool,
+    /// A consumer may bypass the transfer (disposition `Bypass`).
+    pub conditional_bypass: bool,
+    /// Sessions (and tombstones) can be looked up.
+    pub session_lookup: bool,
+    /// A decode request may run without a session (local prefill).
+    pub local_prefill: bool,
+    /// Live (non-terminal) sessions at most.
+    pub max_live_sessions: u64,
+    /// Lease given when none is asked for.
+    pub default_lease_ms: u64,
+    /// Longest lease.
+    pub max_lease_ms: u64,
+    /// How long terminal sessions stay queryable.
+    pub tombstone_retention_ms: u64,
+    /// Terminal sessions kept at most.
+    pub max_tombstones: u64,
+}
+
+impl Default for KvConnectorInfo {
+    fn default() -> Self {
+        KvConnectorInfo {
+            supported_styles: vec![
+                KvScheduleStyle::ContextFirst,
+                KvScheduleStyle::GenerationFirst,
+                KvScheduleStyle::Concurrent,
+            ],
+            default_style: KvScheduleStyle::ContextFirst,
+            caller_allocation: true,
+            renewable_leases: true,
+            explicit_release: true,
+            conditional_bypass: true,
+            session_lookup: true,
+            local_prefill: false,
+            max_live_sessions: 65_536,
+            default_lease_ms: 30_000,
+            max_lease_ms: 600_000,
+            tombstone_retention_ms: 60_000,
+            max_tombstones: 65_536,
+        }
+    }
+}
+
+/// A request to allocate a session.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct AllocateRequest {
+    /// Required.
+    pub request_id: String,
+    /// Required.
+    pub model: String,
+    /// Required; a retry with the same key and fields returns the session.
+    pub idempotency_key: String,
+    /// `Unspecified` for the default.
+    pub style: KvScheduleStyle,
+    /// `Unspecified` means required.
+    pub disposition: KvTransferDisposition,
+    /// Lease in milliseconds; `None` for the default. Zero or negative is
+    /// invalid.
+    pub lease_ms: Option<i64>,
+    /// The KV's shape.
+    pub meta: KvTransferMeta,
+}
+
+/// Why an operation was refused. A refused operation changed nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KvError {
+    /// A required field is empty.
+    #[error("missing required field `{0}`")]
+    MissingField(&'static str),
+    /// The same idempotency key with different fields.
+    #[error("idempotency key {key:?} is in use by session {session} with other fields")]
+    IdempotencyConflict {
+        /// The key.
+        key: String,
+        /// The session holding it.
+        session: u64,
+    },
+    /// An explicit style this service does not support.
+    #[error("schedule style {0:?} is not supported")]
+    UnsupportedStyle(KvScheduleStyle),
+    /// Disposition `Bypass` where conditional bypass is not advertised.
+    #[error("conditional bypass is not supported")]
+    BypassNotSupported,
+    /// A lease of zero or less.
+    #[error("lease of {0} ms is invalid (must be positive)")]
+    InvalidLease(i64),
+    /// A lease above the advertised maximum.
+    #[error("lease of {requested} ms exceeds the maximum of {max} ms")]
+    LeaseTooLong {
+        /// Asked for.
+        requested: i64,
+        /// Advertised maximum.
+        max: u64,
+    },
+    /// No such session (never existed, or its tombstone expired).
+    #[error("no session {0}")]
+    NotFound(u64),
+    /// The session ended; terminal states never change.
+    #[error("session {session} is {state:?}")]
+    Terminal {
+        /// The session.
+        session: u64,
+        /// Its terminal state.
+        state: KvSessionState,
+    },
+    /// The operation does not apply in this state.
+    #[error("session {session}: {op} is not allowed in state {state:?}")]
+    WrongState {
+        /// The session.
+        session: u64,
+        /// Its state.
+        state: KvSessionState,
+        /// The operation.
+        op: &'static str,
+    },
+    /// The KV is not ready yet and this style does not queue: retry.
+    #[error("session {0} is not ready")]
+    NotReady(u64),
+    /// Transfer metadata that does not match the session's.
+    #[error("incompatible transfer metadata: {0}")]
+    IncompatibleMetadata(String),
+    /// The service is draining: no new sessions.
+    #[error("the session service is draining")]
+    Draining,
+    /// Too many live sessions.
+    #[error("too many live sessions (limit {limit})")]
+    TooManySessions {
+        /// The advertised limit.
+        limit: u64,
+    },
+    /// A decode without a session needs explicit bypass or local prefill.
+    #[error("a decode without a session needs disposition Bypass or an advertised local-prefill mode")]
+    SessionRequired,
+    /// The engine refused (pinning ranges, tracking a transfer).
+    #[error("engine: {0}")]
+    Engine(String),
+}
