@@ -130,10 +130,13 @@ impl LivenessCheck {
 /// Every local span must address memory of this process valid for its
 /// length and retained for the whole call.
 pub(crate) unsafe fn copy(pid: i32, op: Op, spans: &[Span], limit: u64) -> Result<u64, (u64, io::Error)> {
+    use std::mem::MaybeUninit;
     let mut done = 0u64;
-    let empty = libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 };
-    let mut local = [empty; BATCH];
-    let mut remote = [empty; BATCH];
+    // Left uninitialised: zeroing 32 KiB of iovecs per call would cost more
+    // than a small copy (and evict the cache it runs in); each call writes
+    // only the `n` entries it passes.
+    let mut local = [const { MaybeUninit::<libc::iovec>::uninit() }; BATCH];
+    let mut remote = [const { MaybeUninit::<libc::iovec>::uninit() }; BATCH];
     let mut i = 0;
     while i < spans.len() && done < limit {
         let mut n = 0;
@@ -141,17 +144,19 @@ pub(crate) unsafe fn copy(pid: i32, op: Op, spans: &[Span], limit: u64) -> Resul
         while n < BATCH && i + n < spans.len() && done + batch_bytes < limit {
             let s = &spans[i + n];
             let len = s.len.min(limit - done - batch_bytes);
-            local[n] = libc::iovec { iov_base: s.local as *mut libc::c_void, iov_len: len as usize };
-            remote[n] = libc::iovec { iov_base: s.remote as *mut libc::c_void, iov_len: len as usize };
+            local[n].write(libc::iovec { iov_base: s.local as *mut libc::c_void, iov_len: len as usize });
+            remote[n].write(libc::iovec { iov_base: s.remote as *mut libc::c_void, iov_len: len as usize });
             batch_bytes += len;
             n += 1;
         }
-        // SAFETY: local iovecs are valid per the function contract; remote
-        // ones are checked by the kernel against the peer's mappings.
+        let (l, r) = (local.as_ptr().cast::<libc::iovec>(), remote.as_ptr().cast::<libc::iovec>());
+        // SAFETY: the first `n` entries of both arrays were written above;
+        // local iovecs are valid per the function contract; remote ones are
+        // checked by the kernel against the peer's mappings.
         let r = unsafe {
             match op {
-                Op::Write => libc::process_vm_writev(pid, local.as_ptr(), n as u64, remote.as_ptr(), n as u64, 0),
-                Op::Read => libc::process_vm_readv(pid, local.as_ptr(), n as u64, remote.as_ptr(), n as u64, 0),
+                Op::Write => libc::process_vm_writev(pid, l, n as u64, r, n as u64, 0),
+                Op::Read => libc::process_vm_readv(pid, l, n as u64, r, n as u64, 0),
             }
         };
         if r < 0 {
