@@ -143,6 +143,12 @@ impl SessionMachine {
         check_meta(&req.meta)?;
         if let Some(&id) = self.keys.get(&req.idempotency_key) {
             let entry = &self.entries[&id];
+            if entry.session.state.is_terminal() && self.retention_over(entry, now) {
+                // Its tombstone is gone for `get` too: the key is free.
+                self.keys.remove(&req.idempotency_key);
+                self.entries.remove(&id);
+                return self.allocate(req, now);
+            }
             return if &entry.request == req {
                 Ok(entry.session.clone())
             } else {
@@ -200,8 +206,14 @@ impl SessionMachine {
         e.cleaned && now >= e.ended_at.saturating_add(self.info.tombstone_retention_ms)
     }
 
-    /// A live session, for a transition.
+    /// A live session, for a transition. A lease that ran out by `now`
+    /// ends the session first (whether or not a tick came by), so nothing
+    /// revives it.
     fn live_entry(&mut self, id: u64, now: u64) -> Result<&mut Entry, KvError> {
+        let e = self.entry(id, now)?;
+        if !e.session.state.is_terminal() && e.session.lease_expires_at_ms <= now {
+            self.end(id, KvSessionState::Expired, Some("lease expired"), now);
+        }
         let state = self.entry(id, now)?.session.state;
         if state.is_terminal() {
             return Err(KvError::Terminal { session: id, state });
@@ -220,8 +232,9 @@ impl SessionMachine {
             let state = self.entry(id, now)?.session.state;
             return Err(KvError::WrongState { session: id, state, op: "renew" });
         }
+        self.live_entry(id, now)?;
         let lease = positive_lease(&self.info, lease_ms)?;
-        let e = self.live_entry(id, now)?;
+        let e = self.entries.get_mut(&id).expect("checked");
         let old = e.session.lease_expires_at_ms;
         let new = now.saturating_add(lease);
         e.session.lease_expires_at_ms = new;
@@ -238,6 +251,9 @@ impl SessionMachine {
         let state = e.session.state;
         if state.is_terminal() {
             return Err(KvError::Terminal { session: id, state });
+        }
+        if e.session.lease_expires_at_ms <= now {
+            return Err(KvError::Terminal { session: id, state: KvSessionState::Expired });
         }
         if state != KvSessionState::Allocated {
             return Err(KvError::WrongState { session: id, state, op: "mark_ready" });
@@ -261,6 +277,7 @@ impl SessionMachine {
         meta: &KvTransferMeta,
         now: u64,
     ) -> Result<KvSession, KvError> {
+        self.live_entry(id, now)?;
         self.check_ready(id, ranges, meta, now)?;
         let e = self.entries.get_mut(&id).expect("checked");
         e.session.state = KvSessionState::Ready;
@@ -323,6 +340,7 @@ impl SessionMachine {
     /// Stops the session: `Cancelled` if it was live; a terminal session is
     /// returned unchanged.
     pub fn abort(&mut self, id: u64, now: u64) -> Result<KvSession, KvError> {
+        let _ = self.live_entry(id, now); // a due lease ends it as Expired first
         let e = self.entry(id, now)?;
         if e.session.state.is_terminal() {
             return Ok(e.session.clone());
@@ -333,6 +351,7 @@ impl SessionMachine {
     /// Relinquishes the session: `Released` if it was live; a terminal
     /// session is returned unchanged (release is idempotent).
     pub fn release(&mut self, id: u64, now: u64) -> Result<KvSession, KvError> {
+        let _ = self.live_entry(id, now); // a due lease ends it as Expired first
         let e = self.entry(id, now)?;
         if e.session.state.is_terminal() {
             return Ok(e.session.clone());
@@ -400,7 +419,10 @@ impl SessionMachine {
             self.end(id, KvSessionState::Expired, Some("lease expired"), now);
         }
         while let Some(&id) = self.tombstones.front() {
-            let e = &self.entries[&id];
+            let Some(e) = self.entries.get(&id) else {
+                self.tombstones.pop_front(); // its key was reused after retention
+                continue;
+            };
             let over_bound = self.tombstones.len() as u64 > self.info.max_tombstones;
             if !(e.cleaned && (over_bound || self.retention_over(e, now))) {
                 break;
