@@ -246,7 +246,14 @@ impl SessionMachine {
 
     /// Checks what `mark_ready` would check, changing nothing (so that a
     /// runtime can pin ranges only for a call that will succeed).
-    pub fn check_ready(&self, id: u64, ranges: &[KvRangeRef], meta: &KvTransferMeta, now: u64) -> Result<(), KvError> {
+    pub fn check_ready(
+        &mut self,
+        id: u64,
+        ranges: &[KvRangeRef],
+        meta: &KvTransferMeta,
+        now: u64,
+    ) -> Result<(), KvError> {
+        self.live_entry(id, now)?;
         let e = self.entry(id, now)?;
         let state = e.session.state;
         if state.is_terminal() {

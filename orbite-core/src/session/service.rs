@@ -221,15 +221,24 @@ impl KvSessionService {
     /// Makes a transfer part of a live session: the session's cleanup waits
     /// for it to retire, and ending the session cancels it if still queued.
     /// A transfer that retires with a failure fails the session. Refused
-    /// for an ended session (the transfer is handed back).
-    pub fn track_transfer(&self, id: u64, transfer: Transfer) -> Result<(), (Transfer, KvError)> {
+    /// for an ended session (the transfer is handed back). Returns a shared
+    /// handle to the transfer, to poll or wait on and to read its receipt.
+    pub fn track_transfer(&self, id: u64, transfer: Transfer) -> Result<Arc<Transfer>, (Transfer, KvError)> {
         let now = self.clock.now_ms();
-        let mut inner = self.inner.lock();
-        if let Err(e) = inner.machine.work_started(id, now) {
-            return Err((transfer, e));
-        }
-        inner.resources.entry(id).or_default().transfers.push(Arc::new(transfer));
-        Ok(())
+        let (result, after) = {
+            let mut inner = self.inner.lock();
+            let result = match inner.machine.work_started(id, now) {
+                Ok(()) => {
+                    let shared = Arc::new(transfer);
+                    inner.resources.entry(id).or_default().transfers.push(shared.clone());
+                    Ok(shared)
+                }
+                Err(e) => Err((transfer, e)),
+            };
+            (result, Self::effects(&mut inner))
+        };
+        after.run();
+        result
     }
 
     /// The timer: expires leases, notices sessions whose transfers all
@@ -241,10 +250,12 @@ impl KvSessionService {
             let mut inner = self.inner.lock();
             let Inner { machine, resources } = &mut *inner;
             machine.tick(now);
-            for (&id, r) in resources.iter() {
-                if !machine.work_active(id) {
-                    continue;
-                }
+            // In session order, so that sessions ending in one poll end (and
+            // age as tombstones) in a deterministic order.
+            let mut ids: Vec<u64> = resources.keys().copied().filter(|id| machine.work_active(*id)).collect();
+            ids.sort_unstable();
+            for id in ids {
+                let r = &resources[&id];
                 let statuses: Vec<TransferStatus> = r.transfers.iter().map(|t| t.check()).collect();
                 if statuses.iter().any(|s| matches!(s, TransferStatus::InProgress { .. })) {
                     continue;
