@@ -47,6 +47,7 @@ mod charge;
 pub mod config;
 mod engine;
 pub mod error;
+pub mod file;
 pub mod memory;
 mod registry;
 pub mod segment;
