@@ -109,6 +109,11 @@
 #define ORBITE_ROUTE_LOOPBACK 5
 
 /*
+ `OrbiteXferState::route`: a local file (io_uring).
+ */
+#define ORBITE_ROUTE_FILE 6
+
+/*
  `OrbiteXferSpec::flags`: deliver `notification` to the peer once every
  byte landed (an empty payload is allowed).
  */

@@ -214,6 +214,9 @@ pub enum Error {
         /// What the refused request would have brought the charge to.
         requested: u64,
     },
+    /// A local file refused the operation.
+    #[error(transparent)]
+    File(#[from] crate::file::FileError),
     /// The engine is closing or closed; it takes no new work.
     #[error("engine is closed")]
     Closed,

@@ -211,6 +211,11 @@ impl Entry {
         Ok(self.len()? == 0)
     }
 
+    /// Closed: no new I/O.
+    pub fn is_closed(&self) -> bool {
+        self.state.lock().closed
+    }
+
     /// I/O calls admitted and not yet finished.
     pub fn in_flight(&self) -> u64 {
         self.state.lock().active

@@ -203,3 +203,149 @@ fn close_fences_new_io_and_waits_for_admitted_io() {
     // SAFETY: refused.
     assert_eq!(unsafe { io.run(&e, FileOp::Read, &[span(&mut mem, 0, 16, 0)]) }.unwrap_err(), FileError::Closed);
 }
+
+// Through the engine: the file route keeps every lifecycle promise.
+
+use orbite_core::{
+    Desc, MemoryRange, Op, OutcomeCode, Permission, RegistrationId, RemoteEffect, Route, Target, TransferEngine,
+    TransferSpec,
+};
+
+fn engine() -> TransferEngine {
+    TransferEngine::from_json(r#"{"local_route_workers": 1, "task_bytes": 65536}"#).unwrap()
+}
+
+fn wait(t: &orbite_core::Transfer) -> orbite_core::TransferResult {
+    t.wait(Duration::from_secs(20)).result().expect("retired")
+}
+
+fn fext(offset: u64, len: u64) -> Desc {
+    Desc::new(RegistrationId::from_raw(0), offset, len)
+}
+
+#[test]
+fn file_route_write_then_read_back_fragmented_with_guards_and_baseline_charges() {
+    for dir in DIRS {
+        let e = engine();
+        let base = e.stats();
+        let f = temp(dir, "route", &vec![0x5Au8; 1 << 20]);
+        let entry = Arc::new(Entry::open(&f.0, FileMode::ReadWrite, OpenFlags::default()).unwrap());
+        let mem = e.allocate_host_memory(1 << 20).unwrap();
+        let id = e
+            .register_memory_ranges(vec![MemoryRange::host(&mem, 0, 1 << 20, Permission::LocalOnly).unwrap()])
+            .unwrap()[0];
+        let src = pattern(300_000, 42);
+        // SAFETY: nothing else uses the memory now.
+        unsafe { mem.write(0, &src) };
+        // Two memory fragments to three file extents (one adjacent pair).
+        let local = [Desc::new(id, 0, 200_000), Desc::new(id, 200_000, 100_000)];
+        let remote = [fext(1000, 150_000), fext(151_000, 50_000), fext(600_000, 100_000)];
+        let t = e.prepare(&TransferSpec::new(Op::Write, &local, &remote, Target::File(&entry))).unwrap();
+        assert_eq!(t.route().route, Route::File);
+        t.post().unwrap();
+        let r = wait(&t);
+        assert_eq!((r.outcome.code, r.outcome.transferred_prefix), (OutcomeCode::Success, 300_000), "{dir}");
+        t.release().unwrap();
+        let file = std::fs::read(&f.0).unwrap();
+        let mut want = vec![0x5Au8; 1 << 20];
+        want[1000..201_000].copy_from_slice(&src[..200_000]);
+        want[600_000..700_000].copy_from_slice(&src[200_000..]);
+        assert!(file == want, "{dir}: file bytes or guards differ");
+        // READ back into different memory.
+        let back = e.allocate_host_memory(1 << 20).unwrap();
+        let bid = e
+            .register_memory_ranges(vec![MemoryRange::host(&back, 0, 1 << 20, Permission::LocalOnly).unwrap()])
+            .unwrap()[0];
+        let t = e
+            .prepare(&TransferSpec::new(Op::Read, &[Desc::new(bid, 7, 300_000)], &remote, Target::File(&entry)))
+            .unwrap();
+        t.post().unwrap();
+        assert!(wait(&t).outcome.is_success());
+        t.release().unwrap();
+        let mut got = vec![0u8; 300_007];
+        // SAFETY: the transfer retired.
+        unsafe { back.read(0, &mut got) };
+        assert_eq!(&got[7..], &src[..], "{dir}");
+        assert!(got[..7].iter().all(|b| *b == 0));
+        e.deregister(id).unwrap();
+        e.deregister(bid).unwrap();
+        drop((mem, back));
+        assert!(e.wait_idle(Duration::from_secs(5)));
+        assert_eq!(e.stats(), base, "{dir}: charges back to baseline");
+    }
+}
+
+#[test]
+fn file_route_read_past_eof_is_a_short_completion_with_the_exact_prefix() {
+    let e = engine();
+    let f = temp("/tmp", "route-eof", &pattern(100_000, 8));
+    let entry = Arc::new(Entry::open(&f.0, FileMode::ReadOnly, OpenFlags::default()).unwrap());
+    let mem = e.allocate_host_memory(1 << 20).unwrap();
+    let id =
+        e.register_memory_ranges(vec![MemoryRange::host(&mem, 0, 1 << 20, Permission::LocalOnly).unwrap()]).unwrap()[0];
+    // SAFETY: nothing else uses the memory now.
+    unsafe { mem.write(0, &vec![0xCCu8; 1 << 20]) };
+    let t = e
+        .prepare(&TransferSpec::new(Op::Read, &[Desc::new(id, 0, 262_144)], &[fext(0, 262_144)], Target::File(&entry)))
+        .unwrap();
+    t.post().unwrap();
+    let r = wait(&t);
+    assert_eq!(r.outcome.code, OutcomeCode::ShortCompletion);
+    assert_eq!(r.outcome.transferred_prefix, 100_000);
+    let mut got = vec![0u8; 262_144];
+    // SAFETY: retired.
+    unsafe { mem.read(0, &mut got) };
+    assert_eq!(&got[..100_000], &pattern(100_000, 8)[..]);
+    assert!(got[100_000..].iter().all(|b| *b == 0xCC), "nothing past the end of the file was written");
+    // A WRITE into a read-only Entry, and a notification, fail at prepare.
+    let err = e.prepare(&TransferSpec::new(Op::Write, &[Desc::new(id, 0, 16)], &[fext(0, 16)], Target::File(&entry)));
+    assert!(matches!(err, Err(orbite_core::Error::File(FileError::ModeMismatch(_)))));
+    let (l16, r16) = ([Desc::new(id, 0, 16)], [fext(0, 16)]);
+    let mut s = TransferSpec::new(Op::Read, &l16, &r16, Target::File(&entry));
+    s.notification = Some(b"x");
+    assert!(matches!(e.prepare(&s), Err(orbite_core::Error::File(FileError::Unsupported(_)))));
+    t.release().unwrap();
+    e.deregister(id).unwrap();
+}
+
+#[test]
+fn closing_a_file_during_a_transfer_drains_admitted_io_and_fences_the_rest() {
+    let e = engine();
+    let base = e.stats();
+    let f = temp("/dev/shm", "route-close", &pattern(1 << 20, 4));
+    let entry = Arc::new(Entry::open(&f.0, FileMode::ReadWrite, OpenFlags::default()).unwrap());
+    let mem = e.allocate_host_memory(1 << 20).unwrap();
+    let id =
+        e.register_memory_ranges(vec![MemoryRange::host(&mem, 0, 1 << 20, Permission::LocalOnly).unwrap()]).unwrap()[0];
+    // 16 tasks of 64 KiB; the first is held before it touches the file.
+    let t = e
+        .prepare(&TransferSpec::new(Op::Read, &[Desc::new(id, 0, 1 << 20)], &[fext(0, 1 << 20)], Target::File(&entry)))
+        .unwrap();
+    let later =
+        e.prepare(&TransferSpec::new(Op::Read, &[Desc::new(id, 0, 16)], &[fext(0, 16)], Target::File(&entry))).unwrap();
+    e.fault_hooks().hold_all(true);
+    t.post().unwrap();
+    assert!(e.fault_hooks().wait_held(1, Duration::from_secs(10)));
+    entry.close(Duration::from_secs(10)).unwrap(); // nothing admitted in the file yet
+    assert!(matches!(later.post(), Err(orbite_core::Error::File(FileError::Closed))), "prepared before, posted after");
+    drop(later);
+    let t = match t.release() {
+        Err(refused) => refused.transfer, // still active: release refused
+        Ok(()) => panic!("released while active"),
+    };
+    e.fault_hooks().hold_all(false);
+    e.fault_hooks().release_all();
+    let r = wait(&t);
+    // Every task that reached the closed file failed before any I/O.
+    assert_eq!(r.outcome.code, OutcomeCode::Failed);
+    assert_eq!(r.outcome.transferred_bytes, 0);
+    assert_eq!(r.outcome.remote_effect, RemoteEffect::None);
+    assert!(t.post().is_err(), "no repost after a failure");
+    let again = e.prepare(&TransferSpec::new(Op::Read, &[Desc::new(id, 0, 16)], &[fext(0, 16)], Target::File(&entry)));
+    assert!(matches!(again, Err(orbite_core::Error::File(FileError::Closed))), "no new work on a closed file");
+    t.release().unwrap();
+    e.deregister(id).unwrap();
+    drop(mem);
+    assert!(e.wait_idle(Duration::from_secs(5)));
+    assert_eq!(e.stats(), base);
+}

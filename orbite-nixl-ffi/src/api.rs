@@ -793,6 +793,7 @@ pub extern "C" fn orbite_xfer_query(xfer: OrbiteXfer, out: *mut OrbiteXferState)
             Route::Tcp => ORBITE_ROUTE_TCP,
             Route::Shm => ORBITE_ROUTE_SHM,
             Route::Cma => ORBITE_ROUTE_CMA,
+            Route::File => ORBITE_ROUTE_FILE,
         };
         let mut v = OrbiteXferState {
             size: size_of::<OrbiteXferState>() as u32,

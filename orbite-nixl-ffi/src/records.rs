@@ -32,6 +32,8 @@ pub const ORBITE_ROUTE_SHM: u32 = 3;
 pub const ORBITE_ROUTE_CMA: u32 = 4;
 /// `OrbiteXferState::route`: the self connection.
 pub const ORBITE_ROUTE_LOOPBACK: u32 = 5;
+/// `OrbiteXferState::route`: a local file (io_uring).
+pub const ORBITE_ROUTE_FILE: u32 = 6;
 
 /// `OrbiteXferSpec::flags`: deliver `notification` to the peer once every
 /// byte landed (an empty payload is allowed).

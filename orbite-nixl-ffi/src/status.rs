@@ -2,6 +2,7 @@
 
 use std::cell::RefCell;
 
+use orbite_core::file::FileError;
 use orbite_core::wire::RemoteStatus;
 use orbite_core::{BatchError, Error, PeerError, RegistryError};
 
@@ -124,6 +125,14 @@ impl From<Error> for Failure {
                 | PeerError::Lost(_)
                 | PeerError::SegmentClosed
                 | PeerError::CloseFailed(_) => OrbiteStatus::RemoteDisconnect,
+            },
+            Error::File(f) => match f {
+                FileError::InvalidPath(_) => OrbiteStatus::InvalidArgument,
+                FileError::Unsupported(_) => OrbiteStatus::NotSupported,
+                FileError::NotRegular | FileError::ModeMismatch(_) => OrbiteStatus::NotAllowed,
+                FileError::Closed => OrbiteStatus::Closed,
+                FileError::OutOfRange(_) => OrbiteStatus::OutOfRange,
+                FileError::DrainTimeout | FileError::Os { .. } => OrbiteStatus::System,
             },
             Error::ResourceExhausted { .. } => OrbiteStatus::ResourceExhausted,
             Error::Closed => OrbiteStatus::Closed,

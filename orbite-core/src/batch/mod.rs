@@ -66,6 +66,10 @@ pub enum Target<'a> {
     /// A peer engine: remote descriptors name registrations of its
     /// segment (ids as in its descriptor).
     Peer(&'a crate::RemoteSegment),
+    /// A local file: remote descriptors are file extents (`offset`, `len`;
+    /// their `registration` is ignored). READ moves file bytes into the
+    /// local memory, WRITE the reverse.
+    File(&'a std::sync::Arc<crate::file::Entry>),
 }
 
 /// How bytes reach a peer.
@@ -80,6 +84,8 @@ pub enum Route {
     Shm,
     /// One-sided cross-memory copies into a same-host peer's memory.
     Cma,
+    /// io_uring reads and writes of a local file.
+    File,
 }
 
 /// Which route a transfer to a peer may take.

@@ -59,6 +59,11 @@ pub(crate) enum RemoteSide<'a> {
         /// Where a shared registration of the peer is mapped here (shm).
         shm_base: &'a dyn Fn(&ExportedRegistration) -> Option<u64>,
     },
+    /// A local file: descriptors are file extents (offsets below 2^63).
+    File {
+        /// Opened for writing too.
+        writable: bool,
+    },
 }
 
 /// A resolved descriptor: an address (or, on a peer, an offset in the
@@ -181,6 +186,13 @@ pub(crate) fn build(
             };
             resolve("remote", spec.remote, config, Some(needs), peer_view, &mut ids)?
         }
+        RemoteSide::File { writable } => {
+            let permission = if writable { Permission::RemoteReadWrite } else { Permission::RemoteRead };
+            let file_view = |id: RegistrationId| -> Result<View, Error> {
+                Ok(View { id, base: 0, wire_id: 0, len: i64::MAX as u64, permission, loan: false })
+            };
+            resolve("remote", spec.remote, config, Some(needs), file_view, &mut ids)?
+        }
     };
     if let Some(n) = spec.notification {
         if n.len() as u64 > config.max_notification_bytes {
@@ -265,7 +277,7 @@ fn build_program(op: Op, local: &[Resolved], remote: &[Resolved], task_bytes: u6
     if task.bytes > 0 {
         tasks.push(task);
     }
-    CopyProgram { op, cma_pid: None, peer_alive: None, spans, tasks }
+    CopyProgram { op, cma_pid: None, peer_alive: None, file: None, spans, tasks }
 }
 
 #[cfg(test)]

@@ -573,14 +573,29 @@ impl TransferEngine {
                 let route = inner.choose_route(&seg.peer, policy, spec.remote)?;
                 (PlanTarget::Peer(seg.peer.clone()), route)
             }
+            crate::Target::File(entry) => {
+                if entry.is_closed() {
+                    return Err(crate::file::FileError::Closed.into());
+                }
+                if spec.notification.is_some() {
+                    return Err(crate::file::FileError::Unsupported("a notification to a local file").into());
+                }
+                if spec.op == crate::Op::Write && entry.mode() == crate::file::FileMode::ReadOnly {
+                    return Err(crate::file::FileError::ModeMismatch("writing").into());
+                }
+                (PlanTarget::File(entry.clone()), RouteChoice { route: Route::File, reason: "local file".into() })
+            }
         };
         let (mut plan, loans) = {
             let shm_base = |r: &crate::segment::ExportedRegistration| match &target {
                 PlanTarget::Peer(p) => p.shm_base(r),
-                PlanTarget::Loopback => None,
+                PlanTarget::Loopback | PlanTarget::File(_) => None,
             };
             let remote_side = match &target {
                 PlanTarget::Loopback => plan::RemoteSide::Loopback,
+                PlanTarget::File(f) => {
+                    plan::RemoteSide::File { writable: f.mode() == crate::file::FileMode::ReadWrite }
+                }
                 PlanTarget::Peer(p) => {
                     plan::RemoteSide::Peer { regs: &p.regs, route: route.route, shm_base: &shm_base }
                 }
@@ -588,6 +603,9 @@ impl TransferEngine {
             let table = inner.registry.lock();
             plan::build(spec, remote_side, &table, &inner.config)?
         };
+        if let PlanTarget::File(f) = &target {
+            plan.program.file = Some(f.clone());
+        }
         if let PlanTarget::Peer(p) = &target {
             if matches!(route.route, Route::Shm | Route::Cma) {
                 plan.program.peer_alive = p.liveness.as_ref().map(|l| l.handle());
@@ -598,7 +616,7 @@ impl TransferEngine {
         }
         let mut remote_ids: Vec<u64> = match target {
             PlanTarget::Peer(_) => spec.remote.iter().map(|d| d.registration.to_raw()).collect(),
-            PlanTarget::Loopback => Vec::new(),
+            PlanTarget::Loopback | PlanTarget::File(_) => Vec::new(),
         };
         remote_ids.sort_unstable();
         remote_ids.dedup();

@@ -41,6 +41,8 @@ pub(crate) struct Cell {
 pub(crate) enum PlanTarget {
     Loopback,
     Peer(Arc<Peer>),
+    /// A local file (the file route).
+    File(Arc<crate::file::Entry>),
 }
 
 /// Shared between the handle, queue entries and route tasks.
@@ -169,6 +171,8 @@ fn send_transfer_notification(engine: &Arc<EngineInner>, transfer: &Arc<Transfer
             notification_ended(engine, transfer, seq, ok);
         }
         PlanTarget::Peer(p) if engine.notify_fast(p, &payload) => notification_ended(engine, transfer, seq, true),
+        // Prepare refuses notifications to a file.
+        PlanTarget::File(_) => notification_ended(engine, transfer, seq, false),
         PlanTarget::Peer(p) => {
             let (e, t) = (engine.clone(), transfer.clone());
             let done = Box::new(move |r: Result<(), _>| notification_ended(&e, &t, seq, r.is_ok()));
@@ -257,10 +261,14 @@ impl Transfer {
             {
                 let mut cell = self.shared.cell.lock();
                 let seq = cell.life.check_post()?;
-                if let PlanTarget::Peer(p) = &self.shared.target {
-                    if let Some(e) = p.refusal() {
-                        return Err(e.into());
+                match &self.shared.target {
+                    PlanTarget::Peer(p) => {
+                        if let Some(e) = p.refusal() {
+                            return Err(e.into());
+                        }
                     }
+                    PlanTarget::File(f) if f.is_closed() => return Err(crate::file::FileError::Closed.into()),
+                    _ => {}
                 }
                 let loans = cell.owners.as_ref().map_or(&[][..], |o| &o.loans[..]);
                 if let Some(id) = loans.iter().find(|r| r.is_fenced()).map(|r| r.id) {

@@ -44,6 +44,8 @@ pub(crate) struct CopyProgram {
     /// For one-sided routes (shm, cma): the peer process, checked after each
     /// task: bytes that went into a dead peer's memory did not reach it.
     pub peer_alive: Option<crate::transport::cma::LivenessCheck>,
+    /// For the file route: the file (`Span::remote` are offsets in it).
+    pub file: Option<std::sync::Arc<crate::file::Entry>>,
     pub spans: Vec<Span>,
     pub tasks: Vec<TaskRange>,
 }
