@@ -246,6 +246,31 @@
 #define ORBITE_FEATURE_TEST_HOOKS 9223372036854775808ull
 
 /*
+ `orbite_file_open` / `orbite_file_adopt` mode: reads only.
+ */
+#define ORBITE_FILE_READ_ONLY 1
+
+/*
+ Reads and writes.
+ */
+#define ORBITE_FILE_READ_WRITE 2
+
+/*
+ `orbite_file_open` flag: bypass the page cache (not implemented: refused).
+ */
+#define ORBITE_FILE_DIRECT 1
+
+/*
+ `orbite_file_open` flag: durable writes (not implemented: refused).
+ */
+#define ORBITE_FILE_SYNC 2
+
+/*
+ Feature bit: local files (`orbite_file_*`, `orbite_xfer_prepare_file`).
+ */
+#define ORBITE_FEATURE_FILES 16
+
+/*
  What every entry point returns. Zero is success; every failure is
  negative. A failed call changed nothing unless its documentation says so.
  */
@@ -751,6 +776,50 @@ typedef struct OrbiteXfer {
 } OrbiteXfer;
 
 /*
+ A local file (`orbite_file_open`, `orbite_file_adopt`).
+ */
+typedef struct OrbiteFile {
+  /*
+   Opaque; zero is never valid.
+   */
+  uint64_t raw;
+} OrbiteFile;
+
+/*
+ Output of `orbite_file_query`.
+ */
+typedef struct OrbiteFileInfo {
+  /*
+   `sizeof(OrbiteFileInfo)`.
+   */
+  uint32_t size;
+  /*
+   `ORBITE_RECORD_VERSION`.
+   */
+  uint32_t version;
+  /*
+   `ORBITE_FILE_READ_ONLY` or `ORBITE_FILE_READ_WRITE`.
+   */
+  uint32_t mode;
+  /*
+   1 once closed.
+   */
+  uint32_t closed;
+  /*
+   Current size in bytes.
+   */
+  uint64_t len;
+  /*
+   Device of the file.
+   */
+  uint64_t dev;
+  /*
+   Inode of the file.
+   */
+  uint64_t ino;
+} OrbiteFileInfo;
+
+/*
  Output of `orbite_xfer_query`. The logical outcome (`code`, prefix,
  effect) is valid only when `state` is `ORBITE_STATE_RETIRED`; `drained`
  is the physical retirement receipt and is 1 only then.
@@ -1018,6 +1087,55 @@ OrbiteStatus orbite_peer_close(struct OrbitePeer peer, uint64_t timeout_ms);
 OrbiteStatus orbite_xfer_prepare(struct OrbiteEngine engine,
                                  const struct OrbiteXferSpec *spec,
                                  struct OrbiteXfer *out);
+
+/*
+ Prepares a transfer between registered memory and a local file: the
+ remote list holds file extents (`offset`, `len`; `registration` is
+ ignored), `spec->peer` must be zero and notifications are refused. READ
+ moves file bytes into memory, WRITE the reverse. A READ that meets the
+ end of the file ends `SHORT` with the exact prefix.
+ */
+OrbiteStatus orbite_xfer_prepare_file(struct OrbiteEngine engine,
+                                      const struct OrbiteXferSpec *spec,
+                                      struct OrbiteFile file,
+                                      struct OrbiteXfer *out);
+
+/*
+ Opens a local file by absolute path (UTF-8 or not, not NUL-terminated)
+ in `mode` (`ORBITE_FILE_READ_ONLY` or `_READ_WRITE`). Flags that are not
+ implemented (`ORBITE_FILE_DIRECT`, `ORBITE_FILE_SYNC`) are refused with
+ `ORBITE_STATUS_NOT_SUPPORTED`, never dropped.
+ */
+OrbiteStatus orbite_file_open(struct OrbiteEngine engine,
+                              const uint8_t *path,
+                              size_t path_len,
+                              uint32_t mode,
+                              uint32_t flags,
+                              struct OrbiteFile *out);
+
+/*
+ Adopts a caller's open descriptor by duplicating it after checking it
+ is a regular file open for `mode`; the caller keeps (and may close) its
+ own descriptor, and a later reuse of that number never reaches this
+ file.
+ */
+OrbiteStatus orbite_file_adopt(struct OrbiteEngine engine,
+                               int32_t fd,
+                               uint32_t mode,
+                               struct OrbiteFile *out);
+
+/*
+ What is known about a file.
+ */
+OrbiteStatus orbite_file_query(struct OrbiteFile file, struct OrbiteFileInfo *out);
+
+/*
+ Closes a file: fences new transfers at once and waits up to
+ `timeout_ms` for admitted I/O to drain. The handle is released even when
+ the wait times out (the status says so); transfers prepared on the file
+ stay pollable and fail if they reach it.
+ */
+OrbiteStatus orbite_file_close(struct OrbiteFile file, uint64_t timeout_ms);
 
 /*
  Posts a fresh execution. Refused while one is active, after a failed,

@@ -13,7 +13,7 @@ use orbite_core::{
 use parking_lot::Mutex;
 
 use crate::handles::{self, Kind};
-use crate::objects::{Child, EngineObj, Object, PeerObj, RegObj, ShmObj, XferObj};
+use crate::objects::{Child, EngineObj, FileObj, Object, PeerObj, RegObj, ShmObj, XferObj};
 use crate::records::*;
 use crate::status::{Failure, OrbiteStatus, Res, clear_last_error, fail, set_last_error, with_last_error};
 use crate::wire::{PeerInfo, RangeInfo};
@@ -30,7 +30,11 @@ const NOTIF_HEADER: usize = 16;
 static INJECT_PANIC: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 fn features() -> u64 {
-    let base = ORBITE_FEATURE_TCP | ORBITE_FEATURE_SHM | ORBITE_FEATURE_CMA | ORBITE_FEATURE_NOTIFICATIONS;
+    let base = ORBITE_FEATURE_TCP
+        | ORBITE_FEATURE_SHM
+        | ORBITE_FEATURE_CMA
+        | ORBITE_FEATURE_NOTIFICATIONS
+        | ORBITE_FEATURE_FILES;
     if cfg!(feature = "test-hooks") { base | ORBITE_FEATURE_TEST_HOOKS } else { base }
 }
 
@@ -691,7 +695,26 @@ pub extern "C" fn orbite_xfer_prepare(
     spec: *const OrbiteXferSpec,
     out: *mut OrbiteXfer,
 ) -> OrbiteStatus {
-    entry("orbite_xfer_prepare", || {
+    entry("orbite_xfer_prepare", || prepare(engine, spec, None, out))
+}
+
+/// Prepares a transfer between registered memory and a local file: the
+/// remote list holds file extents (`offset`, `len`; `registration` is
+/// ignored), `spec->peer` must be zero and notifications are refused. READ
+/// moves file bytes into memory, WRITE the reverse. A READ that meets the
+/// end of the file ends `SHORT` with the exact prefix.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_xfer_prepare_file(
+    engine: OrbiteEngine,
+    spec: *const OrbiteXferSpec,
+    file: OrbiteFile,
+    out: *mut OrbiteXfer,
+) -> OrbiteStatus {
+    entry("orbite_xfer_prepare_file", || prepare(engine, spec, Some(file), out))
+}
+
+fn prepare(engine: OrbiteEngine, spec: *const OrbiteXferSpec, file: Option<OrbiteFile>, out: *mut OrbiteXfer) -> Res {
+    {
         let e = engine_of(engine)?;
         // SAFETY: caller's contract: a readable OrbiteXferSpec.
         let s = unsafe { input(spec)? };
@@ -718,9 +741,14 @@ pub extern "C" fn orbite_xfer_prepare(
         if s.flags & !ORBITE_XFER_NOTIFY != 0 {
             return fail(OrbiteStatus::InvalidArgument, format!("unknown flags {:#x}", s.flags));
         }
-        let p = peer_of(s.peer)?;
-        if !Arc::ptr_eq(&p.child.engine, &e) {
-            return fail(OrbiteStatus::WrongHandle, "peer of another engine");
+        let (p, f) = match file {
+            None => (Some(peer_of(s.peer)?), None),
+            Some(_) if s.peer.raw != 0 => return fail(OrbiteStatus::InvalidArgument, "a file transfer names no peer"),
+            Some(f) => (None, Some(file_of(f)?)),
+        };
+        let owner = p.as_ref().map(|p| &p.child.engine).or(f.as_ref().map(|f| &f.child.engine)).expect("one of them");
+        if !Arc::ptr_eq(owner, &e) {
+            return fail(OrbiteStatus::WrongHandle, "peer or file of another engine");
         }
         let config = e.engine.config();
         let max = config.max_descriptors_per_transfer;
@@ -739,9 +767,13 @@ pub extern "C" fn orbite_xfer_prepare(
         })?;
         let remote: Vec<Desc> =
             remote.iter().map(|d| Desc::new(RegistrationId::from_raw(d.registration), d.offset, d.len)).collect();
-        let target = match &p.segment {
-            Some(seg) => Target::Peer(seg),
-            None => Target::Loopback,
+        let target = match (&p, &f) {
+            (Some(p), _) => match &p.segment {
+                Some(seg) => Target::Peer(seg),
+                None => Target::Loopback,
+            },
+            (None, Some(f)) => Target::File(&f.entry),
+            (None, None) => unreachable!("one of them"),
         };
         let deadline = (s.deadline_us != 0).then(|| Duration::from_micros(s.deadline_us));
         let spec = TransferSpec {
@@ -757,6 +789,122 @@ pub extern "C" fn orbite_xfer_prepare(
         let raw = handles::insert(Object::Transfer(Arc::new(XferObj { _child: child, transfer })))?;
         // SAFETY: non-null and aligned (checked), writable.
         unsafe { *out = OrbiteXfer { raw } };
+        Ok(())
+    }
+}
+
+fn file_of(h: OrbiteFile) -> Res<Arc<FileObj>> {
+    match handles::get(h.raw, Kind::File)? {
+        Object::File(f) => Ok(f),
+        _ => unreachable!("kind checked"),
+    }
+}
+
+fn file_mode(mode: u32) -> Res<orbite_core::file::FileMode> {
+    Ok(match mode {
+        ORBITE_FILE_READ_ONLY => orbite_core::file::FileMode::ReadOnly,
+        ORBITE_FILE_READ_WRITE => orbite_core::file::FileMode::ReadWrite,
+        m => return fail(OrbiteStatus::InvalidArgument, format!("unknown file mode {m}")),
+    })
+}
+
+fn insert_file(e: &Arc<EngineObj>, entry: orbite_core::file::Entry, out: *mut OrbiteFile) -> Res {
+    let child = Child::new(e)?;
+    let raw = handles::insert(Object::File(Arc::new(FileObj { child, entry: Arc::new(entry) })))?;
+    // SAFETY: checked non-null and aligned by the caller, writable.
+    unsafe { *out = OrbiteFile { raw } };
+    Ok(())
+}
+
+/// Opens a local file by absolute path (UTF-8 or not, not NUL-terminated)
+/// in `mode` (`ORBITE_FILE_READ_ONLY` or `_READ_WRITE`). Flags that are not
+/// implemented (`ORBITE_FILE_DIRECT`, `ORBITE_FILE_SYNC`) are refused with
+/// `ORBITE_STATUS_NOT_SUPPORTED`, never dropped.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_file_open(
+    engine: OrbiteEngine,
+    path: *const u8,
+    path_len: usize,
+    mode: u32,
+    flags: u32,
+    out: *mut OrbiteFile,
+) -> OrbiteStatus {
+    entry("orbite_file_open", || {
+        let e = engine_of(engine)?;
+        check_pointer(out, "out")?;
+        let mode = file_mode(mode)?;
+        if flags & !(ORBITE_FILE_DIRECT | ORBITE_FILE_SYNC) != 0 {
+            return fail(OrbiteStatus::InvalidArgument, format!("unknown file flags {flags:#x}"));
+        }
+        let flags = orbite_core::file::OpenFlags {
+            direct: flags & ORBITE_FILE_DIRECT != 0,
+            sync: flags & ORBITE_FILE_SYNC != 0,
+        };
+        // SAFETY: caller's contract: `path_len` readable bytes.
+        let bytes = unsafe { array(path, path_len as u64, 4096, "path")? };
+        use std::os::unix::ffi::OsStrExt;
+        let path = std::path::Path::new(std::ffi::OsStr::from_bytes(bytes));
+        let entry = orbite_core::file::Entry::open(path, mode, flags).map_err(orbite_core::Error::from)?;
+        insert_file(&e, entry, out)
+    })
+}
+
+/// Adopts a caller's open descriptor by duplicating it after checking it
+/// is a regular file open for `mode`; the caller keeps (and may close) its
+/// own descriptor, and a later reuse of that number never reaches this
+/// file.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_file_adopt(engine: OrbiteEngine, fd: i32, mode: u32, out: *mut OrbiteFile) -> OrbiteStatus {
+    entry("orbite_file_adopt", || {
+        let e = engine_of(engine)?;
+        check_pointer(out, "out")?;
+        let mode = file_mode(mode)?;
+        if fd < 0 {
+            return fail(OrbiteStatus::InvalidArgument, "negative descriptor");
+        }
+        // SAFETY: borrowed only for the checks and the dup below; an fd that
+        // is not open makes fcntl fail with a typed error.
+        let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+        let entry = orbite_core::file::Entry::adopt(borrowed, mode).map_err(orbite_core::Error::from)?;
+        insert_file(&e, entry, out)
+    })
+}
+
+/// What is known about a file.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_file_query(file: OrbiteFile, out: *mut OrbiteFileInfo) -> OrbiteStatus {
+    entry("orbite_file_query", || {
+        let f = file_of(file)?;
+        // SAFETY: caller's contract: a writable OrbiteFileInfo.
+        unsafe { output_check(out)? };
+        let (dev, ino) = f.entry.identity();
+        let value = OrbiteFileInfo {
+            size: size_of::<OrbiteFileInfo>() as u32,
+            version: ORBITE_RECORD_VERSION,
+            mode: match f.entry.mode() {
+                orbite_core::file::FileMode::ReadOnly => ORBITE_FILE_READ_ONLY,
+                orbite_core::file::FileMode::ReadWrite => ORBITE_FILE_READ_WRITE,
+            },
+            closed: u32::from(f.entry.is_closed()),
+            len: f.entry.len().map_err(orbite_core::Error::from)?,
+            dev,
+            ino,
+        };
+        // SAFETY: checked above.
+        unsafe { put(out, value) };
+        Ok(())
+    })
+}
+
+/// Closes a file: fences new transfers at once and waits up to
+/// `timeout_ms` for admitted I/O to drain. The handle is released even when
+/// the wait times out (the status says so); transfers prepared on the file
+/// stay pollable and fail if they reach it.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_file_close(file: OrbiteFile, timeout_ms: u64) -> OrbiteStatus {
+    entry("orbite_file_close", || {
+        let Object::File(f) = handles::remove(file.raw, Kind::File)? else { unreachable!() };
+        f.entry.close(Duration::from_millis(timeout_ms)).map_err(orbite_core::Error::from)?;
         Ok(())
     })
 }

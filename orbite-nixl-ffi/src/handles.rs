@@ -26,6 +26,7 @@ pub(crate) enum Kind {
     SharedMemory = 3,
     Peer = 4,
     Transfer = 5,
+    File = 6,
 }
 
 impl Kind {
@@ -36,6 +37,7 @@ impl Kind {
             Kind::SharedMemory => "shared memory",
             Kind::Peer => "peer",
             Kind::Transfer => "transfer",
+            Kind::File => "file",
         }
     }
     fn from_tag(tag: u64) -> Option<Kind> {
@@ -45,6 +47,7 @@ impl Kind {
             3 => Kind::SharedMemory,
             4 => Kind::Peer,
             5 => Kind::Transfer,
+            6 => Kind::File,
             _ => return None,
         })
     }

@@ -16,6 +16,7 @@ pub(crate) enum Object {
     SharedMemory(Arc<ShmObj>),
     Peer(Arc<PeerObj>),
     Transfer(Arc<XferObj>),
+    File(Arc<FileObj>),
 }
 
 impl Object {
@@ -26,6 +27,7 @@ impl Object {
             Object::SharedMemory(_) => Kind::SharedMemory,
             Object::Peer(_) => Kind::Peer,
             Object::Transfer(_) => Kind::Transfer,
+            Object::File(_) => Kind::File,
         }
     }
 }
@@ -74,6 +76,11 @@ pub(crate) struct PeerObj {
     pub child: Child,
     /// `None`: the engine itself (the self connection).
     pub segment: Option<RemoteSegment>,
+}
+
+pub(crate) struct FileObj {
+    pub child: Child,
+    pub entry: Arc<orbite_core::file::Entry>,
 }
 
 pub(crate) struct XferObj {

@@ -132,6 +132,45 @@ pub struct OrbitePeer {
     pub raw: u64,
 }
 
+/// A local file (`orbite_file_open`, `orbite_file_adopt`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct OrbiteFile {
+    /// Opaque; zero is never valid.
+    pub raw: u64,
+}
+
+/// `orbite_file_open` / `orbite_file_adopt` mode: reads only.
+pub const ORBITE_FILE_READ_ONLY: u32 = 1;
+/// Reads and writes.
+pub const ORBITE_FILE_READ_WRITE: u32 = 2;
+/// `orbite_file_open` flag: bypass the page cache (not implemented: refused).
+pub const ORBITE_FILE_DIRECT: u32 = 1;
+/// `orbite_file_open` flag: durable writes (not implemented: refused).
+pub const ORBITE_FILE_SYNC: u32 = 2;
+/// Feature bit: local files (`orbite_file_*`, `orbite_xfer_prepare_file`).
+pub const ORBITE_FEATURE_FILES: u64 = 0x10;
+
+/// Output of `orbite_file_query`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OrbiteFileInfo {
+    /// `sizeof(OrbiteFileInfo)`.
+    pub size: u32,
+    /// `ORBITE_RECORD_VERSION`.
+    pub version: u32,
+    /// `ORBITE_FILE_READ_ONLY` or `ORBITE_FILE_READ_WRITE`.
+    pub mode: u32,
+    /// 1 once closed.
+    pub closed: u32,
+    /// Current size in bytes.
+    pub len: u64,
+    /// Device of the file.
+    pub dev: u64,
+    /// Inode of the file.
+    pub ino: u64,
+}
+
 /// A prepared transfer.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -441,5 +480,6 @@ records!(
     OrbiteCloseReport,
     OrbiteStats,
     OrbiteDrainResult,
-    OrbiteNotifView
+    OrbiteNotifView,
+    OrbiteFileInfo
 );

@@ -507,3 +507,92 @@ fn tcp_peer_write_and_read_back_with_binary_notification() {
     close_and_release(initiator);
     close_and_release(target);
 }
+
+#[test]
+fn local_file_open_transfer_both_ways_eof_close_and_adopt() {
+    let e = engine(r#"{"task_bytes": 65536}"#);
+    let path = format!("/tmp/orbite-abi-file-{}", std::process::id());
+    std::fs::write(&path, vec![0x11u8; 100_000]).unwrap();
+    let mut f = OrbiteFile::default();
+    // Unsupported flags and unknown modes are refused before opening.
+    for (mode, flags, want) in [
+        (ORBITE_FILE_READ_WRITE, ORBITE_FILE_DIRECT, OrbiteStatus::NotSupported),
+        (ORBITE_FILE_READ_WRITE, ORBITE_FILE_SYNC, OrbiteStatus::NotSupported),
+        (7, 0, OrbiteStatus::InvalidArgument),
+        (ORBITE_FILE_READ_WRITE, 0x100, OrbiteStatus::InvalidArgument),
+    ] {
+        assert_eq!(orbite_file_open(e, path.as_ptr(), path.len(), mode, flags, &mut f), want);
+    }
+    assert_eq!(f, OrbiteFile::default());
+    ok(orbite_file_open(e, path.as_ptr(), path.len(), ORBITE_FILE_READ_WRITE, 0, &mut f));
+    let mut info = OrbiteFileInfo { size: size_of::<OrbiteFileInfo>() as u32, version: 1, ..Default::default() };
+    ok(orbite_file_query(f, &mut info));
+    assert_eq!((info.len, info.mode, info.closed), (100_000, ORBITE_FILE_READ_WRITE, 0));
+    let mut mem = vec![0u8; 200_000];
+    for (i, b) in mem.iter_mut().enumerate() {
+        *b = (i % 253) as u8;
+    }
+    let r = register(e, &mut mem);
+    let local = [OrbiteDesc { registration: r.raw, offset: 0, len: 150_000 }];
+    let extents = [OrbiteDesc { registration: 0, offset: 10, len: 150_000 }];
+    let mut sp = spec(ORBITE_OP_WRITE, OrbitePeer::default(), &local, &extents);
+    let mut x = OrbiteXfer::default();
+    ok(orbite_xfer_prepare_file(e, &sp, f, &mut x));
+    ok(orbite_xfer_post(x));
+    let s = wait_retired(x);
+    assert_eq!((s.code, s.route, s.transferred_prefix), (ORBITE_OUTCOME_SUCCESS, ORBITE_ROUTE_FILE, 150_000));
+    ok(orbite_xfer_release(x));
+    let file = std::fs::read(&path).unwrap();
+    assert_eq!(file.len(), 150_010);
+    assert!(file[..10].iter().all(|b| *b == 0x11));
+    assert_eq!(&file[10..], &mem[..150_000]);
+    // READ past the end: SHORT with the exact prefix; nothing beyond lands.
+    let back = [OrbiteDesc { registration: r.raw, offset: 150_000, len: 50_000 }];
+    let tail = [OrbiteDesc { registration: 0, offset: 120_000, len: 50_000 }];
+    mem[150_000..].fill(0xEE);
+    sp = spec(ORBITE_OP_READ, OrbitePeer::default(), &back, &tail);
+    ok(orbite_xfer_prepare_file(e, &sp, f, &mut x));
+    ok(orbite_xfer_post(x));
+    let s = wait_retired(x);
+    assert_eq!((s.code, s.transferred_prefix), (ORBITE_OUTCOME_SHORT, 30_010));
+    assert_eq!(&mem[150_000..180_010], &file[120_000..150_010]);
+    assert!(mem[180_010..].iter().all(|b| *b == 0xEE));
+    ok(orbite_xfer_release(x));
+    // A peer named with a file, or a notification, is refused.
+    sp.peer = OrbitePeer { raw: 1 };
+    assert_eq!(orbite_xfer_prepare_file(e, &sp, f, &mut x), OrbiteStatus::InvalidArgument);
+    sp.peer = OrbitePeer::default();
+    sp.flags = ORBITE_XFER_NOTIFY;
+    assert_eq!(orbite_xfer_prepare_file(e, &sp, f, &mut x), OrbiteStatus::NotSupported);
+    sp.flags = 0;
+    // Adoption duplicates the descriptor: closing and reusing the caller's
+    // number never reaches the adopted file.
+    let other = format!("{path}-other");
+    std::fs::write(&other, b"other").unwrap();
+    let theirs = std::fs::File::open(&path).unwrap();
+    let mut adopted = OrbiteFile::default();
+    assert_eq!(
+        orbite_file_adopt(e, std::os::fd::AsRawFd::as_raw_fd(&theirs), ORBITE_FILE_READ_WRITE, &mut adopted),
+        OrbiteStatus::NotAllowed,
+        "a read-only descriptor cannot be adopted for writing"
+    );
+    ok(orbite_file_adopt(e, std::os::fd::AsRawFd::as_raw_fd(&theirs), ORBITE_FILE_READ_ONLY, &mut adopted));
+    drop(theirs);
+    let _reuse = std::fs::File::open(&other).unwrap();
+    let mut ai = OrbiteFileInfo { size: size_of::<OrbiteFileInfo>() as u32, version: 1, ..Default::default() };
+    ok(orbite_file_query(adopted, &mut ai));
+    assert_eq!((ai.dev, ai.ino, ai.len), (info.dev, info.ino, 150_010));
+    assert_eq!(orbite_file_adopt(e, -1, ORBITE_FILE_READ_ONLY, &mut adopted.clone()), OrbiteStatus::InvalidArgument);
+    ok(orbite_file_close(adopted, 1000));
+    // Close fences: a transfer prepared before it cannot post after it.
+    ok(orbite_xfer_prepare_file(e, &sp, f, &mut x));
+    ok(orbite_file_close(f, 1000));
+    assert_eq!(orbite_xfer_post(x), OrbiteStatus::Closed);
+    assert_eq!(orbite_file_query(f, &mut info), OrbiteStatus::StaleHandle);
+    ok(orbite_xfer_release(x));
+    ok(orbite_mem_deregister(r));
+    assert_eq!(stats(e), zero_stats());
+    close_and_release(e);
+    let _ = std::fs::remove_file(&path);
+    let _ = std::fs::remove_file(&other);
+}

@@ -21,6 +21,8 @@ fn rust_layout() -> BTreeSet<String> {
     layout!(s, OrbiteShm { raw });
     layout!(s, OrbitePeer { raw });
     layout!(s, OrbiteXfer { raw });
+    layout!(s, OrbiteFile { raw });
+    layout!(s, OrbiteFileInfo { size, version, mode, closed, len, dev, ino });
     layout!(
         s,
         OrbiteAbiInfo {

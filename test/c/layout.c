@@ -27,6 +27,16 @@ _Static_assert(sizeof(OrbiteStatus) == 4, "OrbiteStatus is 32 bits");
     F(OrbitePeer, raw, 0)                         \
     S(OrbiteXfer, 8)                              \
     F(OrbiteXfer, raw, 0)                         \
+    S(OrbiteFile, 8)                              \
+    F(OrbiteFile, raw, 0)                         \
+    S(OrbiteFileInfo, 40)                         \
+    F(OrbiteFileInfo, size, 0)                    \
+    F(OrbiteFileInfo, version, 4)                 \
+    F(OrbiteFileInfo, mode, 8)                    \
+    F(OrbiteFileInfo, closed, 12)                 \
+    F(OrbiteFileInfo, len, 16)                    \
+    F(OrbiteFileInfo, dev, 24)                    \
+    F(OrbiteFileInfo, ino, 32)                    \
     S(OrbiteAbiInfo, 64)                          \
     F(OrbiteAbiInfo, size, 0)                     \
     F(OrbiteAbiInfo, version, 4)                  \
@@ -236,7 +246,7 @@ static void check_abi_info(void) {
     CHECK_EQ_U64(info.drain_result_size, sizeof(OrbiteDrainResult));
     CHECK_EQ_U64(info.notif_view_size, sizeof(OrbiteNotifView));
     uint64_t base = (uint64_t)ORBITE_FEATURE_TCP | (uint64_t)ORBITE_FEATURE_SHM | (uint64_t)ORBITE_FEATURE_CMA |
-                    (uint64_t)ORBITE_FEATURE_NOTIFICATIONS;
+                    (uint64_t)ORBITE_FEATURE_NOTIFICATIONS | (uint64_t)ORBITE_FEATURE_FILES;
     CHECK((info.features & base) == base);
     CHECK((info.features & ~(base | ORBITE_FEATURE_TEST_HOOKS)) == 0);
     printf("abi %u.%u, features %#" PRIx64 ", every record size agrees\n", info.abi_major, info.abi_minor,
