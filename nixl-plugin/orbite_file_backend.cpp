@@ -1,0 +1,288 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "orbite_file_backend.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <memory>
+#include <new>
+
+#include "common/nixl_log.h"
+#include "orbite_backend.h"
+
+namespace orbite_nixl {
+
+namespace {
+
+constexpr uint64_t kCloseTimeoutMs = 5000;
+
+template <class T> T record() {
+    T r{};
+    r.size = sizeof(T);
+    r.version = ORBITE_RECORD_VERSION;
+    return r;
+}
+
+// A registered DRAM range.
+class MemMD : public nixlBackendMD {
+public:
+    MemMD(OrbiteRegistration reg, uint64_t addr) : nixlBackendMD(true), reg(reg), addr(addr) {}
+    OrbiteRegistration reg;
+    uint64_t addr;
+};
+
+// A registered file: NIXL's descriptor names it by fd; OrbiTE owns a checked
+// duplicate, so the caller's fd number may be closed and reused.
+class FileMD : public nixlBackendMD {
+public:
+    explicit FileMD(OrbiteFile file) : nixlBackendMD(true), file(file) {}
+    OrbiteFile file;
+};
+
+// loadLocalMD's wrapper: unloading it never deregisters the source.
+class LocalRef : public nixlBackendMD {
+public:
+    explicit LocalRef(nixlBackendMD *target) : nixlBackendMD(false), target(target) {}
+    nixlBackendMD *target;
+};
+
+nixlBackendMD *resolve(nixlBackendMD *md) {
+    auto *ref = dynamic_cast<LocalRef *>(md);
+    return ref != nullptr ? ref->target : md;
+}
+
+// One request: one OrbiTE transfer per file it names, in first-use order.
+class FileRequest : public nixlBackendReqH {
+public:
+    std::vector<OrbiteXfer> xfers;
+};
+
+} // namespace
+
+FileEngine::FileEngine(const nixlBackendInitParams *init_params) : nixlBackendEngine(init_params) {
+    try {
+        std::string json = "{}";
+        if (init_params->customParams != nullptr) {
+            for (const auto &[key, value] : *init_params->customParams) {
+                if (key != "config") {
+                    NIXL_ERROR << "ORBITE_FILE: unknown backend parameter '" << key << "'";
+                    initErr = true;
+                    return;
+                }
+                json = value;
+            }
+        }
+        auto options = record<OrbiteEngineOptions>();
+        options.abi_major = ORBITE_ABI_MAJOR;
+        options.required_features = ORBITE_FEATURE_FILES;
+        options.config_json = reinterpret_cast<const uint8_t *>(json.data());
+        options.config_json_len = json.size();
+        if (orbite_engine_create(&options, &engine_) != ORBITE_STATUS_OK) {
+            NIXL_ERROR << "ORBITE_FILE: engine creation failed";
+            initErr = true;
+        }
+    } catch (...) {
+        initErr = true;
+    }
+}
+
+FileEngine::~FileEngine() {
+    if (engine_.raw == 0) return;
+    auto report = record<OrbiteCloseReport>();
+    orbite_engine_close(engine_, kCloseTimeoutMs, &report);
+    if (orbite_engine_release(engine_) != ORBITE_STATUS_OK) {
+        NIXL_ERROR << "ORBITE_FILE: engine kept alive at destruction (handles still alive)";
+    }
+}
+
+nixl_status_t FileEngine::registerMem(const nixlBlobDesc &mem, const nixl_mem_t &nixl_mem, nixlBackendMD *&out) {
+    if (nixl_mem == DRAM_SEG) {
+        auto region = record<OrbiteMemRegion>();
+        region.addr = mem.addr;
+        region.len = mem.len;
+        region.kind = ORBITE_MEM_DRAM;
+        region.permission = ORBITE_PERM_LOCAL_ONLY;
+        OrbiteRegistration reg{};
+        OrbiteStatus s = orbite_mem_register(engine_, &region, &reg);
+        if (s != ORBITE_STATUS_OK) return statusOf(s);
+        out = new (std::nothrow) MemMD(reg, mem.addr);
+        if (out == nullptr) {
+            orbite_mem_deregister(reg);
+            return NIXL_ERR_BACKEND;
+        }
+        return NIXL_SUCCESS;
+    }
+    if (nixl_mem != FILE_SEG) return NIXL_ERR_NOT_SUPPORTED;
+    if (mem.devId > static_cast<uint64_t>(INT32_MAX)) return NIXL_ERR_INVALID_PARAM;
+    int fd = static_cast<int>(mem.devId);
+    OrbiteFile file{};
+    OrbiteStatus s = orbite_file_adopt(engine_, fd, ORBITE_FILE_READ_WRITE, &file);
+    if (s == ORBITE_STATUS_NOT_ALLOWED) s = orbite_file_adopt(engine_, fd, ORBITE_FILE_READ_ONLY, &file);
+    if (s != ORBITE_STATUS_OK) return statusOf(s);
+    out = new (std::nothrow) FileMD(file);
+    if (out == nullptr) {
+        orbite_file_close(file, kCloseTimeoutMs);
+        return NIXL_ERR_BACKEND;
+    }
+    return NIXL_SUCCESS;
+}
+
+nixl_status_t FileEngine::deregisterMem(nixlBackendMD *meta) {
+    if (auto *m = dynamic_cast<MemMD *>(meta)) {
+        OrbiteStatus s = orbite_mem_deregister(m->reg);
+        delete m;
+        return statusOf(s);
+    }
+    if (auto *f = dynamic_cast<FileMD *>(meta)) {
+        // Fences new transfers and waits for admitted I/O.
+        OrbiteStatus s = orbite_file_close(f->file, kCloseTimeoutMs);
+        delete f;
+        return statusOf(s);
+    }
+    return NIXL_ERR_INVALID_PARAM;
+}
+
+nixl_status_t FileEngine::connect(const std::string &remote_agent) {
+    return remote_agent == localAgent ? NIXL_SUCCESS : NIXL_ERR_NOT_SUPPORTED;
+}
+
+nixl_status_t FileEngine::disconnect(const std::string &remote_agent) {
+    return remote_agent == localAgent ? NIXL_SUCCESS : NIXL_ERR_NOT_SUPPORTED;
+}
+
+nixl_status_t FileEngine::loadLocalMD(nixlBackendMD *input, nixlBackendMD *&output) {
+    nixlBackendMD *target = resolve(input);
+    if (dynamic_cast<MemMD *>(target) == nullptr && dynamic_cast<FileMD *>(target) == nullptr) {
+        return NIXL_ERR_INVALID_PARAM;
+    }
+    output = new (std::nothrow) LocalRef(target);
+    return output == nullptr ? NIXL_ERR_BACKEND : NIXL_SUCCESS;
+}
+
+nixl_status_t FileEngine::unloadMD(nixlBackendMD *input) {
+    auto *ref = dynamic_cast<LocalRef *>(input);
+    if (ref == nullptr) return NIXL_ERR_INVALID_PARAM;
+    delete ref;
+    return NIXL_SUCCESS;
+}
+
+nixl_status_t FileEngine::prepXfer(const nixl_xfer_op_t &operation, const nixl_meta_dlist_t &local,
+                                   const nixl_meta_dlist_t &remote, const std::string &remote_agent,
+                                   nixlBackendReqH *&handle, const nixl_opt_b_args_t *opt_args) const {
+    // Everything is checked before any I/O.
+    if (remote_agent != localAgent) return NIXL_ERR_NOT_SUPPORTED; // local files only
+    if (opt_args != nullptr && opt_args->hasNotif) return NIXL_ERR_NOT_SUPPORTED;
+    if (opt_args != nullptr && !opt_args->customParam.empty()) return NIXL_ERR_INVALID_PARAM;
+    bool file_local = local.getType() == FILE_SEG, file_remote = remote.getType() == FILE_SEG;
+    if (file_local == file_remote) return NIXL_ERR_NOT_SUPPORTED; // exactly one side is a file
+    const nixl_meta_dlist_t &mems = file_local ? remote : local;
+    const nixl_meta_dlist_t &files = file_local ? local : remote;
+    if (mems.getType() != DRAM_SEG) return NIXL_ERR_NOT_SUPPORTED;
+    if (mems.descCount() != files.descCount()) return NIXL_ERR_INVALID_PARAM;
+    // NIXL READ moves remote bytes into the local list, WRITE the reverse;
+    // with the file on the local list the memory-side operation flips.
+    bool file_to_memory = (operation == NIXL_READ) == file_remote;
+    uint32_t op = file_to_memory ? ORBITE_OP_READ : ORBITE_OP_WRITE;
+    struct Group {
+        OrbiteFile file;
+        std::vector<OrbiteDesc> mem, ext;
+    };
+    std::vector<Group> groups;
+    for (int i = 0; i < mems.descCount(); ++i) {
+        const auto &m = mems[i];
+        const auto &f = files[i];
+        if (m.len != f.len) return NIXL_ERR_INVALID_PARAM;
+        auto *mmd = dynamic_cast<MemMD *>(resolve(m.metadataP));
+        auto *fmd = dynamic_cast<FileMD *>(resolve(f.metadataP));
+        if (mmd == nullptr || fmd == nullptr || m.addr < mmd->addr) return NIXL_ERR_INVALID_PARAM;
+        auto g = std::find_if(groups.begin(), groups.end(), [&](const Group &x) { return x.file.raw == fmd->file.raw; });
+        if (g == groups.end()) g = groups.insert(groups.end(), Group{fmd->file, {}, {}});
+        g->mem.push_back(OrbiteDesc{mmd->reg.raw, m.addr - mmd->addr, m.len});
+        g->ext.push_back(OrbiteDesc{0, f.addr, f.len});
+    }
+    auto r = std::make_unique<FileRequest>();
+    for (const auto &g : groups) {
+        auto spec = record<OrbiteXferSpec>();
+        spec.op = op;
+        spec.local = g.mem.data();
+        spec.local_count = g.mem.size();
+        spec.remote = g.ext.data();
+        spec.remote_count = g.ext.size();
+        OrbiteXfer x{};
+        OrbiteStatus s = orbite_xfer_prepare_file(engine_, &spec, g.file, &x);
+        if (s != ORBITE_STATUS_OK) {
+            for (auto done : r->xfers) orbite_xfer_release(done);
+            return statusOf(s);
+        }
+        r->xfers.push_back(x);
+    }
+    handle = r.release();
+    return NIXL_SUCCESS;
+}
+
+nixl_status_t FileEngine::postXfer(const nixl_xfer_op_t &, const nixl_meta_dlist_t &, const nixl_meta_dlist_t &,
+                                   const std::string &, nixlBackendReqH *&handle,
+                                   const nixl_opt_b_args_t *opt_args) const {
+    auto *r = dynamic_cast<FileRequest *>(handle);
+    if (r == nullptr) return NIXL_ERR_INVALID_PARAM;
+    if (opt_args != nullptr && opt_args->hasNotif) return NIXL_ERR_NOT_SUPPORTED;
+    // All or nothing: refuse before posting any if one may not be posted.
+    for (auto x : r->xfers) {
+        auto st = record<OrbiteXferState>();
+        if (orbite_xfer_query(x, &st) != ORBITE_STATUS_OK) return NIXL_ERR_BACKEND;
+        if (st.state == ORBITE_STATE_IN_PROGRESS) return NIXL_ERR_REPOST_ACTIVE;
+        if (st.state == ORBITE_STATE_RETIRED && st.code != ORBITE_OUTCOME_SUCCESS) return NIXL_ERR_NOT_ALLOWED;
+    }
+    for (auto x : r->xfers) {
+        OrbiteStatus s = orbite_xfer_post(x);
+        if (s != ORBITE_STATUS_OK) return statusOf(s);
+    }
+    return checkXfer(handle);
+}
+
+nixl_status_t FileEngine::checkXfer(nixlBackendReqH *handle) const {
+    auto *r = dynamic_cast<FileRequest *>(handle);
+    if (r == nullptr) return NIXL_ERR_INVALID_PARAM;
+    nixl_status_t worst = NIXL_SUCCESS;
+    for (auto x : r->xfers) {
+        auto st = record<OrbiteXferState>();
+        OrbiteStatus s = orbite_xfer_query(x, &st);
+        if (s != ORBITE_STATUS_OK) return statusOf(s);
+        nixl_status_t one = statusOf(st);
+        if (one == NIXL_IN_PROG) return NIXL_IN_PROG; // terminal only once every part retired
+        if (one != NIXL_SUCCESS) worst = one;
+    }
+    return worst;
+}
+
+nixl_status_t FileEngine::releaseReqH(nixlBackendReqH *handle) const {
+    auto *r = dynamic_cast<FileRequest *>(handle);
+    if (r == nullptr) return NIXL_ERR_INVALID_PARAM;
+    for (auto x : r->xfers) {
+        auto st = record<OrbiteXferState>();
+        if (orbite_xfer_query(x, &st) == ORBITE_STATUS_OK && st.state == ORBITE_STATE_IN_PROGRESS) {
+            return NIXL_ERR_REPOST_ACTIVE; // negative: nothing released, nothing cancelled
+        }
+    }
+    for (auto x : r->xfers) orbite_xfer_release(x);
+    delete r;
+    return NIXL_SUCCESS;
+}
+
+nixl_status_t FileEngine::queryMem(const nixl_reg_dlist_t &descs, std::vector<nixl_query_resp_t> &resp) const {
+    if (descs.getType() != FILE_SEG) return NIXL_ERR_NOT_SUPPORTED;
+    resp.clear();
+    for (const auto &d : descs) {
+        // As NIXL's file backends do: the descriptor's metadata is a path;
+        // a missing file answers no facts. Only what stat knows is reported.
+        struct stat st{};
+        if (d.metaInfo.empty() || ::stat(d.metaInfo.c_str(), &st) != 0) {
+            resp.emplace_back(std::nullopt);
+            continue;
+        }
+        resp.emplace_back(nixl_b_params_t{{"size", std::to_string(st.st_size)}});
+    }
+    return NIXL_SUCCESS;
+}
+
+} // namespace orbite_nixl
