@@ -4,7 +4,9 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <new>
 
 #include "common/nixl_log.h"
@@ -55,11 +57,27 @@ nixlBackendMD *resolve(nixlBackendMD *md) {
 class FileRequest : public nixlBackendReqH {
 public:
     std::vector<OrbiteXfer> xfers;
+    std::vector<OrbiteFile> files; // one per transfer
+    // A post failed after part of the request had started: the started
+    // parts were cancelled; the request ends in an error once they retire.
+    bool post_failed = false;
+    // A release was refused while active; the transfers are released once
+    // retired (NIXL may drop the request without asking again).
+    bool release_pending = false;
+    bool released = false;
+    nixl_status_t final_status = NIXL_ERR_NOT_POSTED;
 };
 
-} // namespace
 
-FileEngine::FileEngine(const nixlBackendInitParams *init_params) : nixlBackendEngine(init_params) {
+} // namespace
+// Requests whose release was refused, per backend.
+struct Pending {
+    std::mutex mutex;
+    std::vector<FileRequest *> requests;
+};
+
+FileEngine::FileEngine(const nixlBackendInitParams *init_params)
+    : nixlBackendEngine(init_params), pending_(std::make_shared<Pending>()) {
     try {
         std::string json = "{}";
         if (init_params->customParams != nullptr) {
@@ -90,6 +108,11 @@ FileEngine::~FileEngine() {
     if (engine_.raw == 0) return;
     auto report = record<OrbiteCloseReport>();
     orbite_engine_close(engine_, kCloseTimeoutMs, &report);
+    reap();
+    for (auto *r : pending_->requests) {
+        if (r->released) delete r; // NIXL calls nothing after destroying the backend
+    }
+    pending_->requests.clear();
     if (orbite_engine_release(engine_) != ORBITE_STATUS_OK) {
         NIXL_ERROR << "ORBITE_FILE: engine kept alive at destruction (handles still alive)";
     }
@@ -215,6 +238,7 @@ nixl_status_t FileEngine::prepXfer(const nixl_xfer_op_t &operation, const nixl_m
             return statusOf(s);
         }
         r->xfers.push_back(x);
+        r->files.push_back(g.file);
     }
     handle = r.release();
     return NIXL_SUCCESS;
@@ -226,16 +250,28 @@ nixl_status_t FileEngine::postXfer(const nixl_xfer_op_t &, const nixl_meta_dlist
     auto *r = dynamic_cast<FileRequest *>(handle);
     if (r == nullptr) return NIXL_ERR_INVALID_PARAM;
     if (opt_args != nullptr && opt_args->hasNotif) return NIXL_ERR_NOT_SUPPORTED;
-    // All or nothing: refuse before posting any if one may not be posted.
-    for (auto x : r->xfers) {
+    if (r->released || r->release_pending || r->post_failed) return NIXL_ERR_NOT_ALLOWED;
+    // Refuse before posting any part that cannot go: an active or failed
+    // part, or a file that was closed (deregistered).
+    for (size_t i = 0; i < r->xfers.size(); ++i) {
         auto st = record<OrbiteXferState>();
-        if (orbite_xfer_query(x, &st) != ORBITE_STATUS_OK) return NIXL_ERR_BACKEND;
+        if (orbite_xfer_query(r->xfers[i], &st) != ORBITE_STATUS_OK) return NIXL_ERR_BACKEND;
         if (st.state == ORBITE_STATE_IN_PROGRESS) return NIXL_ERR_REPOST_ACTIVE;
         if (st.state == ORBITE_STATE_RETIRED && st.code != ORBITE_OUTCOME_SUCCESS) return NIXL_ERR_NOT_ALLOWED;
+        auto info = record<OrbiteFileInfo>();
+        OrbiteStatus q = orbite_file_query(r->files[i], &info);
+        if (q != ORBITE_STATUS_OK || info.closed != 0) return NIXL_ERR_NOT_FOUND;
     }
-    for (auto x : r->xfers) {
-        OrbiteStatus s = orbite_xfer_post(x);
-        if (s != ORBITE_STATUS_OK) return statusOf(s);
+    for (size_t i = 0; i < r->xfers.size(); ++i) {
+        OrbiteStatus s = orbite_xfer_post(r->xfers[i]);
+        if (s == ORBITE_STATUS_OK) continue;
+        if (i == 0) return statusOf(s); // nothing started
+        // Part of the request started (a budget filled up meanwhile, say):
+        // stop it, and report the error only once it retired.
+        for (size_t j = 0; j < i; ++j) orbite_xfer_cancel(r->xfers[j]);
+        r->post_failed = true;
+        NIXL_WARN << "ORBITE_FILE: part of a request could not be posted; the rest was cancelled";
+        break;
     }
     return checkXfer(handle);
 }
@@ -243,6 +279,8 @@ nixl_status_t FileEngine::postXfer(const nixl_xfer_op_t &, const nixl_meta_dlist
 nixl_status_t FileEngine::checkXfer(nixlBackendReqH *handle) const {
     auto *r = dynamic_cast<FileRequest *>(handle);
     if (r == nullptr) return NIXL_ERR_INVALID_PARAM;
+    reap();
+    if (r->released) return r->final_status;
     nixl_status_t worst = NIXL_SUCCESS;
     for (auto x : r->xfers) {
         auto st = record<OrbiteXferState>();
@@ -250,21 +288,55 @@ nixl_status_t FileEngine::checkXfer(nixlBackendReqH *handle) const {
         if (s != ORBITE_STATUS_OK) return statusOf(s);
         nixl_status_t one = statusOf(st);
         if (one == NIXL_IN_PROG) return NIXL_IN_PROG; // terminal only once every part retired
+        if (r->post_failed && one == NIXL_ERR_NOT_POSTED) continue; // the part that could not start
         if (one != NIXL_SUCCESS) worst = one;
     }
+    if (r->post_failed && worst == NIXL_SUCCESS) worst = NIXL_ERR_BACKEND;
     return worst;
+}
+
+void FileEngine::reap() const {
+    std::lock_guard<std::mutex> g(pending_->mutex);
+    for (auto *r : pending_->requests) {
+        if (r->released) continue;
+        bool active = false;
+        nixl_status_t worst = NIXL_SUCCESS;
+        for (auto x : r->xfers) {
+            auto st = record<OrbiteXferState>();
+            if (orbite_xfer_query(x, &st) != ORBITE_STATUS_OK) continue;
+            nixl_status_t one = statusOf(st);
+            if (one == NIXL_IN_PROG) active = true;
+            else if (one != NIXL_SUCCESS && !(r->post_failed && one == NIXL_ERR_NOT_POSTED)) worst = one;
+        }
+        if (active) continue;
+        for (auto x : r->xfers) orbite_xfer_release(x);
+        r->final_status = r->post_failed && worst == NIXL_SUCCESS ? NIXL_ERR_BACKEND : worst;
+        r->released = true;
+    }
 }
 
 nixl_status_t FileEngine::releaseReqH(nixlBackendReqH *handle) const {
     auto *r = dynamic_cast<FileRequest *>(handle);
     if (r == nullptr) return NIXL_ERR_INVALID_PARAM;
-    for (auto x : r->xfers) {
-        auto st = record<OrbiteXferState>();
-        if (orbite_xfer_query(x, &st) == ORBITE_STATUS_OK && st.state == ORBITE_STATE_IN_PROGRESS) {
-            return NIXL_ERR_REPOST_ACTIVE; // negative: nothing released, nothing cancelled
+    reap();
+    std::lock_guard<std::mutex> g(pending_->mutex);
+    auto &list = pending_->requests;
+    auto it = std::find(list.begin(), list.end(), r);
+    if (!r->released) {
+        for (auto x : r->xfers) {
+            auto st = record<OrbiteXferState>();
+            if (orbite_xfer_query(x, &st) == ORBITE_STATUS_OK && st.state == ORBITE_STATE_IN_PROGRESS) {
+                // Negative: nothing released, nothing cancelled. Should NIXL
+                // drop the request anyway, its transfers are released once
+                // they retired.
+                if (it == list.end()) list.push_back(r);
+                r->release_pending = true;
+                return NIXL_ERR_REPOST_ACTIVE;
+            }
         }
+        for (auto x : r->xfers) orbite_xfer_release(x);
     }
-    for (auto x : r->xfers) orbite_xfer_release(x);
+    if (it != list.end()) list.erase(it);
     delete r;
     return NIXL_SUCCESS;
 }

@@ -6,6 +6,7 @@
 #ifndef ORBITE_NIXL_FILE_BACKEND_H
 #define ORBITE_NIXL_FILE_BACKEND_H
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -46,7 +47,12 @@ public:
     OrbiteEngine orbiteEngine() const { return engine_; }
 
 private:
+    // Releases the transfers of requests whose release was refused while
+    // active, once they retired.
+    void reap() const;
+
     OrbiteEngine engine_{};
+    std::shared_ptr<struct Pending> pending_;
 };
 
 } // namespace orbite_nixl
