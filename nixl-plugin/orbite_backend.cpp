@@ -134,6 +134,21 @@ nixl_status_t statusOf(OrbiteStatus s) {
     }
 }
 
+bool addDefault(std::string &json, const std::string &key, const std::string &value,
+                const std::vector<std::string> &unless, std::string &error) {
+    std::vector<std::string> keys;
+    size_t open = 0;
+    if (!topLevelKeys(json, keys, open)) {
+        error = "the 'config' parameter is not a JSON object";
+        return false;
+    }
+    for (const auto &k : keys) {
+        if (k == key || std::find(unless.begin(), unless.end(), k) != unless.end()) return true;
+    }
+    json.insert(open + 1, "\"" + key + "\": " + value + (keys.empty() ? " " : ", "));
+    return true;
+}
+
 bool buildConfig(const nixlBackendInitParams &params, std::string &json, std::string &error) {
     json = "{}";
     if (params.customParams != nullptr) {

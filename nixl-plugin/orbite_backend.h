@@ -88,6 +88,11 @@ nixl_status_t statusOf(OrbiteStatus s);
 // Returns false (and a reason) for any parameter it does not understand.
 bool buildConfig(const nixlBackendInitParams &params, std::string &json, std::string &error);
 
+// Adds `"key": value` to a JSON object unless one of `unless` is among its
+// top-level keys. False (with a reason) if `json` is not an object.
+bool addDefault(std::string &json, const std::string &key, const std::string &value,
+                const std::vector<std::string> &unless, std::string &error);
+
 class Engine : public nixlBackendEngine {
 public:
     explicit Engine(const nixlBackendInitParams *init_params);

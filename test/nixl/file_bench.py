@@ -409,7 +409,7 @@ def bench(args):
             os.fsync(fd)
             state = {"seed": 1}
             systems = {}
-            systems["ORBITE_FILE"] = NixlSystem("bench_orbite", "ORBITE_FILE", {}, [pats[1], pats[2], dst],
+            systems["ORBITE_FILE"] = NixlSystem("bench_orbite", "ORBITE_FILE", json.loads(os.environ.get("ORBITE_FILE_PARAMS", "{}")), [pats[1], pats[2], dst],
                                                 fd, path, total)
             if "POSIX" in plugins:
                 try:
