@@ -59,17 +59,13 @@ What NIXL 1.5.1 does before the backend is asked (the tests accept it):
 """
 
 import gc
-import json
 import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import traceback
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -1137,82 +1133,15 @@ TESTS = [
 def child(name, folder, result_path):
     """Runs one test in this (fresh) process and writes its result."""
     fn = dict(TESTS)[name]
-    result = {"ok": False, "reason": "", "notes": []}
-    try:
-        fn(folder)
-        result["ok"] = True
-    except TestFailure as e:
-        result["reason"] = str(e)
-        traceback.print_exc()
-    except Exception as e:
-        result["reason"] = f"{type(e).__name__}: {e}"
-        traceback.print_exc()
-    result["notes"] = NOTES
-    with open(result_path, "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # a normal exit: the agent and its engine are destroyed, which must not crash
+    H.child_main(lambda: fn(folder), result_path, NOTES)
 
 
 def run_one(name, fs, root, verbose):
-    label = f"{name}[{fs}]"
-    with tempfile.TemporaryDirectory(prefix="orbite-file-runner-") as tmp:
-        res_path = os.path.join(tmp, "result.json")
-        log_path = os.path.join(tmp, "log")
-        folder = tempfile.mkdtemp(prefix="orbite-file-test-", dir=root)
-        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
-        t0 = time.monotonic()
-        try:
-            with open(log_path, "wb") as log:
-                proc = subprocess.Popen(
-                    [sys.executable, os.path.abspath(__file__), "--child", name, folder, res_path],
-                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    env=env, start_new_session=True,
-                )
-                reason = None
-                try:
-                    rc = proc.wait(timeout=TEST_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    rc = None
-                    reason = f"timed out after {TEST_TIMEOUT_S} s"
-                finally:
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-                    proc.wait()
-        finally:
-            shutil.rmtree(folder, ignore_errors=True)
-        took = time.monotonic() - t0
-        result = None
-        if os.path.exists(res_path):
-            with open(res_path) as f:
-                result = json.load(f)
-        if reason is None:
-            if result is None:
-                reason = f"exited with status {rc} before reporting a result"
-            elif not result["ok"]:
-                reason = result["reason"]
-            elif rc != 0:
-                reason = f"passed, then the process exited with status {rc} (teardown)"
-        with open(log_path, "rb") as f:
-            log_text = f.read().decode("utf-8", "replace")
-    if reason is None:
-        print(f"PASS {label}")
-    else:
-        print(f"FAIL {label}: {reason}")
-    if verbose or reason is not None:
-        print(f"    ({took:.1f} s)")
-        for n in (result or {}).get("notes", []):
-            print(f"    note: {n}")
-        lines = log_text.rstrip().splitlines()
-        if lines:
-            shown = lines if verbose else lines[-40:]
-            for line in shown:
-                print(f"    | {line}")
-    sys.stdout.flush()
-    return reason is None
+    folder = tempfile.mkdtemp(prefix="orbite-file-test-", dir=root)
+    try:
+        return H.run_child(__file__, f"{name}[{fs}]", [name, folder], TEST_TIMEOUT_S, verbose, tail=40)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv):

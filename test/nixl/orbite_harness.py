@@ -525,3 +525,94 @@ class Peers:
             except Exception:
                 pass
         return False
+
+
+# ---------------------------------------------------------------------------
+# The runner both suites share: one test per fresh process
+# ---------------------------------------------------------------------------
+
+
+def child_main(fn, result_path, notes):
+    """In the child: runs `fn` and writes its result for `run_child`."""
+    import json
+
+    result = {"ok": False, "reason": "", "notes": []}
+    try:
+        fn()
+        result["ok"] = True
+    except TestFailure as e:
+        result["reason"] = str(e)
+        traceback.print_exc()
+    except PeerError as e:
+        result["reason"] = f"a peer command raised {e}"
+        print(e.tb, file=sys.stderr)
+        traceback.print_exc()
+    except Exception as e:
+        result["reason"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    result["notes"] = notes
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # a normal exit follows: agents and engines are destroyed, which must not crash
+
+
+def run_child(script, label, args, timeout, verbose, tail):
+    """Runs `script --child *args RESULT` in its own session (killed with
+    every process it started when it ends or times out), then prints
+    `PASS label` or `FAIL label: reason` with its notes and the last `tail`
+    lines of its output. True if it passed."""
+    import json
+    import signal
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="orbite-nixl-") as tmp:
+        res_path = os.path.join(tmp, "result.json")
+        log_path = os.path.join(tmp, "log")
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
+        t0 = time.monotonic()
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(script), "--child", *args, res_path],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, start_new_session=True,
+            )
+            reason = None
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                rc = None
+                reason = f"timed out after {timeout} s"
+            finally:
+                # the test's session: the test process and every peer it started
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                proc.wait()
+        took = time.monotonic() - t0
+        result = None
+        if os.path.exists(res_path):
+            with open(res_path) as f:
+                result = json.load(f)
+        if reason is None:
+            if result is None:
+                reason = f"exited with status {rc} before reporting a result"
+            elif not result["ok"]:
+                reason = result["reason"]
+            elif rc != 0:
+                reason = f"passed, then the process exited with status {rc} (teardown)"
+        with open(log_path, "rb") as f:
+            log_text = f.read().decode("utf-8", "replace")
+    print(f"PASS {label}" if reason is None else f"FAIL {label}: {reason}")
+    if verbose or reason is not None:
+        print(f"    ({took:.1f} s)")
+        for n in (result or {}).get("notes", []):
+            print(f"    note: {n}")
+        lines = log_text.rstrip().splitlines()
+        for line in lines if verbose else lines[-tail:]:
+            print(f"    | {line}")
+    sys.stdout.flush()
+    return reason is None

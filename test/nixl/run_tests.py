@@ -27,15 +27,10 @@ What NIXL 1.5.1's Python agent reports (the tests rely on it):
 """
 
 import gc
-import json
 import os
 import random
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-import traceback
 
 sys.dont_write_bytecode = True
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -1077,83 +1072,11 @@ TESTS = [
 
 def child(name, result_path):
     """Runs one test in this (fresh) process and writes its result."""
-    fn = dict(TESTS)[name]
-    result = {"ok": False, "reason": "", "notes": []}
-    try:
-        fn()
-        result["ok"] = True
-    except TestFailure as e:
-        result["reason"] = str(e)
-        traceback.print_exc()
-    except H.PeerError as e:
-        result["reason"] = f"a peer command raised {e}"
-        print(e.tb, file=sys.stderr)
-        traceback.print_exc()
-    except Exception as e:
-        result["reason"] = f"{type(e).__name__}: {e}"
-        traceback.print_exc()
-    result["notes"] = NOTES
-    with open(result_path, "w") as f:
-        json.dump(result, f)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # a normal exit: agents and engines are destroyed, which must not crash
+    H.child_main(dict(TESTS)[name], result_path, NOTES)
 
 
 def run_one(name, verbose):
-    with tempfile.TemporaryDirectory(prefix="orbite-nixl-") as tmp:
-        res_path = os.path.join(tmp, "result.json")
-        log_path = os.path.join(tmp, "log")
-        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
-        t0 = time.monotonic()
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--child", name, res_path],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=env, start_new_session=True,
-            )
-            reason = None
-            try:
-                rc = proc.wait(timeout=TEST_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                rc = None
-                reason = f"timed out after {TEST_TIMEOUT_S} s"
-            finally:
-                # the test's session: the test process and every peer it started
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                proc.wait()
-        took = time.monotonic() - t0
-        result = None
-        if os.path.exists(res_path):
-            with open(res_path) as f:
-                result = json.load(f)
-        if reason is None:
-            if result is None:
-                reason = f"exited with status {rc} before reporting a result"
-            elif not result["ok"]:
-                reason = result["reason"]
-            elif rc != 0:
-                reason = f"passed, then the process exited with status {rc} (teardown)"
-        with open(log_path, "rb") as f:
-            log_text = f.read().decode("utf-8", "replace")
-    if reason is None:
-        print(f"PASS {name}")
-    else:
-        print(f"FAIL {name}: {reason}")
-    if verbose or reason is not None:
-        print(f"    ({took:.1f} s)")
-        for n in (result or {}).get("notes", []):
-            print(f"    note: {n}")
-        lines = log_text.rstrip().splitlines()
-        if lines:
-            shown = lines if verbose else lines[-60:]
-            for line in shown:
-                print(f"    | {line}")
-    sys.stdout.flush()
-    return reason is None
+    return H.run_child(__file__, name, [name], TEST_TIMEOUT_S, verbose, tail=60)
 
 
 def main(argv):
