@@ -16,13 +16,6 @@ constexpr uint64_t kCloseTimeoutMs = 5000;
 constexpr char kEnvelopeMagic[4] = {'O', 'N', 'F', '1'};
 constexpr size_t kMaxAgentName = 4096;
 
-template <class T> T record() {
-    T r{};
-    r.size = sizeof(T);
-    r.version = ORBITE_RECORD_VERSION;
-    return r;
-}
-
 std::string lastError() {
     size_t needed = 0;
     orbite_last_error(nullptr, 0, &needed);

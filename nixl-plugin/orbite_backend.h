@@ -20,6 +20,14 @@
 
 namespace orbite_nixl {
 
+// A C ABI record with its size and version set, everything else zero.
+template <class T> T record() {
+    T r{};
+    r.size = sizeof(T);
+    r.version = ORBITE_RECORD_VERSION;
+    return r;
+}
+
 // What the adapter knows about a finished request beyond NIXL's status: the
 // logical outcome and the retirement receipt, kept apart.
 struct XferDetail {

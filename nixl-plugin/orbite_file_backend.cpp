@@ -18,13 +18,6 @@ namespace {
 
 constexpr uint64_t kCloseTimeoutMs = 5000;
 
-template <class T> T record() {
-    T r{};
-    r.size = sizeof(T);
-    r.version = ORBITE_RECORD_VERSION;
-    return r;
-}
-
 // A registered DRAM range.
 class MemMD : public nixlBackendMD {
 public:

@@ -714,83 +714,81 @@ pub extern "C" fn orbite_xfer_prepare_file(
 }
 
 fn prepare(engine: OrbiteEngine, spec: *const OrbiteXferSpec, file: Option<OrbiteFile>, out: *mut OrbiteXfer) -> Res {
-    {
-        let e = engine_of(engine)?;
-        // SAFETY: caller's contract: a readable OrbiteXferSpec.
-        let s = unsafe { input(spec)? };
-        check_pointer(out, "out")?;
-        let op = match s.op {
-            ORBITE_OP_READ => Op::Read,
-            ORBITE_OP_WRITE => Op::Write,
-            v => return fail(OrbiteStatus::InvalidArgument, format!("unknown op {v}")),
-        };
-        let intent = match s.intent {
-            ORBITE_INTENT_NORMAL => Intent::Normal,
-            ORBITE_INTENT_DECODE_CRITICAL => Intent::DecodeCritical,
-            ORBITE_INTENT_PREFETCH => Intent::Prefetch,
-            v => return fail(OrbiteStatus::InvalidArgument, format!("unknown intent {v}")),
-        };
-        let route = match s.route {
-            ORBITE_ROUTE_DEFAULT => None,
-            ORBITE_ROUTE_AUTO => Some(RoutePolicy::Auto),
-            ORBITE_ROUTE_TCP => Some(RoutePolicy::Tcp),
-            ORBITE_ROUTE_SHM => Some(RoutePolicy::Shm),
-            ORBITE_ROUTE_CMA => Some(RoutePolicy::Cma),
-            v => return fail(OrbiteStatus::InvalidArgument, format!("unknown route {v}")),
-        };
-        if s.flags & !ORBITE_XFER_NOTIFY != 0 {
-            return fail(OrbiteStatus::InvalidArgument, format!("unknown flags {:#x}", s.flags));
-        }
-        let (p, f) = match file {
-            None => (Some(peer_of(s.peer)?), None),
-            Some(_) if s.peer.raw != 0 => return fail(OrbiteStatus::InvalidArgument, "a file transfer names no peer"),
-            Some(f) => (None, Some(file_of(f)?)),
-        };
-        let owner = p.as_ref().map(|p| &p.child.engine).or(f.as_ref().map(|f| &f.child.engine)).expect("one of them");
-        if !Arc::ptr_eq(owner, &e) {
-            return fail(OrbiteStatus::WrongHandle, "peer or file of another engine");
-        }
-        let config = e.engine.config();
-        let max = config.max_descriptors_per_transfer;
-        // SAFETY: caller's contract: the arrays hold their counts.
-        let local = unsafe { array(s.local, s.local_count, max, "local")? };
-        // SAFETY: as above.
-        let remote = unsafe { array(s.remote, s.remote_count, max, "remote")? };
-        let notification = if s.flags & ORBITE_XFER_NOTIFY != 0 {
-            // SAFETY: caller's contract: `notification_len` readable bytes.
-            Some(unsafe { array(s.notification, s.notification_len, config.max_notification_bytes, "notification")? })
-        } else {
-            None
-        };
-        let local: Vec<Desc> = handles::registrations(&e, local.iter().map(|d| d.registration), |i, id| {
-            Desc::new(id, local[i].offset, local[i].len)
-        })?;
-        let remote: Vec<Desc> =
-            remote.iter().map(|d| Desc::new(RegistrationId::from_raw(d.registration), d.offset, d.len)).collect();
-        let target = match (&p, &f) {
-            (Some(p), _) => match &p.segment {
-                Some(seg) => Target::Peer(seg),
-                None => Target::Loopback,
-            },
-            (None, Some(f)) => Target::File(&f.entry),
-            (None, None) => unreachable!("one of them"),
-        };
-        let deadline = (s.deadline_us != 0).then(|| Duration::from_micros(s.deadline_us));
-        let spec = TransferSpec {
-            op,
-            local: &local,
-            remote: &remote,
-            target,
-            options: TransferOptions { intent, deadline, route },
-            notification,
-        };
-        let child = Child::new(&e)?;
-        let transfer = e.engine.prepare(&spec)?;
-        let raw = handles::insert(Object::Transfer(Arc::new(XferObj { _child: child, transfer })))?;
-        // SAFETY: non-null and aligned (checked), writable.
-        unsafe { *out = OrbiteXfer { raw } };
-        Ok(())
+    let e = engine_of(engine)?;
+    // SAFETY: caller's contract: a readable OrbiteXferSpec.
+    let s = unsafe { input(spec)? };
+    check_pointer(out, "out")?;
+    let op = match s.op {
+        ORBITE_OP_READ => Op::Read,
+        ORBITE_OP_WRITE => Op::Write,
+        v => return fail(OrbiteStatus::InvalidArgument, format!("unknown op {v}")),
+    };
+    let intent = match s.intent {
+        ORBITE_INTENT_NORMAL => Intent::Normal,
+        ORBITE_INTENT_DECODE_CRITICAL => Intent::DecodeCritical,
+        ORBITE_INTENT_PREFETCH => Intent::Prefetch,
+        v => return fail(OrbiteStatus::InvalidArgument, format!("unknown intent {v}")),
+    };
+    let route = match s.route {
+        ORBITE_ROUTE_DEFAULT => None,
+        ORBITE_ROUTE_AUTO => Some(RoutePolicy::Auto),
+        ORBITE_ROUTE_TCP => Some(RoutePolicy::Tcp),
+        ORBITE_ROUTE_SHM => Some(RoutePolicy::Shm),
+        ORBITE_ROUTE_CMA => Some(RoutePolicy::Cma),
+        v => return fail(OrbiteStatus::InvalidArgument, format!("unknown route {v}")),
+    };
+    if s.flags & !ORBITE_XFER_NOTIFY != 0 {
+        return fail(OrbiteStatus::InvalidArgument, format!("unknown flags {:#x}", s.flags));
     }
+    let (p, f) = match file {
+        None => (Some(peer_of(s.peer)?), None),
+        Some(_) if s.peer.raw != 0 => return fail(OrbiteStatus::InvalidArgument, "a file transfer names no peer"),
+        Some(f) => (None, Some(file_of(f)?)),
+    };
+    let owner = p.as_ref().map(|p| &p.child.engine).or(f.as_ref().map(|f| &f.child.engine)).expect("one of them");
+    if !Arc::ptr_eq(owner, &e) {
+        return fail(OrbiteStatus::WrongHandle, "peer or file of another engine");
+    }
+    let config = e.engine.config();
+    let max = config.max_descriptors_per_transfer;
+    // SAFETY: caller's contract: the arrays hold their counts.
+    let local = unsafe { array(s.local, s.local_count, max, "local")? };
+    // SAFETY: as above.
+    let remote = unsafe { array(s.remote, s.remote_count, max, "remote")? };
+    let notification = if s.flags & ORBITE_XFER_NOTIFY != 0 {
+        // SAFETY: caller's contract: `notification_len` readable bytes.
+        Some(unsafe { array(s.notification, s.notification_len, config.max_notification_bytes, "notification")? })
+    } else {
+        None
+    };
+    let local: Vec<Desc> = handles::registrations(&e, local.iter().map(|d| d.registration), |i, id| {
+        Desc::new(id, local[i].offset, local[i].len)
+    })?;
+    let remote: Vec<Desc> =
+        remote.iter().map(|d| Desc::new(RegistrationId::from_raw(d.registration), d.offset, d.len)).collect();
+    let target = match (&p, &f) {
+        (Some(p), _) => match &p.segment {
+            Some(seg) => Target::Peer(seg),
+            None => Target::Loopback,
+        },
+        (None, Some(f)) => Target::File(&f.entry),
+        (None, None) => unreachable!("one of them"),
+    };
+    let deadline = (s.deadline_us != 0).then(|| Duration::from_micros(s.deadline_us));
+    let spec = TransferSpec {
+        op,
+        local: &local,
+        remote: &remote,
+        target,
+        options: TransferOptions { intent, deadline, route },
+        notification,
+    };
+    let child = Child::new(&e)?;
+    let transfer = e.engine.prepare(&spec)?;
+    let raw = handles::insert(Object::Transfer(Arc::new(XferObj { _child: child, transfer })))?;
+    // SAFETY: non-null and aligned (checked), writable.
+    unsafe { *out = OrbiteXfer { raw } };
+    Ok(())
 }
 
 fn file_of(h: OrbiteFile) -> Res<Arc<FileObj>> {
