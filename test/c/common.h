@@ -174,4 +174,41 @@ static inline uint64_t fnv1a(const uint8_t *p, size_t n) {
     return h;
 }
 
+/* A fragment of a buffer: `len` bytes at `offset`. */
+struct frag {
+    uint64_t offset, len;
+};
+
+/* Descriptors of fragments of one registration. */
+static inline void descs(OrbiteDesc *d, const struct frag *f, size_t n, uint64_t registration) {
+    for (size_t i = 0; i < n; i++) {
+        d[i] = (OrbiteDesc){ .registration = registration, .offset = f[i].offset, .len = f[i].len };
+    }
+}
+
+/* Applies the byte stream of `from` (fragments of `src`) to `to`
+ * (fragments of `dst`), the way a transfer maps them. */
+static inline void apply(uint8_t *dst, const struct frag *to, size_t nt, const uint8_t *src, const struct frag *from, size_t nf) {
+    size_t i = 0, j = 0;
+    uint64_t oi = 0, oj = 0;
+    while (i < nf && j < nt) {
+        uint64_t n = from[i].len - oi;
+        if (to[j].len - oj < n) {
+            n = to[j].len - oj;
+        }
+        memcpy(dst + to[j].offset + oj, src + from[i].offset + oi, n);
+        oi += n;
+        oj += n;
+        if (oi == from[i].len) {
+            i++;
+            oi = 0;
+        }
+        if (oj == to[j].len) {
+            j++;
+            oj = 0;
+        }
+    }
+    CHECK(i == nf && j == nt);
+}
+
 #endif /* ORBITE_TEST_COMMON_H */

@@ -13,9 +13,6 @@
 #define SRC_FILL 0x5A /* src outside the pattern (after it is cleared) */
 #define DST_FILL 0xA5 /* dst before the WRITE: its guard value */
 
-struct frag {
-    uint64_t offset, len;
-};
 
 /* Fragments with odd offsets and lengths and gaps between them; the last
  * length is 0 here and is computed so that each list covers TOTAL. */
@@ -35,37 +32,6 @@ static void complete(struct frag *f, size_t n, uint64_t reg_len) {
     CHECK(sum < TOTAL && f[n - 1].offset >= end);
     f[n - 1].len = TOTAL - sum;
     CHECK(f[n - 1].offset + f[n - 1].len <= reg_len);
-}
-
-static void descs(OrbiteDesc *d, const struct frag *f, size_t n, uint64_t registration) {
-    for (size_t i = 0; i < n; i++) {
-        d[i] = (OrbiteDesc){ .registration = registration, .offset = f[i].offset, .len = f[i].len };
-    }
-}
-
-/* Applies the byte stream of `from` (fragments of `src`) to `to`
- * (fragments of `dst`), the way a transfer maps them. */
-static void apply(uint8_t *dst, const struct frag *to, size_t nt, const uint8_t *src, const struct frag *from, size_t nf) {
-    size_t i = 0, j = 0;
-    uint64_t oi = 0, oj = 0;
-    while (i < nf && j < nt) {
-        uint64_t n = from[i].len - oi;
-        if (to[j].len - oj < n) {
-            n = to[j].len - oj;
-        }
-        memcpy(dst + to[j].offset + oj, src + from[i].offset + oi, n);
-        oi += n;
-        oj += n;
-        if (oi == from[i].len) {
-            i++;
-            oi = 0;
-        }
-        if (oj == to[j].len) {
-            j++;
-            oj = 0;
-        }
-    }
-    CHECK(i == nf && j == nt);
 }
 
 static void compare(const char *what, const uint8_t *got, const uint8_t *want, size_t n) {

@@ -22,9 +22,6 @@
 #define TOTAL 800001u                  /* bytes the initiator writes into it */
 #define LOCAL_LEN ((1u << 20) + 4096u)
 
-struct frag {
-    uint64_t offset, len;
-};
 /* The WRITE: fragments of the initiator's buffer, onto fragments (with gaps)
  * of the target's range; last lengths are computed to cover TOTAL. */
 static struct frag w_local[] = { { 5, 70001 }, { 70100, 3 }, { 70200, 400000 }, { 470201, 0 } };
@@ -46,29 +43,6 @@ static void complete(struct frag *f, size_t n, uint64_t total, uint64_t reg_len)
     CHECK(sum < total && f[n - 1].offset >= end);
     f[n - 1].len = total - sum;
     CHECK(f[n - 1].offset + f[n - 1].len <= reg_len);
-}
-
-static void apply(uint8_t *dst, const struct frag *to, size_t nt, const uint8_t *src, const struct frag *from, size_t nf) {
-    size_t i = 0, j = 0;
-    uint64_t oi = 0, oj = 0;
-    while (i < nf && j < nt) {
-        uint64_t n = from[i].len - oi;
-        if (to[j].len - oj < n) {
-            n = to[j].len - oj;
-        }
-        memcpy(dst + to[j].offset + oj, src + from[i].offset + oi, n);
-        oi += n;
-        oj += n;
-        if (oi == from[i].len) {
-            i++;
-            oi = 0;
-        }
-        if (oj == to[j].len) {
-            j++;
-            oj = 0;
-        }
-    }
-    CHECK(i == nf && j == nt);
 }
 
 static uint8_t target_pattern(size_t i) { return (uint8_t)(i * 7u + (i >> 11) + 0x11u); }
@@ -253,12 +227,6 @@ static OrbiteXferState transfer(OrbiteEngine e, OrbitePeer peer, uint32_t op, co
     CHECK_EQ_U64(st.execution, 1);
     CHECK_EQ_U64(st.tasks_never_started, 0);
     return st;
-}
-
-static void descs(OrbiteDesc *d, const struct frag *f, size_t n, uint64_t registration) {
-    for (size_t i = 0; i < n; i++) {
-        d[i] = (OrbiteDesc){ .registration = registration, .offset = f[i].offset, .len = f[i].len };
-    }
 }
 
 int main(int argc, char **argv) {
