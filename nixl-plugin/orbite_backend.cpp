@@ -12,6 +12,9 @@ namespace orbite_nixl {
 namespace {
 
 constexpr uint64_t kConnectTimeoutMs = 10000;
+// After a failed (re)connection, calls for that agent fail at once for
+// this long instead of each waiting for a connect timeout.
+constexpr int64_t kReconnectBackoffMs = 1000;
 constexpr uint64_t kCloseTimeoutMs = 5000;
 constexpr char kEnvelopeMagic[4] = {'O', 'N', 'F', '1'};
 constexpr size_t kMaxAgentName = 4096;
@@ -143,15 +146,27 @@ bool addDefault(std::string &json, const std::string &key, const std::string &va
 }
 
 bool buildConfig(const nixlBackendInitParams &params, std::string &json, std::string &error) {
-    json = "{}";
+    bool given = false;
     if (params.customParams != nullptr) {
         for (const auto &[key, value] : *params.customParams) {
             if (key == "config") {
                 json = value;
+                given = true;
             } else {
                 error = "unknown ORBITE backend parameter '" + key + "' (only 'config', an OrbiTE JSON object)";
                 return false;
             }
+        }
+    }
+    if (!given) {
+        // Created the way vLLM, Dynamo and LMCache create backends (no
+        // parameters): the operator's configuration is in ORBITE_CONFIG.
+        uint32_t origin = ORBITE_CONFIG_DEFAULTS;
+        OrbiteStatus s = fetchBytes(
+            [&](uint8_t *b, size_t c, size_t *n) { return orbite_config_document(&origin, b, c, n); }, json);
+        if (s != ORBITE_STATUS_OK) {
+            error = lastError();
+            return false;
         }
     }
     std::vector<std::string> keys;
@@ -167,9 +182,6 @@ bool buildConfig(const nixlBackendInitParams &params, std::string &json, std::st
     };
     std::string extra;
     auto add = [&](const std::string &kv) { extra += (extra.empty() ? "" : ", ") + kv; };
-    // Peers must be able to reach this engine: listen on loopback unless the
-    // operator says where (cross-host deployments set "listen").
-    if (!has("listen")) add("\"listen\": \"127.0.0.1:0\"");
     if (params.enableProgTh) {
         if (has("progress_worker") || has("progress_interval_us")) {
             error = "enableProgTh/pthrDelay and the config's progress_worker/progress_interval_us both set";
@@ -194,17 +206,33 @@ Engine::Engine(const nixlBackendInitParams *init_params) : nixlBackendEngine(ini
         }
         auto options = record<OrbiteEngineOptions>();
         options.abi_major = ORBITE_ABI_MAJOR;
+        // As a deployment: without "listen" the engine listens on all
+        // interfaces and advertises an address other hosts can reach.
+        options.flags = ORBITE_ENGINE_DEPLOYMENT;
         options.required_features = ORBITE_FEATURE_TCP | ORBITE_FEATURE_NOTIFICATIONS;
         options.config_json = reinterpret_cast<const uint8_t *>(json.data());
         options.config_json_len = json.size();
         OrbiteStatus s = orbite_engine_create(&options, &engine_);
         if (s == ORBITE_STATUS_OK) {
+            uint32_t source = ORBITE_ADVERTISE_NONE;
+            std::string line;
+            if (fetchBytes([&](uint8_t *b, size_t c, size_t *n) { return orbite_engine_advertise(engine_, &source, b, c, n); },
+                           line) == ORBITE_STATUS_OK) {
+                if (source == ORBITE_ADVERTISE_LOOPBACK_FALLBACK) {
+                    NIXL_WARN << "ORBITE: " << line;
+                } else {
+                    NIXL_INFO << "ORBITE: " << line;
+                }
+            }
             s = fetchBytes([&](uint8_t *b, size_t c, size_t *n) { return orbite_engine_export_peer(engine_, b, c, n); },
                            self_info_);
         }
         if (s == ORBITE_STATUS_OK) {
+            uint64_t epoch = 0;
+            peerEpoch(self_info_, epoch);
+            self_ = std::make_shared<PeerSlot>(self_info_, epoch, true);
             s = orbite_peer_open(engine_, reinterpret_cast<const uint8_t *>(self_info_.data()), self_info_.size(),
-                                 kConnectTimeoutMs, &self_);
+                                 kConnectTimeoutMs, &self_->peer);
         }
         if (s != ORBITE_STATUS_OK) {
             init_error_ = lastError();
@@ -222,11 +250,13 @@ Engine::Engine(const nixlBackendInitParams *init_params) : nixlBackendEngine(ini
 
 Engine::~Engine() {
     if (engine_.raw == 0) return;
-    for (auto &[agent, p] : peers_) {
-        if (p.peer.raw != 0) orbite_peer_close(p.peer, kCloseTimeoutMs);
+    for (auto &[agent, slot] : peers_) {
+        std::lock_guard<std::mutex> g(slot->mutex);
+        if (slot->peer.raw != 0) orbite_peer_close(slot->peer, kCloseTimeoutMs);
+        slot->peer = OrbitePeer{};
     }
     peers_.clear();
-    if (self_.raw != 0) orbite_peer_close(self_, kCloseTimeoutMs);
+    if (self_ && self_->peer.raw != 0) orbite_peer_close(self_->peer, kCloseTimeoutMs);
     auto report = record<OrbiteCloseReport>();
     orbite_engine_close(engine_, kCloseTimeoutMs, &report);
     // Requests whose release NIXL saw refused: NIXL calls nothing on them
@@ -297,51 +327,88 @@ nixl_status_t Engine::getConnInfo(std::string &str) const {
 nixl_status_t Engine::loadRemoteConnInfo(const std::string &remote_agent, const std::string &remote_conn_info) {
     uint64_t epoch = 0;
     if (!peerEpoch(remote_conn_info, epoch)) return NIXL_ERR_INVALID_PARAM;
-    std::lock_guard<std::mutex> g(mutex_);
-    auto it = peers_.find(remote_agent);
-    if (it != peers_.end()) {
-        if (it->second.info == remote_conn_info) return NIXL_SUCCESS;
-        // A new identity for a known agent (a restarted engine): fence the
-        // old one; requests prepared for it keep it and cannot be reposted.
-        if (it->second.peer.raw != 0) orbite_peer_close(it->second.peer, kCloseTimeoutMs);
-        peers_.erase(it);
+    std::shared_ptr<PeerSlot> old;
+    {
+        std::lock_guard<std::mutex> g(mutex_);
+        auto it = peers_.find(remote_agent);
+        if (it != peers_.end()) {
+            if (it->second->info == remote_conn_info) return NIXL_SUCCESS;
+            old = it->second;
+        }
+        peers_[remote_agent] = std::make_shared<PeerSlot>(remote_conn_info, epoch, false);
     }
-    peers_[remote_agent] = Peer{remote_conn_info, OrbitePeer{}, epoch};
+    // A new identity for a known agent (a restarted engine): fence the old
+    // one; requests prepared for it keep it and cannot be reposted.
+    if (old) closeSlot(*old);
     return NIXL_SUCCESS;
 }
 
-nixl_status_t Engine::peerFor(const std::string &agent, OrbitePeer &out) const {
+void Engine::closeSlot(PeerSlot &slot) {
+    std::lock_guard<std::mutex> g(slot.mutex);
+    // No wait: admitted work keeps the engine's peer until it retired,
+    // then the peer goes with the last transfer that holds it.
+    if (slot.peer.raw != 0 && orbite_peer_close(slot.peer, 0) != ORBITE_STATUS_OK) {
+        NIXL_DEBUG << "ORBITE: peer closed with work still draining: " << lastError();
+    }
+    slot.peer = OrbitePeer{};
+}
+
+nixl_status_t Engine::peerFor(const std::string &agent, std::shared_ptr<PeerSlot> &slot, OrbitePeer &out) const {
     if (agent == localAgent) {
-        out = self_;
+        slot = self_;
+        out = self_->peer;
         return NIXL_SUCCESS;
     }
-    std::lock_guard<std::mutex> g(mutex_);
-    auto it = peers_.find(agent);
-    if (it == peers_.end()) return NIXL_ERR_NOT_FOUND;
-    if (it->second.peer.raw == 0) {
-        const std::string &info = it->second.info;
-        OrbiteStatus s = orbite_peer_open(engine_, reinterpret_cast<const uint8_t *>(info.data()), info.size(),
-                                          kConnectTimeoutMs, &it->second.peer);
-        if (s != ORBITE_STATUS_OK) return fail(s, "connect");
+    {
+        std::lock_guard<std::mutex> g(mutex_);
+        auto it = peers_.find(agent);
+        if (it == peers_.end()) return NIXL_ERR_NOT_FOUND;
+        slot = it->second;
     }
-    out = it->second.peer;
+    // Only this agent's slot is held while its peer is checked or opened.
+    std::lock_guard<std::mutex> g(slot->mutex);
+    if (slot->peer.raw != 0 && orbite_peer_check(slot->peer) != ORBITE_STATUS_OK) {
+        // Lost (the network failed, the peer stopped answering): work that
+        // was admitted fails on the old peer; new work gets a new
+        // connection to the same incarnation. Nothing is replayed.
+        NIXL_INFO << "ORBITE: reconnecting to " << agent << ": " << lastError();
+        orbite_peer_close(slot->peer, 0);
+        slot->peer = OrbitePeer{};
+    }
+    if (slot->peer.raw == 0) {
+        auto now = std::chrono::steady_clock::now();
+        if (now < slot->retry_after) return NIXL_ERR_REMOTE_DISCONNECT; // failed moments ago
+        const std::string &info = slot->info;
+        OrbiteStatus s = orbite_peer_open(engine_, reinterpret_cast<const uint8_t *>(info.data()), info.size(),
+                                          kConnectTimeoutMs, &slot->peer);
+        if (s != ORBITE_STATUS_OK) {
+            slot->peer = OrbitePeer{};
+            slot->retry_after = std::chrono::steady_clock::now() + std::chrono::milliseconds(kReconnectBackoffMs);
+            return fail(s, "connect");
+        }
+    }
+    out = slot->peer;
     return NIXL_SUCCESS;
 }
 
 nixl_status_t Engine::connect(const std::string &remote_agent) {
+    std::shared_ptr<PeerSlot> slot;
     OrbitePeer p{};
-    return peerFor(remote_agent, p);
+    return peerFor(remote_agent, slot, p);
 }
 
 nixl_status_t Engine::disconnect(const std::string &remote_agent) {
     if (remote_agent == localAgent) return NIXL_SUCCESS;
-    std::lock_guard<std::mutex> g(mutex_);
-    auto it = peers_.find(remote_agent);
-    if (it == peers_.end()) return NIXL_ERR_NOT_FOUND;
-    OrbiteStatus s = ORBITE_STATUS_OK;
-    if (it->second.peer.raw != 0) s = orbite_peer_close(it->second.peer, kCloseTimeoutMs);
-    peers_.erase(it);
-    return s == ORBITE_STATUS_OK ? NIXL_SUCCESS : fail(s, "disconnect");
+    std::shared_ptr<PeerSlot> slot;
+    {
+        std::lock_guard<std::mutex> g(mutex_);
+        auto it = peers_.find(remote_agent);
+        if (it == peers_.end()) return NIXL_ERR_NOT_FOUND;
+        slot = it->second;
+        peers_.erase(it);
+    }
+    closeSlot(*slot);
+    return NIXL_SUCCESS;
 }
 
 nixl_status_t Engine::getPublicData(const nixlBackendMD *meta, std::string &str) const {
@@ -354,9 +421,12 @@ nixl_status_t Engine::getPublicData(const nixlBackendMD *meta, std::string &str)
 nixl_status_t Engine::loadRemoteMD(const nixlBlobDesc &input, const nixl_mem_t &nixl_mem,
                                    const std::string &remote_agent, nixlBackendMD *&output) {
     if (nixl_mem != DRAM_SEG) return NIXL_ERR_NOT_SUPPORTED;
+    std::shared_ptr<PeerSlot> slot;
     OrbitePeer peer{};
-    nixl_status_t st = peerFor(remote_agent, peer);
+    nixl_status_t st = peerFor(remote_agent, slot, peer);
     if (st != NIXL_SUCCESS) return st;
+    // The peer confirms the range (refreshing this engine's view of it when
+    // the range was registered after the peer was opened).
     auto range = record<OrbiteRemoteRange>();
     OrbiteStatus s = orbite_peer_import_range(peer, reinterpret_cast<const uint8_t *>(input.metaInfo.data()),
                                               input.metaInfo.size(), &range);
@@ -364,7 +434,7 @@ nixl_status_t Engine::loadRemoteMD(const nixlBlobDesc &input, const nixl_mem_t &
     if (input.addr < range.addr || input.len > range.len || input.addr - range.addr > range.len - input.len) {
         return NIXL_ERR_INVALID_PARAM;
     }
-    output = new (std::nothrow) RemoteMD(peer, remote_agent, range);
+    output = new (std::nothrow) RemoteMD(slot, remote_agent, range);
     return output == nullptr ? NIXL_ERR_BACKEND : NIXL_SUCCESS;
 }
 
@@ -374,8 +444,7 @@ nixl_status_t Engine::loadLocalMD(nixlBackendMD *input, nixlBackendMD *&output) 
     // A distinct wrapper over the same registration: unloading it never
     // deregisters the source.
     auto range = record<OrbiteRemoteRange>();
-    OrbiteStatus s = orbite_peer_import_range(self_, reinterpret_cast<const uint8_t *>(md->exported.data()),
-                                              md->exported.size(), &range);
+    OrbiteStatus s = orbite_mem_remote_range(md->reg, &range);
     if (s != ORBITE_STATUS_OK) return fail(s, "loadLocalMD");
     output = new (std::nothrow) RemoteMD(self_, localAgent, range);
     return output == nullptr ? NIXL_ERR_BACKEND : NIXL_SUCCESS;
@@ -397,8 +466,9 @@ nixl_status_t Engine::prepare(Request &r) const {
     spec.local_count = r.local.size();
     spec.remote = r.remote.data();
     spec.remote_count = r.remote.size();
+    if (r.by_address) spec.flags |= ORBITE_XFER_REMOTE_BY_ADDRESS;
     if (r.notification) {
-        spec.flags = ORBITE_XFER_NOTIFY;
+        spec.flags |= ORBITE_XFER_NOTIFY;
         spec.notification = reinterpret_cast<const uint8_t *>(r.notification->data());
         spec.notification_len = r.notification->size();
     }
@@ -419,8 +489,12 @@ nixl_status_t Engine::prepXfer(const nixl_xfer_op_t &operation, const nixl_meta_
     }
     auto r = std::make_unique<Request>();
     r->op = operation == NIXL_WRITE ? ORBITE_OP_WRITE : ORBITE_OP_READ;
-    nixl_status_t st = peerFor(remote_agent, r->peer);
+    std::shared_ptr<PeerSlot> slot;
+    nixl_status_t st = peerFor(remote_agent, slot, r->peer);
     if (st != NIXL_SUCCESS) return st;
+    // A peer's ranges are named by address and resolved against its
+    // current description; our own by the registration we hold.
+    r->by_address = !slot->self;
     r->local.reserve(local.descCount());
     for (const auto &d : local) {
         auto *md = dynamic_cast<const LocalMD *>(d.metadataP);
@@ -431,8 +505,12 @@ nixl_status_t Engine::prepXfer(const nixl_xfer_op_t &operation, const nixl_meta_
     for (const auto &d : remote) {
         auto *md = dynamic_cast<const RemoteMD *>(d.metadataP);
         if (md == nullptr || d.addr < md->range.addr) return NIXL_ERR_INVALID_PARAM;
-        if (md->peer.raw != r->peer.raw) return NIXL_ERR_MISMATCH; // another agent's metadata
-        r->remote.push_back(OrbiteDesc{md->range.remote_registration, d.addr - md->range.addr, d.len});
+        if (md->slot != slot) return NIXL_ERR_MISMATCH; // another agent's (or incarnation's) metadata
+        if (r->by_address) {
+            r->remote.push_back(OrbiteDesc{0, d.addr, d.len});
+        } else {
+            r->remote.push_back(OrbiteDesc{md->range.remote_registration, d.addr - md->range.addr, d.len});
+        }
     }
     if (opt_args != nullptr && opt_args->hasNotif) r->notification = wrapNotification(localAgent, opt_args->notifMsg);
     st = prepare(*r);
@@ -460,6 +538,7 @@ nixl_status_t Engine::postXfer(const nixl_xfer_op_t &, const nixl_meta_dlist_t &
         Request fresh;
         fresh.op = r->op;
         fresh.peer = r->peer;
+        fresh.by_address = r->by_address;
         fresh.local = r->local;
         fresh.remote = r->remote;
         fresh.notification = notification;
@@ -548,8 +627,9 @@ nixl_status_t Engine::releaseReqH(nixlBackendReqH *handle) const {
 }
 
 nixl_status_t Engine::genNotif(const std::string &remote_agent, const std::string &msg) const {
+    std::shared_ptr<PeerSlot> slot;
     OrbitePeer peer{};
-    nixl_status_t st = peerFor(remote_agent, peer);
+    nixl_status_t st = peerFor(remote_agent, slot, peer);
     if (st != NIXL_SUCCESS) return st;
     std::string bytes = wrapNotification(localAgent, msg);
     OrbiteStatus s = orbite_notify(peer, reinterpret_cast<const uint8_t *>(bytes.data()), bytes.size());
@@ -581,7 +661,7 @@ nixl_status_t Engine::getNotifs(notif_list_t &notif_list) {
             {
                 std::lock_guard<std::mutex> g(mutex_);
                 auto it = peers_.find(agent);
-                if (it != peers_.end() && it->second.epoch != view.sender_epoch) {
+                if (it != peers_.end() && it->second->epoch != view.sender_epoch) {
                     NIXL_WARN << "ORBITE: dropped a notification from a stale incarnation of " << agent;
                     continue;
                 }

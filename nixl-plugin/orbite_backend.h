@@ -7,8 +7,10 @@
 #define ORBITE_NIXL_BACKEND_H
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -53,12 +55,30 @@ public:
     std::string exported; // range metadata for peers (getPublicData)
 };
 
+// One agent this backend talks to: its connection info, and the engine
+// peer opened from it. The slot's mutex is held only while this agent's
+// peer is looked at, opened or closed: a slow or dead peer never stalls
+// another agent, getNotifs or the backend's map.
+struct PeerSlot {
+    PeerSlot(std::string info, uint64_t epoch, bool self) : info(std::move(info)), epoch(epoch), self(self) {}
+    const std::string info; // conn info as loaded
+    const uint64_t epoch;
+    const bool self; // the local agent (the engine's self peer)
+    std::mutex mutex;     // guards the fields below
+    OrbitePeer peer{};    // open once connected; reopened after a loss
+    std::chrono::steady_clock::time_point retry_after{}; // after a failed open
+};
+
 // Metadata of a peer's (or, through loadLocalMD, our own) registration.
+// It names the range, not an engine registration: transfers resolve it
+// against the peer's current description at prepXfer, so metadata NIXL
+// keeps across a reload (same bytes) still reaches the current
+// registration of that range.
 class RemoteMD : public nixlBackendMD {
 public:
-    RemoteMD(OrbitePeer peer, std::string agent, const OrbiteRemoteRange &range)
-        : nixlBackendMD(false), peer(peer), agent(std::move(agent)), range(range) {}
-    OrbitePeer peer;
+    RemoteMD(std::shared_ptr<PeerSlot> slot, std::string agent, const OrbiteRemoteRange &range)
+        : nixlBackendMD(false), slot(std::move(slot)), agent(std::move(agent)), range(range) {}
+    std::shared_ptr<PeerSlot> slot;
     std::string agent;
     OrbiteRemoteRange range;
 };
@@ -68,6 +88,7 @@ public:
     OrbiteXfer xfer{};
     uint32_t op = 0;
     OrbitePeer peer{};
+    bool by_address = false; // remote descriptors name peer addresses
     std::vector<OrbiteDesc> local;
     std::vector<OrbiteDesc> remote;
     std::optional<std::string> notification; // payload as prepared (enveloped)
@@ -91,9 +112,12 @@ nixl_status_t statusOf(const OrbiteXferState &s);
 nixl_status_t statusOf(OrbiteStatus s);
 
 // Builds the engine's configuration from the backend's parameters: the
-// explicit OrbiTE JSON ("config"), with the progress worker taken from
-// enableProgTh/pthrDelay and a loopback listener when none is configured.
-// Returns false (and a reason) for any parameter it does not understand.
+// explicit OrbiTE JSON ("config"), else the document in ORBITE_CONFIG (a
+// JSON object or @file; read through the C ABI), with the progress worker
+// taken from enableProgTh/pthrDelay. The engine is created as a deployment
+// (ORBITE_ENGINE_DEPLOYMENT): without "listen" it listens on all
+// interfaces. Returns false (and a reason) for any parameter it does not
+// understand and for an unusable ORBITE_CONFIG.
 bool buildConfig(const nixlBackendInitParams &params, std::string &json, std::string &error);
 
 // Adds `"key": value` to a JSON object unless one of `unless` is among its
@@ -151,12 +175,11 @@ public:
     const std::string &initError() const { return init_error_; }
 
 private:
-    struct Peer {
-        std::string info;  // conn info as loaded
-        OrbitePeer peer{}; // open once connected
-        uint64_t epoch = 0;
-    };
-    nixl_status_t peerFor(const std::string &agent, OrbitePeer &out) const;
+    // The slot of `agent` with its peer open (reopened if it was lost).
+    nixl_status_t peerFor(const std::string &agent, std::shared_ptr<PeerSlot> &slot, OrbitePeer &out) const;
+    // Closes a slot's peer without waiting: admitted work keeps the peer
+    // until it retired.
+    static void closeSlot(PeerSlot &slot);
     nixl_status_t prepare(Request &r) const;
     nixl_status_t fail(OrbiteStatus s, const char *what) const;
     // Releases the engine transfers of requests whose release was refused
@@ -165,11 +188,11 @@ private:
     void reap() const;
 
     OrbiteEngine engine_{};
-    OrbitePeer self_{};
+    std::shared_ptr<PeerSlot> self_;
     std::string self_info_;
     std::string init_error_;
-    mutable std::mutex mutex_; // guards peers_
-    mutable std::map<std::string, Peer> peers_;
+    mutable std::mutex mutex_; // guards peers_ (never held across a C ABI call that may block)
+    mutable std::map<std::string, std::shared_ptr<PeerSlot>> peers_;
     mutable std::mutex pending_mutex_; // guards pending_
     mutable std::vector<Request *> pending_;
     mutable std::atomic<size_t> pending_count_{0};

@@ -18,7 +18,7 @@
  ABI minor: additive changes (new entry points, new feature bits, new
  record versions negotiated by size).
  */
-#define ORBITE_ABI_MINOR 0
+#define ORBITE_ABI_MINOR 1
 
 #if defined(ORBITE_TEST_HOOKS)
 /*
@@ -118,6 +118,66 @@
  byte landed (an empty payload is allowed).
  */
 #define ORBITE_XFER_NOTIFY 1
+
+/*
+ `OrbiteEngineOptions::flags`: create the engine as a deployment does
+ (the NIXL backend): with no `listen` in the configuration it listens on
+ all interfaces (port 0) and advertises a routable address.
+ */
+#define ORBITE_ENGINE_DEPLOYMENT 1
+
+/*
+ `orbite_config_document` origin: nothing given, every default.
+ */
+#define ORBITE_CONFIG_DEFAULTS 0
+
+/*
+ `orbite_config_document` origin: `ORBITE_CONFIG` holds the JSON object.
+ */
+#define ORBITE_CONFIG_ENVIRONMENT 1
+
+/*
+ `orbite_config_document` origin: `ORBITE_CONFIG` names a file (`@path`).
+ */
+#define ORBITE_CONFIG_ENVIRONMENT_FILE 2
+
+/*
+ `orbite_engine_advertise` source: the engine does not listen.
+ */
+#define ORBITE_ADVERTISE_NONE 0
+
+/*
+ Configured (`advertise`).
+ */
+#define ORBITE_ADVERTISE_CONFIGURED 1
+
+/*
+ The listener's own (specific) address.
+ */
+#define ORBITE_ADVERTISE_BOUND 2
+
+/*
+ The source address of the route to the default gateway.
+ */
+#define ORBITE_ADVERTISE_DEFAULT_ROUTE 3
+
+/*
+ The first non-loopback address of an interface that is up.
+ */
+#define ORBITE_ADVERTISE_FIRST_UP 4
+
+/*
+ Nothing routable was found: 127.0.0.1, only this host can connect.
+ */
+#define ORBITE_ADVERTISE_LOOPBACK_FALLBACK 5
+
+/*
+ `OrbiteXferSpec::flags`: the remote descriptors name ranges by address
+ in the peer (`offset` is the address, `registration` is ignored); each
+ resolves at prepare to a registration of the peer's current description
+ that covers it (refreshed if the peer announced changes or lacks it).
+ */
+#define ORBITE_XFER_REMOTE_BY_ADDRESS 2
 
 /*
  `OrbiteMemRegion::kind`: host DRAM.
@@ -448,9 +508,9 @@ typedef struct OrbiteEngineOptions {
    */
   uint32_t abi_major;
   /*
-   Zero.
+   `ORBITE_ENGINE_*` bits; zero for none.
    */
-  uint32_t reserved;
+  uint32_t flags;
   /*
    `ORBITE_FEATURE_*` bits the caller needs; any missing fails the call.
    */
@@ -637,16 +697,6 @@ typedef struct OrbiteRegistration {
 } OrbiteRegistration;
 
 /*
- A peer: another engine, or this engine itself (the self connection).
- */
-typedef struct OrbitePeer {
-  /*
-   Opaque; zero is never valid.
-   */
-  uint64_t raw;
-} OrbitePeer;
-
-/*
  Output of `orbite_peer_import_range`: a peer's registered range, checked
  against what the peer described itself with.
  */
@@ -680,6 +730,16 @@ typedef struct OrbiteRemoteRange {
    */
   uint32_t shared;
 } OrbiteRemoteRange;
+
+/*
+ A peer: another engine, or this engine itself (the self connection).
+ */
+typedef struct OrbitePeer {
+  /*
+   Opaque; zero is never valid.
+   */
+  uint64_t raw;
+} OrbitePeer;
 
 /*
  One descriptor: `len` bytes at `offset` in a registration. In a local
@@ -973,6 +1033,29 @@ OrbiteStatus orbite_engine_create(const struct OrbiteEngineOptions *options,
                                   struct OrbiteEngine *out);
 
 /*
+ Writes the configuration document a deployment uses when it is given
+ none: the JSON object in `ORBITE_CONFIG`, or the file it names
+ (`@/path/to/file.json`), checked to be a valid configuration; `{}` when
+ the variable is unset or blank. `*origin` (may be null) receives an
+ `ORBITE_CONFIG_*` value. An unreadable or invalid document fails with
+ `ORBITE_STATUS_INVALID_ARGUMENT` and a message that names the variable.
+ */
+OrbiteStatus orbite_config_document(uint32_t *origin, uint8_t *buf, size_t cap, size_t *needed);
+
+/*
+ Writes one line for operators: where the engine listens, what it
+ advertises and how that was found (UTF-8, not NUL-terminated).
+ `*source` (may be null) receives an `ORBITE_ADVERTISE_*` value;
+ `ORBITE_ADVERTISE_LOOPBACK_FALLBACK` means only this host can connect,
+ which the line says.
+ */
+OrbiteStatus orbite_engine_advertise(struct OrbiteEngine engine,
+                                     uint32_t *source,
+                                     uint8_t *buf,
+                                     size_t cap,
+                                     size_t *needed);
+
+/*
  Closes an engine: fences new work, waits up to `timeout_ms` for admitted
  work to retire, and reports whether it drained. Executions that did not
  retire keep their owners. The handle stays valid (for stats and
@@ -1050,6 +1133,14 @@ OrbiteStatus orbite_mem_export(struct OrbiteRegistration registration,
                                size_t *needed);
 
 /*
+ Writes the values a transfer on this engine's own self peer puts in
+ remote descriptors for `registration` (what `orbite_peer_import_range`
+ gives for its range metadata, without parsing it).
+ */
+OrbiteStatus orbite_mem_remote_range(struct OrbiteRegistration registration,
+                                     struct OrbiteRemoteRange *out);
+
+/*
  Opens a peer from its exported information. Information naming this
  engine itself opens the self connection (local transfers); any other
  peer is connected over TCP within `timeout_ms` and must still be the
@@ -1070,6 +1161,15 @@ OrbiteStatus orbite_peer_import_range(struct OrbitePeer peer,
                                       const uint8_t *metadata,
                                       size_t len,
                                       struct OrbiteRemoteRange *out);
+
+/*
+ Says whether new work may start on a peer: `ORBITE_STATUS_OK`, or
+ `ORBITE_STATUS_REMOTE_DISCONNECT` (lost: connections broke, the peer
+ stopped answering; or closed), or `ORBITE_STATUS_EPOCH_MISMATCH` (a newer
+ incarnation was opened on its endpoint), with the reason for
+ `orbite_last_error`. A lost peer is not reconnected: open it again.
+ */
+OrbiteStatus orbite_peer_check(struct OrbitePeer peer);
 
 /*
  Retires a peer: fences new posts to it, waits up to `timeout_ms` for

@@ -79,13 +79,29 @@ pub struct EngineConfig {
     /// Default 5 000.
     pub close_drain_timeout_ms: u64,
     /// TCP address to listen on for peers (`host:port`, port 0 picks one),
-    /// or null for no listener (local transfers only). Default null.
+    /// or null for no listener (local transfers only). Default null
+    /// (deployments such as the NIXL backend default to all interfaces,
+    /// [`crate::endpoint::ALL_INTERFACES`]).
     pub listen: Option<String>,
+    /// The host (or `host:port`) other hosts should dial to reach this
+    /// engine, when it differs from what the engine finds itself (behind
+    /// NAT, with several NICs). Without a port the listener's port is used.
+    /// Default null: the bound address, or for a listener on all interfaces
+    /// the source address of the default route (see
+    /// [`crate::endpoint::advertise`]).
+    pub advertise: Option<String>,
     /// Connections per opened peer segment (1 to 16). Default 2.
     pub connections_per_peer: u32,
-    /// A peer that does not answer a request within this many milliseconds
-    /// is lost: its executions fail (after local retirement). Default 10 000.
+    /// A peer that shows no sign of life for this many milliseconds while a
+    /// request to it is outstanding (nothing received, nothing accepted
+    /// for sending) is lost: its executions fail after local retirement.
+    /// Also bounds control exchanges (metadata refresh). Default 10 000.
     pub peer_timeout_ms: u64,
+    /// Slowest peer accepted, in bytes per second: a request moving `n`
+    /// bytes must finish within `peer_timeout_ms` plus `n` at this rate,
+    /// else the peer counts as not answering (a trickling peer is lost).
+    /// 0 disables the rate bound. Default 1 048 576.
+    pub peer_min_bytes_per_s: u64,
     /// Largest frame body accepted from a peer (descriptors, segment
     /// descriptors, notifications), in bytes. Default 1 MiB.
     pub max_frame_body: u64,
@@ -120,8 +136,10 @@ impl Default for EngineConfig {
             max_binding_handles: 65_536,
             close_drain_timeout_ms: 5_000,
             listen: None,
+            advertise: None,
             connections_per_peer: 2,
             peer_timeout_ms: 10_000,
+            peer_min_bytes_per_s: MIB,
             max_frame_body: MIB,
             max_notification_bytes: 64 * KIB,
             route: crate::batch::RoutePolicy::Auto,
@@ -189,7 +207,7 @@ impl EngineConfig {
         if !(4096..=64 * MIB).contains(&self.max_frame_body) {
             return invalid("max_frame_body", "must be 4 KiB to 64 MiB");
         }
-        if self.max_notification_bytes + 512 > self.max_frame_body {
+        if self.max_notification_bytes.saturating_add(512) > self.max_frame_body {
             return invalid("max_notification_bytes", "must leave 512 bytes of max_frame_body for the envelope");
         }
         if self.task_bytes > u32::MAX as u64 {
@@ -197,6 +215,12 @@ impl EngineConfig {
         }
         if self.local_route_workers > 64 {
             return invalid("local_route_workers", "must be 0 (one per core) to 64");
+        }
+        if self.peer_timeout_ms > 24 * 3_600_000 {
+            return invalid("peer_timeout_ms", "must be at most one day");
+        }
+        if let Some(a) = &self.advertise {
+            crate::endpoint::validate_advertise(a)?;
         }
         Ok(())
     }
@@ -224,9 +248,107 @@ impl EngineConfig {
         Duration::from_millis(self.peer_timeout_ms)
     }
 
+    /// The longest a request moving `bytes` may take before the peer counts
+    /// as not answering: `peer_timeout_ms` plus `bytes` at
+    /// `peer_min_bytes_per_s` (no rate bound when that is 0).
+    pub fn request_deadline(&self, bytes: u64) -> Option<Duration> {
+        match self.peer_min_bytes_per_s {
+            0 => None,
+            rate => Some(self.peer_timeout() + Duration::from_secs_f64(bytes as f64 / rate as f64)),
+        }
+    }
+
     /// How long `close` waits for admitted work to drain.
     pub fn close_drain_timeout(&self) -> Duration {
         Duration::from_millis(self.close_drain_timeout_ms)
+    }
+}
+
+/// The environment variable a deployment reads its configuration from when
+/// it is given none: a JSON object, or `@/path/to/file.json`.
+pub const CONFIG_ENV: &str = "ORBITE_CONFIG";
+
+/// Largest configuration document accepted, inline or from a file.
+pub const MAX_CONFIG_DOCUMENT: usize = 1 << 20;
+
+/// Where a deployment's configuration came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConfigOrigin {
+    /// Given explicitly (the NIXL backend's `config` parameter, a flag).
+    Explicit,
+    /// [`CONFIG_ENV`] holds the JSON object itself.
+    Environment,
+    /// [`CONFIG_ENV`] names a file (`@path`).
+    EnvironmentFile(std::path::PathBuf),
+    /// Nothing was given: every default.
+    Defaults,
+}
+
+impl std::fmt::Display for ConfigOrigin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConfigOrigin::Explicit => f.write_str("explicit parameters"),
+            ConfigOrigin::Environment => write!(f, "{CONFIG_ENV}"),
+            ConfigOrigin::EnvironmentFile(p) => write!(f, "{CONFIG_ENV}=@{}", p.display()),
+            ConfigOrigin::Defaults => write!(f, "defaults (no parameters, {CONFIG_ENV} unset)"),
+        }
+    }
+}
+
+/// A configuration document as a deployment found it: explicit parameters
+/// win; without them [`CONFIG_ENV`] is read (unset or blank: defaults).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigDocument {
+    /// The JSON object text, checked to parse as an [`EngineConfig`].
+    pub json: String,
+    /// Where it came from.
+    pub origin: ConfigOrigin,
+}
+
+impl ConfigDocument {
+    /// `explicit` if given, else the environment's document. A document
+    /// from the environment that is unreadable, not a JSON object, or not
+    /// a valid configuration fails with [`ConfigError::Environment`],
+    /// which names the variable.
+    pub fn resolve(explicit: Option<&str>) -> Result<Self, ConfigError> {
+        if let Some(json) = explicit {
+            return Ok(ConfigDocument { json: json.to_owned(), origin: ConfigOrigin::Explicit });
+        }
+        Self::from_env_value(std::env::var_os(CONFIG_ENV))
+    }
+
+    fn from_env_value(value: Option<std::ffi::OsString>) -> Result<Self, ConfigError> {
+        let env = |reason: String| ConfigError::Environment { variable: CONFIG_ENV, reason };
+        let Some(value) = value else {
+            return Ok(ConfigDocument { json: "{}".into(), origin: ConfigOrigin::Defaults });
+        };
+        let value = value.into_string().map_err(|_| env("is not UTF-8".into()))?;
+        let value = value.trim();
+        if value.is_empty() {
+            return Ok(ConfigDocument { json: "{}".into(), origin: ConfigOrigin::Defaults });
+        }
+        let (json, origin) = match value.strip_prefix('@') {
+            Some(path) => {
+                let path = std::path::PathBuf::from(path);
+                let mut text = String::new();
+                use std::io::Read;
+                std::fs::File::open(&path)
+                    .and_then(|f| f.take(MAX_CONFIG_DOCUMENT as u64 + 1).read_to_string(&mut text))
+                    .map_err(|e| env(format!("cannot read {}: {e}", path.display())))?;
+                (text, ConfigOrigin::EnvironmentFile(path))
+            }
+            None => (value.to_owned(), ConfigOrigin::Environment),
+        };
+        if json.len() > MAX_CONFIG_DOCUMENT {
+            return Err(env(format!("the document exceeds {MAX_CONFIG_DOCUMENT} bytes")));
+        }
+        match serde_json::from_str::<serde_json::Value>(&json) {
+            Ok(serde_json::Value::Object(_)) => {}
+            Ok(_) => return Err(env("is not a JSON object".into())),
+            Err(e) => return Err(env(format!("is not JSON: {e}"))),
+        }
+        EngineConfig::from_json(&json).map_err(|e| env(e.to_string()))?;
+        Ok(ConfigDocument { json, origin })
     }
 }
 
@@ -254,6 +376,28 @@ mod tests {
     }
 
     #[test]
+    fn environment_documents_inline_file_and_errors_name_the_variable() {
+        let os = |s: &str| Some(std::ffi::OsString::from(s));
+        let d = ConfigDocument::from_env_value(None).unwrap();
+        assert_eq!((d.json.as_str(), d.origin), ("{}", ConfigOrigin::Defaults));
+        assert_eq!(ConfigDocument::from_env_value(os("  ")).unwrap().origin, ConfigOrigin::Defaults);
+        let d = ConfigDocument::from_env_value(os(r#"{"peer_timeout_ms": 5}"#)).unwrap();
+        assert_eq!(d.origin, ConfigOrigin::Environment);
+        assert_eq!(EngineConfig::from_json(&d.json).unwrap().peer_timeout_ms, 5);
+        let dir = std::env::temp_dir().join(format!("orbite-config-{}", std::process::id()));
+        std::fs::write(&dir, r#"{"advertise": "10.0.0.7"}"#).unwrap();
+        let d = ConfigDocument::from_env_value(os(&format!("@{}", dir.display()))).unwrap();
+        assert_eq!(d.origin, ConfigOrigin::EnvironmentFile(dir.clone()));
+        std::fs::remove_file(&dir).unwrap();
+        for bad in ["[1]", "{", r#"{"max_executons": 1}"#, r#"{"advertise": "a b"}"#, "@/nonexistent/orbite.json"] {
+            let e = ConfigDocument::from_env_value(os(bad)).unwrap_err();
+            assert!(e.to_string().starts_with("ORBITE_CONFIG: "), "{bad}: {e}");
+        }
+        let d = ConfigDocument::resolve(Some("{}")).unwrap();
+        assert_eq!(d.origin, ConfigOrigin::Explicit);
+    }
+
+    #[test]
     fn invalid_values_name_their_field() {
         for (json, field) in [
             (r#"{"max_executions": 0}"#, "max_executions"),
@@ -261,6 +405,8 @@ mod tests {
             (r#"{"progress_interval_us": 1}"#, "progress_interval_us"),
             (r#"{"local_route_workers": 65}"#, "local_route_workers"),
             (r#"{"inline_max_bytes": 1048577}"#, "inline_max_bytes"),
+            (r#"{"max_notification_bytes": 18446744073709551615}"#, "max_notification_bytes"),
+            (r#"{"advertise": ""}"#, "advertise"),
         ] {
             let err = EngineConfig::from_json(json).unwrap_err();
             assert!(err.to_string().contains(field), "{json}: {err}");

@@ -65,6 +65,14 @@ pub enum ConfigError {
         /// What is wrong with it.
         reason: String,
     },
+    /// The configuration named by an environment variable is unusable.
+    #[error("{variable}: {reason}")]
+    Environment {
+        /// The variable (`ORBITE_CONFIG`).
+        variable: &'static str,
+        /// What is wrong: unreadable file, not an object, invalid field.
+        reason: String,
+    },
 }
 
 /// Errors of the memory registry.
@@ -163,6 +171,18 @@ pub enum PeerError {
     /// The peer's descriptor has no such registration.
     #[error("peer has no registration {0}")]
     UnknownRemoteRegistration(RegistrationId),
+    /// No registration of the peer covers this range (after asking the
+    /// peer for its current registrations).
+    #[error("peer has no registration covering {len} bytes at {addr:#x}")]
+    RangeNotRegistered {
+        /// First byte, an address in the peer.
+        addr: u64,
+        /// Bytes.
+        len: u64,
+    },
+    /// A control exchange with the peer got no answer in time.
+    #[error("peer did not answer: {0}")]
+    Timeout(String),
     /// The peer refused the request.
     #[error("peer refused: {status:?}: {detail}")]
     Refused {

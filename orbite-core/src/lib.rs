@@ -45,6 +45,7 @@ pub mod admission;
 pub mod batch;
 mod charge;
 pub mod config;
+pub mod endpoint;
 mod engine;
 pub mod error;
 pub mod file;

@@ -56,6 +56,8 @@ pub(crate) struct Registration {
     pub len: u64,
     pub permission: Permission,
     pub kind: MemoryKind,
+    /// The registry version that added it (peers refresh from versions).
+    pub added_at: u64,
     fenced: AtomicBool,
     fence_charge: Mutex<Option<Charge>>,
     backing: Backing,
@@ -93,10 +95,22 @@ struct Slot {
     registration: Option<Arc<Registration>>,
 }
 
+/// Deregistrations kept for peers' delta refreshes; a peer that is further
+/// behind gets the whole list again.
+const TOMBSTONES: usize = 16_384;
+
 #[derive(Default)]
 pub(crate) struct Table {
     slots: Vec<Slot>,
     free: Vec<u32>,
+    /// Bumped by every registration and deregistration.
+    version: u64,
+    /// (version, raw id) of recent deregistrations, oldest first.
+    tombstones: std::collections::VecDeque<(u64, u64)>,
+    /// The version before which deregistrations may have been forgotten.
+    forgotten_before: u64,
+    /// Live registrations by the version that added them (slot index).
+    by_version: std::collections::BTreeMap<u64, u32>,
 }
 
 impl Table {
@@ -107,6 +121,114 @@ impl Table {
             Some(r) if slot.generation == id.generation => Ok(r),
             _ => Err(RegistryError::Stale(id)),
         }
+    }
+}
+
+/// What changed in the exported registrations after a version: the answer
+/// to a peer's delta refresh.
+pub(crate) struct Changes {
+    /// The whole list follows (the peer was too far behind).
+    pub reset: bool,
+    /// Registrations added after the version and still live.
+    pub added: Vec<crate::segment::ExportedRegistration>,
+    /// Raw ids deregistered after the version.
+    pub removed: Vec<u64>,
+    /// The version this answer brings the peer to.
+    pub version: u64,
+    /// Not everything fitted: ask again from `version`.
+    pub more: bool,
+}
+
+fn export(r: &Registration) -> crate::segment::ExportedRegistration {
+    crate::segment::ExportedRegistration {
+        id: r.id,
+        len: r.len,
+        permission: r.permission,
+        addr: r.base as u64,
+        shm: match &r.kind {
+            MemoryKind::Shm { name, offset } => Some((name.to_string(), *offset)),
+            MemoryKind::Host => None,
+        },
+    }
+}
+
+impl Table {
+    /// The current registry version.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// One live registration as exported, if peers may target it.
+    pub fn export_one(&self, id: RegistrationId) -> Option<crate::segment::ExportedRegistration> {
+        self.get(id).ok().filter(|r| r.permission.remote_read()).map(|r| export(r))
+    }
+
+    /// Registrations peers may target (remote-readable), with the version.
+    pub fn exported(&self) -> (Vec<crate::segment::ExportedRegistration>, u64) {
+        let regs = self
+            .slots
+            .iter()
+            .filter_map(|s| s.registration.as_deref())
+            .filter(|r| r.permission.remote_read())
+            .map(export)
+            .collect();
+        (regs, self.version)
+    }
+
+    /// What changed after `since`, in version order, in at most `budget`
+    /// encoded bytes (`entry_bytes` prices one added registration, 8 bytes
+    /// one removal).
+    pub fn changes_since(
+        &self,
+        since: u64,
+        budget: usize,
+        entry_bytes: impl Fn(&crate::segment::ExportedRegistration) -> usize,
+    ) -> Changes {
+        let reset = since > self.version || since < self.forgotten_before;
+        let since = if reset { 0 } else { since };
+        let live = self
+            .by_version
+            .range(since + 1..)
+            .filter_map(|(_, index)| self.slots[*index as usize].registration.as_deref())
+            .filter(|r| r.permission.remote_read());
+        let dead = self.tombstones.iter().filter(|(v, _)| *v > since && !reset);
+        let (mut added, mut removed, mut used) = (Vec::new(), Vec::new(), 0usize);
+        let mut dead = dead.peekable();
+        let mut live = live.peekable();
+        let mut reached = since;
+        loop {
+            // Every change has its own version: a removal and an addition
+            // never share one.
+            let take_dead = match (dead.peek(), live.peek()) {
+                (None, None) => break,
+                (Some((d, _)), Some(l)) => *d < l.added_at,
+                (Some(_), None) => true,
+                (None, Some(_)) => false,
+            };
+            let (version, cost, item) = if take_dead {
+                let (v, raw) = *dead.next().expect("peeked");
+                (v, 8, Err(raw))
+            } else {
+                let r = live.next().expect("peeked");
+                let e = export(r);
+                (r.added_at, entry_bytes(&e), Ok(e))
+            };
+            if used + cost > budget && reached > since {
+                return Changes { reset, added, removed, version: reached, more: true };
+            }
+            used += cost;
+            reached = version;
+            match item {
+                Ok(r) => added.push(r),
+                Err(raw) => removed.push(raw),
+            }
+        }
+        Changes { reset, added, removed, version: self.version, more: false }
+    }
+
+    fn bump(&mut self) -> u64 {
+        self.version += 1;
+        self.version
     }
 }
 
@@ -149,6 +271,7 @@ impl Registry {
         let mut table = self.table.lock();
         let mut ids = Vec::with_capacity(pending.len());
         for (r, charge) in pending {
+            let added_at = table.bump();
             let index = match table.free.pop() {
                 Some(i) => i,
                 None => {
@@ -156,6 +279,7 @@ impl Registry {
                     (table.slots.len() - 1) as u32
                 }
             };
+            table.by_version.insert(added_at, index);
             let slot = &mut table.slots[index as usize];
             let id = RegistrationId { index, generation: slot.generation };
             let kind = match &r.backing {
@@ -171,6 +295,7 @@ impl Registry {
                 len: r.len,
                 permission: r.permission,
                 kind,
+                added_at,
                 fenced: AtomicBool::new(false),
                 fence_charge: Mutex::new(None),
                 backing: r.backing,
@@ -190,7 +315,19 @@ impl Registry {
             let slot = &mut table.slots[id.index as usize];
             let reg = slot.registration.take();
             slot.generation = slot.generation.wrapping_add(1);
+            if let Some(r) = &reg {
+                table.by_version.remove(&r.added_at);
+            }
             table.free.push(id.index);
+            let version = table.bump();
+            if reg.as_ref().is_some_and(|r| r.permission.remote_read()) {
+                if table.tombstones.len() == TOMBSTONES {
+                    if let Some((v, _)) = table.tombstones.pop_front() {
+                        table.forgotten_before = v;
+                    }
+                }
+                table.tombstones.push_back((version, id.to_raw()));
+            }
             reg
         };
         if let Some(reg) = removed {
@@ -199,26 +336,6 @@ impl Registry {
             drop(reg); // may run the owner's release, with no lock held
         }
         Ok(())
-    }
-
-    /// Every live registration, as exported to peers.
-    pub fn exported(&self) -> Vec<crate::segment::ExportedRegistration> {
-        let table = self.table.lock();
-        table
-            .slots
-            .iter()
-            .filter_map(|s| s.registration.as_ref())
-            .map(|r| crate::segment::ExportedRegistration {
-                id: r.id,
-                len: r.len,
-                permission: r.permission,
-                addr: r.base as u64,
-                shm: match &r.kind {
-                    MemoryKind::Shm { name, offset } => Some((name.to_string(), *offset)),
-                    MemoryKind::Host => None,
-                },
-            })
-            .collect()
     }
 
     /// Removes every registration (engine close). Owners are destroyed as
@@ -231,5 +348,70 @@ impl Registry {
         for id in ids {
             let _ = self.deregister(id, counters);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::HostMemory;
+
+    fn setup(n: usize) -> (Registry, Arc<Counters>, HostMemory, Vec<RegistrationId>) {
+        let counters = Arc::new(Counters::default());
+        let config = EngineConfig::default();
+        let mem = HostMemory::allocate(&counters, n * 4096, u64::MAX).unwrap();
+        let reg = Registry::default();
+        let ranges = (0..n).map(|k| MemoryRange::host(&mem, k * 4096, 4096, Permission::RemoteRead).unwrap()).collect();
+        let ids = reg.register(ranges, &counters, &config).unwrap();
+        (reg, counters, mem, ids)
+    }
+
+    #[test]
+    fn changes_come_in_version_order_and_pages_never_lose_one() {
+        let (reg, counters, _mem, ids) = setup(10);
+        let all = reg.lock().changes_since(0, usize::MAX, |_| 40);
+        assert_eq!((all.added.len(), all.removed.len(), all.more, all.reset), (10, 0, false, false));
+        let v = all.version;
+        reg.deregister(ids[3], &counters).unwrap();
+        let local = MemoryRange::host(&_mem, 0, 4096, Permission::LocalOnly).unwrap();
+        reg.register(vec![local], &counters, &EngineConfig::default()).unwrap();
+        let d = reg.lock().changes_since(v, usize::MAX, |_| 40);
+        assert_eq!(d.removed, vec![ids[3].to_raw()]);
+        assert!(d.added.is_empty(), "local-only registrations are not exported");
+        assert_eq!(d.version, v + 2);
+        // Pages of at most 100 bytes (two entries) cover everything once.
+        let (mut since, mut seen) = (0, Vec::new());
+        loop {
+            let p = reg.lock().changes_since(since, 100, |_| 40);
+            assert!(p.added.len() <= 2);
+            seen.extend(p.added.iter().map(|r| r.id));
+            since = p.version;
+            if !p.more {
+                break;
+            }
+        }
+        let mut want: Vec<_> = ids.iter().copied().filter(|id| *id != ids[3]).collect();
+        want.sort();
+        seen.sort();
+        assert_eq!(seen, want);
+    }
+
+    #[test]
+    fn a_peer_too_far_behind_gets_the_whole_list() {
+        let n = TOMBSTONES + 2;
+        let (reg, counters, _mem, ids) = setup(n);
+        let keep = ids[n - 1];
+        let v = reg.lock().version();
+        for id in &ids[..n - 1] {
+            reg.deregister(*id, &counters).unwrap();
+        }
+        let d = reg.lock().changes_since(v, usize::MAX, |_| 40);
+        assert!(d.reset, "more deregistrations than are remembered");
+        assert_eq!(d.added.iter().map(|r| r.id).collect::<Vec<_>>(), vec![keep]);
+        let now = reg.lock().version();
+        let recent = reg.lock().changes_since(now - 1, usize::MAX, |_| 40);
+        assert!(!recent.reset && recent.removed.len() == 1);
+        let future = reg.lock().changes_since(u64::MAX, usize::MAX, |_| 40);
+        assert!(future.reset, "a version this registry never had");
     }
 }

@@ -6,15 +6,22 @@
 //! string, exchanged out of band (NIXL carries it as connection info and
 //! public metadata) or fetched with a Describe request. The Describe reply
 //! is authoritative: `open_segment` checks the epoch it reports.
+//!
+//! Registrations made (or removed) after a peer opened this engine reach it
+//! as a [`Delta`]: what changed since the registry version its view has,
+//! in pages that fit one frame. A [`SegmentView`] is an initiator's current
+//! picture of a peer: by id, and by address for range lookups.
+
+use std::collections::{BTreeMap, HashMap};
 
 use crate::memory::Permission;
 use crate::registry::RegistrationId;
 use crate::wire::WireError;
 
 /// Version of the descriptor encoding.
-pub const DESCRIPTOR_VERSION: u16 = 3;
+pub const DESCRIPTOR_VERSION: u16 = 4;
 const ENTRY_FIXED: usize = 40;
-const HEADER_FIXED: usize = 2 + 2 + 4 + 8 + 16 + 2;
+const HEADER_FIXED: usize = 2 + 2 + 4 + 8 + 8 + 16 + 2;
 
 /// One exported registration.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -39,6 +46,9 @@ pub struct SegmentDescriptor {
     pub endpoint: String,
     /// The engine's identity for this run.
     pub epoch: u64,
+    /// The registry version this list is a snapshot of (refreshes ask for
+    /// what changed after it).
+    pub registry_version: u64,
     /// The engine's process id (for CMA).
     pub pid: u32,
     /// The kernel's boot id (all zero if unknown): same-host routes need
@@ -104,6 +114,223 @@ impl<'a> Reader<'a> {
     fn str(&mut self, n: usize) -> Result<&'a str, WireError> {
         std::str::from_utf8(self.take(n)?).map_err(|_| WireError::Malformed("segment descriptor"))
     }
+    /// `count` registration entries; the count is bounded by the bytes
+    /// left before anything is allocated.
+    fn entries(&mut self, count: usize) -> Result<Vec<ExportedRegistration>, WireError> {
+        let bad = WireError::Malformed("segment descriptor");
+        if count > (self.b.len() - self.at) / ENTRY_FIXED {
+            return Err(bad);
+        }
+        let mut out = Vec::with_capacity(count);
+        for _ in 0..count {
+            let id = RegistrationId::from_raw(self.u64()?);
+            let len = self.u64()?;
+            let addr = self.u64()?;
+            let offset = self.u64()?;
+            let head = self.take(8)?;
+            let permission = match head[0] {
+                0 => Permission::LocalOnly,
+                1 => Permission::RemoteRead,
+                2 => Permission::RemoteReadWrite,
+                _ => return Err(bad),
+            };
+            let shared = match head[1] {
+                0 => false,
+                1 => true,
+                _ => return Err(bad),
+            };
+            let name_len = u16::from_le_bytes([head[2], head[3]]) as usize;
+            let name = self.str(name_len)?;
+            if shared == name.is_empty() || name.contains('/') || name.starts_with('.') {
+                return Err(bad);
+            }
+            // A range that wraps the address space is never a registration.
+            if len == 0 || addr.checked_add(len).is_none() {
+                return Err(bad);
+            }
+            let shm = shared.then(|| (name.to_owned(), offset));
+            out.push(ExportedRegistration { id, len, permission, addr, shm });
+        }
+        Ok(out)
+    }
+}
+
+fn encode_entry(out: &mut Vec<u8>, r: &ExportedRegistration) {
+    let (name, offset) = r.shm.as_ref().map_or(("", 0), |(n, o)| (n.as_str(), *o));
+    out.extend_from_slice(&r.id.to_raw().to_le_bytes());
+    out.extend_from_slice(&r.len.to_le_bytes());
+    out.extend_from_slice(&r.addr.to_le_bytes());
+    out.extend_from_slice(&offset.to_le_bytes());
+    out.push(perm_code(r.permission));
+    out.push(r.shm.is_some() as u8);
+    out.extend_from_slice(&(name.len() as u16).to_le_bytes());
+    out.extend_from_slice(&[0u8; 4]);
+    out.extend_from_slice(name.as_bytes());
+}
+
+/// Encoded size of one registration entry.
+pub fn entry_len(r: &ExportedRegistration) -> usize {
+    ENTRY_FIXED + r.shm.as_ref().map_or(0, |(n, _)| n.len())
+}
+
+/// Bytes before the lists of an encoded [`Delta`].
+pub const DELTA_HEADER: usize = 24;
+const DELTA_RESET: u32 = 1;
+const DELTA_MORE: u32 = 2;
+
+/// What changed in a peer's exported registrations after a registry
+/// version (a reply to a delta refresh).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Delta {
+    /// The version the view reaches by applying this page.
+    pub version: u64,
+    /// The view must be cleared first: `added` starts the whole list.
+    pub reset: bool,
+    /// More changes follow: ask again from `version`.
+    pub more: bool,
+    /// Raw ids no longer registered.
+    pub removed: Vec<u64>,
+    /// Registrations added (and still live).
+    pub added: Vec<ExportedRegistration>,
+}
+
+impl Delta {
+    /// Encodes the delta.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out =
+            Vec::with_capacity(DELTA_HEADER + 8 * self.removed.len() + self.added.iter().map(entry_len).sum::<usize>());
+        let flags = if self.reset { DELTA_RESET } else { 0 } | if self.more { DELTA_MORE } else { 0 };
+        out.extend_from_slice(&self.version.to_le_bytes());
+        out.extend_from_slice(&flags.to_le_bytes());
+        out.extend_from_slice(&(self.removed.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(self.added.len() as u32).to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
+        for raw in &self.removed {
+            out.extend_from_slice(&raw.to_le_bytes());
+        }
+        for r in &self.added {
+            encode_entry(&mut out, r);
+        }
+        out
+    }
+
+    /// Decodes a delta; the layout must be exact.
+    pub fn decode(b: &[u8]) -> Result<Self, WireError> {
+        let bad = WireError::Malformed("segment delta");
+        let mut r = Reader { b, at: 0 };
+        let version = r.u64()?;
+        let flags = r.u32()?;
+        if flags & !(DELTA_RESET | DELTA_MORE) != 0 {
+            return Err(bad);
+        }
+        let removed_count = r.u32()? as usize;
+        let added_count = r.u32()? as usize;
+        r.u32()?;
+        if removed_count > (b.len() - r.at) / 8 {
+            return Err(bad);
+        }
+        let mut removed = Vec::with_capacity(removed_count);
+        for _ in 0..removed_count {
+            removed.push(r.u64()?);
+        }
+        let added = r.entries(added_count)?;
+        if r.at != b.len() {
+            return Err(bad);
+        }
+        Ok(Delta { version, reset: flags & DELTA_RESET != 0, more: flags & DELTA_MORE != 0, removed, added })
+    }
+}
+
+/// An initiator's current picture of a peer's registrations.
+#[derive(Debug, Clone, Default)]
+pub struct SegmentView {
+    /// The peer's registry version this view reflects.
+    pub version: u64,
+    regs: HashMap<u64, ExportedRegistration>,
+    /// (address, raw id): range lookups.
+    by_addr: BTreeMap<(u64, u64), ()>,
+}
+
+/// How far back a range lookup walks before it scans everything (overlaps
+/// are rare: registrations of one peer seldom nest).
+const NEAREST_CANDIDATES: usize = 64;
+
+impl SegmentView {
+    /// The view of a descriptor.
+    pub fn of(d: &SegmentDescriptor) -> Self {
+        let mut v = SegmentView { version: d.registry_version, ..SegmentView::default() };
+        for r in &d.registrations {
+            v.insert(r.clone());
+        }
+        v
+    }
+
+    fn insert(&mut self, r: ExportedRegistration) {
+        let raw = r.id.to_raw();
+        if let Some(old) = self.regs.insert(raw, r) {
+            self.by_addr.remove(&(old.addr, raw));
+        }
+        let addr = self.regs[&raw].addr;
+        self.by_addr.insert((addr, raw), ());
+    }
+
+    /// Applies one page of changes. A page that does not continue from
+    /// this view's version (and is no reset) is refused.
+    pub fn apply(&mut self, d: Delta) -> Result<(), WireError> {
+        if d.reset {
+            self.regs.clear();
+            self.by_addr.clear();
+        } else if d.version < self.version {
+            return Err(WireError::Malformed("segment delta goes back in time"));
+        }
+        for raw in d.removed {
+            if let Some(old) = self.regs.remove(&raw) {
+                self.by_addr.remove(&(old.addr, raw));
+            }
+        }
+        for r in d.added {
+            self.insert(r);
+        }
+        self.version = d.version;
+        Ok(())
+    }
+
+    /// A registration by raw id.
+    pub fn get(&self, raw: u64) -> Option<&ExportedRegistration> {
+        self.regs.get(&raw)
+    }
+
+    /// The registrations, by raw id.
+    pub fn registrations(&self) -> &HashMap<u64, ExportedRegistration> {
+        &self.regs
+    }
+
+    /// Number of registrations.
+    pub fn len(&self) -> usize {
+        self.regs.len()
+    }
+
+    /// True without registrations.
+    pub fn is_empty(&self) -> bool {
+        self.regs.is_empty()
+    }
+
+    /// A registration covering `[addr, addr + len)` that `accept`s, the
+    /// newest first among those starting at the same address.
+    pub fn find_range(
+        &self,
+        addr: u64,
+        len: u64,
+        accept: impl Fn(&ExportedRegistration) -> bool,
+    ) -> Option<&ExportedRegistration> {
+        let end = addr.checked_add(len)?;
+        let covers = |r: &&ExportedRegistration| r.addr <= addr && r.addr + r.len >= end && accept(r);
+        let mut near = self.by_addr.range(..=(addr, u64::MAX)).rev().map(|((_, raw), _)| &self.regs[raw]);
+        if let Some(r) = near.by_ref().take(NEAREST_CANDIDATES).find(covers) {
+            return Some(r);
+        }
+        near.find(covers)
+    }
 }
 
 impl SegmentDescriptor {
@@ -115,6 +342,7 @@ impl SegmentDescriptor {
         out.extend_from_slice(&0u16.to_le_bytes());
         out.extend_from_slice(&self.pid.to_le_bytes());
         out.extend_from_slice(&self.epoch.to_le_bytes());
+        out.extend_from_slice(&self.registry_version.to_le_bytes());
         out.extend_from_slice(&self.boot_id);
         out.extend_from_slice(&(ep.len() as u16).to_le_bytes());
         out.extend_from_slice(ep);
@@ -122,16 +350,7 @@ impl SegmentDescriptor {
         out.extend_from_slice(self.inbox.as_bytes());
         out.extend_from_slice(&(self.registrations.len() as u32).to_le_bytes());
         for r in &self.registrations {
-            let (name, offset) = r.shm.as_ref().map_or(("", 0), |(n, o)| (n.as_str(), *o));
-            out.extend_from_slice(&r.id.to_raw().to_le_bytes());
-            out.extend_from_slice(&r.len.to_le_bytes());
-            out.extend_from_slice(&r.addr.to_le_bytes());
-            out.extend_from_slice(&offset.to_le_bytes());
-            out.push(perm_code(r.permission));
-            out.push(r.shm.is_some() as u8);
-            out.extend_from_slice(&(name.len() as u16).to_le_bytes());
-            out.extend_from_slice(&[0u8; 4]);
-            out.extend_from_slice(name.as_bytes());
+            encode_entry(&mut out, r);
         }
         out
     }
@@ -150,6 +369,7 @@ impl SegmentDescriptor {
         r.u16()?;
         let pid = r.u32()?;
         let epoch = r.u64()?;
+        let registry_version = r.u64()?;
         let mut boot_id = [0u8; 16];
         boot_id.copy_from_slice(r.take(16)?);
         let ep_len = r.u16()? as usize;
@@ -160,41 +380,11 @@ impl SegmentDescriptor {
             return Err(bad);
         }
         let count = r.u32()? as usize;
-        // Each entry takes at least ENTRY_FIXED bytes: bound the count by
-        // what is left before allocating.
-        if count > (b.len() - r.at) / ENTRY_FIXED {
-            return Err(bad);
-        }
-        let mut registrations = Vec::with_capacity(count);
-        for _ in 0..count {
-            let id = RegistrationId::from_raw(r.u64()?);
-            let len = r.u64()?;
-            let addr = r.u64()?;
-            let offset = r.u64()?;
-            let head = r.take(8)?;
-            let permission = match head[0] {
-                0 => Permission::LocalOnly,
-                1 => Permission::RemoteRead,
-                2 => Permission::RemoteReadWrite,
-                _ => return Err(bad),
-            };
-            let shared = match head[1] {
-                0 => false,
-                1 => true,
-                _ => return Err(bad),
-            };
-            let name_len = u16::from_le_bytes([head[2], head[3]]) as usize;
-            let name = r.str(name_len)?;
-            if shared == name.is_empty() || name.contains('/') || name.starts_with('.') {
-                return Err(bad);
-            }
-            let shm = shared.then(|| (name.to_owned(), offset));
-            registrations.push(ExportedRegistration { id, len, permission, addr, shm });
-        }
+        let registrations = r.entries(count)?;
         if r.at != b.len() {
             return Err(bad);
         }
-        Ok(SegmentDescriptor { endpoint, epoch, pid, boot_id, inbox, registrations })
+        Ok(SegmentDescriptor { endpoint, epoch, registry_version, pid, boot_id, inbox, registrations })
     }
 
     /// True if both descriptors come from one boot of one machine.
@@ -211,6 +401,7 @@ mod tests {
         SegmentDescriptor {
             endpoint: "127.0.0.1:4000".into(),
             epoch: 0xDEAD_BEEF,
+            registry_version: 17,
             pid: 42,
             boot_id: [7; 16],
             inbox: "orbite-inbox-1".into(),
@@ -247,6 +438,37 @@ mod tests {
         let mut evil = d.clone();
         evil.registrations[0].shm = Some(("../etc/passwd".into(), 0));
         assert!(SegmentDescriptor::decode(&evil.to_bytes(), 1 << 20).is_err());
+    }
+
+    #[test]
+    fn delta_round_trip_exact_layout_and_view_updates() {
+        let d = sample();
+        let mut view = SegmentView::of(&d);
+        assert_eq!((view.version, view.len()), (17, 2));
+        let added = ExportedRegistration {
+            id: RegistrationId::from_raw(9),
+            len: 100,
+            permission: Permission::RemoteRead,
+            addr: 0x7000_0000 + 10,
+            shm: None,
+        };
+        let delta =
+            Delta { version: 19, reset: false, more: false, removed: vec![7 | (3 << 32)], added: vec![added.clone()] };
+        let b = delta.to_bytes();
+        assert_eq!(Delta::decode(&b).unwrap(), delta);
+        assert!(Delta::decode(&b[..b.len() - 1]).is_err());
+        let mut longer = b.clone();
+        longer.push(0);
+        assert!(Delta::decode(&longer).is_err());
+        view.apply(delta).unwrap();
+        assert_eq!(view.version, 19);
+        assert!(view.get(7 | (3 << 32)).is_none(), "removed");
+        assert_eq!(view.find_range(0x7000_0000 + 20, 10, |_| true), Some(&added));
+        assert_eq!(view.find_range(0x7000_0000 + 20, 100, |_| true), None, "beyond its end");
+        assert_eq!(view.find_range(0x7000_0000 + 20, 10, |r| r.permission.remote_write()), None);
+        assert!(view.apply(Delta { version: 3, ..Delta::default() }).is_err(), "no going back");
+        view.apply(Delta { version: 30, reset: true, ..Delta::default() }).unwrap();
+        assert!(view.is_empty());
     }
 
     #[test]

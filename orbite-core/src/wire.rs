@@ -16,8 +16,8 @@
 pub const MAGIC: u32 = u32::from_be_bytes(*b"ORBT");
 /// Major version: a peer with another major is refused.
 pub const MAJOR: u8 = 1;
-/// Minor version: additive changes.
-pub const MINOR: u8 = 0;
+/// Minor version: additive changes (1: delta refresh and watch).
+pub const MINOR: u8 = 1;
 /// Length of every frame header.
 pub const HEADER_LEN: usize = 24;
 /// Bytes of one remote descriptor in a request body.
@@ -58,6 +58,16 @@ pub enum Kind {
     Return = 12,
     /// The borrow was dropped.
     ReturnAck = 13,
+    /// Initiator asks what changed in the target's registrations after a
+    /// registry version (a metadata refresh).
+    DescribeSince = 14,
+    /// One page of changes (`segment::Delta`).
+    DescribeDelta = 15,
+    /// Initiator asks to be told once the target's registry version passes
+    /// the one given (on a connection of its own; answered when it does).
+    Watch = 16,
+    /// The target's registry version passed the watched one.
+    Changed = 17,
 }
 
 impl Kind {
@@ -76,6 +86,10 @@ impl Kind {
             11 => Kind::BorrowAck,
             12 => Kind::Return,
             13 => Kind::ReturnAck,
+            14 => Kind::DescribeSince,
+            15 => Kind::DescribeDelta,
+            16 => Kind::Watch,
+            17 => Kind::Changed,
             _ => return None,
         })
     }
@@ -370,6 +384,56 @@ pub fn decode_describe(body: &[u8]) -> Result<(u64, u64), WireError> {
     Ok((u64_at(body, 0), u64_at(body, 8)))
 }
 
+/// A DescribeSince request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DescribeSince {
+    /// The initiator's epoch.
+    pub initiator_epoch: u64,
+    /// The target epoch the initiator expects.
+    pub expected_epoch: u64,
+    /// The registry version the initiator's view has.
+    pub since: u64,
+    /// Largest reply body the initiator accepts.
+    pub max_reply: u64,
+}
+
+/// Encodes a DescribeSince body.
+pub fn encode_describe_since(out: &mut Vec<u8>, d: &DescribeSince) {
+    out.clear();
+    for v in [d.initiator_epoch, d.expected_epoch, d.since, d.max_reply] {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+}
+
+/// Decodes a DescribeSince body.
+pub fn decode_describe_since(body: &[u8]) -> Result<DescribeSince, WireError> {
+    if body.len() != 32 {
+        return Err(WireError::Malformed("describe-since"));
+    }
+    Ok(DescribeSince {
+        initiator_epoch: u64_at(body, 0),
+        expected_epoch: u64_at(body, 8),
+        since: u64_at(body, 16),
+        max_reply: u64_at(body, 24),
+    })
+}
+
+/// Watch and Changed bodies: the target epoch and a registry version (the
+/// one watched, the one reached).
+pub fn encode_watch(out: &mut Vec<u8>, target_epoch: u64, version: u64) {
+    out.clear();
+    out.extend_from_slice(&target_epoch.to_le_bytes());
+    out.extend_from_slice(&version.to_le_bytes());
+}
+
+/// Decodes a Watch or Changed body: (target epoch, version).
+pub fn decode_watch(body: &[u8]) -> Result<(u64, u64), WireError> {
+    if body.len() != 16 {
+        return Err(WireError::Malformed("watch"));
+    }
+    Ok((u64_at(body, 0), u64_at(body, 8)))
+}
+
 /// A notification envelope: sender identity, target epoch, payload.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NotifyEnvelope<'a> {
@@ -484,6 +548,9 @@ mod tests {
             let _ = decode_borrow(&bytes).map(|(id, r)| (id, r.total_len()));
             let _ = decode_return(&bytes);
             let _ = crate::segment::SegmentDescriptor::decode(&bytes, 1 << 20);
+            let _ = crate::segment::Delta::decode(&bytes);
+            let _ = decode_describe_since(&bytes);
+            let _ = decode_watch(&bytes);
         }
     }
 }

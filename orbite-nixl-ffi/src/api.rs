@@ -304,8 +304,8 @@ pub extern "C" fn orbite_engine_create(options: *const OrbiteEngineOptions, out:
                 format!("caller built for ABI {}, library is ABI {ORBITE_ABI_MAJOR}", o.abi_major),
             );
         }
-        if o.reserved != 0 {
-            return fail(OrbiteStatus::InvalidArgument, "reserved field is not zero");
+        if o.flags & !ORBITE_ENGINE_DEPLOYMENT != 0 {
+            return fail(OrbiteStatus::InvalidArgument, format!("unknown engine flags {:#x}", o.flags));
         }
         let missing = o.required_features & !features();
         if missing != 0 {
@@ -315,11 +315,92 @@ pub extern "C" fn orbite_engine_create(options: *const OrbiteEngineOptions, out:
         let json = unsafe { array(o.config_json, o.config_json_len, MAX_CONFIG_BYTES as u64, "config_json")? };
         let json = std::str::from_utf8(json)
             .map_err(|_| Failure::new(OrbiteStatus::InvalidArgument, "config_json is not UTF-8"))?;
-        let engine = TransferEngine::from_json(if json.is_empty() { "{}" } else { json })?;
+        let mut config = orbite_core::EngineConfig::from_json(if json.is_empty() { "{}" } else { json })
+            .map_err(orbite_core::Error::from)?;
+        if o.flags & ORBITE_ENGINE_DEPLOYMENT != 0 && config.listen.is_none() {
+            config.listen = Some(orbite_core::endpoint::ALL_INTERFACES.into());
+        }
+        let engine = TransferEngine::new(config)?;
         let obj = Arc::new(EngineObj { engine, children: AtomicU64::new(0), shared: Mutex::new(Vec::new()) });
         let raw = handles::insert(Object::Engine(obj))?;
         // SAFETY: non-null and aligned (checked), writable by contract.
         unsafe { *out = OrbiteEngine { raw } };
+        Ok(())
+    })
+}
+
+/// Writes the configuration document a deployment uses when it is given
+/// none: the JSON object in `ORBITE_CONFIG`, or the file it names
+/// (`@/path/to/file.json`), checked to be a valid configuration; `{}` when
+/// the variable is unset or blank. `*origin` (may be null) receives an
+/// `ORBITE_CONFIG_*` value. An unreadable or invalid document fails with
+/// `ORBITE_STATUS_INVALID_ARGUMENT` and a message that names the variable.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_config_document(
+    origin: *mut u32,
+    buf: *mut u8,
+    cap: usize,
+    needed: *mut usize,
+) -> OrbiteStatus {
+    entry("orbite_config_document", || {
+        use orbite_core::config::{ConfigDocument, ConfigOrigin};
+        let doc = ConfigDocument::resolve(None).map_err(orbite_core::Error::from)?;
+        // SAFETY: caller's contract: `buf` writable for `cap`, `needed` writable.
+        unsafe { write_bytes(doc.json.as_bytes(), buf, cap, needed)? };
+        if !origin.is_null() {
+            check_pointer(origin, "origin")?;
+            let code = match doc.origin {
+                ConfigOrigin::Environment => ORBITE_CONFIG_ENVIRONMENT,
+                ConfigOrigin::EnvironmentFile(_) => ORBITE_CONFIG_ENVIRONMENT_FILE,
+                ConfigOrigin::Defaults | ConfigOrigin::Explicit => ORBITE_CONFIG_DEFAULTS,
+            };
+            // SAFETY: non-null and aligned (checked), writable by contract.
+            unsafe { *origin = code };
+        }
+        Ok(())
+    })
+}
+
+/// Writes one line for operators: where the engine listens, what it
+/// advertises and how that was found (UTF-8, not NUL-terminated).
+/// `*source` (may be null) receives an `ORBITE_ADVERTISE_*` value;
+/// `ORBITE_ADVERTISE_LOOPBACK_FALLBACK` means only this host can connect,
+/// which the line says.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_engine_advertise(
+    engine: OrbiteEngine,
+    source: *mut u32,
+    buf: *mut u8,
+    cap: usize,
+    needed: *mut usize,
+) -> OrbiteStatus {
+    entry("orbite_engine_advertise", || {
+        use orbite_core::endpoint::AdvertiseSource;
+        let e = engine_of(engine)?;
+        let (code, line) = match (e.engine.advertised(), e.engine.listen_addr()) {
+            (Some(a), Some(bound)) => {
+                let code = match a.source {
+                    AdvertiseSource::Configured => ORBITE_ADVERTISE_CONFIGURED,
+                    AdvertiseSource::Bound => ORBITE_ADVERTISE_BOUND,
+                    AdvertiseSource::DefaultRoute { .. } => ORBITE_ADVERTISE_DEFAULT_ROUTE,
+                    AdvertiseSource::FirstUp { .. } => ORBITE_ADVERTISE_FIRST_UP,
+                    AdvertiseSource::LoopbackFallback => ORBITE_ADVERTISE_LOOPBACK_FALLBACK,
+                };
+                let line = match a.warning() {
+                    Some(w) => format!("listening on {bound}; {w}"),
+                    None => format!("listening on {bound}, advertising {} ({})", a.endpoint, a.source),
+                };
+                (code, line)
+            }
+            _ => (ORBITE_ADVERTISE_NONE, "not listening: local transfers only".to_owned()),
+        };
+        // SAFETY: caller's contract: `buf` writable for `cap`, `needed` writable.
+        unsafe { write_bytes(line.as_bytes(), buf, cap, needed)? };
+        if !source.is_null() {
+            check_pointer(source, "source")?;
+            // SAFETY: non-null and aligned (checked), writable by contract.
+            unsafe { *source = code };
+        }
         Ok(())
     })
 }
@@ -563,13 +644,11 @@ pub extern "C" fn orbite_mem_export(
     entry("orbite_mem_export", || {
         let r = reg_of(registration)?;
         let engine = &r.child.engine.engine;
-        let d = engine.segment_descriptor();
-        let Some(x) = d.registrations.iter().find(|x| x.id == r.id) else {
+        let Some(x) = engine.exported_registration(r.id) else {
             return fail(OrbiteStatus::NotFound, "registration is deregistered");
         };
         let info = RangeInfo {
-            epoch: d.epoch,
-            registration: x.id.to_raw(),
+            epoch: engine.source_epoch(),
             addr: x.addr,
             len: x.len,
             permission: permission_code(x.permission),
@@ -577,6 +656,39 @@ pub extern "C" fn orbite_mem_export(
         };
         // SAFETY: caller's contract: `buf` writable for `cap`, `needed` writable.
         unsafe { write_bytes(&info.encode(), buf, cap, needed) }
+    })
+}
+
+fn remote_range(x: &orbite_core::segment::ExportedRegistration) -> OrbiteRemoteRange {
+    OrbiteRemoteRange {
+        size: size_of::<OrbiteRemoteRange>() as u32,
+        version: ORBITE_RECORD_VERSION,
+        remote_registration: x.id.to_raw(),
+        addr: x.addr,
+        len: x.len,
+        permission: permission_code(x.permission),
+        shared: u32::from(x.shm.is_some()),
+    }
+}
+
+/// Writes the values a transfer on this engine's own self peer puts in
+/// remote descriptors for `registration` (what `orbite_peer_import_range`
+/// gives for its range metadata, without parsing it).
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_mem_remote_range(
+    registration: OrbiteRegistration,
+    out: *mut OrbiteRemoteRange,
+) -> OrbiteStatus {
+    entry("orbite_mem_remote_range", || {
+        let r = reg_of(registration)?;
+        // SAFETY: caller's contract: a writable OrbiteRemoteRange.
+        unsafe { output_check(out)? };
+        let Some(x) = r.child.engine.engine.exported_registration(r.id) else {
+            return fail(OrbiteStatus::NotFound, "registration is deregistered or local only");
+        };
+        // SAFETY: checked above.
+        unsafe { put(out, remote_range(&x)) };
+        Ok(())
     })
 }
 
@@ -630,44 +742,45 @@ pub extern "C" fn orbite_peer_import_range(
         // SAFETY: caller's contract: `len` readable bytes.
         let bytes = unsafe { array(metadata, len as u64, MAX_METADATA_BYTES as u64, "metadata")? };
         let info = RangeInfo::decode(bytes)?;
-        let own;
-        let descriptor = match &p.segment {
-            Some(s) => s.descriptor(),
-            None => {
-                own = p.child.engine.engine.segment_descriptor();
-                &own
-            }
-        };
-        if info.epoch != descriptor.epoch {
-            return fail(
-                OrbiteStatus::EpochMismatch,
-                format!("range of epoch {:#x}, peer has {:#x}", info.epoch, descriptor.epoch),
-            );
+        let engine = &p.child.engine.engine;
+        let epoch = p.segment.as_ref().map_or(engine.source_epoch(), |s| s.epoch());
+        if info.epoch != epoch {
+            return fail(OrbiteStatus::EpochMismatch, format!("range of epoch {:#x}, peer has {epoch:#x}", info.epoch));
         }
-        let id = RegistrationId::from_raw(info.registration);
-        let Some(x) = descriptor.registrations.iter().find(|x| x.id == id) else {
-            return fail(
-                OrbiteStatus::NotFound,
-                format!("the peer had no registration {id} when it was opened (reopen the peer to see newer ones)"),
-            );
+        let same = |x: &orbite_core::segment::ExportedRegistration| {
+            (x.addr, x.len, permission_code(x.permission), x.shm.is_some())
+                == (info.addr, info.len, info.permission, info.shared)
         };
-        if (x.addr, x.len, permission_code(x.permission), x.shm.is_some())
-            != (info.addr, info.len, info.permission, info.shared)
-        {
-            return fail(OrbiteStatus::NotFound, format!("registration {id} differs from the peer's description"));
-        }
-        let value = OrbiteRemoteRange {
-            size: size_of::<OrbiteRemoteRange>() as u32,
-            version: ORBITE_RECORD_VERSION,
-            remote_registration: info.registration,
-            addr: x.addr,
-            len: x.len,
-            permission: info.permission,
-            shared: u32::from(info.shared),
+        let x = match &p.segment {
+            // The peer confirms the range: from its view, refreshed when it
+            // announced changes, and asked once more if the view lacks it.
+            Some(s) => engine.find_remote_registration(s, info.addr, info.len, same)?,
+            None => engine.segment_descriptor().registrations.into_iter().find(same).ok_or_else(|| {
+                Failure::new(
+                    OrbiteStatus::NotFound,
+                    format!("no registration of {} bytes at {:#x}", info.len, info.addr),
+                )
+            })?,
         };
         // SAFETY: checked above.
-        unsafe { put(out, value) };
+        unsafe { put(out, remote_range(&x)) };
         Ok(())
+    })
+}
+
+/// Says whether new work may start on a peer: `ORBITE_STATUS_OK`, or
+/// `ORBITE_STATUS_REMOTE_DISCONNECT` (lost: connections broke, the peer
+/// stopped answering; or closed), or `ORBITE_STATUS_EPOCH_MISMATCH` (a newer
+/// incarnation was opened on its endpoint), with the reason for
+/// `orbite_last_error`. A lost peer is not reconnected: open it again.
+#[unsafe(no_mangle)]
+pub extern "C" fn orbite_peer_check(peer: OrbitePeer) -> OrbiteStatus {
+    entry("orbite_peer_check", || {
+        let p = peer_of(peer)?;
+        match &p.segment {
+            Some(s) => Ok(s.usable().map_err(orbite_core::Error::from)?),
+            None => Ok(()),
+        }
     })
 }
 
@@ -737,7 +850,7 @@ fn prepare(engine: OrbiteEngine, spec: *const OrbiteXferSpec, file: Option<Orbit
         ORBITE_ROUTE_CMA => Some(RoutePolicy::Cma),
         v => return fail(OrbiteStatus::InvalidArgument, format!("unknown route {v}")),
     };
-    if s.flags & !ORBITE_XFER_NOTIFY != 0 {
+    if s.flags & !(ORBITE_XFER_NOTIFY | ORBITE_XFER_REMOTE_BY_ADDRESS) != 0 {
         return fail(OrbiteStatus::InvalidArgument, format!("unknown flags {:#x}", s.flags));
     }
     let (p, f) = match file {
@@ -764,8 +877,19 @@ fn prepare(engine: OrbiteEngine, spec: *const OrbiteXferSpec, file: Option<Orbit
     let local: Vec<Desc> = handles::registrations(&e, local.iter().map(|d| d.registration), |i, id| {
         Desc::new(id, local[i].offset, local[i].len)
     })?;
-    let remote: Vec<Desc> =
-        remote.iter().map(|d| Desc::new(RegistrationId::from_raw(d.registration), d.offset, d.len)).collect();
+    let remote: Vec<Desc> = match (s.flags & ORBITE_XFER_REMOTE_BY_ADDRESS != 0, &p) {
+        (false, _) => {
+            remote.iter().map(|d| Desc::new(RegistrationId::from_raw(d.registration), d.offset, d.len)).collect()
+        }
+        (true, Some(p)) => {
+            let ranges: Vec<(u64, u64)> = remote.iter().map(|d| (d.offset, d.len)).collect();
+            match &p.segment {
+                Some(seg) => e.engine.resolve_remote_ranges(seg, op, &ranges)?,
+                None => resolve_own(&e.engine, op, &ranges)?,
+            }
+        }
+        (true, None) => return fail(OrbiteStatus::InvalidArgument, "file extents are not addresses"),
+    };
     let target = match (&p, &f) {
         (Some(p), _) => match &p.segment {
             Some(seg) => Target::Peer(seg),
@@ -789,6 +913,23 @@ fn prepare(engine: OrbiteEngine, spec: *const OrbiteXferSpec, file: Option<Orbit
     // SAFETY: non-null and aligned (checked), writable.
     unsafe { *out = OrbiteXfer { raw } };
     Ok(())
+}
+
+/// Remote descriptors by address on the self peer: against this engine's
+/// own registrations.
+fn resolve_own(engine: &TransferEngine, op: Op, ranges: &[(u64, u64)]) -> Res<Vec<Desc>> {
+    let view = orbite_core::segment::SegmentView::of(&engine.segment_descriptor());
+    let allowed = |r: &orbite_core::segment::ExportedRegistration| match op {
+        Op::Write => r.permission.remote_write(),
+        Op::Read => r.permission.remote_read(),
+    };
+    ranges
+        .iter()
+        .map(|&(addr, len)| match view.find_range(addr, len, allowed) {
+            Some(r) => Ok(Desc::new(r.id, addr - r.addr, len)),
+            None => fail(OrbiteStatus::NotFound, format!("no registration covers {len} bytes at {addr:#x}")),
+        })
+        .collect()
 }
 
 fn file_of(h: OrbiteFile) -> Res<Arc<FileObj>> {

@@ -39,6 +39,37 @@ pub const ORBITE_ROUTE_FILE: u32 = 6;
 /// byte landed (an empty payload is allowed).
 pub const ORBITE_XFER_NOTIFY: u32 = 1;
 
+/// `OrbiteEngineOptions::flags`: create the engine as a deployment does
+/// (the NIXL backend): with no `listen` in the configuration it listens on
+/// all interfaces (port 0) and advertises a routable address.
+pub const ORBITE_ENGINE_DEPLOYMENT: u32 = 1;
+
+/// `orbite_config_document` origin: nothing given, every default.
+pub const ORBITE_CONFIG_DEFAULTS: u32 = 0;
+/// `orbite_config_document` origin: `ORBITE_CONFIG` holds the JSON object.
+pub const ORBITE_CONFIG_ENVIRONMENT: u32 = 1;
+/// `orbite_config_document` origin: `ORBITE_CONFIG` names a file (`@path`).
+pub const ORBITE_CONFIG_ENVIRONMENT_FILE: u32 = 2;
+
+/// `orbite_engine_advertise` source: the engine does not listen.
+pub const ORBITE_ADVERTISE_NONE: u32 = 0;
+/// Configured (`advertise`).
+pub const ORBITE_ADVERTISE_CONFIGURED: u32 = 1;
+/// The listener's own (specific) address.
+pub const ORBITE_ADVERTISE_BOUND: u32 = 2;
+/// The source address of the route to the default gateway.
+pub const ORBITE_ADVERTISE_DEFAULT_ROUTE: u32 = 3;
+/// The first non-loopback address of an interface that is up.
+pub const ORBITE_ADVERTISE_FIRST_UP: u32 = 4;
+/// Nothing routable was found: 127.0.0.1, only this host can connect.
+pub const ORBITE_ADVERTISE_LOOPBACK_FALLBACK: u32 = 5;
+
+/// `OrbiteXferSpec::flags`: the remote descriptors name ranges by address
+/// in the peer (`offset` is the address, `registration` is ignored); each
+/// resolves at prepare to a registration of the peer's current description
+/// that covers it (refreshed if the peer announced changes or lacks it).
+pub const ORBITE_XFER_REMOTE_BY_ADDRESS: u32 = 2;
+
 /// `OrbiteMemRegion::kind`: host DRAM.
 pub const ORBITE_MEM_DRAM: u32 = 0;
 /// `OrbiteMemRegion::kind`: GPU memory (not supported by this build).
@@ -225,8 +256,8 @@ pub struct OrbiteEngineOptions {
     pub version: u32,
     /// `ORBITE_ABI_MAJOR` of the header the caller was compiled with.
     pub abi_major: u32,
-    /// Zero.
-    pub reserved: u32,
+    /// `ORBITE_ENGINE_*` bits; zero for none.
+    pub flags: u32,
     /// `ORBITE_FEATURE_*` bits the caller needs; any missing fails the call.
     pub required_features: u64,
     /// The engine's JSON configuration (UTF-8, not NUL-terminated; may be

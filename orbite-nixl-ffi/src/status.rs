@@ -107,7 +107,9 @@ impl From<Error> for Failure {
             Error::Peer(p) => match p {
                 PeerError::NotListening | PeerError::RouteUnavailable { .. } => OrbiteStatus::NotSupported,
                 PeerError::EpochMismatch { .. } => OrbiteStatus::EpochMismatch,
-                PeerError::UnknownRemoteRegistration(_) => OrbiteStatus::NotFound,
+                PeerError::UnknownRemoteRegistration(_) | PeerError::RangeNotRegistered { .. } => {
+                    OrbiteStatus::NotFound
+                }
                 PeerError::NotificationTooLarge { .. } => OrbiteStatus::OutOfRange,
                 // The peer answered: say what it refused, not that it is gone.
                 PeerError::Refused { status, .. } => match status {
@@ -121,6 +123,7 @@ impl From<Error> for Failure {
                     RemoteStatus::Closing | RemoteStatus::Other => OrbiteStatus::RemoteDisconnect,
                 },
                 PeerError::Connect(_)
+                | PeerError::Timeout(_)
                 | PeerError::Protocol(_)
                 | PeerError::Lost(_)
                 | PeerError::SegmentClosed

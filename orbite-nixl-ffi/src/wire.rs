@@ -6,7 +6,13 @@ use crate::status::{OrbiteStatus, Res, fail};
 
 const PEER_MAGIC: &[u8; 4] = b"ORBP";
 const RANGE_MAGIC: &[u8; 4] = b"ORBR";
-const VERSION: u16 = 1;
+/// Version of peer information.
+const PEER_VERSION: u16 = 1;
+/// Version of range metadata. Version 2 names a range by its address,
+/// length, permission and kind only (no registration id), so registering
+/// the same range again gives byte-identical metadata; the peer's current
+/// description says which registration holds it.
+const RANGE_VERSION: u16 = 2;
 /// Longest endpoint accepted (`host:port`).
 pub(crate) const MAX_ENDPOINT: usize = 1024;
 
@@ -21,7 +27,6 @@ pub(crate) struct PeerInfo {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RangeInfo {
     pub epoch: u64,
-    pub registration: u64,
     pub addr: u64,
     pub len: u64,
     pub permission: u32,
@@ -48,15 +53,15 @@ impl<'a> Reader<'a> {
     fn u64(&mut self) -> Res<u64> {
         Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
     }
-    fn header(&mut self, magic: &[u8; 4], what: &str) -> Res {
+    fn header(&mut self, magic: &[u8; 4], version: u16, what: &str) -> Res {
         if self.take(4)? != magic {
             return fail(OrbiteStatus::InvalidArgument, format!("not {what} metadata"));
         }
         match self.u16()? {
-            VERSION => Ok(()),
+            v if v == version => Ok(()),
             v => fail(
                 OrbiteStatus::VersionMismatch,
-                format!("{what} metadata version {v} (this library reads {VERSION})"),
+                format!("{what} metadata version {v} (this library reads {version})"),
             ),
         }
     }
@@ -69,7 +74,7 @@ impl PeerInfo {
     pub fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(16 + self.endpoint.len());
         b.extend_from_slice(PEER_MAGIC);
-        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.extend_from_slice(&PEER_VERSION.to_le_bytes());
         b.extend_from_slice(&(self.endpoint.len() as u16).to_le_bytes());
         b.extend_from_slice(&self.epoch.to_le_bytes());
         b.extend_from_slice(self.endpoint.as_bytes());
@@ -78,7 +83,7 @@ impl PeerInfo {
 
     pub fn decode(bytes: &[u8]) -> Res<Self> {
         let mut r = Reader(bytes);
-        r.header(PEER_MAGIC, "peer")?;
+        r.header(PEER_MAGIC, PEER_VERSION, "peer")?;
         let len = r.u16()? as usize;
         let epoch = r.u64()?;
         if len > MAX_ENDPOINT {
@@ -94,12 +99,12 @@ impl PeerInfo {
 
 impl RangeInfo {
     pub fn encode(&self) -> Vec<u8> {
-        let mut b = Vec::with_capacity(48);
+        let mut b = Vec::with_capacity(36);
         b.extend_from_slice(RANGE_MAGIC);
-        b.extend_from_slice(&VERSION.to_le_bytes());
+        b.extend_from_slice(&RANGE_VERSION.to_le_bytes());
         b.extend_from_slice(&u16::from(self.shared).to_le_bytes());
         b.extend_from_slice(&self.permission.to_le_bytes());
-        for v in [self.epoch, self.registration, self.addr, self.len] {
+        for v in [self.epoch, self.addr, self.len] {
             b.extend_from_slice(&v.to_le_bytes());
         }
         b
@@ -107,15 +112,18 @@ impl RangeInfo {
 
     pub fn decode(bytes: &[u8]) -> Res<Self> {
         let mut r = Reader(bytes);
-        r.header(RANGE_MAGIC, "range")?;
+        r.header(RANGE_MAGIC, RANGE_VERSION, "range")?;
         let flags = r.u16()?;
         if flags > 1 {
             return fail(OrbiteStatus::InvalidArgument, format!("unknown range flags {flags:#x}"));
         }
         let permission = r.u32()?;
-        let (epoch, registration, addr, len) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?);
+        let (epoch, addr, len) = (r.u64()?, r.u64()?, r.u64()?);
         r.end()?;
-        Ok(RangeInfo { epoch, registration, addr, len, permission, shared: flags == 1 })
+        if len == 0 || addr.checked_add(len).is_none() {
+            return fail(OrbiteStatus::OutOfRange, format!("range of {len} bytes at {addr:#x}"));
+        }
+        Ok(RangeInfo { epoch, addr, len, permission, shared: flags == 1 })
     }
 }
 
@@ -134,15 +142,17 @@ mod tests {
         let mut long = b.clone();
         long.push(0);
         assert!(PeerInfo::decode(&long).is_err());
-        let r = RangeInfo { epoch: 7, registration: 9, addr: 4096, len: 100, permission: 2, shared: true };
+        let r = RangeInfo { epoch: 7, addr: 4096, len: 100, permission: 2, shared: true };
         let b = r.encode();
         assert_eq!(RangeInfo::decode(&b).unwrap(), r);
         for n in 0..b.len() {
             assert!(RangeInfo::decode(&b[..n]).is_err(), "prefix {n}");
         }
         assert!(RangeInfo::decode(&p.encode()).is_err(), "a peer blob is not a range");
-        let mut v2 = b.clone();
-        v2[4] = 2;
-        assert_eq!(RangeInfo::decode(&v2).unwrap_err().status, OrbiteStatus::VersionMismatch);
+        let mut v1 = b.clone();
+        v1[4] = 1;
+        assert_eq!(RangeInfo::decode(&v1).unwrap_err().status, OrbiteStatus::VersionMismatch);
+        let wraps = RangeInfo { addr: u64::MAX, ..r };
+        assert_eq!(RangeInfo::decode(&wraps.encode()).unwrap_err().status, OrbiteStatus::OutOfRange);
     }
 }

@@ -27,7 +27,7 @@ fn options(json: &str) -> OrbiteEngineOptions {
         size: size_of::<OrbiteEngineOptions>() as u32,
         version: ORBITE_RECORD_VERSION,
         abi_major: ORBITE_ABI_MAJOR,
-        reserved: 0,
+        flags: 0,
         required_features: 0,
         config_json: json.as_ptr(),
         config_json_len: json.len() as u64,
@@ -378,7 +378,8 @@ fn n10_bad_input_is_refused_and_changes_nothing() {
     assert_eq!(orbite_engine_stats(e, &mut st), OrbiteStatus::VersionMismatch);
     // Malformed metadata.
     let mut rr = OrbiteRemoteRange { size: size_of::<OrbiteRemoteRange>() as u32, version: 1, ..Default::default() };
-    assert_eq!(orbite_peer_import_range(p, b"ORBR\x01\x00\x07".as_ptr(), 7, &mut rr), OrbiteStatus::InvalidArgument);
+    assert_eq!(orbite_peer_import_range(p, b"ORBR\x02\x00\x07".as_ptr(), 7, &mut rr), OrbiteStatus::InvalidArgument);
+    assert_eq!(orbite_peer_import_range(p, b"ORBR\x01\x00\x07".as_ptr(), 7, &mut rr), OrbiteStatus::VersionMismatch);
     let mut peer = OrbitePeer::default();
     assert_eq!(orbite_peer_open(e, b"junk".as_ptr(), 4, 100, &mut peer), OrbiteStatus::InvalidArgument);
     // A live child refuses the engine's release.

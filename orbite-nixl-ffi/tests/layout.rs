@@ -45,7 +45,7 @@ fn rust_layout() -> BTreeSet<String> {
     );
     layout!(
         s,
-        OrbiteEngineOptions { size, version, abi_major, reserved, required_features, config_json, config_json_len }
+        OrbiteEngineOptions { size, version, abi_major, flags, required_features, config_json, config_json_len }
     );
     layout!(
         s,

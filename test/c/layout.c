@@ -57,7 +57,7 @@ _Static_assert(sizeof(OrbiteStatus) == 4, "OrbiteStatus is 32 bits");
     F(OrbiteEngineOptions, size, 0)               \
     F(OrbiteEngineOptions, version, 4)            \
     F(OrbiteEngineOptions, abi_major, 8)          \
-    F(OrbiteEngineOptions, reserved, 12)          \
+    F(OrbiteEngineOptions, flags, 12)             \
     F(OrbiteEngineOptions, required_features, 16) \
     F(OrbiteEngineOptions, config_json, 24)       \
     F(OrbiteEngineOptions, config_json_len, 32)   \

@@ -74,8 +74,13 @@ pub(crate) struct EngineInner {
     epoch: u64,
     next_borrow: AtomicU64,
     boot_id: [u8; 16],
-    endpoint: OnceLock<String>,
+    /// What peers dial (set once the listener is bound).
+    endpoint: OnceLock<crate::endpoint::Advertised>,
+    /// Where the listener is bound.
+    bound: OnceLock<std::net::SocketAddr>,
     server: Mutex<Option<Server>>,
+    /// Peers watching this engine's registrations (listening engines).
+    watchers: OnceLock<Arc<crate::transport::tcp::Watchers>>,
     /// The latest opened peer per endpoint (the current epoch there).
     peers: Mutex<HashMap<String, Weak<Peer>>>,
     all_peers: Mutex<Vec<Weak<Peer>>>,
@@ -101,6 +106,14 @@ fn new_epoch() -> u64 {
 impl EngineInner {
     fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
+    }
+
+    /// Tells watching peers the registry's current version.
+    fn announce_registry(&self) {
+        if let Some(w) = self.watchers.get() {
+            let version = self.registry.lock().version();
+            w.changed(version);
+        }
     }
 
     fn remember_active(&self, t: &Arc<TransferShared>) {
@@ -412,7 +425,9 @@ impl TransferEngine {
             next_borrow: AtomicU64::new(1),
             boot_id: crate::segment::local_boot_id(),
             endpoint: OnceLock::new(),
+            bound: OnceLock::new(),
             server: Mutex::new(None),
+            watchers: OnceLock::new(),
             peers: Mutex::new(HashMap::new()),
             all_peers: Mutex::new(Vec::new()),
             notifications: Mutex::new(std::collections::VecDeque::new()),
@@ -428,7 +443,10 @@ impl TransferEngine {
             let side: Weak<dyn crate::transport::tcp::TargetSide> = Arc::downgrade(&inner) as _;
             let server =
                 Server::start(&bind, side).map_err(|e| Error::System(format!("cannot listen on {bind}: {e}")))?;
-            let _ = inner.endpoint.set(server.local_addr().to_string());
+            let bound = server.local_addr();
+            let _ = inner.watchers.set(server.watchers());
+            let _ = inner.bound.set(bound);
+            let _ = inner.endpoint.set(crate::endpoint::advertise(bound, inner.config.advertise.as_deref()));
             *inner.server.lock() = Some(server);
             use crate::transport::inbox::{CAPACITY, HEADER, Inbox};
             let mem =
@@ -500,7 +518,9 @@ impl TransferEngine {
         if inner.is_closed() {
             return Err(Error::Closed);
         }
-        inner.registry.register(ranges, &inner.counters, &inner.config)
+        let ids = inner.registry.register(ranges, &inner.counters, &inner.config)?;
+        inner.announce_registry();
+        Ok(ids)
     }
 
     /// Deregisters: fences new prepares and posts at once; the owner and
@@ -509,6 +529,9 @@ impl TransferEngine {
     pub fn deregister(&self, id: RegistrationId) -> Result<(), Error> {
         let inner = self.inner();
         inner.registry.deregister(id, &inner.counters)?;
+        // Peers watching our registrations hear of it before this returns,
+        // so before any metadata the caller sends afterwards.
+        inner.announce_registry();
         // Same-host borrowers copy without asking us: tell them to ask again
         // (their next post re-borrows, which a fenced range refuses).
         if let Some((_, inbox)) = inner.inbox.get() {
@@ -569,6 +592,15 @@ impl TransferEngine {
                 if let Some(e) = seg.peer.refusal() {
                     return Err(e.into());
                 }
+                // A registration the view lacks may have been made after
+                // the peer was opened: ask the peer once before refusing.
+                let unknown = {
+                    let v = seg.peer.view();
+                    spec.remote.iter().any(|d| v.segment.get(d.registration.to_raw()).is_none())
+                };
+                if unknown || seg.peer.view_is_behind() {
+                    let _ = inner.refresh(&seg.peer);
+                }
                 let policy = spec.options.route.unwrap_or(inner.config.route);
                 let route = inner.choose_route(&seg.peer, policy, spec.remote)?;
                 (PlanTarget::Peer(seg.peer.clone()), route)
@@ -586,19 +618,20 @@ impl TransferEngine {
                 (PlanTarget::File(entry.clone()), RouteChoice { route: Route::File, reason: "local file".into() })
             }
         };
+        let view = match &target {
+            PlanTarget::Peer(p) => Some(p.view()),
+            PlanTarget::Loopback | PlanTarget::File(_) => None,
+        };
         let (mut plan, loans) = {
-            let shm_base = |r: &crate::segment::ExportedRegistration| match &target {
-                PlanTarget::Peer(p) => p.shm_base(r),
-                PlanTarget::Loopback | PlanTarget::File(_) => None,
-            };
-            let remote_side = match &target {
-                PlanTarget::Loopback => plan::RemoteSide::Loopback,
-                PlanTarget::File(f) => {
+            let shm_base = |r: &crate::segment::ExportedRegistration| view.as_ref().and_then(|v| v.shm_base(r));
+            let remote_side = match (&target, &view) {
+                (PlanTarget::Peer(_), Some(v)) => {
+                    plan::RemoteSide::Peer { regs: v.segment.registrations(), route: route.route, shm_base: &shm_base }
+                }
+                (PlanTarget::File(f), _) => {
                     plan::RemoteSide::File { writable: f.mode() == crate::file::FileMode::ReadWrite }
                 }
-                PlanTarget::Peer(p) => {
-                    plan::RemoteSide::Peer { regs: &p.regs, route: route.route, shm_base: &shm_base }
-                }
+                _ => plan::RemoteSide::Loopback,
             };
             let table = inner.registry.lock();
             plan::build(spec, remote_side, &table, &inner.config)?
@@ -614,10 +647,15 @@ impl TransferEngine {
                 plan.program.cma_pid = Some(p.pid);
             }
         }
-        let mut remote_ids: Vec<u64> = match target {
-            PlanTarget::Peer(_) => spec.remote.iter().map(|d| d.registration.to_raw()).collect(),
-            PlanTarget::Loopback | PlanTarget::File(_) => Vec::new(),
+        let mut remote_ids: Vec<(u64, u64)> = match &view {
+            Some(v) => spec
+                .remote
+                .iter()
+                .filter_map(|d| v.segment.get(d.registration.to_raw()).map(|r| (r.id.to_raw(), r.len)))
+                .collect(),
+            None => Vec::new(),
         };
+        drop(view);
         remote_ids.sort_unstable();
         remote_ids.dedup();
         if plan.program.tasks.len() > u32::MAX as usize {
@@ -683,9 +721,20 @@ impl TransferEngine {
         self.inner().close(timeout)
     }
 
-    /// The endpoint peers connect to, if the engine listens.
+    /// The endpoint peers connect to (the advertised one), if the engine
+    /// listens.
     pub fn endpoint(&self) -> Option<String> {
-        self.inner().endpoint.get().cloned()
+        self.inner().endpoint.get().map(|a| a.endpoint.clone())
+    }
+
+    /// The advertised endpoint and how it was found, if the engine listens.
+    pub fn advertised(&self) -> Option<&crate::endpoint::Advertised> {
+        self.inner().endpoint.get()
+    }
+
+    /// The address the listener is bound to, if the engine listens.
+    pub fn listen_addr(&self) -> Option<std::net::SocketAddr> {
+        self.inner().bound.get().copied()
     }
 
     /// This engine's epoch: its identity for this run. A restarted engine
@@ -711,6 +760,49 @@ impl TransferEngine {
         timeout: Duration,
     ) -> Result<RemoteSegment, Error> {
         self.inner().open_segment(endpoint, expected_epoch, timeout)
+    }
+
+    /// Asks the peer what changed in its registrations since this engine's
+    /// view of it (one round trip per frame of changes, bounded by
+    /// `peer_timeout_ms`) and applies it: registrations it made since are
+    /// found, ones it removed are gone from the view. Prepared transfers
+    /// keep what they resolved. Prepare and the lookups below refresh on
+    /// their own when needed.
+    pub fn refresh_segment(&self, segment: &RemoteSegment) -> Result<(), Error> {
+        self.inner().refresh(&segment.peer)
+    }
+
+    /// The peer's registration covering `len` bytes at `addr` (an address
+    /// in the peer) that `accept`s. The view is refreshed first if the peer
+    /// announced changes, and once more if nothing covers the range; then
+    /// the range is refused with `PeerError::RangeNotRegistered`.
+    pub fn find_remote_registration(
+        &self,
+        segment: &RemoteSegment,
+        addr: u64,
+        len: u64,
+        accept: impl Fn(&crate::segment::ExportedRegistration) -> bool,
+    ) -> Result<crate::segment::ExportedRegistration, Error> {
+        self.inner().find_remote(&segment.peer, addr, len, &accept)
+    }
+
+    /// Remote descriptors for `(address, len)` ranges of the peer: each
+    /// names a registration covering it that permits `op`, resolved as in
+    /// [`Self::find_remote_registration`] (at most one more refresh for the
+    /// whole list).
+    pub fn resolve_remote_ranges(
+        &self,
+        segment: &RemoteSegment,
+        op: crate::Op,
+        ranges: &[(u64, u64)],
+    ) -> Result<Vec<crate::Desc>, Error> {
+        self.inner().resolve_remote(&segment.peer, op, ranges)
+    }
+
+    /// How a live registration of this engine is exported to peers (`None`
+    /// for a stale id or one peers may not target).
+    pub fn exported_registration(&self, id: RegistrationId) -> Option<crate::segment::ExportedRegistration> {
+        self.inner().registry.lock().export_one(id)
     }
 
     /// Fences new posts to the peer, waits up to `timeout` for admitted

@@ -4,18 +4,18 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use parking_lot::{Condvar, Mutex};
+use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard};
 
 use crate::charge::{Charge, Counter};
 use crate::engine::EngineInner;
 use crate::engine::transfer::RouteTask;
 use crate::error::{Error, PeerError, Resource};
 use crate::registry::{Registration, RegistrationId};
-use crate::segment::{ExportedRegistration, SegmentDescriptor};
+use crate::segment::{Delta, ExportedRegistration, SegmentDescriptor, SegmentView};
 use crate::transport::sock::iov;
-use crate::transport::tcp::{ControlJob, PeerFailure, PeerJob, PeerLink, TargetSide};
+use crate::transport::tcp::{ANNOUNCE_UNKNOWN, ControlDone, ControlJob, PeerFailure, PeerJob, PeerLink, TargetSide};
 use crate::wire::{Kind, Limits, NotifyEnvelope, RemoteStatus, Request};
 
 /// A notification received by this engine.
@@ -77,12 +77,36 @@ fn map_shared(name: &str) -> Result<ShmMapping, String> {
     Ok(ShmMapping { ptr: raw.cast(), len })
 }
 
+/// Maps every shared allocation `regs` name that `maps` lacks.
+fn map_new_shared(maps: &mut HashMap<String, Result<Arc<ShmMapping>, String>>, regs: &[ExportedRegistration]) {
+    for r in regs {
+        if let Some((name, _)) = &r.shm {
+            maps.entry(name.clone()).or_insert_with(|| map_shared(name).map(Arc::new));
+        }
+    }
+}
+
 /// How one peer's target ranges are reached from this process.
 pub(crate) struct SameHost {
-    /// Shared allocations of the peer, mapped here (or why not).
-    pub maps: HashMap<String, Result<Arc<ShmMapping>, String>>,
     /// Whether the kernel lets this process use CMA on the peer.
     pub cma: Result<(), String>,
+}
+
+/// This engine's current picture of one peer's registrations: its
+/// description at open, brought up to date by refreshes.
+pub(crate) struct PeerView {
+    pub segment: SegmentView,
+    /// For a same-host peer: its shared allocations mapped here (or why not).
+    pub maps: HashMap<String, Result<Arc<ShmMapping>, String>>,
+}
+
+impl PeerView {
+    /// Where a shared registration of the peer is mapped in this process.
+    pub fn shm_base(&self, r: &ExportedRegistration) -> Option<u64> {
+        let (name, offset) = r.shm.as_ref()?;
+        let map = self.maps.get(name)?.as_ref().ok()?;
+        (offset.checked_add(r.len)? <= map.len as u64).then(|| map.ptr as u64 + offset)
+    }
 }
 
 /// One opened peer epoch.
@@ -91,7 +115,12 @@ pub(crate) struct Peer {
     pub endpoint: String,
     pub epoch: u64,
     pub pid: i32,
-    pub regs: HashMap<u64, ExportedRegistration>,
+    /// The peer's registrations as this engine knows them. Prepare holds
+    /// the read lock while it resolves descriptors; a refresh takes the
+    /// write lock only to apply what the peer sent.
+    view: RwLock<PeerView>,
+    /// Serialises refreshes (never taken by posts or polls).
+    refresh_lock: Mutex<()>,
     /// `Err(why)` when the peer is not on this boot.
     pub same_host: Result<SameHost, String>,
     /// For a same-host peer: whether its process still runs.
@@ -168,12 +197,16 @@ impl Peer {
 }
 
 impl Peer {
-    /// Where a shared registration of the peer is mapped in this process.
-    pub fn shm_base(&self, r: &ExportedRegistration) -> Option<u64> {
-        let h = self.same_host.as_ref().ok()?;
-        let (name, offset) = r.shm.as_ref()?;
-        let map = h.maps.get(name)?.as_ref().ok()?;
-        (offset.checked_add(r.len)? <= map.len as u64).then(|| map.ptr as u64 + offset)
+    /// The current view of the peer's registrations.
+    pub fn view(&self) -> RwLockReadGuard<'_, PeerView> {
+        self.view.read()
+    }
+
+    /// True when the peer announced registry changes this view has not
+    /// seen (or can no longer announce them).
+    pub fn view_is_behind(&self) -> bool {
+        let announced = self.link.announced();
+        announced == ANNOUNCE_UNKNOWN || announced > self.view.read().segment.version
     }
 }
 
@@ -208,18 +241,33 @@ impl RemoteSegment {
     pub fn epoch(&self) -> u64 {
         self.peer.epoch
     }
-    /// The descriptor the peer described itself with.
+    /// The descriptor the peer described itself with when it was opened
+    /// (its registrations then; [`Self::registrations`] has the current
+    /// view).
     pub fn descriptor(&self) -> &SegmentDescriptor {
         &self.peer.link.descriptor
+    }
+
+    /// The peer's registrations as this engine currently knows them, and
+    /// the peer's registry version that view reflects.
+    pub fn registrations(&self) -> (Vec<ExportedRegistration>, u64) {
+        let v = self.peer.view();
+        (v.segment.registrations().values().cloned().collect(), v.segment.version)
     }
     /// Why the peer is lost, if it is.
     pub fn lost(&self) -> Option<String> {
         self.peer.link.lost()
     }
+
+    /// Whether new work may start: `Err` if the peer is lost, the segment
+    /// closed, or a newer epoch of the peer was opened.
+    pub fn usable(&self) -> Result<(), PeerError> {
+        self.peer.refusal().map_or(Ok(()), Err)
+    }
 }
 
 /// A one-shot answer slot for a synchronous peer call.
-type Reply = (Mutex<Option<Result<(), PeerFailure>>>, Condvar);
+type Reply = (Mutex<Option<Result<Vec<u8>, PeerFailure>>>, Condvar);
 
 pub(crate) type NotificationQueue = Mutex<VecDeque<(Notification, Charge)>>;
 
@@ -237,6 +285,7 @@ impl EngineInner {
         let opts = crate::transport::tcp::LinkOptions {
             connections: c.connections_per_peer,
             io_timeout: c.peer_timeout(),
+            min_rate: c.peer_min_bytes_per_s,
             spin: c.spin(),
             limits: self.limits(),
             max_descriptor: c.max_frame_body as usize,
@@ -247,9 +296,12 @@ impl EngineInner {
             OpenError::Protocol(m) => PeerError::Protocol(m),
             OpenError::EpochMismatch { expected, found } => PeerError::EpochMismatch { expected, found },
         })?;
-        let regs: HashMap<u64, ExportedRegistration> =
-            link.descriptor.registrations.iter().map(|r| (r.id.to_raw(), r.clone())).collect();
         let same_host = self.same_host(&link.descriptor);
+        let mut maps = HashMap::new();
+        if same_host.is_ok() {
+            map_new_shared(&mut maps, &link.descriptor.registrations);
+        }
+        let view = PeerView { segment: SegmentView::of(&link.descriptor), maps };
         let liveness =
             same_host.is_ok().then(|| crate::transport::cma::PeerLiveness::watch(link.descriptor.pid as i32));
         let inbox = match (&same_host, link.descriptor.inbox.as_str()) {
@@ -269,7 +321,8 @@ impl EngineInner {
             pid: link.descriptor.pid as i32,
             same_host,
             link,
-            regs,
+            view: RwLock::new(view),
+            refresh_lock: Mutex::new(()),
             state: Mutex::new(PeerState { close: None }),
             fenced: std::sync::atomic::AtomicBool::new(false),
             superseded_by: AtomicU64::new(0),
@@ -291,16 +344,10 @@ impl EngineInner {
         Ok(RemoteSegment { peer })
     }
 
-    /// Maps a same-boot peer's shared allocations and probes CMA.
+    /// Probes CMA on a same-boot peer.
     fn same_host(&self, d: &SegmentDescriptor) -> Result<SameHost, String> {
         if !d.same_boot(&self.boot_id) {
             return Err("peer is not on this boot".into());
-        }
-        let mut maps = HashMap::new();
-        for r in &d.registrations {
-            if let Some((name, _)) = &r.shm {
-                maps.entry(name.clone()).or_insert_with(|| map_shared(name).map(Arc::new));
-            }
         }
         let probe_at = d.registrations.iter().find(|r| r.permission.remote_read() && r.len > 0).map(|r| r.addr);
         #[cfg_attr(not(feature = "fault-injection"), allow(unused_mut))]
@@ -312,7 +359,139 @@ impl EngineInner {
         if self.deny_cma.load(Ordering::Acquire) {
             cma = Err("process_vm_readv denied (injected by a test)".into());
         }
-        Ok(SameHost { maps, cma })
+        Ok(SameHost { cma })
+    }
+
+    /// Brings `peer`'s view up to date: asks what changed after the
+    /// version it has (one round trip per page that fits a frame, bounded
+    /// by `peer_timeout_ms` in all) and applies it. Concurrent refreshes of
+    /// one peer wait for each other; no lock that posts or polls take is
+    /// held meanwhile.
+    pub(crate) fn refresh(&self, peer: &Arc<Peer>) -> Result<(), Error> {
+        if let Some(e) = peer.refusal() {
+            return Err(e.into());
+        }
+        let _one = peer.refresh_lock.lock();
+        let deadline = crate::time::deadline_after(self.config.peer_timeout());
+        loop {
+            let since = peer.view().segment.version;
+            let mut body = Vec::new();
+            let req = crate::wire::DescribeSince {
+                initiator_epoch: self.epoch,
+                expected_epoch: peer.epoch,
+                since,
+                max_reply: self.config.max_frame_body,
+            };
+            crate::wire::encode_describe_since(&mut body, &req);
+            let reply = self.call_until(peer, deadline, true, |done| {
+                PeerJob::Control(ControlJob { kind: Kind::DescribeSince, flags: 0, body, done })
+            })?;
+            let delta = Delta::decode(&reply).map_err(|e| PeerError::Protocol(e.to_string()))?;
+            let more = delta.more;
+            // Map the peer's new shared allocations before taking the
+            // write lock (opening and mapping files is I/O).
+            let mut maps = HashMap::new();
+            if peer.same_host.is_ok() {
+                let known = peer.view();
+                let fresh: Vec<ExportedRegistration> = delta
+                    .added
+                    .iter()
+                    .filter(|r| r.shm.as_ref().is_some_and(|(n, _)| !known.maps.contains_key(n)))
+                    .cloned()
+                    .collect();
+                drop(known);
+                map_new_shared(&mut maps, &fresh);
+            }
+            {
+                let mut v = peer.view.write();
+                if v.segment.version != since {
+                    return Err(PeerError::Protocol("the view moved during a refresh".into()).into());
+                }
+                v.segment.apply(delta).map_err(|e| PeerError::Protocol(e.to_string()))?;
+                for (name, m) in maps {
+                    v.maps.entry(name).or_insert(m);
+                }
+            }
+            if !more {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Refreshes `peer`'s view if the peer announced changes it lacks.
+    /// A failed refresh leaves the view as it was (what it names stays
+    /// checked by the peer itself).
+    pub(crate) fn refresh_if_behind(&self, peer: &Arc<Peer>) {
+        if peer.view_is_behind() {
+            let _ = self.refresh(peer);
+        }
+    }
+
+    /// The peer's registration covering `[addr, addr + len)` that
+    /// `accept`s: the view is refreshed first if the peer announced
+    /// changes, and once more if nothing covers the range.
+    pub(crate) fn find_remote(
+        &self,
+        peer: &Arc<Peer>,
+        addr: u64,
+        len: u64,
+        accept: &dyn Fn(&ExportedRegistration) -> bool,
+    ) -> Result<ExportedRegistration, Error> {
+        self.refresh_if_behind(peer);
+        if let Some(r) = peer.view().segment.find_range(addr, len, accept) {
+            return Ok(r.clone());
+        }
+        self.refresh(peer)?;
+        match peer.view().segment.find_range(addr, len, accept) {
+            Some(r) => Ok(r.clone()),
+            None => Err(PeerError::RangeNotRegistered { addr, len }.into()),
+        }
+    }
+
+    /// Remote descriptors for ranges named by their address in the peer:
+    /// each resolves to a registration covering it with the permission
+    /// `op` needs (the view refreshed as in [`Self::find_remote`], at most
+    /// once more for the whole list).
+    pub(crate) fn resolve_remote(
+        &self,
+        peer: &Arc<Peer>,
+        op: crate::Op,
+        ranges: &[(u64, u64)],
+    ) -> Result<Vec<crate::Desc>, Error> {
+        let allowed = |r: &ExportedRegistration| match op {
+            crate::Op::Write => r.permission.remote_write(),
+            crate::Op::Read => r.permission.remote_read(),
+        };
+        self.refresh_if_behind(peer);
+        let mut refreshed = false;
+        loop {
+            let view = peer.view();
+            let mut out = Vec::with_capacity(ranges.len());
+            let mut last: Option<&ExportedRegistration> = None;
+            let mut missing = None;
+            for &(addr, len) in ranges {
+                let end = addr.checked_add(len);
+                let hit = last.filter(|r| r.addr <= addr && end.is_some_and(|e| e <= r.addr + r.len));
+                let r = match hit.or_else(|| view.segment.find_range(addr, len, allowed)) {
+                    Some(r) => r,
+                    None => {
+                        missing = Some((addr, len));
+                        break;
+                    }
+                };
+                last = Some(r);
+                out.push(crate::Desc::new(r.id, addr - r.addr, len));
+            }
+            match missing {
+                None => return Ok(out),
+                Some((addr, len)) if refreshed => return Err(PeerError::RangeNotRegistered { addr, len }.into()),
+                Some(_) => {
+                    drop(view);
+                    self.refresh(peer)?;
+                    refreshed = true;
+                }
+            }
+        }
     }
 
     /// Picks the route of a peer transfer under `policy`, and resolves how
@@ -324,14 +503,15 @@ impl EngineInner {
         remote: &[crate::batch::Desc],
     ) -> Result<crate::batch::RouteChoice, PeerError> {
         use crate::batch::{Route, RouteChoice, RoutePolicy};
+        let view = peer.view();
         let shm = match &peer.same_host {
             Err(why) => Err(why.clone()),
-            Ok(h) => remote
+            Ok(_) => remote
                 .iter()
                 .try_for_each(|d| {
-                    let r = peer.regs.get(&d.registration.to_raw()).ok_or("names an unknown registration")?;
+                    let r = view.segment.get(d.registration.to_raw()).ok_or("names an unknown registration")?;
                     let (name, offset) = r.shm.as_ref().ok_or("not every target range is shared memory")?;
-                    let map = h
+                    let map = view
                         .maps
                         .get(name)
                         .ok_or("shared allocation not mapped")?
@@ -379,7 +559,7 @@ impl EngineInner {
     }
 
     pub(crate) fn own_endpoint(&self) -> String {
-        self.endpoint.get().cloned().unwrap_or_default()
+        self.endpoint.get().map(|a| a.endpoint.clone()).unwrap_or_default()
     }
 
     fn limits(&self) -> Limits {
@@ -468,12 +648,7 @@ impl EngineInner {
     }
 
     /// A notification frame for `peer`, answered through `done`.
-    pub(crate) fn notification_job(
-        &self,
-        peer: &Peer,
-        payload: &[u8],
-        done: Box<dyn FnOnce(Result<(), PeerFailure>) + Send>,
-    ) -> PeerJob<RouteTask> {
+    pub(crate) fn notification_job(&self, peer: &Peer, payload: &[u8], done: ControlDone) -> PeerJob<RouteTask> {
         let mut body = Vec::new();
         let own = self.own_endpoint();
         let env = NotifyEnvelope { sender_endpoint: &own, sender_epoch: self.epoch, target_epoch: peer.epoch, payload };
@@ -481,30 +656,46 @@ impl EngineInner {
         PeerJob::Control(ControlJob { kind: Kind::Notify, flags: 0, body, done })
     }
 
-    /// Sends one control frame to `peer` and waits for its answer (the
-    /// connection's I/O timeout bounds the wait).
-    fn call(
+    /// Sends one control frame to `peer` and waits for its answer, at most
+    /// `peer_timeout_ms`.
+    fn call(&self, peer: &Peer, make: impl FnOnce(ControlDone) -> PeerJob<RouteTask>) -> Result<Vec<u8>, PeerError> {
+        self.call_until(peer, crate::time::deadline_after(self.config.peer_timeout()), false, make)
+    }
+
+    /// Sends one control frame to `peer` (ahead of queued data tasks if
+    /// `first`) and waits for its answer until `deadline`. A late answer
+    /// is dropped; the request is not repeated.
+    fn call_until(
         &self,
         peer: &Peer,
-        make: impl FnOnce(Box<dyn FnOnce(Result<(), PeerFailure>) + Send>) -> PeerJob<RouteTask>,
-    ) -> Result<(), PeerError> {
+        deadline: Instant,
+        first: bool,
+        make: impl FnOnce(ControlDone) -> PeerJob<RouteTask>,
+    ) -> Result<Vec<u8>, PeerError> {
         let slot: Arc<Reply> = Arc::new((Mutex::new(None), Condvar::new()));
         let s2 = slot.clone();
-        peer.link.submit(make(Box::new(move |r| {
-            *s2.0.lock() = Some(r);
+        let job = make(Box::new(move |r| {
+            *s2.0.lock() = Some(r.map(<[u8]>::to_vec));
             s2.1.notify_all();
-        })));
-        let spin_until = std::time::Instant::now() + self.config.spin();
+        }));
+        if first {
+            peer.link.submit_first(job)
+        } else {
+            peer.link.submit(job)
+        }
+        let spin_until = Instant::now() + self.config.spin();
         let mut g = slot.0.lock();
         while g.is_none() {
-            if std::time::Instant::now() < spin_until {
+            if Instant::now() < spin_until {
                 parking_lot::MutexGuard::unlocked(&mut g, std::hint::spin_loop);
                 continue;
             }
-            slot.1.wait(&mut g);
+            if slot.1.wait_until(&mut g, deadline).timed_out() && g.is_none() {
+                return Err(PeerError::Timeout(format!("no answer within {} ms", self.config.peer_timeout_ms)));
+            }
         }
         match g.take() {
-            Some(Ok(())) => Ok(()),
+            Some(Ok(body)) => Ok(body),
             Some(Err(PeerFailure::Lost(why))) => Err(PeerError::Lost(why)),
             Some(Err(PeerFailure::Refused(status, detail))) => Err(PeerError::Refused { status, detail }),
             None => Err(PeerError::Lost("no answer".into())),
@@ -521,28 +712,30 @@ impl EngineInner {
         if self.notify_fast(&seg.peer, payload) {
             return Ok(());
         }
-        Ok(self.call(&seg.peer, |done| self.notification_job(&seg.peer, payload, done))?)
+        self.call(&seg.peer, |done| self.notification_job(&seg.peer, payload, done))?;
+        Ok(())
     }
 
     /// Asks `peer` to keep registrations `ids` alive for a one-sided route
     /// until the returned loan is dropped.
-    pub(crate) fn borrow(&self, peer: &Arc<Peer>, ids: &[u64], write: bool) -> Result<RemoteLoan, PeerError> {
+    pub(crate) fn borrow(&self, peer: &Arc<Peer>, ids: &[(u64, u64)], write: bool) -> Result<RemoteLoan, PeerError> {
         let id = self.next_borrow.fetch_add(1, Ordering::Relaxed) ^ self.epoch.rotate_left(32);
         let mut body = Vec::new();
         crate::wire::encode_borrow(
             &mut body,
             id,
             peer.epoch,
-            ids.iter().filter_map(|raw| {
-                peer.regs.get(raw).map(|r| crate::wire::RemoteDesc { registration: *raw, offset: 0, len: r.len })
-            }),
+            ids.iter().map(|&(raw, len)| crate::wire::RemoteDesc { registration: raw, offset: 0, len }),
         );
         let flags = if write { crate::wire::BORROW_WRITE } else { 0 };
         // Read before asking: a deregistration after this read either makes
         // the peer refuse the borrow or moves the count, so the next post
         // asks again.
         let fences = peer.fences();
-        self.call(peer, |done| PeerJob::Control(ControlJob { kind: Kind::Borrow, flags, body, done }))?;
+        let deadline = crate::time::deadline_after(self.config.peer_timeout());
+        self.call_until(peer, deadline, true, |done| {
+            PeerJob::Control(ControlJob { kind: Kind::Borrow, flags, body, done })
+        })?;
         Ok(RemoteLoan { peer: peer.clone(), id, fences })
     }
 }
@@ -578,6 +771,11 @@ impl Drop for RemoteLoan {
 impl TargetSide for EngineInner {
     fn epoch(&self) -> u64 {
         self.epoch
+    }
+
+    fn changes(&self, since: u64, budget: usize) -> Delta {
+        let c = self.registry.lock().changes_since(since, budget, crate::segment::entry_len);
+        Delta { version: c.version, reset: c.reset, more: c.more, removed: c.removed, added: c.added }
     }
 
     fn descriptor(&self) -> Vec<u8> {
@@ -652,10 +850,11 @@ impl TargetSide for EngineInner {
 
 impl EngineInner {
     pub(crate) fn segment_descriptor(&self) -> SegmentDescriptor {
-        let registrations = self.registry.exported().into_iter().filter(|r| r.permission.remote_read()).collect();
+        let (registrations, registry_version) = self.registry.lock().exported();
         SegmentDescriptor {
             endpoint: self.own_endpoint(),
             epoch: self.epoch,
+            registry_version,
             pid: std::process::id(),
             boot_id: self.boot_id,
             inbox: self.inbox.get().and_then(|(m, _)| m.shared_name()).unwrap_or_default().to_owned(),

@@ -51,9 +51,9 @@ pub(crate) struct TransferShared {
     pub plan: Plan,
     pub target: PlanTarget,
     pub route: crate::batch::RouteChoice,
-    /// Raw ids of the peer registrations the transfer names (one-sided
-    /// routes borrow them).
-    pub remote_ids: Vec<u64>,
+    /// Raw ids and lengths of the peer registrations the transfer names
+    /// (one-sided routes borrow them).
+    pub remote_ids: Vec<(u64, u64)>,
     pub cell: Mutex<Cell>,
     pub retired: Condvar,
     /// Retirements so far; lets `wait` poll briefly without the lock.
@@ -175,7 +175,7 @@ fn send_transfer_notification(engine: &Arc<EngineInner>, transfer: &Arc<Transfer
         PlanTarget::File(_) => notification_ended(engine, transfer, seq, false),
         PlanTarget::Peer(p) => {
             let (e, t) = (engine.clone(), transfer.clone());
-            let done = Box::new(move |r: Result<(), _>| notification_ended(&e, &t, seq, r.is_ok()));
+            let done = Box::new(move |r: Result<&[u8], _>| notification_ended(&e, &t, seq, r.is_ok()));
             p.link.submit(engine.notification_job(p, &payload, done));
         }
     }

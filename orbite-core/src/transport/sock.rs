@@ -20,14 +20,56 @@ pub(crate) fn iov(ptr: u64, len: u64) -> libc::iovec {
 /// One `readv` or `writev`.
 type VectoredCall = unsafe extern "C" fn(libc::c_int, *const libc::iovec, libc::c_int) -> libc::ssize_t;
 
+/// Bounds on how long an I/O may take, for sockets whose system calls
+/// time out (`SO_RCVTIMEO`/`SO_SNDTIMEO` set to a short tick): a call that
+/// times out is retried until no byte has moved for `stall`, or until
+/// `until` passes; then the I/O fails with `TimedOut`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Patience {
+    /// Longest time without a byte moving.
+    pub stall: std::time::Duration,
+    /// When the whole I/O must be done, if ever.
+    pub until: Option<std::time::Instant>,
+}
+
+impl Patience {
+    /// Checks the bounds after a call moved nothing (`last`: when a byte
+    /// last moved).
+    fn check(&self, last: std::time::Instant) -> io::Result<()> {
+        let now = std::time::Instant::now();
+        if now.duration_since(last) >= self.stall {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("no sign of life for {} ms", self.stall.as_millis()),
+            ));
+        }
+        self.check_rate(now)
+    }
+
+    fn check_rate(&self, now: std::time::Instant) -> io::Result<()> {
+        if self.until.is_some_and(|u| now >= u) {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "slower than the minimum peer rate"));
+        }
+        Ok(())
+    }
+}
+
 /// Runs `call` until every byte of `iovs` moved (advancing them in place),
-/// retrying on `EINTR`; `done` counts the bytes moved, also on error.
+/// retrying on `EINTR`; `done` counts the bytes moved, also on error. With
+/// `patience`, calls that time out are retried within its bounds.
 ///
 /// # Safety
 /// Every entry must address memory valid for `call` (readable for writes,
 /// writable and unaliased for reads) for the whole call.
-unsafe fn vectored(fd: RawFd, iovs: &mut [libc::iovec], done: &mut u64, call: VectoredCall) -> io::Result<()> {
+unsafe fn vectored(
+    fd: RawFd,
+    iovs: &mut [libc::iovec],
+    done: &mut u64,
+    call: VectoredCall,
+    patience: Option<&Patience>,
+) -> io::Result<()> {
     let mut first = 0;
+    let mut last = std::time::Instant::now();
     while first < iovs.len() {
         if iovs[first].iov_len == 0 {
             first += 1;
@@ -39,16 +81,27 @@ unsafe fn vectored(fd: RawFd, iovs: &mut [libc::iovec], done: &mut u64, call: Ve
         let r = unsafe { call(fd, iovs[first..].as_ptr(), n as libc::c_int) };
         if r < 0 {
             let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
+            match (e.kind(), patience) {
+                (io::ErrorKind::Interrupted, _) => continue,
+                (io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut, Some(p)) => {
+                    p.check(last)?;
+                    continue;
+                }
+                _ => return Err(e),
             }
-            return Err(e);
         }
         if r == 0 {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the connection"));
         }
         *done += r as u64;
         advance(iovs, &mut first, r as usize);
+        if let Some(p) = patience {
+            // A trickling peer moves bytes but never finishes in time.
+            last = std::time::Instant::now();
+            if first < iovs.len() {
+                p.check_rate(last)?;
+            }
+        }
     }
     Ok(())
 }
@@ -59,9 +112,18 @@ unsafe fn vectored(fd: RawFd, iovs: &mut [libc::iovec], done: &mut u64, call: Ve
 /// Every entry must address memory readable for its length for the whole
 /// call (kept alive by range loans).
 pub(crate) unsafe fn writev_all(fd: RawFd, iovs: &mut [libc::iovec]) -> io::Result<()> {
+    // SAFETY: forwarded contract.
+    unsafe { writev_within(fd, iovs, None) }
+}
+
+/// [`writev_all`] within `patience` (a socket with a timeout tick).
+///
+/// # Safety
+/// As for [`writev_all`].
+pub(crate) unsafe fn writev_within(fd: RawFd, iovs: &mut [libc::iovec], patience: Option<&Patience>) -> io::Result<()> {
     let mut done = 0;
     // SAFETY: forwarded contract.
-    unsafe { vectored(fd, iovs, &mut done, libc::writev) }
+    unsafe { vectored(fd, iovs, &mut done, libc::writev, patience) }
 }
 
 /// Fills every byte of `iovs` from the socket; `done` counts the bytes that
@@ -72,7 +134,21 @@ pub(crate) unsafe fn writev_all(fd: RawFd, iovs: &mut [libc::iovec]) -> io::Resu
 /// call, which no Rust reference aliases.
 pub(crate) unsafe fn readv_all(fd: RawFd, iovs: &mut [libc::iovec], done: &mut u64) -> io::Result<()> {
     // SAFETY: forwarded contract.
-    unsafe { vectored(fd, iovs, done, libc::readv) }
+    unsafe { readv_within(fd, iovs, done, None) }
+}
+
+/// [`readv_all`] within `patience` (a socket with a timeout tick).
+///
+/// # Safety
+/// As for [`readv_all`].
+pub(crate) unsafe fn readv_within(
+    fd: RawFd,
+    iovs: &mut [libc::iovec],
+    done: &mut u64,
+    patience: Option<&Patience>,
+) -> io::Result<()> {
+    // SAFETY: forwarded contract.
+    unsafe { vectored(fd, iovs, done, libc::readv, patience) }
 }
 
 fn advance(iovs: &mut [libc::iovec], first: &mut usize, mut n: usize) {
@@ -92,10 +168,15 @@ fn advance(iovs: &mut [libc::iovec], first: &mut usize, mut n: usize) {
 
 /// Reads exactly `buf.len()` bytes into an ordinary buffer.
 pub(crate) fn read_exact(fd: RawFd, buf: &mut [u8]) -> io::Result<()> {
+    read_exact_within(fd, buf, None)
+}
+
+/// [`read_exact`] within `patience` (a socket with a timeout tick).
+pub(crate) fn read_exact_within(fd: RawFd, buf: &mut [u8], patience: Option<&Patience>) -> io::Result<()> {
     let mut v = [iov(buf.as_mut_ptr() as u64, buf.len() as u64)];
     let mut done = 0;
     // SAFETY: `buf` is an exclusive borrow valid for the call.
-    unsafe { readv_all(fd, &mut v, &mut done) }
+    unsafe { readv_within(fd, &mut v, &mut done, patience) }
 }
 
 /// Reads and discards `n` bytes (keeps a stream in sync after a refusal).

@@ -27,7 +27,9 @@ use crate::registry::Registration;
 use crate::segment::SegmentDescriptor;
 use crate::transport::CopyJob;
 use crate::transport::local::{claim, poll};
-use crate::transport::sock::{discard, iov, read_exact, readv_all, writev_all};
+use crate::transport::sock::{
+    Patience, discard, iov, read_exact, read_exact_within, readv_all, readv_within, writev_all, writev_within,
+};
 use crate::wire::{self, Header, Kind, Limits, NotifyEnvelope, RemoteDesc, RemoteStatus, Request, WireError};
 
 /// Borrows held for initiators of one-sided routes: id to (connection,
@@ -54,11 +56,98 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
     ) -> Result<(), (RemoteStatus, String)>;
     /// Queues a notification, or refuses it.
     fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)>;
+    /// What changed in the exported registrations after registry version
+    /// `since`, in at most `budget` encoded bytes.
+    fn changes(&self, since: u64, budget: usize) -> crate::segment::Delta;
     /// Frame limits.
     fn limits(&self) -> Limits;
     /// Test hook: blocks while remote requests are held (after their loans
     /// were taken, before any byte moves).
     fn remote_gate(&self) {}
+}
+
+/// Initiators waiting to hear that this engine's registrations changed
+/// (each on a watch connection of its own, one Watch at a time).
+pub(crate) struct Watchers {
+    state: Mutex<WatchState>,
+}
+
+struct WatchState {
+    /// The newest registry version announced.
+    version: u64,
+    armed: Vec<Armed>,
+}
+
+struct Armed {
+    conn: u64,
+    request: u64,
+    since: u64,
+    /// A duplicate of the connection's socket: writing to it stays safe
+    /// even after the serving thread closed its own.
+    stream: TcpStream,
+    epoch: u64,
+}
+
+impl Watchers {
+    fn new() -> Self {
+        Watchers { state: Mutex::new(WatchState { version: 0, armed: Vec::new() }) }
+    }
+
+    /// Arms a watch; returns the version to answer at once if it already
+    /// passed `since`.
+    fn arm(&self, conn: u64, request: u64, since: u64, epoch: u64, stream: &TcpStream) -> io::Result<Option<u64>> {
+        let mut st = self.state.lock();
+        if st.version > since {
+            return Ok(Some(st.version));
+        }
+        let stream = stream.try_clone()?;
+        st.armed.retain(|a| a.conn != conn);
+        st.armed.push(Armed { conn, request, since, stream, epoch });
+        Ok(None)
+    }
+
+    /// The registry reached `version`: answers every watch below it.
+    pub fn changed(&self, version: u64) {
+        let due: Vec<Armed> = {
+            let mut st = self.state.lock();
+            st.version = st.version.max(version);
+            let (due, keep) = std::mem::take(&mut st.armed).into_iter().partition(|a| a.since < version);
+            st.armed = keep;
+            due
+        };
+        for a in due {
+            let mut body = Vec::new();
+            wire::encode_watch(&mut body, a.epoch, version);
+            let hb = wire::encode_header(&wire::header(Kind::Changed, body.len(), 0, a.request));
+            let mut frame = hb.to_vec();
+            frame.extend_from_slice(&body);
+            // Never block the registering thread: one small frame per armed
+            // watch always fits an idle socket; if not, the watcher is not
+            // reading and loses its connection.
+            // SAFETY: a live buffer of `frame.len()` bytes.
+            let n = unsafe {
+                libc::send(
+                    a.stream.as_raw_fd(),
+                    frame.as_ptr().cast(),
+                    frame.len(),
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+            if n != frame.len() as isize {
+                let _ = a.stream.shutdown(Shutdown::Both);
+            }
+        }
+    }
+
+    fn forget(&self, conn: u64) {
+        let gone: Vec<Armed> = {
+            let mut st = self.state.lock();
+            let (gone, keep) = std::mem::take(&mut st.armed).into_iter().partition(|a| a.conn == conn);
+            st.armed = keep;
+            gone
+        };
+        drop(gone);
+    }
 }
 
 /// The listening side.
@@ -68,6 +157,7 @@ pub(crate) struct Server {
     conns: Arc<Mutex<Vec<(u64, TcpStream)>>>,
     threads: Arc<Mutex<Vec<JoinHandle<()>>>>,
     accept: Mutex<Option<JoinHandle<()>>>,
+    watchers: Arc<Watchers>,
 }
 
 impl Server {
@@ -79,8 +169,9 @@ impl Server {
         let conns: Arc<Mutex<Vec<(u64, TcpStream)>>> = Arc::new(Mutex::new(Vec::new()));
         let borrows: Arc<BorrowTable> = Arc::new(Mutex::new(std::collections::HashMap::new()));
         let threads: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::new(Mutex::new(Vec::new()));
+        let watchers = Arc::new(Watchers::new());
         let accept = {
-            let (stop, conns, threads) = (stop.clone(), conns.clone(), threads.clone());
+            let (stop, conns, threads, watchers) = (stop.clone(), conns.clone(), threads.clone(), watchers.clone());
             std::thread::Builder::new().name("orbite-accept".into()).spawn(move || {
                 let mut next = 0u64;
                 for stream in listener.incoming() {
@@ -94,8 +185,10 @@ impl Server {
                     let id = next;
                     conns.lock().push((id, clone));
                     let (side, conns2, borrows) = (side.clone(), conns.clone(), borrows.clone());
+                    let watchers = watchers.clone();
                     let spawned = std::thread::Builder::new().name("orbite-serve".into()).spawn(move || {
-                        serve_connection(stream, &side, id, &borrows);
+                        serve_connection(stream, &side, id, &borrows, &watchers);
+                        watchers.forget(id);
                         conns2.lock().retain(|(i, _)| *i != id);
                         // The borrower is gone with its connection: give back
                         // its loans (dropped outside the lock).
@@ -119,7 +212,12 @@ impl Server {
                 }
             })?
         };
-        Ok(Server { addr, stop, conns, threads, accept: Mutex::new(Some(accept)) })
+        Ok(Server { addr, stop, conns, threads, accept: Mutex::new(Some(accept)), watchers })
+    }
+
+    /// Initiators watching this engine's registrations.
+    pub fn watchers(&self) -> Arc<Watchers> {
+        self.watchers.clone()
     }
 
     /// The bound address.
@@ -174,7 +272,13 @@ struct Scratch {
     discard: Vec<u8>,
 }
 
-fn serve_connection(stream: TcpStream, side: &Weak<dyn TargetSide>, conn: u64, borrows: &BorrowTable) {
+fn serve_connection(
+    stream: TcpStream,
+    side: &Weak<dyn TargetSide>,
+    conn: u64,
+    borrows: &BorrowTable,
+    watchers: &Watchers,
+) {
     let fd = stream.as_raw_fd();
     let mut s = Scratch { discard: vec![0u8; 64 * 1024], ..Scratch::default() };
     loop {
@@ -188,7 +292,11 @@ fn serve_connection(stream: TcpStream, side: &Weak<dyn TargetSide>, conn: u64, b
         if read_exact(fd, &mut s.body).is_err() {
             return;
         }
-        if serve_request(fd, &h, side.as_ref(), &mut s, conn, borrows).is_err() {
+        let served = match h.kind {
+            Kind::Watch => serve_watch(fd, &h, side.as_ref(), &mut s, conn, watchers, &stream),
+            _ => serve_request(fd, &h, side.as_ref(), &mut s, conn, borrows),
+        };
+        if served.is_err() {
             return; // malformed frame or broken connection: close this one only
         }
         s.loans.clear(); // range loans end after the bytes moved
@@ -222,6 +330,32 @@ fn send_frame(fd: i32, kind: Kind, request: u64, body: &[u8]) -> io::Result<()> 
 fn send_error(fd: i32, request: u64, out: &mut Vec<u8>, status: RemoteStatus, detail: &str) -> io::Result<()> {
     wire::encode_error(out, status, detail);
     send_frame(fd, Kind::Error, request, out)
+}
+
+/// A Watch: answered at once if the registry already moved past the
+/// version given, else when it does ([`Watchers::changed`]).
+fn serve_watch(
+    fd: i32,
+    h: &Header,
+    side: &dyn TargetSide,
+    s: &mut Scratch,
+    conn: u64,
+    watchers: &Watchers,
+    stream: &TcpStream,
+) -> Result<(), Close> {
+    let (epoch, since) = wire::decode_watch(&s.body)?;
+    if h.data_len != 0 {
+        return Err(Close::Malformed);
+    }
+    if epoch != side.epoch() {
+        let detail = format!("target epoch is {:#x}", side.epoch());
+        return Ok(send_error(fd, h.request, &mut s.out, RemoteStatus::EpochMismatch, &detail)?);
+    }
+    if let Some(version) = watchers.arm(conn, h.request, since, epoch, stream)? {
+        wire::encode_watch(&mut s.out, epoch, version);
+        send_frame(fd, Kind::Changed, h.request, &s.out)?;
+    }
+    Ok(())
 }
 
 fn serve_request(
@@ -272,6 +406,23 @@ fn serve_request(
             let ended = borrows.lock().remove(&borrow_id);
             drop(ended);
             send_frame(fd, Kind::ReturnAck, h.request, &[])?;
+        }
+        Kind::DescribeSince => {
+            let d = wire::decode_describe_since(&s.body)?;
+            if h.data_len != 0 {
+                return Err(Close::Malformed);
+            }
+            let budget =
+                (d.max_reply.min(side.limits().max_body as u64) as usize).saturating_sub(crate::segment::DELTA_HEADER);
+            if d.expected_epoch != 0 && d.expected_epoch != side.epoch() {
+                let detail = format!("target epoch is {:#x}", side.epoch());
+                send_error(fd, h.request, &mut s.out, RemoteStatus::EpochMismatch, &detail)?;
+            } else if budget < 1024 {
+                send_error(fd, h.request, &mut s.out, RemoteStatus::BadLength, "replies must allow 1 KiB")?;
+            } else {
+                let delta = side.changes(d.since, budget).to_bytes();
+                send_frame(fd, Kind::DescribeDelta, h.request, &delta)?;
+            }
         }
         Kind::Describe => {
             wire::decode_describe(&s.body)?;
@@ -343,7 +494,10 @@ fn serve_request(
         | Kind::NotifyAck
         | Kind::Error
         | Kind::BorrowAck
-        | Kind::ReturnAck => {
+        | Kind::ReturnAck
+        | Kind::DescribeDelta
+        | Kind::Changed
+        | Kind::Watch => {
             return Err(Close::Malformed);
         }
     }
@@ -359,13 +513,17 @@ pub(crate) enum PeerFailure {
     Refused(RemoteStatus, String),
 }
 
-/// A control request for a peer (a notification, a borrow or a return):
-/// one frame with an encoded body, answered by one acknowledgement.
+/// What a control request hears back: the reply's body (empty for an
+/// acknowledgement), or why there is none.
+pub(crate) type ControlDone = Box<dyn FnOnce(Result<&[u8], PeerFailure>) + Send>;
+
+/// A control request for a peer (a notification, a borrow or a return, a
+/// refresh): one frame with an encoded body, answered by one reply.
 pub(crate) struct ControlJob {
     pub kind: Kind,
     pub flags: u8,
     pub body: Vec<u8>,
-    pub done: Box<dyn FnOnce(Result<(), PeerFailure>) + Send>,
+    pub done: ControlDone,
 }
 
 impl ControlJob {
@@ -373,6 +531,7 @@ impl ControlJob {
         match self.kind {
             Kind::Borrow => Kind::BorrowAck,
             Kind::Return => Kind::ReturnAck,
+            Kind::DescribeSince => Kind::DescribeDelta,
             _ => Kind::NotifyAck,
         }
     }
@@ -393,10 +552,29 @@ struct LinkQueue<J> {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct LinkOptions {
     pub connections: u32,
+    /// Longest silence of a peer while a request is outstanding.
     pub io_timeout: Duration,
+    /// Slowest accepted peer, bytes per second (0: no rate bound).
+    pub min_rate: u64,
     pub spin: Duration,
     pub limits: Limits,
     pub max_descriptor: usize,
+}
+
+impl LinkOptions {
+    /// How often a blocked system call wakes up to check its bounds.
+    fn tick(&self) -> Duration {
+        (self.io_timeout / 8).clamp(Duration::from_millis(1), Duration::from_millis(100))
+    }
+
+    /// The bounds of an I/O that moves `bytes`, starting now.
+    fn patience(&self, bytes: u64) -> Patience {
+        let until = match self.min_rate {
+            0 => None,
+            rate => Instant::now().checked_add(self.io_timeout + Duration::from_secs_f64(bytes as f64 / rate as f64)),
+        };
+        Patience { stall: self.io_timeout, until }
+    }
 }
 
 /// Errors of opening a link.
@@ -420,7 +598,16 @@ pub(crate) struct PeerLink<J> {
     next_request: AtomicU64,
     spinner: AtomicBool,
     lost_flag: AtomicBool,
+    /// The newest registry version the peer announced on the watch
+    /// connection; `u64::MAX` once that connection is gone (nothing is
+    /// announced any more, so every lookup must ask).
+    announced: AtomicU64,
+    /// The watch connection (shut down to stop its worker).
+    watch: Mutex<Option<TcpStream>>,
 }
+
+/// `PeerLink::announced` once the watch connection is gone.
+pub(crate) const ANNOUNCE_UNKNOWN: u64 = u64::MAX;
 
 impl<J: CopyJob> PeerLink<J> {
     /// Connects, runs the authoritative Describe exchange, checks the epoch
@@ -438,28 +625,37 @@ impl<J: CopyJob> PeerLink<J> {
             .map_err(|e| OpenError::Connect(format!("{endpoint}: {e}")))?
             .next()
             .ok_or_else(|| OpenError::Connect(format!("{endpoint}: no address")))?;
+        let tick = opts.tick();
         let connect = || -> Result<TcpStream, OpenError> {
             let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
             let s =
                 TcpStream::connect_timeout(&addr, left).map_err(|e| OpenError::Connect(format!("{endpoint}: {e}")))?;
             tune(&s);
-            s.set_read_timeout(Some(opts.io_timeout)).map_err(|e| OpenError::Connect(e.to_string()))?;
-            s.set_write_timeout(Some(opts.io_timeout)).map_err(|e| OpenError::Connect(e.to_string()))?;
+            // System calls wake up every tick to check their bounds: a
+            // silent or trickling peer is found however it stalls.
+            s.set_read_timeout(Some(tick)).map_err(|e| OpenError::Connect(e.to_string()))?;
+            s.set_write_timeout(Some(tick)).map_err(|e| OpenError::Connect(e.to_string()))?;
             Ok(s)
         };
+        // The whole exchange is bounded by the caller's timeout, however
+        // slowly the peer answers.
+        let open_patience = Patience { stall: opts.io_timeout.min(timeout), until: Some(deadline) };
         let first = connect()?;
         let fd = first.as_raw_fd();
         let mut body = Vec::new();
         wire::encode_describe(&mut body, my_epoch, expected_epoch.unwrap_or(0));
-        send_frame(fd, Kind::Describe, 1, &body).map_err(|e| OpenError::Connect(e.to_string()))?;
+        let hb = wire::encode_header(&wire::header(Kind::Describe, body.len(), 0, 1));
+        let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
+        // SAFETY: both entries borrow live local buffers for the call.
+        unsafe { writev_within(fd, &mut v, Some(&open_patience)) }.map_err(|e| OpenError::Connect(e.to_string()))?;
         let mut hb = [0u8; wire::HEADER_LEN];
-        read_exact(fd, &mut hb).map_err(|e| OpenError::Connect(e.to_string()))?;
+        read_exact_within(fd, &mut hb, Some(&open_patience)).map_err(|e| OpenError::Connect(e.to_string()))?;
         let h = wire::decode_header(&hb, opts.limits).map_err(|e| OpenError::Protocol(e.to_string()))?;
         if h.kind != Kind::DescribeReply || h.data_len != 0 || h.request != 1 {
             return Err(OpenError::Protocol(format!("unexpected {:?} reply to describe", h.kind)));
         }
         body.resize(h.body_len as usize, 0);
-        read_exact(fd, &mut body).map_err(|e| OpenError::Connect(e.to_string()))?;
+        read_exact_within(fd, &mut body, Some(&open_patience)).map_err(|e| OpenError::Connect(e.to_string()))?;
         let descriptor =
             SegmentDescriptor::decode(&body, opts.max_descriptor).map_err(|e| OpenError::Protocol(e.to_string()))?;
         if let Some(expected) = expected_epoch {
@@ -471,6 +667,11 @@ impl<J: CopyJob> PeerLink<J> {
         for _ in 1..opts.connections.max(1) {
             streams.push(connect()?);
         }
+        let watch = connect()?;
+        // The watch connection waits for announcements without a bound:
+        // idle means idle. Losing the peer shuts it down.
+        watch.set_read_timeout(None).map_err(|e| OpenError::Connect(e.to_string()))?;
+        let since = descriptor.registry_version;
         let link = Arc::new(PeerLink {
             descriptor,
             queue: Mutex::new(LinkQueue { jobs: VecDeque::new(), lost: None, closing: false }),
@@ -482,6 +683,8 @@ impl<J: CopyJob> PeerLink<J> {
             next_request: AtomicU64::new(2),
             spinner: AtomicBool::new(false),
             lost_flag: AtomicBool::new(false),
+            announced: AtomicU64::new(since),
+            watch: Mutex::new(None),
         });
         for (i, s) in streams.into_iter().enumerate() {
             let clone = s.try_clone().map_err(|e| OpenError::Connect(e.to_string()))?;
@@ -493,7 +696,31 @@ impl<J: CopyJob> PeerLink<J> {
                 .map_err(|e| OpenError::Connect(e.to_string()))?;
             link.threads.lock().push(h);
         }
+        *link.watch.lock() = Some(watch.try_clone().map_err(|e| OpenError::Connect(e.to_string()))?);
+        let l = link.clone();
+        let h = std::thread::Builder::new()
+            .name("orbite-watch".into())
+            .spawn(move || watch_worker(&l, watch, since))
+            .map_err(|e| OpenError::Connect(e.to_string()))?;
+        link.threads.lock().push(h);
         Ok(link)
+    }
+
+    /// The newest registry version the peer announced
+    /// ([`ANNOUNCE_UNKNOWN`] when it can no longer announce).
+    pub fn announced(&self) -> u64 {
+        self.announced.load(Ordering::Acquire)
+    }
+
+    /// Queues a control-plane job ahead of queued data tasks (a refresh, a
+    /// borrow): it waits for at most one task per connection.
+    pub fn submit_first(&self, job: PeerJob<J>) {
+        {
+            let mut q = self.queue.lock();
+            q.jobs.push_front(job);
+            self.pending.fetch_add(1, Ordering::AcqRel);
+        }
+        self.ready.notify_one();
     }
 
     /// Queues a job. Never runs it inline (callers may hold engine locks).
@@ -534,12 +761,19 @@ impl<J: CopyJob> PeerLink<J> {
         for s in self.streams.lock().iter() {
             let _ = s.shutdown(Shutdown::Both);
         }
+        if let Some(w) = self.watch.lock().as_ref() {
+            let _ = w.shutdown(Shutdown::Both);
+        }
     }
 
     /// Closes the connections once the queue is empty and joins workers.
     pub fn close(&self) {
         self.queue.lock().closing = true;
         self.ready.notify_all();
+        // The watch worker blocks in a read without a bound: end it first.
+        if let Some(w) = self.watch.lock().take() {
+            let _ = w.shutdown(Shutdown::Both);
+        }
         let threads = std::mem::take(&mut *self.threads.lock());
         let me = std::thread::current().id();
         for t in threads {
@@ -625,7 +859,7 @@ fn connection_worker<J: CopyJob>(link: &PeerLink<J>, stream: TcpStream) {
                         continue;
                     }
                 },
-                PeerJob::Control(n) => match send_control(fd, &n, id) {
+                PeerJob::Control(n) => match send_control(fd, link, &n, id) {
                     Ok(()) => Sent::Control(n, id),
                     Err(why) => {
                         link.mark_lost(why.clone());
@@ -650,11 +884,42 @@ fn connection_worker<J: CopyJob>(link: &PeerLink<J>, stream: TcpStream) {
                 if let Err(PeerFailure::Lost(why)) = &result {
                     link.mark_lost(why.clone());
                 }
-                (n.done)(result);
+                (n.done)(result.map(|()| &s.body[..]));
             }
         }
     }
     drop(stream);
+}
+
+/// The watch connection: one Watch at a time, answered by the peer when
+/// its registry version passes the one given. Records what the peer
+/// announces; never decides that the peer is lost (the data connections
+/// do), and blocks without a bound while nothing changes.
+fn watch_worker<J: CopyJob>(link: &PeerLink<J>, stream: TcpStream, mut since: u64) {
+    let fd = stream.as_raw_fd();
+    let epoch = link.descriptor.epoch;
+    let mut body = Vec::new();
+    let mut hb = [0u8; wire::HEADER_LEN];
+    for request in 1u64.. {
+        wire::encode_watch(&mut body, epoch, since);
+        if send_frame(fd, Kind::Watch, request, &body).is_err() || read_exact(fd, &mut hb).is_err() {
+            break;
+        }
+        let Ok(h) = wire::decode_header(&hb, link.opts.limits) else { break };
+        body.resize(h.body_len as usize, 0);
+        if h.request != request || h.kind != Kind::Changed || h.data_len != 0 || read_exact(fd, &mut body).is_err() {
+            break;
+        }
+        match wire::decode_watch(&body) {
+            Ok((e, version)) if e == epoch && version > since => {
+                since = version;
+                link.announced.fetch_max(version, Ordering::AcqRel);
+            }
+            _ => break,
+        }
+    }
+    // Nothing more will be announced: lookups must ask the peer.
+    link.announced.store(ANNOUNCE_UNKNOWN, Ordering::Release);
 }
 
 /// A job that was never put on the wire: nothing moved, effect known.
@@ -668,16 +933,23 @@ fn fail_unsent<J: CopyJob>(job: PeerJob<J>, why: String) {
     }
 }
 
-/// Reads a reply header; protocol violations count as a lost peer.
-fn read_reply(fd: i32, link: &PeerLink<impl CopyJob>, id: u64, s: &mut Scratch) -> Result<Header, String> {
+/// Reads a reply header and body within `patience`; protocol violations
+/// count as a lost peer.
+fn read_reply(
+    fd: i32,
+    link: &PeerLink<impl CopyJob>,
+    id: u64,
+    s: &mut Scratch,
+    patience: &Patience,
+) -> Result<Header, String> {
     let mut hb = [0u8; wire::HEADER_LEN];
-    read_exact(fd, &mut hb).map_err(|e| format!("connection lost: {e}"))?;
+    read_exact_within(fd, &mut hb, Some(patience)).map_err(|e| format!("connection lost: {e}"))?;
     let h = wire::decode_header(&hb, link.opts.limits).map_err(|e| format!("protocol violation: {e}"))?;
     if h.request != id {
         return Err(format!("reply to request {} while {id} was outstanding", h.request));
     }
     s.body.resize(h.body_len as usize, 0);
-    read_exact(fd, &mut s.body).map_err(|e| format!("connection lost: {e}"))?;
+    read_exact_within(fd, &mut s.body, Some(patience)).map_err(|e| format!("connection lost: {e}"))?;
     Ok(h)
 }
 
@@ -699,9 +971,10 @@ fn send_task<J: CopyJob>(fd: i32, link: &PeerLink<J>, j: &J, id: u64, s: &mut Sc
     if op == Op::Write {
         s.iovs.extend(spans.iter().map(|sp| iov(sp.local, sp.len)));
     }
+    let patience = link.opts.patience(data + s.out.len() as u64);
     // SAFETY: header and body are live locals; span addresses are kept
     // valid by the job's range loans (CopyJob contract).
-    unsafe { writev_all(fd, &mut s.iovs) }.map_err(|e| format!("connection lost: {e}"))
+    unsafe { writev_within(fd, &mut s.iovs, Some(&patience)) }.map_err(|e| format!("connection lost: {e}"))
 }
 
 /// Reads the reply of a sent task and lands a READ's bytes.
@@ -719,7 +992,10 @@ fn complete_task<J: CopyJob>(
         // Some payload may have landed: the effect cannot be known.
         (TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: op == Op::Write } }, Some(why))
     };
-    let h = match read_reply(fd, link, id, s) {
+    // The reply starts now (an earlier reply on this connection is done):
+    // it must come within the peer timeout and at the minimum rate.
+    let patience = link.opts.patience(if op == Op::Read { planned } else { 0 });
+    let h = match read_reply(fd, link, id, s, &patience) {
         Ok(h) => h,
         Err(why) => return unknown(why),
     };
@@ -738,7 +1014,7 @@ fn complete_task<J: CopyJob>(
             let mut done = 0;
             // SAFETY: local span addresses are valid and retained (CopyJob
             // contract); nothing else writes them during the task.
-            match unsafe { readv_all(fd, &mut s.iovs, &mut done) } {
+            match unsafe { readv_within(fd, &mut s.iovs, &mut done, Some(&patience)) } {
                 Ok(()) => (TaskReport { planned, done, end: TaskEnd::Complete }, None),
                 // Exactly `done` bytes landed locally; a READ has no remote effect.
                 Err(e) => (
@@ -751,13 +1027,14 @@ fn complete_task<J: CopyJob>(
     }
 }
 
-fn send_control(fd: i32, n: &ControlJob, id: u64) -> Result<(), String> {
+fn send_control<J: CopyJob>(fd: i32, link: &PeerLink<J>, n: &ControlJob, id: u64) -> Result<(), String> {
     let mut h = wire::header(n.kind, n.body.len(), 0, id);
     h.flags = n.flags;
     let hb = wire::encode_header(&h);
     let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(n.body.as_ptr() as u64, n.body.len() as u64)];
+    let patience = link.opts.patience(n.body.len() as u64);
     // SAFETY: both entries borrow live buffers for the call.
-    unsafe { writev_all(fd, &mut v) }.map_err(|e| format!("connection lost: {e}"))
+    unsafe { writev_within(fd, &mut v, Some(&patience)) }.map_err(|e| format!("connection lost: {e}"))
 }
 
 fn complete_control<J: CopyJob>(
@@ -767,9 +1044,10 @@ fn complete_control<J: CopyJob>(
     id: u64,
     s: &mut Scratch,
 ) -> Result<(), PeerFailure> {
-    let h = read_reply(fd, link, id, s).map_err(PeerFailure::Lost)?;
+    let patience = link.opts.patience(link.opts.limits.max_body as u64);
+    let h = read_reply(fd, link, id, s, &patience).map_err(PeerFailure::Lost)?;
     match h.kind {
-        k if k == expected => Ok(()),
+        k if k == expected && h.data_len == 0 => Ok(()),
         Kind::Error => match wire::decode_error(&s.body) {
             Ok((status, detail)) => Err(PeerFailure::Refused(status, detail)),
             Err(e) => Err(PeerFailure::Lost(format!("protocol violation: {e}"))),

@@ -2,9 +2,11 @@
 //!
 //! `orbite bench` measures the engine on this machine against in-run
 //! references (see `docs/bench.md`); `orbite copy` runs one local transfer
-//! and says what it moved and how fast.
+//! and says what it moved and how fast; `orbite info` says what an engine
+//! created for a deployment would listen on and advertise.
 
 mod bench;
+mod info;
 mod measure;
 mod rig;
 mod sessions;
@@ -23,6 +25,11 @@ commands:
           --quick               short run (under 30 s)
           --config JSON         engine configuration fields to use (both sides)
           --json                print only JSON lines on stdout
+  info    what an engine created as the NIXL backend creates it would
+          listen on, advertise and offer on this host (it starts one)
+          --config JSON|@FILE   the configuration (default: $ORBITE_CONFIG,
+                                a JSON object or @file; unset: defaults)
+          --json                one JSON object instead of text
   copy    run one local transfer and print what moved and how fast
           --bytes N             bytes to move (default 268435456)
           --block N             descriptor size in bytes (default 1048576)
@@ -34,6 +41,7 @@ fn main() -> ExitCode {
     let result = match args.first().map(String::as_str) {
         None | Some("bench") => bench::BenchArgs::parse(args.get(1..).unwrap_or(&[])).and_then(bench::run),
         Some("copy") => copy(&args[1..]),
+        Some("info") => info::InfoArgs::parse(&args[1..]).and_then(info::run),
         Some("bench-target") => rig::serve_target(),
         Some("help" | "-h" | "--help") => {
             print!("{USAGE}");

@@ -1,0 +1,128 @@
+//! `orbite info`: what an engine created for a deployment (the NIXL
+//! backend's way) would listen on and advertise, and which same-host
+//! routes it would offer. It starts that engine for real, reads what it
+//! bound and advertises, and closes it: an operator's check of a host.
+
+use orbite_core::config::{ConfigDocument, ConfigOrigin};
+use orbite_core::endpoint::{ALL_INTERFACES, AdvertiseSource};
+use orbite_core::{EngineConfig, TransferEngine};
+
+pub(crate) struct InfoArgs {
+    config: Option<String>,
+    json: bool,
+}
+
+impl InfoArgs {
+    pub fn parse(args: &[String]) -> Result<Self, String> {
+        let mut out = InfoArgs { config: None, json: false };
+        let mut it = args.iter();
+        while let Some(a) = it.next() {
+            match a.as_str() {
+                "--config" => {
+                    let v = it.next().ok_or("--config needs a value")?;
+                    out.config = Some(match v.strip_prefix('@') {
+                        Some(path) => std::fs::read_to_string(path).map_err(|e| format!("--config {v}: {e}"))?,
+                        None => v.clone(),
+                    });
+                }
+                "--json" => out.json = true,
+                other => return Err(format!("unknown option `{other}`")),
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Whether a same-host peer may use cross-memory attach on this process.
+fn cma_policy() -> (bool, String) {
+    match std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope") {
+        Err(_) => (true, "no Yama policy: processes of the same user may attach".into()),
+        Ok(v) => match v.trim() {
+            "0" => (true, "Yama ptrace_scope 0: processes of the same user may attach".into()),
+            "1" => (false, "Yama ptrace_scope 1: only ancestors may attach (CMA between peers falls back)".into()),
+            s => (false, format!("Yama ptrace_scope {s}: attaching is restricted (CMA falls back)")),
+        },
+    }
+}
+
+fn json_str(s: &str) -> String {
+    serde_json::Value::String(s.to_owned()).to_string()
+}
+
+pub(crate) fn run(args: InfoArgs) -> Result<(), String> {
+    let doc = ConfigDocument::resolve(args.config.as_deref()).map_err(|e| e.to_string())?;
+    let mut config = EngineConfig::from_json(&doc.json).map_err(|e| e.to_string())?;
+    let configured_listen = config.listen.clone();
+    if config.listen.is_none() {
+        config.listen = Some(ALL_INTERFACES.into());
+    }
+    let engine = TransferEngine::new(config.clone()).map_err(|e| e.to_string())?;
+    let bound = engine.listen_addr().map(|a| a.to_string()).unwrap_or_default();
+    let advertised = engine.advertised().cloned();
+    let (endpoint, source, warning) = match &advertised {
+        Some(a) => (a.endpoint.clone(), a.source.to_string(), a.warning()),
+        None => (String::new(), String::new(), None),
+    };
+    let other_hosts = !matches!(advertised.as_ref().map(|a| &a.source), Some(AdvertiseSource::LoopbackFallback))
+        && !endpoint.starts_with("127.")
+        && !endpoint.starts_with("[::1]");
+    let boot = orbite_core::segment::local_boot_id();
+    let boot_known = boot != [0u8; 16];
+    let shm = engine.allocate_shm_memory(4096).map(drop);
+    let (cma, cma_why) = cma_policy();
+    let origin = match &doc.origin {
+        ConfigOrigin::Explicit => "--config".to_owned(),
+        o => o.to_string(),
+    };
+    let listen_text = match &configured_listen {
+        Some(l) => format!("{l} (configured)"),
+        None => format!("{ALL_INTERFACES} (the default: all interfaces, a free port)"),
+    };
+    let route = serde_json::to_value(config.route).map_err(|e| e.to_string())?;
+    let route = route.as_str().unwrap_or("auto").to_owned();
+    let allows = |r: &str| route == "auto" || route == r;
+    let shm_ok = boot_known && shm.is_ok() && allows("shm");
+    let shm_why = match (&shm, boot_known) {
+        _ if !allows("shm") => format!("route policy {route}"),
+        (_, false) => "the boot id is unknown, so no peer can be proven local".to_owned(),
+        (Ok(()), true) => "shared allocations under /dev/shm work".to_owned(),
+        (Err(e), true) => format!("cannot allocate under /dev/shm: {e}"),
+    };
+    let (cma, cma_why) = if allows("cma") { (cma, cma_why) } else { (false, format!("route policy {route}")) };
+    engine.close();
+    if args.json {
+        println!(
+            "{{\"config_origin\":{},\"listen\":{},\"bound\":{},\"advertise\":{},\"advertise_source\":{},\
+             \"other_hosts_can_connect\":{},\"warning\":{},\"route_policy\":{},\"same_host\":{{\"shm\":{},\
+             \"shm_reason\":{},\"cma\":{},\"cma_reason\":{}}},\"tcp\":true}}",
+            json_str(&origin),
+            json_str(configured_listen.as_deref().unwrap_or(ALL_INTERFACES)),
+            json_str(&bound),
+            json_str(&endpoint),
+            json_str(&source),
+            other_hosts,
+            warning.as_deref().map_or("null".into(), json_str),
+            json_str(&route),
+            shm_ok,
+            json_str(&shm_why),
+            cma && boot_known,
+            json_str(&cma_why),
+        );
+        return Ok(());
+    }
+    println!("configuration:   {origin}");
+    println!("listen:          {listen_text}");
+    println!("bound now:       {bound} (a port 0 listener gets a new port at every start)");
+    println!("advertise:       {endpoint} ({source})");
+    println!(
+        "other hosts:     {}",
+        if other_hosts { "can dial the advertised endpoint" } else { "cannot connect: only this host can" }
+    );
+    if let Some(w) = warning {
+        println!("warning:         {w}");
+    }
+    println!("route policy:    {route} (peers on other hosts: tcp)");
+    println!("same-host shm:   {} ({shm_why})", if shm_ok { "offered" } else { "not offered" });
+    println!("same-host cma:   {} ({cma_why})", if cma && boot_known { "offered" } else { "not offered" });
+    Ok(())
+}
