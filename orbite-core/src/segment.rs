@@ -12,7 +12,7 @@
 //! in pages that fit one frame. A [`SegmentView`] is an initiator's current
 //! picture of a peer: by id, and by address for range lookups.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use crate::memory::Permission;
 use crate::registry::RegistrationId;
@@ -247,8 +247,9 @@ pub struct SegmentView {
     /// The peer's registry version this view reflects.
     pub version: u64,
     regs: HashMap<u64, ExportedRegistration>,
-    /// (address, raw id): range lookups.
-    by_addr: BTreeMap<(u64, u64), ()>,
+    /// (address, raw id) of every registration, sorted: range lookups by
+    /// binary search; a refresh merges its changes in one pass.
+    by_addr: Vec<(u64, u64)>,
 }
 
 /// How far back a range lookup walks before it scans everything (overlaps
@@ -259,19 +260,16 @@ impl SegmentView {
     /// The view of a descriptor.
     pub fn of(d: &SegmentDescriptor) -> Self {
         let mut v = SegmentView { version: d.registry_version, ..SegmentView::default() };
+        v.regs.reserve(d.registrations.len());
         for r in &d.registrations {
-            v.insert(r.clone());
+            if let Some(old) = v.regs.insert(r.id.to_raw(), r.clone()) {
+                v.by_addr.retain(|k| *k != (old.addr, old.id.to_raw()));
+            }
+            v.by_addr.push((r.addr, r.id.to_raw()));
         }
+        v.by_addr.sort_unstable();
+        v.by_addr.dedup();
         v
-    }
-
-    fn insert(&mut self, r: ExportedRegistration) {
-        let raw = r.id.to_raw();
-        if let Some(old) = self.regs.insert(raw, r) {
-            self.by_addr.remove(&(old.addr, raw));
-        }
-        let addr = self.regs[&raw].addr;
-        self.by_addr.insert((addr, raw), ());
     }
 
     /// Applies one page of changes. A page that does not continue from
@@ -283,15 +281,34 @@ impl SegmentView {
         } else if d.version < self.version {
             return Err(WireError::Malformed("segment delta goes back in time"));
         }
+        let mut dead = Vec::new();
         for raw in d.removed {
             if let Some(old) = self.regs.remove(&raw) {
-                self.by_addr.remove(&(old.addr, raw));
+                dead.push((old.addr, raw));
             }
         }
+        self.regs.reserve(d.added.len());
+        let mut fresh = Vec::with_capacity(d.added.len());
         for r in d.added {
-            self.insert(r);
+            let raw = r.id.to_raw();
+            fresh.push((r.addr, raw));
+            if let Some(old) = self.regs.insert(raw, r) {
+                dead.push((old.addr, raw));
+            }
         }
         self.version = d.version;
+        if dead.is_empty() && fresh.is_empty() {
+            return Ok(());
+        }
+        if !dead.is_empty() {
+            dead.sort_unstable();
+            self.by_addr.retain(|k| dead.binary_search(k).is_err());
+        }
+        fresh.sort_unstable();
+        self.by_addr.extend(fresh);
+        // Two sorted runs: the stable sort merges them in linear time.
+        self.by_addr.sort();
+        self.by_addr.dedup();
         Ok(())
     }
 
@@ -316,7 +333,7 @@ impl SegmentView {
     }
 
     /// A registration covering `[addr, addr + len)` that `accept`s, the
-    /// newest first among those starting at the same address.
+    /// one starting nearest below `addr` first.
     pub fn find_range(
         &self,
         addr: u64,
@@ -325,7 +342,8 @@ impl SegmentView {
     ) -> Option<&ExportedRegistration> {
         let end = addr.checked_add(len)?;
         let covers = |r: &&ExportedRegistration| r.addr <= addr && r.addr + r.len >= end && accept(r);
-        let mut near = self.by_addr.range(..=(addr, u64::MAX)).rev().map(|((_, raw), _)| &self.regs[raw]);
+        let below = self.by_addr.partition_point(|(a, _)| *a <= addr);
+        let mut near = self.by_addr[..below].iter().rev().filter_map(|(_, raw)| self.regs.get(raw));
         if let Some(r) = near.by_ref().take(NEAREST_CANDIDATES).find(covers) {
             return Some(r);
         }
@@ -469,6 +487,53 @@ mod tests {
         assert!(view.apply(Delta { version: 3, ..Delta::default() }).is_err(), "no going back");
         view.apply(Delta { version: 30, reset: true, ..Delta::default() }).unwrap();
         assert!(view.is_empty());
+    }
+
+    proptest::proptest! {
+        /// The view's id map and address index agree with a plain model
+        /// after any sequence of pages: lookups find exactly what a scan
+        /// of the model finds.
+        #[test]
+        fn view_matches_a_model(pages in proptest::collection::vec(
+            (proptest::collection::vec(0u64..40, 0..8), proptest::collection::vec((0u64..40, 0u64..64, 1u64..8), 0..8)),
+            1..12,
+        ), probes in proptest::collection::vec((0u64..80, 1u64..6), 1..30)) {
+            let mut model: std::collections::HashMap<u64, (u64, u64)> = Default::default();
+            let mut view = SegmentView::default();
+            for (version, (removed, added)) in pages.into_iter().enumerate() {
+                let added: Vec<ExportedRegistration> = added
+                    .into_iter()
+                    .map(|(raw, addr, len)| ExportedRegistration {
+                        id: RegistrationId::from_raw(raw),
+                        len,
+                        permission: Permission::RemoteRead,
+                        addr,
+                        shm: None,
+                    })
+                    .collect();
+                for raw in &removed {
+                    model.remove(raw);
+                }
+                for r in &added {
+                    model.insert(r.id.to_raw(), (r.addr, r.len));
+                }
+                view.apply(Delta { version: version as u64 + 1, reset: false, more: false, removed, added }).unwrap();
+            }
+            proptest::prop_assert_eq!(view.len(), model.len());
+            for (raw, (addr, len)) in &model {
+                let r = view.get(*raw).unwrap();
+                proptest::prop_assert_eq!((r.addr, r.len), (*addr, *len));
+            }
+            for (addr, len) in probes {
+                let found = view.find_range(addr, len, |_| true).map(|r| r.id.to_raw());
+                let any = model.iter().any(|(_, (a, l))| *a <= addr && a + l >= addr + len);
+                proptest::prop_assert_eq!(found.is_some(), any);
+                if let Some(raw) = found {
+                    let (a, l) = model[&raw];
+                    proptest::prop_assert!(a <= addr && a + l >= addr + len);
+                }
+            }
+        }
     }
 
     #[test]

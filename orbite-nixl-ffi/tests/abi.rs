@@ -67,7 +67,7 @@ fn register(e: OrbiteEngine, buf: &mut [u8]) -> OrbiteRegistration {
     r
 }
 
-fn blob(f: impl Fn(*mut u8, usize, *mut usize) -> OrbiteStatus) -> Vec<u8> {
+fn blob(mut f: impl FnMut(*mut u8, usize, *mut usize) -> OrbiteStatus) -> Vec<u8> {
     let mut needed = 0usize;
     assert_eq!(f(std::ptr::null_mut(), 0, &mut needed), OrbiteStatus::BufferTooSmall);
     let mut b = vec![0u8; needed];
@@ -596,4 +596,92 @@ fn local_file_open_transfer_both_ways_eof_close_and_adopt() {
     close_and_release(e);
     let _ = std::fs::remove_file(&path);
     let _ = std::fs::remove_file(&other);
+}
+
+#[test]
+fn late_registrations_import_after_a_refresh_and_remote_ranges_resolve_by_address() {
+    let target = engine(r#"{"listen": "127.0.0.1:0", "route": "tcp"}"#);
+    let initiator = engine(r#"{"route": "tcp"}"#);
+    let info = blob(|b, c, n| orbite_engine_export_peer(target, b, c, n));
+    let mut p = OrbitePeer::default();
+    ok(orbite_peer_open(initiator, info.as_ptr(), info.len(), 10_000, &mut p));
+    ok(orbite_peer_check(p));
+    // Registered after the peer was opened: the import finds it.
+    let mut theirs = vec![0x11u8; 256 << 10];
+    let rt = register(target, &mut theirs);
+    let remote = import(p, rt);
+    assert_eq!((remote.addr, remote.len), (theirs.as_ptr() as u64, 256 << 10));
+    // The same range registered again gives byte-identical metadata.
+    let meta = blob(|b, c, n| orbite_mem_export(rt, b, c, n));
+    ok(orbite_mem_deregister(rt));
+    let rt2 = register(target, &mut theirs);
+    assert_eq!(blob(|b, c, n| orbite_mem_export(rt2, b, c, n)), meta, "metadata names the range, not the id");
+    let mut mine: Vec<u8> = (0..256u32 << 10).map(|i| (i % 253) as u8).collect();
+    let rm = register(initiator, &mut mine);
+    // By address: `offset` is an address in the peer; it resolves to the
+    // current registration of that range (the deregistered one is gone).
+    let base = theirs.as_ptr() as u64;
+    let far = [OrbiteDesc { registration: 0, offset: base + 1000, len: 100_000 }];
+    let local = [OrbiteDesc { registration: rm.raw, offset: 0, len: 100_000 }];
+    let mut sp = spec(ORBITE_OP_WRITE, p, &local, &far);
+    sp.flags = ORBITE_XFER_REMOTE_BY_ADDRESS;
+    let mut x = OrbiteXfer::default();
+    ok(orbite_xfer_prepare(initiator, &sp, &mut x));
+    ok(orbite_xfer_post(x));
+    assert_eq!(wait_retired(x).code, ORBITE_OUTCOME_SUCCESS);
+    ok(orbite_xfer_release(x));
+    assert_eq!(&theirs[1000..101_000], &mine[..100_000]);
+    assert!(theirs[..1000].iter().all(|b| *b == 0x11), "guard bytes");
+    // An address no registration covers is refused at prepare.
+    let far = [OrbiteDesc { registration: 0, offset: base + (256 << 10) - 10, len: 100 }];
+    let local = [OrbiteDesc { registration: rm.raw, offset: 0, len: 100 }];
+    let mut sp = spec(ORBITE_OP_WRITE, p, &local, &far);
+    sp.flags = ORBITE_XFER_REMOTE_BY_ADDRESS;
+    assert_eq!(orbite_xfer_prepare(initiator, &sp, &mut x), OrbiteStatus::NotFound);
+    // Our own registration, for the self peer.
+    let mut own = OrbiteRemoteRange { size: size_of::<OrbiteRemoteRange>() as u32, version: 1, ..Default::default() };
+    ok(orbite_mem_remote_range(rm, &mut own));
+    assert_eq!((own.addr, own.len), (mine.as_ptr() as u64, 256 << 10));
+    let me = self_peer(initiator);
+    assert_eq!(own.remote_registration, import(me, rm).remote_registration);
+    ok(orbite_peer_close(me, 1000));
+    ok(orbite_mem_deregister(rt2));
+    ok(orbite_mem_deregister(rm));
+    ok(orbite_peer_close(p, 5000));
+    assert_eq!(stats(initiator), zero_stats());
+    close_and_release(initiator);
+    close_and_release(target);
+}
+
+#[test]
+fn deployment_engines_listen_on_all_interfaces_and_say_what_they_advertise() {
+    let mut o = options("{}");
+    o.flags = ORBITE_ENGINE_DEPLOYMENT;
+    let mut e = OrbiteEngine::default();
+    ok(orbite_engine_create(&o, &mut e));
+    let mut source = 0u32;
+    let line = blob(|b, c, n| orbite_engine_advertise(e, &mut source, b, c, n));
+    let line = String::from_utf8(line).unwrap();
+    assert!(line.starts_with("listening on 0.0.0.0:"), "{line}");
+    assert!((ORBITE_ADVERTISE_DEFAULT_ROUTE..=ORBITE_ADVERTISE_LOOPBACK_FALLBACK).contains(&source), "{source}");
+    assert_eq!(source == ORBITE_ADVERTISE_LOOPBACK_FALLBACK, line.contains("only processes on this host"));
+    close_and_release(e);
+    // Without the flag and without `listen`: no listener.
+    let e = engine("{}");
+    let line = blob(|b, c, n| orbite_engine_advertise(e, &mut source, b, c, n));
+    assert_eq!(
+        (source, String::from_utf8(line).unwrap().as_str()),
+        (ORBITE_ADVERTISE_NONE, "not listening: local transfers only")
+    );
+    close_and_release(e);
+    // An explicit listen wins; unknown flags are refused.
+    let mut o = options(r#"{"listen": "127.0.0.1:0"}"#);
+    o.flags = ORBITE_ENGINE_DEPLOYMENT;
+    let mut e = OrbiteEngine::default();
+    ok(orbite_engine_create(&o, &mut e));
+    let _ = blob(|b, c, n| orbite_engine_advertise(e, &mut source, b, c, n));
+    assert_eq!(source, ORBITE_ADVERTISE_BOUND);
+    close_and_release(e);
+    o.flags = 0x100;
+    assert_eq!(orbite_engine_create(&o, &mut e), OrbiteStatus::InvalidArgument);
 }

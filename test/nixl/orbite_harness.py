@@ -204,13 +204,45 @@ def is_nixl_error(exc):
     return type(exc).__module__.endswith("_bindings") and type(exc).__name__.startswith("nixl")
 
 
-def make_agent(name, config=None):
+def make_agent(name, config=None, style="params"):
+    """A NIXL agent with an ORBITE backend, created as a framework would:
+    - "params": `create_backend("ORBITE", {"config": config})` (no config: no parameters);
+    - "vllm": vLLM's NixlConnector, `nixl_agent_config(backends=["ORBITE"], capture_telemetry=True)`,
+      no parameters;
+    - "sglang": SGLang's NIXL transfer backend: the backend name and its parameters (a JSON
+      object of strings) from SGLANG_DISAGGREGATION_NIXL_BACKEND(_PARAMS)."""
+    import json
+
     from nixl._api import nixl_agent, nixl_agent_config
 
+    if style == "vllm":
+        return nixl_agent(name, nixl_agent_config(backends=["ORBITE"], capture_telemetry=True))
+    if style == "sglang":
+        backend = os.environ.get("SGLANG_DISAGGREGATION_NIXL_BACKEND", "UCX")
+        params = json.loads(os.environ.get("SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS", "{}"))
+        if not isinstance(params, dict) or not all(isinstance(v, str) for v in params.values()):
+            raise ValueError("SGLANG_DISAGGREGATION_NIXL_BACKEND_PARAMS must be a JSON object of strings")
+        agent = nixl_agent(name, nixl_agent_config(backends=[], num_threads=0))
+        agent.create_backend(backend, params)
+        if backend not in agent.get_plugin_list():
+            raise RuntimeError(f"NIXL backend {backend} is not available")
+        return agent
     agent = nixl_agent(name, nixl_agent_config(backends=[]))
     params = {} if config is None else {"config": config}
     agent.create_backend("ORBITE", params)
     return agent
+
+
+def conn_endpoint(metadata):
+    """The endpoint ORBITE advertises, read from the peer information
+    ("ORBP", u16 version, u16 length, u64 epoch, endpoint) inside an agent's
+    metadata."""
+    import struct
+
+    at = metadata.find(b"ORBP")
+    check(at >= 0, "no ORBITE connection info in the agent metadata")
+    _, n, _ = struct.unpack_from("<HHQ", metadata, at + 4)
+    return metadata[at + 16 : at + 16 + n].decode()
 
 
 def state(agent, handle):
@@ -285,12 +317,13 @@ def digest(buf):
 class _Server:
     """State of a peer process; each public method is a command."""
 
-    def __init__(self, name, config):
+    def __init__(self, name, config, style="params", env=None):
         import numpy as np
 
+        os.environ.update(env or {})
         self.np = np
         self.name = name
-        self.agent = make_agent(name, config)
+        self.agent = make_agent(name, config, style)
         self.hooks = Hooks()
         self.bufs = {}  # key -> numpy array
         self.regs = {}  # key -> nixlRegDList
@@ -309,6 +342,19 @@ class _Server:
 
     def deregister(self, key):
         self.agent.deregister_memory(self.regs.pop(key))
+
+    def reregister(self, key):
+        """Deregisters the buffer and registers the same memory again."""
+        self.deregister(key)
+        buf = self.bufs[key]
+        self.regs[key] = self.agent.register_memory([(buf.ctypes.data, buf.nbytes, 0, "")], "DRAM")
+        return buf.ctypes.data
+
+    def partial_metadata(self, keys, inc_conn_info=False):
+        """The agent's partial metadata for the registrations `keys`."""
+        descs = self.agent.get_reg_descs(
+            [(self.bufs[k].ctypes.data, self.bufs[k].nbytes, 0, "") for k in keys], "DRAM")
+        return self.agent.get_partial_agent_metadata(descs, inc_conn_info, ["ORBITE"])
 
     def write(self, key, offset, data):
         self.bufs[key][offset : offset + len(data)] = self.np.frombuffer(data, dtype=self.np.uint8)
@@ -384,10 +430,10 @@ class _Server:
         return True
 
 
-def serve(conn, name, config):
+def serve(conn, name, config, style="params", env=None):
     """Entry point of a peer process (multiprocessing target)."""
     try:
-        server = _Server(name, config)
+        server = _Server(name, config, style, env)
         conn.send(("ok", os.getpid()))
     except BaseException as exc:  # report why the peer could not start
         conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -433,11 +479,11 @@ class PeerError(Exception):
 class Peer:
     """A second process with its own NIXL agent named `name`."""
 
-    def __init__(self, name, config=None, start_timeout=30.0):
+    def __init__(self, name, config=None, start_timeout=30.0, style="params", env=None):
         ctx = multiprocessing.get_context("spawn")
         self.name = name
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child, name, config), daemon=True)
+        self.proc = ctx.Process(target=serve, args=(child, name, config, style, env), daemon=True)
         self.proc.start()
         child.close()
         tag, val = self._recv(start_timeout, "start")
@@ -505,8 +551,8 @@ class Peers:
     def __init__(self):
         self.peers = []
 
-    def start(self, name, config=None):
-        p = Peer(name, config)
+    def start(self, name, config=None, style="params", env=None):
+        p = Peer(name, config, style=style, env=env)
         self.peers.append(p)
         return p
 

@@ -213,8 +213,13 @@ impl EngineInner {
         }
     }
 
-    /// One bounded progress step for a caller that polls.
+    /// One bounded progress step for a caller that polls. Nothing queued:
+    /// one atomic load, no lock (a caller polling in a loop must not
+    /// contend with the routes finishing tasks).
     fn progress_step(self: &Arc<Self>) {
+        if self.counters.get(Counter::QueuedExecutions) == 0 {
+            return;
+        }
         let grave = {
             let mut a = self.admission.lock();
             if a.queue.is_empty() {

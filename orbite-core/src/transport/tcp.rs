@@ -562,18 +562,26 @@ pub(crate) struct LinkOptions {
 }
 
 impl LinkOptions {
-    /// How often a blocked system call wakes up to check its bounds.
+    /// How often a blocked system call wakes up to check its bounds (only
+    /// while a reply is awaited: an idle link never wakes).
     fn tick(&self) -> Duration {
-        (self.io_timeout / 8).clamp(Duration::from_millis(1), Duration::from_millis(100))
+        (self.io_timeout / 100).clamp(Duration::from_millis(1), Duration::from_millis(25))
+    }
+
+    /// Silence after which the peer is lost: two ticks short of the
+    /// timeout, so that the loss is found, and work fails, within
+    /// `peer_timeout_ms` of the peer's last sign of life.
+    fn stall(&self) -> Duration {
+        self.io_timeout.saturating_sub(2 * self.tick()).max(self.tick())
     }
 
     /// The bounds of an I/O that moves `bytes`, starting now.
     fn patience(&self, bytes: u64) -> Patience {
         let until = match self.min_rate {
             0 => None,
-            rate => Instant::now().checked_add(self.io_timeout + Duration::from_secs_f64(bytes as f64 / rate as f64)),
+            rate => Instant::now().checked_add(self.stall() + Duration::from_secs_f64(bytes as f64 / rate as f64)),
         };
-        Patience { stall: self.io_timeout, until }
+        Patience { stall: self.stall(), until }
     }
 }
 
@@ -639,7 +647,7 @@ impl<J: CopyJob> PeerLink<J> {
         };
         // The whole exchange is bounded by the caller's timeout, however
         // slowly the peer answers.
-        let open_patience = Patience { stall: opts.io_timeout.min(timeout), until: Some(deadline) };
+        let open_patience = Patience { stall: opts.stall().min(timeout), until: Some(deadline) };
         let first = connect()?;
         let fd = first.as_raw_fd();
         let mut body = Vec::new();

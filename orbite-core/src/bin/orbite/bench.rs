@@ -43,6 +43,8 @@ enum Workload {
     Idle,
     /// The KV session layer (not tied to a route).
     Sessions,
+    /// Metadata refresh: importing registrations made after the exchange.
+    Refresh,
 }
 
 /// Parsed `orbite bench` options.
@@ -59,7 +61,14 @@ impl BenchArgs {
         let mut out = BenchArgs {
             config: EngineConfig { progress_worker: true, ..EngineConfig::default() },
             routes: vec![Route::Local, Route::Shm, Route::Cma, Route::Tcp],
-            workloads: vec![Workload::W1, Workload::W2, Workload::W3, Workload::Idle, Workload::Sessions],
+            workloads: vec![
+                Workload::W1,
+                Workload::W2,
+                Workload::W3,
+                Workload::Idle,
+                Workload::Sessions,
+                Workload::Refresh,
+            ],
             quick: false,
             json: false,
         };
@@ -105,7 +114,8 @@ impl BenchArgs {
                             "w3" => Ok(Workload::W3),
                             "idle" => Ok(Workload::Idle),
                             "sessions" => Ok(Workload::Sessions),
-                            other => Err(format!("unknown workload `{other}` (W1, W2, W3, idle, sessions)")),
+                            "refresh" => Ok(Workload::Refresh),
+                            other => Err(format!("unknown workload `{other}` (W1, W2, W3, idle, sessions, refresh)")),
                         })
                         .collect::<Result<_, _>>()?;
                 }
@@ -136,7 +146,7 @@ fn progress(msg: &str) {
 pub fn run(args: BenchArgs) -> Result<(), String> {
     let mut report = Report { json: args.json, rows: Vec::new() };
     let started = Instant::now();
-    let route_work = args.workloads.iter().any(|w| *w != Workload::Sessions);
+    let route_work = args.workloads.iter().any(|w| !matches!(w, Workload::Sessions | Workload::Refresh));
     for &route in args.routes.iter().filter(|_| route_work) {
         let config = args.config.clone();
         let mut rig = match route.policy() {
@@ -159,7 +169,7 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
                     w3(&mut rig, Op::Read, args.quick, &mut report)?;
                 }
                 Workload::Idle => idle(&mut rig, args.quick, &mut report)?,
-                Workload::Sessions => {}
+                Workload::Sessions | Workload::Refresh => {}
             }
         }
     }
@@ -169,6 +179,10 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
         for row in crate::sessions::reaper_scaling(args.quick)? {
             report.emit(row);
         }
+    }
+    if args.workloads.contains(&Workload::Refresh) {
+        progress("refresh: importing 1 000 registrations made after the exchange, 10 000 at open");
+        report.emit(crate::refresh::run(args.quick)?);
     }
     progress(&format!("done in {:.1} s", started.elapsed().as_secs_f64()));
     if !report.json {
@@ -523,6 +537,19 @@ fn print_table(rows: &[Map<String, Value>]) {
                 s(get(r, "leases_visited")),
                 s(get(r, "tick_ns_none_expiring")),
                 s(get(r, "tick_ns_per_expired"))
+            );
+            continue;
+        }
+        if workload == "refresh" {
+            println!(
+                "{:<7} {:<18} importing {} made after the exchange: {} us; {} that existed at open: {} us ({}x, bar 2x)",
+                s(get(r, "route")),
+                workload,
+                s(get(r, "imported")),
+                s(get(r, "late_import_us")),
+                s(get(r, "imported")),
+                s(get(r, "existing_import_us")),
+                s(get(r, "x_limit"))
             );
             continue;
         }

@@ -8,6 +8,7 @@
 mod bench;
 mod info;
 mod measure;
+mod refresh;
 mod rig;
 mod sessions;
 
@@ -21,7 +22,8 @@ commands:
           --route LIST          local, shm, cma, tcp, auto or all (default all =
                                 local,shm,cma,tcp); peer routes spawn their
                                 target as a child process on loopback
-          --workload LIST       comma list of W1,W2,W3,idle (default: all)
+          --workload LIST       comma list of W1,W2,W3,idle,sessions,refresh
+                                (default: all)
           --quick               short run (under 30 s)
           --config JSON         engine configuration fields to use (both sides)
           --json                print only JSON lines on stdout
