@@ -12,7 +12,7 @@
 //! in pages that fit one frame. A [`SegmentView`] is an initiator's current
 //! picture of a peer: by id, and by address for range lookups.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use crate::memory::Permission;
 use crate::registry::RegistrationId;
@@ -247,9 +247,9 @@ pub struct SegmentView {
     /// The peer's registry version this view reflects.
     pub version: u64,
     regs: HashMap<u64, ExportedRegistration>,
-    /// (address, raw id) of every registration, sorted: range lookups by
-    /// binary search; a refresh merges its changes in one pass.
-    by_addr: Vec<(u64, u64)>,
+    /// (address, raw id) of every registration, ordered: range lookups,
+    /// and changes applied one key at a time (pushed changes are small).
+    by_addr: BTreeSet<(u64, u64)>,
 }
 
 /// How far back a range lookup walks before it scans everything (overlaps
@@ -262,54 +262,52 @@ impl SegmentView {
         let mut v = SegmentView { version: d.registry_version, ..SegmentView::default() };
         v.regs.reserve(d.registrations.len());
         for r in &d.registrations {
-            if let Some(old) = v.regs.insert(r.id.to_raw(), r.clone()) {
-                v.by_addr.retain(|k| *k != (old.addr, old.id.to_raw()));
-            }
-            v.by_addr.push((r.addr, r.id.to_raw()));
+            v.insert(r.clone());
         }
-        v.by_addr.sort_unstable();
-        v.by_addr.dedup();
         v
     }
 
-    /// Applies one page of changes. A page that does not continue from
-    /// this view's version (and is no reset) is refused.
+    /// Applies one page of changes computed from this view's version.
     pub fn apply(&mut self, d: Delta) -> Result<(), WireError> {
+        self.apply_from(self.version, d).map(drop)
+    }
+
+    /// Applies changes computed from registry version `base` (what
+    /// changed after it, up to `d.version`). Any base at or below this
+    /// view's version gives the right state: additions still live and
+    /// removals are both idempotent. A base above it would leave a gap and
+    /// is refused; changes older than the view are ignored (`Ok(false)`).
+    pub fn apply_from(&mut self, base: u64, d: Delta) -> Result<bool, WireError> {
         if d.reset {
+            if d.version < self.version {
+                return Ok(false);
+            }
             self.regs.clear();
             self.by_addr.clear();
+        } else if base > self.version {
+            return Err(WireError::Malformed("segment delta does not continue the view"));
         } else if d.version < self.version {
-            return Err(WireError::Malformed("segment delta goes back in time"));
+            return Ok(false);
         }
-        let mut dead = Vec::new();
         for raw in d.removed {
             if let Some(old) = self.regs.remove(&raw) {
-                dead.push((old.addr, raw));
+                self.by_addr.remove(&(old.addr, raw));
             }
         }
         self.regs.reserve(d.added.len());
-        let mut fresh = Vec::with_capacity(d.added.len());
         for r in d.added {
-            let raw = r.id.to_raw();
-            fresh.push((r.addr, raw));
-            if let Some(old) = self.regs.insert(raw, r) {
-                dead.push((old.addr, raw));
-            }
+            self.insert(r);
         }
         self.version = d.version;
-        if dead.is_empty() && fresh.is_empty() {
-            return Ok(());
+        Ok(true)
+    }
+
+    fn insert(&mut self, r: ExportedRegistration) {
+        let key = (r.addr, r.id.to_raw());
+        if let Some(old) = self.regs.insert(key.1, r) {
+            self.by_addr.remove(&(old.addr, key.1));
         }
-        if !dead.is_empty() {
-            dead.sort_unstable();
-            self.by_addr.retain(|k| dead.binary_search(k).is_err());
-        }
-        fresh.sort_unstable();
-        self.by_addr.extend(fresh);
-        // Two sorted runs: the stable sort merges them in linear time.
-        self.by_addr.sort();
-        self.by_addr.dedup();
-        Ok(())
+        self.by_addr.insert(key);
     }
 
     /// A registration by raw id.
@@ -342,8 +340,7 @@ impl SegmentView {
     ) -> Option<&ExportedRegistration> {
         let end = addr.checked_add(len)?;
         let covers = |r: &&ExportedRegistration| r.addr <= addr && r.addr + r.len >= end && accept(r);
-        let below = self.by_addr.partition_point(|(a, _)| *a <= addr);
-        let mut near = self.by_addr[..below].iter().rev().filter_map(|(_, raw)| self.regs.get(raw));
+        let mut near = self.by_addr.range(..=(addr, u64::MAX)).rev().filter_map(|(_, raw)| self.regs.get(raw));
         if let Some(r) = near.by_ref().take(NEAREST_CANDIDATES).find(covers) {
             return Some(r);
         }
@@ -484,7 +481,11 @@ mod tests {
         assert_eq!(view.find_range(0x7000_0000 + 20, 10, |_| true), Some(&added));
         assert_eq!(view.find_range(0x7000_0000 + 20, 100, |_| true), None, "beyond its end");
         assert_eq!(view.find_range(0x7000_0000 + 20, 10, |r| r.permission.remote_write()), None);
-        assert!(view.apply(Delta { version: 3, ..Delta::default() }).is_err(), "no going back");
+        let older = Delta { version: 3, added: vec![added.clone()], ..Delta::default() };
+        assert_eq!(view.apply_from(1, older), Ok(false), "older changes are ignored");
+        assert_eq!(view.version, 19);
+        let gap = Delta { version: 25, ..Delta::default() };
+        assert!(view.apply_from(20, gap).is_err(), "a gap is refused");
         view.apply(Delta { version: 30, reset: true, ..Delta::default() }).unwrap();
         assert!(view.is_empty());
     }

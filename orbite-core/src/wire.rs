@@ -418,20 +418,39 @@ pub fn decode_describe_since(body: &[u8]) -> Result<DescribeSince, WireError> {
     })
 }
 
-/// Watch and Changed bodies: the target epoch and a registry version (the
-/// one watched, the one reached).
-pub fn encode_watch(out: &mut Vec<u8>, target_epoch: u64, version: u64) {
+/// A Watch body: the target epoch, the registry version the watcher's view
+/// has, and the largest Changed body it accepts.
+pub fn encode_watch(out: &mut Vec<u8>, target_epoch: u64, since: u64, max_reply: u64) {
     out.clear();
-    out.extend_from_slice(&target_epoch.to_le_bytes());
-    out.extend_from_slice(&version.to_le_bytes());
+    for v in [target_epoch, since, max_reply] {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
 }
 
-/// Decodes a Watch or Changed body: (target epoch, version).
-pub fn decode_watch(body: &[u8]) -> Result<(u64, u64), WireError> {
-    if body.len() != 16 {
+/// Decodes a Watch body: (target epoch, since, largest reply).
+pub fn decode_watch(body: &[u8]) -> Result<(u64, u64, u64), WireError> {
+    if body.len() != 24 {
         return Err(WireError::Malformed("watch"));
     }
-    Ok((u64_at(body, 0), u64_at(body, 8)))
+    Ok((u64_at(body, 0), u64_at(body, 8), u64_at(body, 16)))
+}
+
+/// A Changed body: the target epoch, the registry version the changes are
+/// computed from, then an encoded `segment::Delta` (what changed after
+/// that version, as much as fits).
+pub fn encode_changed(out: &mut Vec<u8>, target_epoch: u64, base: u64, delta: &[u8]) {
+    out.clear();
+    out.extend_from_slice(&target_epoch.to_le_bytes());
+    out.extend_from_slice(&base.to_le_bytes());
+    out.extend_from_slice(delta);
+}
+
+/// Decodes a Changed body: (target epoch, base version, delta bytes).
+pub fn decode_changed(body: &[u8]) -> Result<(u64, u64, &[u8]), WireError> {
+    if body.len() < 16 {
+        return Err(WireError::Malformed("changed"));
+    }
+    Ok((u64_at(body, 0), u64_at(body, 8), &body[16..]))
 }
 
 /// A notification envelope: sender identity, target epoch, payload.
@@ -551,6 +570,7 @@ mod tests {
             let _ = crate::segment::Delta::decode(&bytes);
             let _ = decode_describe_since(&bytes);
             let _ = decode_watch(&bytes);
+            let _ = decode_changed(&bytes).map(|(_, _, d)| crate::segment::Delta::decode(d));
         }
     }
 }

@@ -108,11 +108,13 @@ impl EngineInner {
         self.closed.load(Ordering::Acquire)
     }
 
-    /// Tells watching peers the registry's current version.
+    /// Tells watching peers the registry's current version, with what
+    /// changed since each one's view.
     fn announce_registry(&self) {
         if let Some(w) = self.watchers.get() {
+            use crate::transport::tcp::TargetSide;
             let version = self.registry.lock().version();
-            w.changed(version);
+            w.changed(version, &|since, budget| self.changes(since, budget));
         }
     }
 

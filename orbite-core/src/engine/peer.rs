@@ -119,8 +119,10 @@ pub(crate) struct Peer {
     /// the read lock while it resolves descriptors; a refresh takes the
     /// write lock only to apply what the peer sent.
     view: RwLock<PeerView>,
-    /// Serialises refreshes (never taken by posts or polls).
-    refresh_lock: Mutex<()>,
+    /// Serialises refreshes (never taken by posts or polls); counts the
+    /// refreshes done, so that callers who waited for one can look again
+    /// before asking once more.
+    refresh_lock: Mutex<u64>,
     /// `Err(why)` when the peer is not on this boot.
     pub same_host: Result<SameHost, String>,
     /// For a same-host peer: whether its process still runs.
@@ -200,6 +202,34 @@ impl Peer {
     /// The current view of the peer's registrations.
     pub fn view(&self) -> RwLockReadGuard<'_, PeerView> {
         self.view.read()
+    }
+
+    /// Applies changes computed after registry version `base` to the view
+    /// (mapping the peer's new shared allocations first, with no lock
+    /// held); false if they leave a gap or are malformed.
+    pub fn apply(&self, base: u64, delta: Delta) -> bool {
+        let mut maps = HashMap::new();
+        if self.same_host.is_ok() {
+            let known = self.view();
+            let fresh: Vec<ExportedRegistration> = delta
+                .added
+                .iter()
+                .filter(|r| r.shm.as_ref().is_some_and(|(n, _)| !known.maps.contains_key(n)))
+                .cloned()
+                .collect();
+            drop(known);
+            map_new_shared(&mut maps, &fresh);
+        }
+        // Old news (a pull already brought the view past it) takes no
+        // write lock.
+        if maps.is_empty() && !delta.reset && delta.version <= self.view().segment.version {
+            return true;
+        }
+        let mut v = self.view.write();
+        for (name, m) in maps {
+            v.maps.entry(name).or_insert(m);
+        }
+        v.segment.apply_from(base, delta).is_ok()
     }
 
     /// True when the peer announced registry changes this view has not
@@ -322,7 +352,7 @@ impl EngineInner {
             same_host,
             link,
             view: RwLock::new(view),
-            refresh_lock: Mutex::new(()),
+            refresh_lock: Mutex::new(0),
             state: Mutex::new(PeerState { close: None }),
             fenced: std::sync::atomic::AtomicBool::new(false),
             superseded_by: AtomicU64::new(0),
@@ -330,6 +360,10 @@ impl EngineInner {
             drain_lock: Mutex::new(()),
             drained: Condvar::new(),
         });
+        // Changes the peer pushes on the watch connection update the view
+        // as they happen.
+        let weak = Arc::downgrade(&peer);
+        peer.link.set_change_sink(Box::new(move |base, delta| weak.upgrade().is_some_and(|p| p.apply(base, delta))));
         let previous = self.peers.lock().insert(endpoint.to_owned(), Arc::downgrade(&peer));
         // A new epoch on this endpoint makes work prepared for the old one
         // fail (a restarted peer is a new identity).
@@ -368,10 +402,26 @@ impl EngineInner {
     /// one peer wait for each other; no lock that posts or polls take is
     /// held meanwhile.
     pub(crate) fn refresh(&self, peer: &Arc<Peer>) -> Result<(), Error> {
+        self.refresh_after(peer, None).map(drop)
+    }
+
+    /// How many refreshes of `peer` were done so far.
+    fn refreshes(peer: &Peer) -> u64 {
+        *peer.refresh_lock.lock()
+    }
+
+    /// [`Self::refresh`], unless another refresh finished after the caller
+    /// counted `seen` of them (it waited for that one): then it returns
+    /// `false` and the caller looks again first.
+    fn refresh_after(&self, peer: &Arc<Peer>, seen: Option<u64>) -> Result<bool, Error> {
         if let Some(e) = peer.refusal() {
             return Err(e.into());
         }
-        let _one = peer.refresh_lock.lock();
+        let mut done = peer.refresh_lock.lock();
+        if seen.is_some_and(|n| *done > n) && !peer.view_is_behind() {
+            return Ok(false);
+        }
+        *done += 1;
         let deadline = crate::time::deadline_after(self.config.peer_timeout());
         loop {
             let since = peer.view().segment.version;
@@ -388,32 +438,13 @@ impl EngineInner {
             })?;
             let delta = Delta::decode(&reply).map_err(|e| PeerError::Protocol(e.to_string()))?;
             let more = delta.more;
-            // Map the peer's new shared allocations before taking the
-            // write lock (opening and mapping files is I/O).
-            let mut maps = HashMap::new();
-            if peer.same_host.is_ok() {
-                let known = peer.view();
-                let fresh: Vec<ExportedRegistration> = delta
-                    .added
-                    .iter()
-                    .filter(|r| r.shm.as_ref().is_some_and(|(n, _)| !known.maps.contains_key(n)))
-                    .cloned()
-                    .collect();
-                drop(known);
-                map_new_shared(&mut maps, &fresh);
-            }
-            {
-                let mut v = peer.view.write();
-                if v.segment.version != since {
-                    return Err(PeerError::Protocol("the view moved during a refresh".into()).into());
-                }
-                v.segment.apply(delta).map_err(|e| PeerError::Protocol(e.to_string()))?;
-                for (name, m) in maps {
-                    v.maps.entry(name).or_insert(m);
-                }
+            // Changes pushed meanwhile may have moved the view: these still
+            // apply from `since` (or are older, and ignored).
+            if !peer.apply(since, delta) {
+                return Err(PeerError::Protocol("the peer's changes do not continue the view".into()).into());
             }
             if !more {
-                return Ok(());
+                return Ok(true);
             }
         }
     }
@@ -438,14 +469,20 @@ impl EngineInner {
         accept: &dyn Fn(&ExportedRegistration) -> bool,
     ) -> Result<ExportedRegistration, Error> {
         self.refresh_if_behind(peer);
-        if let Some(r) = peer.view().segment.find_range(addr, len, accept) {
-            return Ok(r.clone());
+        let lookup = || peer.view().segment.find_range(addr, len, accept).cloned();
+        // A miss asks the peer once, unless a refresh that finished while
+        // this caller waited for it brought the range already.
+        let seen = Self::refreshes(peer);
+        if let Some(r) = lookup() {
+            return Ok(r);
         }
-        self.refresh(peer)?;
-        match peer.view().segment.find_range(addr, len, accept) {
-            Some(r) => Ok(r.clone()),
-            None => Err(PeerError::RangeNotRegistered { addr, len }.into()),
+        if !self.refresh_after(peer, Some(seen))? {
+            if let Some(r) = lookup() {
+                return Ok(r);
+            }
+            self.refresh_after(peer, None)?;
         }
+        lookup().ok_or_else(|| PeerError::RangeNotRegistered { addr, len }.into())
     }
 
     /// Remote descriptors for ranges named by their address in the peer:
@@ -771,6 +808,10 @@ impl Drop for RemoteLoan {
 impl TargetSide for EngineInner {
     fn epoch(&self) -> u64 {
         self.epoch
+    }
+
+    fn registry_version(&self) -> u64 {
+        self.registry.lock().version()
     }
 
     fn changes(&self, since: u64, budget: usize) -> Delta {

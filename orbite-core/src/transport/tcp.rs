@@ -59,6 +59,8 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
     /// What changed in the exported registrations after registry version
     /// `since`, in at most `budget` encoded bytes.
     fn changes(&self, since: u64, budget: usize) -> crate::segment::Delta;
+    /// The registry's current version.
+    fn registry_version(&self) -> u64;
     /// Frame limits.
     fn limits(&self) -> Limits;
     /// Test hook: blocks while remote requests are held (after their loans
@@ -66,84 +68,108 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
     fn remote_gate(&self) {}
 }
 
-/// Initiators waiting to hear that this engine's registrations changed
-/// (each on a watch connection of its own, one Watch at a time).
+/// Initiators subscribed to this engine's registration changes, each on a
+/// watch connection of its own: every change is pushed to each of them as
+/// it happens, as what changed since the last push that went out.
 pub(crate) struct Watchers {
-    state: Mutex<WatchState>,
+    subs: Mutex<Vec<Arc<Subscriber>>>,
 }
 
-struct WatchState {
-    /// The newest registry version announced.
-    version: u64,
-    armed: Vec<Armed>,
-}
-
-struct Armed {
+/// One subscribed watch connection.
+struct Subscriber {
     conn: u64,
+    epoch: u64,
     request: u64,
-    since: u64,
+    /// Largest delta to push (what the watcher accepts, at most
+    /// [`PUSH_BUDGET`]).
+    budget: usize,
     /// A duplicate of the connection's socket: writing to it stays safe
     /// even after the serving thread closed its own.
     stream: TcpStream,
-    epoch: u64,
+    /// The registry version pushed so far. Its lock also keeps two pushes
+    /// to this socket from interleaving; a push never blocks (a full
+    /// socket skips it, and the next change sends everything since).
+    pushed: Mutex<u64>,
+}
+
+/// Most bytes of changes pushed at once; a watcher further behind gets the
+/// first part and asks for the rest.
+pub(crate) const PUSH_BUDGET: usize = 64 << 10;
+
+/// Bytes of a Changed frame besides its delta.
+const CHANGED_OVERHEAD: usize = 16;
+
+/// The changes after a registry version, in at most a budget of encoded
+/// bytes (what the target side computes for a subscriber).
+pub(crate) type ChangesSince<'a> = &'a dyn Fn(u64, usize) -> crate::segment::Delta;
+
+impl Subscriber {
+    /// Pushes what changed since the last push, if the registry moved past
+    /// it (`now`).
+    fn push(&self, now: u64, changes: ChangesSince<'_>) {
+        let mut pushed = self.pushed.lock();
+        if *pushed >= now {
+            return;
+        }
+        let delta = changes(*pushed, self.budget);
+        if delta.version <= *pushed {
+            return;
+        }
+        let mut body = Vec::new();
+        wire::encode_changed(&mut body, self.epoch, *pushed, &delta.to_bytes());
+        let mut frame = wire::encode_header(&wire::header(Kind::Changed, body.len(), 0, self.request)).to_vec();
+        frame.extend_from_slice(&body);
+        // SAFETY: a live buffer of `frame.len()` bytes.
+        let n = unsafe {
+            libc::send(
+                self.stream.as_raw_fd(),
+                frame.as_ptr().cast(),
+                frame.len(),
+                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+            )
+        };
+        if n == frame.len() as isize {
+            *pushed = delta.version;
+        } else if n > 0 {
+            // Half a frame would desynchronise the stream: the watcher
+            // loses its connection (and falls back to asking).
+            let _ = self.stream.shutdown(Shutdown::Both);
+        }
+        // n < 0: the socket is full (the watcher is not reading); the next
+        // change pushes everything since `pushed`.
+    }
 }
 
 impl Watchers {
     fn new() -> Self {
-        Watchers { state: Mutex::new(WatchState { version: 0, armed: Vec::new() }) }
+        Watchers { subs: Mutex::new(Vec::new()) }
     }
 
-    /// Arms a watch; returns the version to answer at once if it already
-    /// passed `since`.
-    fn arm(&self, conn: u64, request: u64, since: u64, epoch: u64, stream: &TcpStream) -> io::Result<Option<u64>> {
-        let mut st = self.state.lock();
-        if st.version > since {
-            return Ok(Some(st.version));
+    /// Subscribes a watch connection and brings it up to date.
+    fn subscribe(&self, sub: Subscriber, now: u64, changes: ChangesSince<'_>) {
+        let sub = Arc::new(sub);
+        {
+            let mut subs = self.subs.lock();
+            subs.retain(|x| x.conn != sub.conn);
+            subs.push(sub.clone());
         }
-        let stream = stream.try_clone()?;
-        st.armed.retain(|a| a.conn != conn);
-        st.armed.push(Armed { conn, request, since, stream, epoch });
-        Ok(None)
+        sub.push(now, changes);
     }
 
-    /// The registry reached `version`: answers every watch below it.
-    pub fn changed(&self, version: u64) {
-        let due: Vec<Armed> = {
-            let mut st = self.state.lock();
-            st.version = st.version.max(version);
-            let (due, keep) = std::mem::take(&mut st.armed).into_iter().partition(|a| a.since < version);
-            st.armed = keep;
-            due
-        };
-        for a in due {
-            let mut body = Vec::new();
-            wire::encode_watch(&mut body, a.epoch, version);
-            let hb = wire::encode_header(&wire::header(Kind::Changed, body.len(), 0, a.request));
-            let mut frame = hb.to_vec();
-            frame.extend_from_slice(&body);
-            // Never block the registering thread: one small frame per armed
-            // watch always fits an idle socket; if not, the watcher is not
-            // reading and loses its connection.
-            // SAFETY: a live buffer of `frame.len()` bytes.
-            let n = unsafe {
-                libc::send(
-                    a.stream.as_raw_fd(),
-                    frame.as_ptr().cast(),
-                    frame.len(),
-                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-                )
-            };
-            if n != frame.len() as isize {
-                let _ = a.stream.shutdown(Shutdown::Both);
-            }
+    /// The registry reached `version`: pushes what changed to every
+    /// subscriber, with no lock of this table held while sending.
+    pub fn changed(&self, version: u64, changes: ChangesSince<'_>) {
+        let subs: Vec<Arc<Subscriber>> = self.subs.lock().clone();
+        for sub in subs {
+            sub.push(version, changes);
         }
     }
 
     fn forget(&self, conn: u64) {
-        let gone: Vec<Armed> = {
-            let mut st = self.state.lock();
-            let (gone, keep) = std::mem::take(&mut st.armed).into_iter().partition(|a| a.conn == conn);
-            st.armed = keep;
+        let gone: Vec<Arc<Subscriber>> = {
+            let mut subs = self.subs.lock();
+            let (gone, keep) = std::mem::take(&mut *subs).into_iter().partition(|x| x.conn == conn);
+            *subs = keep;
             gone
         };
         drop(gone);
@@ -332,8 +358,9 @@ fn send_error(fd: i32, request: u64, out: &mut Vec<u8>, status: RemoteStatus, de
     send_frame(fd, Kind::Error, request, out)
 }
 
-/// A Watch: answered at once if the registry already moved past the
-/// version given, else when it does ([`Watchers::changed`]).
+/// A Watch subscribes its connection to the registry's changes
+/// ([`Watchers::changed`]); what changed since the version it names is
+/// pushed at once.
 fn serve_watch(
     fd: i32,
     h: &Header,
@@ -343,7 +370,7 @@ fn serve_watch(
     watchers: &Watchers,
     stream: &TcpStream,
 ) -> Result<(), Close> {
-    let (epoch, since) = wire::decode_watch(&s.body)?;
+    let (epoch, since, max_reply) = wire::decode_watch(&s.body)?;
     if h.data_len != 0 {
         return Err(Close::Malformed);
     }
@@ -351,10 +378,15 @@ fn serve_watch(
         let detail = format!("target epoch is {:#x}", side.epoch());
         return Ok(send_error(fd, h.request, &mut s.out, RemoteStatus::EpochMismatch, &detail)?);
     }
-    if let Some(version) = watchers.arm(conn, h.request, since, epoch, stream)? {
-        wire::encode_watch(&mut s.out, epoch, version);
-        send_frame(fd, Kind::Changed, h.request, &s.out)?;
+    let budget = (max_reply.min(side.limits().max_body as u64) as usize)
+        .min(PUSH_BUDGET)
+        .saturating_sub(CHANGED_OVERHEAD + crate::segment::DELTA_HEADER);
+    if budget < 1024 {
+        return Ok(send_error(fd, h.request, &mut s.out, RemoteStatus::BadLength, "replies must allow 1 KiB")?);
     }
+    let sub =
+        Subscriber { conn, epoch, request: h.request, budget, stream: stream.try_clone()?, pushed: Mutex::new(since) };
+    watchers.subscribe(sub, side.registry_version(), &|since, budget| side.changes(since, budget));
     Ok(())
 }
 
@@ -612,7 +644,13 @@ pub(crate) struct PeerLink<J> {
     announced: AtomicU64,
     /// The watch connection (shut down to stop its worker).
     watch: Mutex<Option<TcpStream>>,
+    /// Where pushed changes go (set by the engine once its view exists):
+    /// applies them from a base version; false if they do not apply.
+    sink: std::sync::OnceLock<ChangeSink>,
 }
+
+/// Applies changes a peer pushed (`base`: the version they start after).
+pub(crate) type ChangeSink = Box<dyn Fn(u64, crate::segment::Delta) -> bool + Send + Sync>;
 
 /// `PeerLink::announced` once the watch connection is gone.
 pub(crate) const ANNOUNCE_UNKNOWN: u64 = u64::MAX;
@@ -693,6 +731,7 @@ impl<J: CopyJob> PeerLink<J> {
             lost_flag: AtomicBool::new(false),
             announced: AtomicU64::new(since),
             watch: Mutex::new(None),
+            sink: std::sync::OnceLock::new(),
         });
         for (i, s) in streams.into_iter().enumerate() {
             let clone = s.try_clone().map_err(|e| OpenError::Connect(e.to_string()))?;
@@ -718,6 +757,11 @@ impl<J: CopyJob> PeerLink<J> {
     /// ([`ANNOUNCE_UNKNOWN`] when it can no longer announce).
     pub fn announced(&self) -> u64 {
         self.announced.load(Ordering::Acquire)
+    }
+
+    /// Where the peer's pushed changes go from now on.
+    pub fn set_change_sink(&self, sink: ChangeSink) {
+        let _ = self.sink.set(sink);
     }
 
     /// Queues a control-plane job ahead of queued data tasks (a refresh, a
@@ -899,31 +943,38 @@ fn connection_worker<J: CopyJob>(link: &PeerLink<J>, stream: TcpStream) {
     drop(stream);
 }
 
-/// The watch connection: one Watch at a time, answered by the peer when
-/// its registry version passes the one given. Records what the peer
-/// announces; never decides that the peer is lost (the data connections
-/// do), and blocks without a bound while nothing changes.
+/// The watch connection: one Watch subscribes it, then the peer pushes
+/// what changed in its registrations as it happens (as much as fits a
+/// frame). The changes go to the link's sink (the engine's view of the
+/// peer) before the version is recorded, so a lookup that finds the view
+/// behind what was announced asks the peer for the rest. It never decides
+/// that the peer is lost (the data connections do), and blocks without a
+/// bound while nothing changes.
 fn watch_worker<J: CopyJob>(link: &PeerLink<J>, stream: TcpStream, mut since: u64) {
     let fd = stream.as_raw_fd();
     let epoch = link.descriptor.epoch;
     let mut body = Vec::new();
     let mut hb = [0u8; wire::HEADER_LEN];
-    for request in 1u64.. {
-        wire::encode_watch(&mut body, epoch, since);
-        if send_frame(fd, Kind::Watch, request, &body).is_err() || read_exact(fd, &mut hb).is_err() {
-            break;
-        }
-        let Ok(h) = wire::decode_header(&hb, link.opts.limits) else { break };
-        body.resize(h.body_len as usize, 0);
-        if h.request != request || h.kind != Kind::Changed || h.data_len != 0 || read_exact(fd, &mut body).is_err() {
-            break;
-        }
-        match wire::decode_watch(&body) {
-            Ok((e, version)) if e == epoch && version > since => {
-                since = version;
-                link.announced.fetch_max(version, Ordering::AcqRel);
+    wire::encode_watch(&mut body, epoch, since, link.opts.limits.max_body as u64);
+    if send_frame(fd, Kind::Watch, 1, &body).is_ok() {
+        while read_exact(fd, &mut hb).is_ok() {
+            let Ok(h) = wire::decode_header(&hb, link.opts.limits) else { break };
+            body.resize(h.body_len as usize, 0);
+            if h.request != 1 || h.kind != Kind::Changed || h.data_len != 0 || read_exact(fd, &mut body).is_err() {
+                break;
             }
-            _ => break,
+            let Ok((e, base, delta)) = wire::decode_changed(&body) else { break };
+            let Ok(delta) = crate::segment::Delta::decode(delta) else { break };
+            if e != epoch || delta.version <= base {
+                break; // not what this subscription pushes
+            }
+            let (version, more) = (delta.version, delta.more);
+            // Pushes continue each other; one that does not (or does not
+            // apply) leaves the view behind, and lookups ask for the rest.
+            let applied = base == since && link.sink.get().is_some_and(|sink| sink(base, delta));
+            let announce = if applied && !more { version } else { version.saturating_add(1) };
+            link.announced.fetch_max(announce, Ordering::AcqRel);
+            since = version;
         }
     }
     // Nothing more will be announced: lookups must ask the peer.
