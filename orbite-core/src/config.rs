@@ -90,7 +90,9 @@ pub struct EngineConfig {
     /// the source address of the default route (see
     /// [`crate::endpoint::advertise`]).
     pub advertise: Option<String>,
-    /// Connections per opened peer segment (1 to 16). Default 2.
+    /// Connections per opened peer segment (1 to 16), besides its watch
+    /// connection. Default 4 (across hosts more parallel streams move
+    /// more: measured with test/nixl/multihost.py --bench).
     pub connections_per_peer: u32,
     /// A peer that shows no sign of life for this many milliseconds while a
     /// request to it is outstanding (nothing received, nothing accepted
@@ -137,7 +139,7 @@ impl Default for EngineConfig {
             close_drain_timeout_ms: 5_000,
             listen: None,
             advertise: None,
-            connections_per_peer: 2,
+            connections_per_peer: 4,
             peer_timeout_ms: 10_000,
             peer_min_bytes_per_s: MIB,
             max_frame_body: MIB,

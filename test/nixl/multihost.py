@@ -62,8 +62,14 @@ class Agent:
         self.np = numpy
         self.name = name
         self.backend = backend
-        # exactly vLLM's NixlConnector: the backend by name, no parameters
-        self.agent = nixl_agent(name, nixl_agent_config(backends=[backend], capture_telemetry=True))
+        # exactly vLLM's NixlConnector: the backend by name, no parameters;
+        # with UCX alone vLLM also asks for its worker threads (4 by default)
+        if backend == "UCX":
+            threads = int(os.environ.get("MH_UCX_THREADS", "4"))
+            config = nixl_agent_config(num_threads=threads, capture_telemetry=True)
+        else:
+            config = nixl_agent_config(backends=[backend], capture_telemetry=True)
+        self.agent = nixl_agent(name, config)
         self.bufs, self.regs, self.dlists, self.handles, self.received = {}, {}, {}, {}, {}
         self.hooks = None
         if backend == "ORBITE" and os.environ.get("ORBITE_NIXL_LIB"):
