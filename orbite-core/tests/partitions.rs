@@ -96,7 +96,14 @@ fn serve(mut s: TcpStream, endpoint: String, how: Behaviour, stop: Arc<AtomicBoo
                 continue;
             }
             (Kind::Describe, _) => frame(Kind::DescribeReply, &descriptor(&endpoint), 0, h.request),
-            (Kind::Watch, _) => continue, // nothing ever changes
+            (Kind::Watch, _) => {
+                // Subscribed: the first push says nothing changed; none follows.
+                let (epoch, since, _) = wire::decode_watch(&body).unwrap();
+                let delta = orbite_core::segment::Delta { version: since, ..Default::default() };
+                let mut changed = Vec::new();
+                wire::encode_changed(&mut changed, epoch, since, &delta.to_bytes());
+                frame(Kind::Changed, &changed, 0, h.request)
+            }
             (Kind::Write, Behaviour::Normal) => frame(Kind::WriteAck, &[], 0, h.request),
             (Kind::Read, _) => {
                 let req = wire::Request::decode(&body).unwrap();

@@ -616,6 +616,14 @@ fn late_registrations_import_after_a_refresh_and_remote_ranges_resolve_by_addres
     ok(orbite_mem_deregister(rt));
     let rt2 = register(target, &mut theirs);
     assert_eq!(blob(|b, c, n| orbite_mem_export(rt2, b, c, n)), meta, "metadata names the range, not the id");
+    // The peer pushed both changes before its calls returned; this process
+    // is its own side channel, so wait until they were applied (a real
+    // peer's metadata takes longer to arrive than its pushes).
+    let start = std::time::Instant::now();
+    while import(p, rt2).remote_registration == remote.remote_registration {
+        assert!(start.elapsed().as_secs() < 5, "the re-registration never reached the view");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
     let mut mine: Vec<u8> = (0..256u32 << 10).map(|i| (i % 253) as u8).collect();
     let rm = register(initiator, &mut mine);
     // By address: `offset` is an address in the peer; it resolves to the

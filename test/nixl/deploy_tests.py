@@ -388,26 +388,7 @@ TESTS = [
 
 
 def main(argv):
-    if len(argv) == 4 and argv[1] == "--child":
-        H.child_main(dict(TESTS)[argv[2]], argv[3], NOTES)
-        return 0
-    verbose = "-v" in argv[1:]
-    names = [a for a in argv[1:] if a != "-v"]
-    unknown = [n for n in names if n not in dict(TESTS)]
-    if unknown:
-        print(f"unknown test(s): {', '.join(unknown)}")
-        print("python deploy tests: 0 passed, 1 failed")
-        return 1
-    passed = failed = 0
-    for name, _ in TESTS:
-        if names and name not in names:
-            continue
-        if H.run_child(__file__, name, [name], TEST_TIMEOUT_S, verbose, tail=60):
-            passed += 1
-        else:
-            failed += 1
-    print(f"python deploy tests: {passed} passed, {failed} failed")
-    return 1 if failed else 0
+    return H.suite_main(argv, __file__, TESTS, NOTES, "python deploy tests", TEST_TIMEOUT_S)
 
 
 if __name__ == "__main__":

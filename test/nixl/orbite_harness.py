@@ -662,3 +662,35 @@ def run_child(script, label, args, timeout, verbose, tail):
             print(f"    | {line}")
     sys.stdout.flush()
     return reason is None
+
+
+def suite_main(argv, script, tests, notes, label, timeout):
+    """The command line of a suite: `script [-v] [TEST ...]` runs the tests
+    (each in a fresh process, `run_child`) and ends with `{label}: N
+    passed, M failed`; `script --child NAME RESULT` runs one test."""
+    if len(argv) == 4 and argv[1] == "--child":
+        child_main(dict(tests)[argv[2]], argv[3], notes)
+        return 0
+    verbose = "-v" in argv[1:]
+    names = [a for a in argv[1:] if a != "-v"]
+    known = dict(tests)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        print(f"unknown test(s): {', '.join(unknown)}; known: {', '.join(known)}")
+        print(f"{label}: 0 passed, 1 failed")
+        return 1
+    missing = [v for v in ("NIXL_PLUGIN_DIR", "ORBITE_NIXL_LIB") if not os.environ.get(v)]
+    if missing:
+        print(f"FAIL environment: {', '.join(missing)} not set (run scripts/nixl-tests)")
+        print(f"{label}: 0 passed, 1 failed")
+        return 1
+    passed = failed = 0
+    for name, _ in tests:
+        if names and name not in names:
+            continue
+        if run_child(script, name, [name], timeout, verbose, tail=60):
+            passed += 1
+        else:
+            failed += 1
+    print(f"{label}: {passed} passed, {failed} failed")
+    return 1 if failed else 0

@@ -1070,42 +1070,8 @@ TESTS = [
 # ---------------------------------------------------------------------------
 
 
-def child(name, result_path):
-    """Runs one test in this (fresh) process and writes its result."""
-    H.child_main(dict(TESTS)[name], result_path, NOTES)
-
-
-def run_one(name, verbose):
-    return H.run_child(__file__, name, [name], TEST_TIMEOUT_S, verbose, tail=60)
-
-
 def main(argv):
-    if len(argv) == 4 and argv[1] == "--child":
-        child(argv[2], argv[3])
-        return 0
-    verbose = "-v" in argv[1:]
-    names = [a for a in argv[1:] if a != "-v"]
-    known = dict(TESTS)
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        print(f"unknown test(s): {', '.join(unknown)}; known: {', '.join(known)}")
-        print("python tests: 0 passed, 1 failed")
-        return 1
-    missing = [v for v in ("NIXL_PLUGIN_DIR", "ORBITE_NIXL_LIB") if not os.environ.get(v)]
-    if missing:
-        print(f"FAIL environment: {', '.join(missing)} not set (run scripts/nixl-tests)")
-        print("python tests: 0 passed, 1 failed")
-        return 1
-    passed = failed = 0
-    for name, _ in TESTS:
-        if names and name not in names:
-            continue
-        if run_one(name, verbose):
-            passed += 1
-        else:
-            failed += 1
-    print(f"python tests: {passed} passed, {failed} failed")
-    return 1 if failed else 0
+    return H.suite_main(argv, __file__, TESTS, NOTES, "python tests", TEST_TIMEOUT_S)
 
 
 if __name__ == "__main__":

@@ -360,10 +360,19 @@ impl EngineInner {
             drain_lock: Mutex::new(()),
             drained: Condvar::new(),
         });
-        // Changes the peer pushes on the watch connection update the view
-        // as they happen.
+        // What changed between the Describe and the subscription, then
+        // every change the peer pushes from now on, as it happens.
+        let mut since = peer.view().segment.version;
+        if let Some((base, delta)) = peer.link.take_first_changes() {
+            since = delta.version;
+            if !peer.apply(base, delta) {
+                return Err(PeerError::Protocol("the peer's first changes do not apply".into()).into());
+            }
+        }
         let weak = Arc::downgrade(&peer);
-        peer.link.set_change_sink(Box::new(move |base, delta| weak.upgrade().is_some_and(|p| p.apply(base, delta))));
+        peer.link
+            .start_watch(since, Box::new(move |base, delta| weak.upgrade().is_some_and(|p| p.apply(base, delta))))
+            .map_err(|e| PeerError::Connect(e.to_string()))?;
         let previous = self.peers.lock().insert(endpoint.to_owned(), Arc::downgrade(&peer));
         // A new epoch on this endpoint makes work prepared for the old one
         // fail (a restarted peer is a new identity).

@@ -105,14 +105,15 @@ pub(crate) type ChangesSince<'a> = &'a dyn Fn(u64, usize) -> crate::segment::Del
 
 impl Subscriber {
     /// Pushes what changed since the last push, if the registry moved past
-    /// it (`now`).
-    fn push(&self, now: u64, changes: ChangesSince<'_>) {
+    /// it (`now`); the first push (`first`) goes out even if nothing did:
+    /// it confirms the subscription.
+    fn push(&self, now: u64, changes: ChangesSince<'_>, first: bool) {
         let mut pushed = self.pushed.lock();
-        if *pushed >= now {
+        if *pushed >= now && !first {
             return;
         }
         let delta = changes(*pushed, self.budget);
-        if delta.version <= *pushed {
+        if delta.version <= *pushed && !first {
             return;
         }
         let mut body = Vec::new();
@@ -153,7 +154,7 @@ impl Watchers {
             subs.retain(|x| x.conn != sub.conn);
             subs.push(sub.clone());
         }
-        sub.push(now, changes);
+        sub.push(now, changes, true);
     }
 
     /// The registry reached `version`: pushes what changed to every
@@ -161,7 +162,7 @@ impl Watchers {
     pub fn changed(&self, version: u64, changes: ChangesSince<'_>) {
         let subs: Vec<Arc<Subscriber>> = self.subs.lock().clone();
         for sub in subs {
-            sub.push(version, changes);
+            sub.push(version, changes, false);
         }
     }
 
@@ -647,6 +648,8 @@ pub(crate) struct PeerLink<J> {
     /// Where pushed changes go (set by the engine once its view exists):
     /// applies them from a base version; false if they do not apply.
     sink: std::sync::OnceLock<ChangeSink>,
+    /// The subscription's first answer, until the engine applies it.
+    first: Mutex<Option<(u64, crate::segment::Delta)>>,
 }
 
 /// Applies changes a peer pushed (`base`: the version they start after).
@@ -713,11 +716,24 @@ impl<J: CopyJob> PeerLink<J> {
         for _ in 1..opts.connections.max(1) {
             streams.push(connect()?);
         }
+        // The watch connection: subscribed now, so that every change the
+        // peer makes after this open returns is pushed. Its first answer
+        // has what changed since the Describe.
         let watch = connect()?;
-        // The watch connection waits for announcements without a bound:
-        // idle means idle. Losing the peer shuts it down.
+        wire::encode_watch(&mut body, descriptor.epoch, descriptor.registry_version, opts.limits.max_body as u64);
+        let hb = wire::encode_header(&wire::header(Kind::Watch, body.len(), 0, 1));
+        let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
+        let wfd = watch.as_raw_fd();
+        // SAFETY: both entries borrow live local buffers for the call.
+        unsafe { writev_within(wfd, &mut v, Some(&open_patience)) }.map_err(|e| OpenError::Connect(e.to_string()))?;
+        let first = read_changed(wfd, &opts.limits, descriptor.epoch, Some(&open_patience))
+            .map_err(OpenError::Protocol)?
+            .filter(|(base, d)| *base == descriptor.registry_version && d.version >= *base)
+            .ok_or_else(|| OpenError::Protocol("no answer to the watch".into()))?;
+        // From now on it waits for pushes without a bound: idle means idle.
+        // Losing the peer shuts it down.
         watch.set_read_timeout(None).map_err(|e| OpenError::Connect(e.to_string()))?;
-        let since = descriptor.registry_version;
+        let since = first.1.version;
         let link = Arc::new(PeerLink {
             descriptor,
             queue: Mutex::new(LinkQueue { jobs: VecDeque::new(), lost: None, closing: false }),
@@ -730,8 +746,9 @@ impl<J: CopyJob> PeerLink<J> {
             spinner: AtomicBool::new(false),
             lost_flag: AtomicBool::new(false),
             announced: AtomicU64::new(since),
-            watch: Mutex::new(None),
+            watch: Mutex::new(Some(watch)),
             sink: std::sync::OnceLock::new(),
+            first: Mutex::new(Some(first)),
         });
         for (i, s) in streams.into_iter().enumerate() {
             let clone = s.try_clone().map_err(|e| OpenError::Connect(e.to_string()))?;
@@ -743,25 +760,33 @@ impl<J: CopyJob> PeerLink<J> {
                 .map_err(|e| OpenError::Connect(e.to_string()))?;
             link.threads.lock().push(h);
         }
-        *link.watch.lock() = Some(watch.try_clone().map_err(|e| OpenError::Connect(e.to_string()))?);
-        let l = link.clone();
-        let h = std::thread::Builder::new()
-            .name("orbite-watch".into())
-            .spawn(move || watch_worker(&l, watch, since))
-            .map_err(|e| OpenError::Connect(e.to_string()))?;
-        link.threads.lock().push(h);
         Ok(link)
+    }
+
+    /// The changes the peer pushed when the link subscribed (what changed
+    /// between its Describe and the subscription): `(base, delta)`, once.
+    pub fn take_first_changes(&self) -> Option<(u64, crate::segment::Delta)> {
+        self.first.lock().take()
+    }
+
+    /// Starts the watch worker: the peer's pushed changes go to `sink`
+    /// from now on. Called once, after the first changes were applied.
+    pub fn start_watch(self: &Arc<Self>, since: u64, sink: ChangeSink) -> io::Result<()> {
+        let _ = self.sink.set(sink);
+        let Some(watch) = self.watch.lock().as_ref().map(TcpStream::try_clone).transpose()? else {
+            return Ok(()); // closed meanwhile
+        };
+        let l = self.clone();
+        let h =
+            std::thread::Builder::new().name("orbite-watch".into()).spawn(move || watch_worker(&l, watch, since))?;
+        self.threads.lock().push(h);
+        Ok(())
     }
 
     /// The newest registry version the peer announced
     /// ([`ANNOUNCE_UNKNOWN`] when it can no longer announce).
     pub fn announced(&self) -> u64 {
         self.announced.load(Ordering::Acquire)
-    }
-
-    /// Where the peer's pushed changes go from now on.
-    pub fn set_change_sink(&self, sink: ChangeSink) {
-        let _ = self.sink.set(sink);
     }
 
     /// Queues a control-plane job ahead of queued data tasks (a refresh, a
@@ -943,7 +968,7 @@ fn connection_worker<J: CopyJob>(link: &PeerLink<J>, stream: TcpStream) {
     drop(stream);
 }
 
-/// The watch connection: one Watch subscribes it, then the peer pushes
+/// The watch connection (subscribed at open): the peer pushes
 /// what changed in its registrations as it happens (as much as fits a
 /// frame). The changes go to the link's sink (the engine's view of the
 /// peer) before the version is recorded, so a lookup that finds the view
@@ -951,34 +976,67 @@ fn connection_worker<J: CopyJob>(link: &PeerLink<J>, stream: TcpStream) {
 /// that the peer is lost (the data connections do), and blocks without a
 /// bound while nothing changes.
 fn watch_worker<J: CopyJob>(link: &PeerLink<J>, stream: TcpStream, mut since: u64) {
-    let fd = stream.as_raw_fd();
     let epoch = link.descriptor.epoch;
-    let mut body = Vec::new();
-    let mut hb = [0u8; wire::HEADER_LEN];
-    wire::encode_watch(&mut body, epoch, since, link.opts.limits.max_body as u64);
-    if send_frame(fd, Kind::Watch, 1, &body).is_ok() {
-        while read_exact(fd, &mut hb).is_ok() {
-            let Ok(h) = wire::decode_header(&hb, link.opts.limits) else { break };
-            body.resize(h.body_len as usize, 0);
-            if h.request != 1 || h.kind != Kind::Changed || h.data_len != 0 || read_exact(fd, &mut body).is_err() {
-                break;
-            }
-            let Ok((e, base, delta)) = wire::decode_changed(&body) else { break };
-            let Ok(delta) = crate::segment::Delta::decode(delta) else { break };
-            if e != epoch || delta.version <= base {
-                break; // not what this subscription pushes
-            }
-            let (version, more) = (delta.version, delta.more);
-            // Pushes continue each other; one that does not (or does not
-            // apply) leaves the view behind, and lookups ask for the rest.
-            let applied = base == since && link.sink.get().is_some_and(|sink| sink(base, delta));
-            let announce = if applied && !more { version } else { version.saturating_add(1) };
-            link.announced.fetch_max(announce, Ordering::AcqRel);
-            since = version;
+    // Buffered: a burst of pushes is read with a few system calls.
+    let mut reader = std::io::BufReader::with_capacity(64 << 10, &stream);
+    while let Ok(Some((base, delta))) = read_changed(&mut reader, &link.opts.limits, epoch, None) {
+        if delta.version <= base {
+            break; // a push that moves nothing is not one this subscription sends
         }
+        let (version, more) = (delta.version, delta.more);
+        // Pushes continue each other; one that does not (or does not
+        // apply) leaves the view behind, and lookups ask for the rest.
+        let applied = base == since && link.sink.get().is_some_and(|sink| sink(base, delta));
+        let announce = if applied && !more { version } else { version.saturating_add(1) };
+        link.announced.fetch_max(announce, Ordering::AcqRel);
+        since = version;
     }
     // Nothing more will be announced: lookups must ask the peer.
     link.announced.store(ANNOUNCE_UNKNOWN, Ordering::Release);
+}
+
+/// Where a watch connection's frames are read from: the socket (within a
+/// bound, at open) or a buffer over it (the worker).
+trait FrameSource {
+    fn read_all(&mut self, buf: &mut [u8], patience: Option<&Patience>) -> io::Result<()>;
+}
+
+impl FrameSource for i32 {
+    fn read_all(&mut self, buf: &mut [u8], patience: Option<&Patience>) -> io::Result<()> {
+        read_exact_within(*self, buf, patience)
+    }
+}
+
+impl FrameSource for &mut std::io::BufReader<&TcpStream> {
+    fn read_all(&mut self, buf: &mut [u8], _: Option<&Patience>) -> io::Result<()> {
+        std::io::Read::read_exact(*self, buf)
+    }
+}
+
+/// Reads one Changed frame of the subscription (request 1) for `epoch`:
+/// `Ok(None)` when the connection ended, `Err` for anything else.
+fn read_changed(
+    mut from: impl FrameSource,
+    limits: &Limits,
+    epoch: u64,
+    patience: Option<&Patience>,
+) -> Result<Option<(u64, crate::segment::Delta)>, String> {
+    let mut hb = [0u8; wire::HEADER_LEN];
+    if from.read_all(&mut hb, patience).is_err() {
+        return Ok(None);
+    }
+    let h = wire::decode_header(&hb, *limits).map_err(|e| e.to_string())?;
+    if h.request != 1 || h.kind != Kind::Changed || h.data_len != 0 {
+        return Err(format!("unexpected {:?} on the watch connection", h.kind));
+    }
+    let mut body = vec![0u8; h.body_len as usize];
+    from.read_all(&mut body, patience).map_err(|e| e.to_string())?;
+    let (e, base, delta) = wire::decode_changed(&body).map_err(|e| e.to_string())?;
+    let delta = crate::segment::Delta::decode(delta).map_err(|e| e.to_string())?;
+    if e != epoch {
+        return Err("changes of another epoch".into());
+    }
+    Ok(Some((base, delta)))
 }
 
 /// A job that was never put on the wire: nothing moved, effect known.

@@ -78,9 +78,6 @@ pub fn run(quick: bool) -> Result<Value, String> {
             new.push((addr(k), id));
         }
         let (t_new, ok_new) = import_all(&initiator, &seg, &new)?;
-        if std::env::var("ORBITE_REFRESH_DEBUG").is_ok() {
-            eprintln!("round {round}: old {t_old:?} new {t_new:?}");
-        }
         verified &= ok_old && ok_new;
         old_us.push(t_old.as_secs_f64() * 1e6);
         new_us.push(t_new.as_secs_f64() * 1e6);
