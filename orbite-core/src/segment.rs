@@ -250,6 +250,9 @@ pub struct SegmentView {
     /// (address, raw id) of every registration, ordered: range lookups,
     /// and changes applied one key at a time (pushed changes are small).
     by_addr: BTreeSet<(u64, u64)>,
+    /// Most registrations this view holds (0: no bound): a peer cannot make
+    /// it grow without end.
+    limit: usize,
 }
 
 /// How far back a range lookup walks before it scans everything (overlaps
@@ -259,7 +262,14 @@ const NEAREST_CANDIDATES: usize = 64;
 impl SegmentView {
     /// The view of a descriptor.
     pub fn of(d: &SegmentDescriptor) -> Self {
-        let mut v = SegmentView { version: d.registry_version, ..SegmentView::default() };
+        Self::bounded(d, 0)
+    }
+
+    /// The view of a descriptor that never holds more than `limit`
+    /// registrations (0: no bound); changes that would exceed it are
+    /// refused.
+    pub fn bounded(d: &SegmentDescriptor, limit: usize) -> Self {
+        let mut v = SegmentView { version: d.registry_version, limit, ..SegmentView::default() };
         v.regs.reserve(d.registrations.len());
         for r in &d.registrations {
             v.insert(r.clone());
@@ -288,6 +298,13 @@ impl SegmentView {
             return Err(WireError::Malformed("segment delta does not continue the view"));
         } else if d.version < self.version {
             return Ok(false);
+        }
+        if self.limit > 0 && self.len().saturating_add(d.added.len()).saturating_sub(d.removed.len()) > self.limit {
+            return Err(WireError::TooLong {
+                what: "peer registrations",
+                len: (self.len() + d.added.len()) as u64,
+                limit: self.limit as u64,
+            });
         }
         for raw in d.removed {
             if let Some(old) = self.regs.remove(&raw) {
@@ -486,6 +503,16 @@ mod tests {
         assert_eq!(view.version, 19);
         let gap = Delta { version: 25, ..Delta::default() };
         assert!(view.apply_from(20, gap).is_err(), "a gap is refused");
+        let mut small = SegmentView::bounded(&d, 3);
+        let two = Delta {
+            version: 30,
+            added: vec![added.clone(), ExportedRegistration { id: RegistrationId::from_raw(99), ..added.clone() }],
+            ..Delta::default()
+        };
+        assert!(
+            matches!(small.apply(two), Err(WireError::TooLong { .. })),
+            "a bounded view refuses to grow past its limit"
+        );
         view.apply(Delta { version: 30, reset: true, ..Delta::default() }).unwrap();
         assert!(view.is_empty());
     }

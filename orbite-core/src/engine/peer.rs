@@ -331,7 +331,10 @@ impl EngineInner {
         if same_host.is_ok() {
             map_new_shared(&mut maps, &link.descriptor.registrations);
         }
-        let view = PeerView { segment: SegmentView::of(&link.descriptor), maps };
+        // A peer's view holds at most as many registrations as this engine
+        // would itself.
+        let bound = usize::try_from(c.max_registrations).unwrap_or(usize::MAX);
+        let view = PeerView { segment: SegmentView::bounded(&link.descriptor, bound), maps };
         let liveness =
             same_host.is_ok().then(|| crate::transport::cma::PeerLiveness::watch(link.descriptor.pid as i32));
         let inbox = match (&same_host, link.descriptor.inbox.as_str()) {
