@@ -1153,9 +1153,11 @@ OrbiteStatus orbite_peer_open(struct OrbiteEngine engine,
                               struct OrbitePeer *out);
 
 /*
- Checks a peer's range metadata against what the peer described itself
- with (same incarnation, registration present, same bounds) and returns
- the values to put in remote descriptors.
+ Has the peer confirm a range's metadata (same incarnation; a
+ registration of exactly that range, permission and kind in this
+ engine's view of the peer, which follows the peer's pushed changes and
+ asks the peer once when it lacks the range) and returns the values to
+ put in remote descriptors.
  */
 OrbiteStatus orbite_peer_import_range(struct OrbitePeer peer,
                                       const uint8_t *metadata,

@@ -131,6 +131,19 @@ unsafe fn put<T: Record>(p: *mut T, value: T) {
     unsafe { std::ptr::write(p, value) }
 }
 
+/// Writes `code` to an optional output (`p` may be null).
+///
+/// # Safety
+/// `p` is null or valid for writing a `u32`.
+unsafe fn put_code(p: *mut u32, what: &str, code: u32) -> Res {
+    if !p.is_null() {
+        check_pointer(p, what)?;
+        // SAFETY: non-null and aligned (checked), writable by contract.
+        unsafe { *p = code };
+    }
+    Ok(())
+}
+
 /// A caller's array of `count` elements, checked against `max` before it is
 /// touched.
 ///
@@ -347,17 +360,13 @@ pub extern "C" fn orbite_config_document(
         let doc = ConfigDocument::resolve(None).map_err(orbite_core::Error::from)?;
         // SAFETY: caller's contract: `buf` writable for `cap`, `needed` writable.
         unsafe { write_bytes(doc.json.as_bytes(), buf, cap, needed)? };
-        if !origin.is_null() {
-            check_pointer(origin, "origin")?;
-            let code = match doc.origin {
-                ConfigOrigin::Environment => ORBITE_CONFIG_ENVIRONMENT,
-                ConfigOrigin::EnvironmentFile(_) => ORBITE_CONFIG_ENVIRONMENT_FILE,
-                ConfigOrigin::Defaults | ConfigOrigin::Explicit => ORBITE_CONFIG_DEFAULTS,
-            };
-            // SAFETY: non-null and aligned (checked), writable by contract.
-            unsafe { *origin = code };
-        }
-        Ok(())
+        let code = match doc.origin {
+            ConfigOrigin::Environment => ORBITE_CONFIG_ENVIRONMENT,
+            ConfigOrigin::EnvironmentFile(_) => ORBITE_CONFIG_ENVIRONMENT_FILE,
+            ConfigOrigin::Defaults | ConfigOrigin::Explicit => ORBITE_CONFIG_DEFAULTS,
+        };
+        // SAFETY: caller's contract: `origin` is null or writable.
+        unsafe { put_code(origin, "origin", code) }
     })
 }
 
@@ -396,12 +405,8 @@ pub extern "C" fn orbite_engine_advertise(
         };
         // SAFETY: caller's contract: `buf` writable for `cap`, `needed` writable.
         unsafe { write_bytes(line.as_bytes(), buf, cap, needed)? };
-        if !source.is_null() {
-            check_pointer(source, "source")?;
-            // SAFETY: non-null and aligned (checked), writable by contract.
-            unsafe { *source = code };
-        }
-        Ok(())
+        // SAFETY: caller's contract: `source` is null or writable.
+        unsafe { put_code(source, "source", code) }
     })
 }
 
@@ -725,9 +730,11 @@ pub extern "C" fn orbite_peer_open(
     })
 }
 
-/// Checks a peer's range metadata against what the peer described itself
-/// with (same incarnation, registration present, same bounds) and returns
-/// the values to put in remote descriptors.
+/// Has the peer confirm a range's metadata (same incarnation; a
+/// registration of exactly that range, permission and kind in this
+/// engine's view of the peer, which follows the peer's pushed changes and
+/// asks the peer once when it lacks the range) and returns the values to
+/// put in remote descriptors.
 #[unsafe(no_mangle)]
 pub extern "C" fn orbite_peer_import_range(
     peer: OrbitePeer,

@@ -78,7 +78,10 @@ fn map_shared(name: &str) -> Result<ShmMapping, String> {
 }
 
 /// Maps every shared allocation `regs` name that `maps` lacks.
-fn map_new_shared(maps: &mut HashMap<String, Result<Arc<ShmMapping>, String>>, regs: &[ExportedRegistration]) {
+fn map_new_shared<'a>(
+    maps: &mut HashMap<String, Result<Arc<ShmMapping>, String>>,
+    regs: impl IntoIterator<Item = &'a ExportedRegistration>,
+) {
     for r in regs {
         if let Some((name, _)) = &r.shm {
             maps.entry(name.clone()).or_insert_with(|| map_shared(name).map(Arc::new));
@@ -210,15 +213,15 @@ impl Peer {
     pub fn apply(&self, base: u64, delta: Delta) -> bool {
         let mut maps = HashMap::new();
         if self.same_host.is_ok() {
-            let known = self.view();
-            let fresh: Vec<ExportedRegistration> = delta
-                .added
-                .iter()
-                .filter(|r| r.shm.as_ref().is_some_and(|(n, _)| !known.maps.contains_key(n)))
-                .cloned()
-                .collect();
-            drop(known);
-            map_new_shared(&mut maps, &fresh);
+            let fresh: Vec<&ExportedRegistration> = {
+                let known = self.view();
+                delta
+                    .added
+                    .iter()
+                    .filter(|r| r.shm.as_ref().is_some_and(|(n, _)| !known.maps.contains_key(n)))
+                    .collect()
+            };
+            map_new_shared(&mut maps, fresh);
         }
         // Old news (a pull already brought the view past it) takes no
         // write lock.
