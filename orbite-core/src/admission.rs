@@ -9,7 +9,7 @@
 
 use std::collections::VecDeque;
 
-use crate::batch::Intent;
+use crate::types::Intent;
 
 /// A waiting item and its deadline.
 #[derive(Debug)]

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::error::{Error, Resource};
+use crate::types::{Exhausted, Resource};
 
 /// The counters of one engine.
 #[derive(Debug, Default)]
@@ -108,7 +108,7 @@ pub(crate) struct Charge {
 impl Charge {
     /// Charges `amount` to each counter, checking each against its limit
     /// (`None` = unlimited). On failure nothing stays charged.
-    pub fn try_new(counters: &Arc<Counters>, items: [ChargeItem; 2]) -> Result<Charge, Error> {
+    pub fn try_new(counters: &Arc<Counters>, items: [ChargeItem; 2]) -> Result<Charge, Exhausted> {
         for (i, &(counter, amount, limit)) in items.iter().enumerate() {
             let cell = counters.cell(counter);
             let mut current = cell.load(Ordering::Relaxed);
@@ -125,7 +125,7 @@ impl Charge {
                         counters.cell(c).fetch_sub(a, Ordering::AcqRel);
                     }
                     let (resource, max) = limit.unwrap_or((Resource::TransferBytes, u64::MAX));
-                    return Err(Error::ResourceExhausted { resource, limit: max, requested: next.unwrap_or(u64::MAX) });
+                    return Err(Exhausted { resource, limit: max, requested: next.unwrap_or(u64::MAX) });
                 }
                 match cell.compare_exchange_weak(current, current + amount, Ordering::AcqRel, Ordering::Relaxed) {
                     Ok(_) => break,
@@ -149,7 +149,7 @@ impl Charge {
         amount: u64,
         resource: Resource,
         limit: u64,
-    ) -> Result<Charge, Error> {
+    ) -> Result<Charge, Exhausted> {
         Charge::try_new(counters, [(counter, amount, Some((resource, limit))), (counter, 0, None)])
     }
 }
@@ -208,7 +208,7 @@ mod tests {
         let a = Charge::limited(&c, Counter::Executions, 2, Resource::Executions, 3).unwrap();
         assert_eq!(c.get(Counter::Executions), 2);
         let err = Charge::limited(&c, Counter::Executions, 2, Resource::Executions, 3).unwrap_err();
-        assert!(matches!(err, Error::ResourceExhausted { resource: Resource::Executions, limit: 3, requested: 4 }));
+        assert!(matches!(err, Exhausted { resource: Resource::Executions, limit: 3, requested: 4 }));
         assert_eq!(c.get(Counter::Executions), 2, "a refused charge leaves nothing");
         drop(a);
         assert_eq!(c.get(Counter::Executions), 0);
@@ -225,7 +225,7 @@ mod tests {
             ],
         )
         .unwrap_err();
-        assert!(matches!(err, Error::ResourceExhausted { resource: Resource::RegisteredBytes, .. }));
+        assert!(matches!(err, Exhausted { resource: Resource::RegisteredBytes, .. }));
         assert_eq!(c.snapshot(), Stats::default());
     }
 }

@@ -9,8 +9,6 @@
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
 
-use crate::error::ConfigError;
-
 const KIB: u64 = 1024;
 const MIB: u64 = 1024 * KIB;
 const GIB: u64 = 1024 * MIB;
@@ -111,7 +109,7 @@ pub struct EngineConfig {
     pub max_notification_bytes: u64,
     /// Route policy for peer transfers: "auto" (shm, then cma, then tcp),
     /// "tcp", "shm" or "cma". Transfers may override it. Default "auto".
-    pub route: crate::batch::RoutePolicy,
+    pub route: crate::types::RoutePolicy,
 }
 
 impl Default for EngineConfig {
@@ -144,7 +142,7 @@ impl Default for EngineConfig {
             peer_min_bytes_per_s: MIB,
             max_frame_body: MIB,
             max_notification_bytes: 64 * KIB,
-            route: crate::batch::RoutePolicy::Auto,
+            route: crate::types::RoutePolicy::Auto,
         }
     }
 }
@@ -222,7 +220,8 @@ impl EngineConfig {
             return invalid("peer_timeout_ms", "must be at most one day");
         }
         if let Some(a) = &self.advertise {
-            crate::endpoint::validate_advertise(a)?;
+            crate::endpoint::validate_advertise(a)
+                .map_err(|reason| ConfigError::Invalid { field: "advertise", reason })?;
         }
         Ok(())
     }
@@ -352,6 +351,31 @@ impl ConfigDocument {
         EngineConfig::from_json(&json).map_err(|e| env(e.to_string()))?;
         Ok(ConfigDocument { json, origin })
     }
+}
+
+/// Configuration could not be accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The JSON was malformed, had a wrong type, or named an unknown field
+    /// (serde's message names the field).
+    #[error("invalid engine configuration: {0}")]
+    Json(#[from] serde_json::Error),
+    /// A field parsed but its value is not usable.
+    #[error("invalid engine configuration: `{field}` {reason}")]
+    Invalid {
+        /// Name of the offending field.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The configuration named by an environment variable is unusable.
+    #[error("{variable}: {reason}")]
+    Environment {
+        /// The variable (`ORBITE_CONFIG`).
+        variable: &'static str,
+        /// What is wrong: unreadable file, not an object, invalid field.
+        reason: String,
+    },
 }
 
 #[cfg(test)]

@@ -11,8 +11,6 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 
-use crate::error::ConfigError;
-
 /// Listen address of deployments (the NIXL backend, `orbite info`) when the
 /// configuration names none: every interface, a free port.
 pub const ALL_INTERFACES: &str = "0.0.0.0:0";
@@ -103,17 +101,16 @@ fn split_host_port(s: &str) -> Result<(String, Option<u16>), String> {
 
 /// Checks an `advertise` value: a host name or address, with or without a
 /// port (`host`, `host:port`, `[v6]`, `[v6]:port`, bare `v6`).
-pub(crate) fn validate_advertise(s: &str) -> Result<(), ConfigError> {
-    let invalid = |reason: String| ConfigError::Invalid { field: "advertise", reason };
-    let (host, port) = split_host_port(s).map_err(invalid)?;
+pub(crate) fn validate_advertise(s: &str) -> Result<(), String> {
+    let (host, port) = split_host_port(s)?;
     let name_ok = !host.is_empty()
         && host.len() <= 253
         && host.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b':'));
     if !name_ok {
-        return Err(invalid(format!("`{s}` is not a host or host:port")));
+        return Err(format!("`{s}` is not a host or host:port"));
     }
     if port == Some(0) {
-        return Err(invalid("port 0 cannot be dialled".into()));
+        return Err("port 0 cannot be dialled".into());
     }
     Ok(())
 }
@@ -290,7 +287,8 @@ mod tests {
             validate_advertise(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
         }
         for bad in ["", ":7000", "host:", "host:x", "host:70000", "[::1", "[nope]:1", "a b", "host:0", "h/x"] {
-            let e = validate_advertise(bad).unwrap_err();
+            let e = crate::EngineConfig::from_json(&format!(r#"{{"listen": "0.0.0.0:0", "advertise": {bad:?}}}"#))
+                .expect_err(bad);
             assert!(e.to_string().contains("advertise"), "{bad}: {e}");
         }
     }

@@ -55,21 +55,24 @@ pub mod segment;
 pub mod session;
 mod time;
 mod transport;
+pub mod types;
 pub mod wire;
 
 pub use batch::{
-    Desc, ExecutionPhase, Intent, LogicalOutcome, Op, OutcomeCode, RemoteEffect, RetirementReceipt, Route, RouteChoice,
-    RoutePolicy, Target, TransferOptions, TransferResult, TransferSpec, TransferStatus,
+    BatchError, Desc, ExecutionPhase, LogicalOutcome, OutcomeCode, RemoteEffect, RetirementReceipt, TransferOptions,
+    TransferResult, TransferStatus,
 };
 pub use charge::Stats;
-pub use config::EngineConfig;
+pub use config::{ConfigError, EngineConfig};
 pub use engine::{
-    BindingCharge, CloseReport, Notification, RangePin, ReleaseRefused, RemoteSegment, Transfer, TransferEngine,
-    UnquiescedExecution,
+    BindingCharge, CloseReport, Notification, RangePin, ReleaseRefused, RemoteSegment, Target, Transfer,
+    TransferEngine, TransferSpec, UnquiescedExecution,
 };
-pub use error::{BatchError, ConfigError, Error, PeerError, RegistryError, Resource};
-pub use memory::{HostMemory, MemoryRange, OwnerRelease, Permission};
-pub use registry::RegistrationId;
+pub use error::Error;
+pub use memory::{HostMemory, MemoryError, MemoryRange, OwnerRelease};
+pub use registry::RegistryError;
+pub use transport::PeerError;
+pub use types::{Exhausted, Intent, Op, Permission, RegistrationId, Resource, Route, RouteChoice, RoutePolicy};
 
 /// Test-only fault hooks (feature `fault-injection`).
 #[cfg(feature = "fault-injection")]

@@ -13,32 +13,26 @@ use std::ptr::NonNull;
 use std::sync::Arc;
 
 use crate::charge::{Charge, Counter, Counters};
-use crate::error::{Error, RegistryError, Resource};
+pub use crate::types::Permission;
+use crate::types::{Exhausted, Resource};
+
+/// Memory could not be allocated or named.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MemoryError {
+    /// A range was empty, null, wrapped the address space or fell outside
+    /// its memory.
+    #[error("invalid memory range: {0}")]
+    InvalidRange(String),
+    /// A budget (host memory, registrations, registered bytes) is full.
+    #[error(transparent)]
+    Exhausted(#[from] Exhausted),
+    /// The operating system refused (allocation, shared file, mapping).
+    #[error("system error: {0}")]
+    System(String),
+}
 
 /// Alignment of engine-allocated host memory.
 pub const PAGE_SIZE: usize = 4096;
-
-/// What a registration may be used for by the other side of a transfer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-pub enum Permission {
-    /// Only as the local side of this engine's own transfers.
-    LocalOnly,
-    /// Also readable as the target of a READ.
-    RemoteRead,
-    /// Also readable and writable as a target (READ and WRITE).
-    RemoteReadWrite,
-}
-
-impl Permission {
-    /// May a peer read this range?
-    pub fn remote_read(self) -> bool {
-        matches!(self, Permission::RemoteRead | Permission::RemoteReadWrite)
-    }
-    /// May a peer write this range?
-    pub fn remote_write(self) -> bool {
-        matches!(self, Permission::RemoteReadWrite)
-    }
-}
 
 /// Kind of memory behind a registration.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -142,15 +136,19 @@ impl HostMemory {
     /// A shared allocation: a new file under /dev/shm, mapped shared. Only
     /// this process creates it (exclusive create, mode 0600); it is
     /// unlinked when the allocation is freed.
-    pub(crate) fn allocate_shared(counters: &Arc<Counters>, len: usize, limit: u64, tag: u64) -> Result<Self, Error> {
+    pub(crate) fn allocate_shared(
+        counters: &Arc<Counters>,
+        len: usize,
+        limit: u64,
+        tag: u64,
+    ) -> Result<Self, MemoryError> {
         use std::os::fd::AsRawFd;
         use std::os::unix::fs::OpenOptionsExt;
         if len == 0 {
-            return Err(RegistryError::InvalidRange("shared memory of zero bytes".into()).into());
+            return Err(MemoryError::InvalidRange("shared memory of zero bytes".into()));
         }
-        let map_len = len
-            .checked_next_multiple_of(PAGE_SIZE)
-            .ok_or_else(|| RegistryError::InvalidRange(format!("{len} bytes")))?;
+        let map_len =
+            len.checked_next_multiple_of(PAGE_SIZE).ok_or_else(|| MemoryError::InvalidRange(format!("{len} bytes")))?;
         let charge = Charge::try_new(
             counters,
             [
@@ -170,10 +168,10 @@ impl HostMemory {
             .mode(0o600)
             .custom_flags(libc::O_CLOEXEC)
             .open(&path)
-            .map_err(|e| Error::System(format!("cannot create {}: {e}", path.display())))?;
+            .map_err(|e| MemoryError::System(format!("cannot create {}: {e}", path.display())))?;
         let cleanup = |e: String| {
             let _ = std::fs::remove_file(&path);
-            Error::System(e)
+            MemoryError::System(e)
         };
         file.set_len(map_len as u64).map_err(|e| cleanup(format!("cannot size {}: {e}", path.display())))?;
         // SAFETY: a fresh shared mapping of a file we just sized; no other
@@ -212,12 +210,12 @@ impl HostMemory {
         }
     }
 
-    pub(crate) fn allocate(counters: &Arc<Counters>, len: usize, limit: u64) -> Result<Self, Error> {
+    pub(crate) fn allocate(counters: &Arc<Counters>, len: usize, limit: u64) -> Result<Self, MemoryError> {
         if len == 0 {
-            return Err(RegistryError::InvalidRange("host memory of zero bytes".into()).into());
+            return Err(MemoryError::InvalidRange("host memory of zero bytes".into()));
         }
         let layout = Layout::from_size_align(len, PAGE_SIZE)
-            .map_err(|_| RegistryError::InvalidRange(format!("host memory of {len} bytes")))?;
+            .map_err(|_| MemoryError::InvalidRange(format!("host memory of {len} bytes")))?;
         let charge = Charge::try_new(
             counters,
             [
@@ -227,7 +225,7 @@ impl HostMemory {
         )?;
         // SAFETY: layout has nonzero size (checked above).
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).ok_or_else(|| Error::System(format!("allocation of {len} bytes failed")))?;
+        let ptr = NonNull::new(raw).ok_or_else(|| MemoryError::System(format!("allocation of {len} bytes failed")))?;
         Ok(HostMemory { alloc: Arc::new(HostAllocation { ptr, len, source: Source::Heap(layout), _charge: charge }) })
     }
 
@@ -317,14 +315,10 @@ impl std::fmt::Debug for MemoryRange {
 
 impl MemoryRange {
     /// A range `offset..offset + len` of engine-allocated host memory.
-    pub fn host(memory: &HostMemory, offset: usize, len: usize, permission: Permission) -> Result<Self, RegistryError> {
-        let end =
-            offset.checked_add(len).ok_or_else(|| RegistryError::InvalidRange("offset + len overflows".into()))?;
+    pub fn host(memory: &HostMemory, offset: usize, len: usize, permission: Permission) -> Result<Self, MemoryError> {
+        let end = offset.checked_add(len).ok_or_else(|| MemoryError::InvalidRange("offset + len overflows".into()))?;
         if len == 0 || end > memory.len() {
-            return Err(RegistryError::InvalidRange(format!(
-                "{offset}..{end} of host memory of {} bytes",
-                memory.len()
-            )));
+            return Err(MemoryError::InvalidRange(format!("{offset}..{end} of host memory of {} bytes", memory.len())));
         }
         Ok(MemoryRange {
             // SAFETY (of the arithmetic): offset <= len of the allocation.

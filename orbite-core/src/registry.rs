@@ -17,37 +17,9 @@ use parking_lot::{Mutex, MutexGuard};
 
 use crate::charge::{Charge, Counter, Counters};
 use crate::config::EngineConfig;
-use crate::error::{Error, RegistryError, Resource};
-use crate::memory::{Backing, MemoryKind, MemoryRange, Permission};
-
-/// Generation-checked id of a registration.
-///
-/// An id stays unique for the engine's life in practice: a slot's
-/// generation advances each time its registration is removed, so an old id
-/// never resolves to a newer registration in the same slot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct RegistrationId {
-    index: u32,
-    generation: u32,
-}
-
-impl RegistrationId {
-    /// Packs the id into 64 bits (for foreign handles and wire formats).
-    pub fn to_raw(self) -> u64 {
-        ((self.generation as u64) << 32) | self.index as u64
-    }
-    /// Unpacks an id from [`RegistrationId::to_raw`]; any value is accepted
-    /// and checked on use.
-    pub fn from_raw(raw: u64) -> Self {
-        RegistrationId { index: raw as u32, generation: (raw >> 32) as u32 }
-    }
-}
-
-impl std::fmt::Display for RegistrationId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "reg#{}.{}", self.index, self.generation)
-    }
-}
+use crate::memory::{Backing, MemoryError, MemoryKind, MemoryRange};
+use crate::types::RegistrationId;
+use crate::types::{Permission, Resource};
 
 /// One registered range and its owner.
 pub(crate) struct Registration {
@@ -126,11 +98,11 @@ impl Table {
 
 /// What changed in the exported registrations after a version: the answer
 /// to a peer's delta refresh.
-pub(crate) struct Changes {
+pub(crate) struct Changes<T> {
     /// The whole list follows (the peer was too far behind).
     pub reset: bool,
-    /// Registrations added after the version and still live.
-    pub added: Vec<crate::segment::ExportedRegistration>,
+    /// Registrations added after the version and still live, as exported.
+    pub added: Vec<T>,
     /// Raw ids deregistered after the version.
     pub removed: Vec<u64>,
     /// The version this answer brings the peer to.
@@ -139,32 +111,20 @@ pub(crate) struct Changes {
     pub more: bool,
 }
 
-fn export(r: &Registration) -> crate::segment::ExportedRegistration {
-    crate::segment::ExportedRegistration {
-        id: r.id,
-        len: r.len,
-        permission: r.permission,
-        addr: r.base as u64,
-        shm: match &r.kind {
-            MemoryKind::Shm { name, offset } => Some((name.to_string(), *offset)),
-            MemoryKind::Host => None,
-        },
-    }
-}
-
 impl Table {
     /// The current registry version.
     pub fn version(&self) -> u64 {
         self.version
     }
 
-    /// One live registration as exported, if peers may target it.
-    pub fn export_one(&self, id: RegistrationId) -> Option<crate::segment::ExportedRegistration> {
+    /// One live registration, exported by `export`, if peers may target it.
+    pub fn export_one<T>(&self, id: RegistrationId, export: impl Fn(&Registration) -> T) -> Option<T> {
         self.get(id).ok().filter(|r| r.permission.remote_read()).map(|r| export(r))
     }
 
-    /// Registrations peers may target (remote-readable), with the version.
-    pub fn exported(&self) -> (Vec<crate::segment::ExportedRegistration>, u64) {
+    /// Registrations peers may target (remote-readable), exported by
+    /// `export`, with the version.
+    pub fn exported<T>(&self, export: impl Fn(&Registration) -> T) -> (Vec<T>, u64) {
         let regs = self
             .slots
             .iter()
@@ -176,14 +136,15 @@ impl Table {
     }
 
     /// What changed after `since`, in version order, in at most `budget`
-    /// encoded bytes (`entry_bytes` prices one added registration, 8 bytes
-    /// one removal).
-    pub fn changes_since(
+    /// encoded bytes (`export` makes an added registration's entry and
+    /// `entry_bytes` prices it; a removal costs 8 bytes).
+    pub fn changes_since<T>(
         &self,
         since: u64,
         budget: usize,
-        entry_bytes: impl Fn(&crate::segment::ExportedRegistration) -> usize,
-    ) -> Changes {
+        export: impl Fn(&Registration) -> T,
+        entry_bytes: impl Fn(&T) -> usize,
+    ) -> Changes<T> {
         let reset = since > self.version || since < self.forgotten_before;
         let since = if reset { 0 } else { since };
         let live = self
@@ -250,14 +211,14 @@ impl Registry {
         ranges: Vec<MemoryRange>,
         counters: &Arc<Counters>,
         config: &EngineConfig,
-    ) -> Result<Vec<RegistrationId>, Error> {
+    ) -> Result<Vec<RegistrationId>, MemoryError> {
         let mut pending = Vec::with_capacity(ranges.len());
         for (i, r) in ranges.into_iter().enumerate() {
             if r.ptr.is_null() || r.len == 0 {
-                return Err(RegistryError::InvalidRange(format!("range {i} is null or empty")).into());
+                return Err(MemoryError::InvalidRange(format!("range {i} is null or empty")));
             }
             if (r.ptr as u64).checked_add(r.len).is_none() || r.len > isize::MAX as u64 {
-                return Err(RegistryError::InvalidRange(format!("range {i} wraps the address space")).into());
+                return Err(MemoryError::InvalidRange(format!("range {i} wraps the address space")));
             }
             let charge = Charge::try_new(
                 counters,
@@ -351,6 +312,23 @@ impl Registry {
     }
 }
 
+/// Errors of the memory registry.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegistryError {
+    /// No registration ever had this index.
+    #[error("unknown registration {0}")]
+    Unknown(RegistrationId),
+    /// The slot exists but belongs to another (older or newer) registration.
+    #[error("stale registration {0} (generation mismatch)")]
+    Stale(RegistrationId),
+    /// The registration was deregistered: it is fenced for new work.
+    #[error("registration {0} is deregistered")]
+    Deregistered(RegistrationId),
+    /// A range to register was empty, null or out of its memory's bounds.
+    #[error("invalid memory range: {0}")]
+    InvalidRange(String),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -369,20 +347,20 @@ mod tests {
     #[test]
     fn changes_come_in_version_order_and_pages_never_lose_one() {
         let (reg, counters, _mem, ids) = setup(10);
-        let all = reg.lock().changes_since(0, usize::MAX, |_| 40);
+        let all = reg.lock().changes_since(0, usize::MAX, crate::segment::ExportedRegistration::of, |_| 40);
         assert_eq!((all.added.len(), all.removed.len(), all.more, all.reset), (10, 0, false, false));
         let v = all.version;
         reg.deregister(ids[3], &counters).unwrap();
         let local = MemoryRange::host(&_mem, 0, 4096, Permission::LocalOnly).unwrap();
         reg.register(vec![local], &counters, &EngineConfig::default()).unwrap();
-        let d = reg.lock().changes_since(v, usize::MAX, |_| 40);
+        let d = reg.lock().changes_since(v, usize::MAX, crate::segment::ExportedRegistration::of, |_| 40);
         assert_eq!(d.removed, vec![ids[3].to_raw()]);
         assert!(d.added.is_empty(), "local-only registrations are not exported");
         assert_eq!(d.version, v + 2);
         // Pages of at most 100 bytes (two entries) cover everything once.
         let (mut since, mut seen) = (0, Vec::new());
         loop {
-            let p = reg.lock().changes_since(since, 100, |_| 40);
+            let p = reg.lock().changes_since(since, 100, crate::segment::ExportedRegistration::of, |_| 40);
             assert!(p.added.len() <= 2);
             seen.extend(p.added.iter().map(|r| r.id));
             since = p.version;
@@ -405,13 +383,13 @@ mod tests {
         for id in &ids[..n - 1] {
             reg.deregister(*id, &counters).unwrap();
         }
-        let d = reg.lock().changes_since(v, usize::MAX, |_| 40);
+        let d = reg.lock().changes_since(v, usize::MAX, crate::segment::ExportedRegistration::of, |_| 40);
         assert!(d.reset, "more deregistrations than are remembered");
         assert_eq!(d.added.iter().map(|r| r.id).collect::<Vec<_>>(), vec![keep]);
         let now = reg.lock().version();
-        let recent = reg.lock().changes_since(now - 1, usize::MAX, |_| 40);
+        let recent = reg.lock().changes_since(now - 1, usize::MAX, crate::segment::ExportedRegistration::of, |_| 40);
         assert!(!recent.reset && recent.removed.len() == 1);
-        let future = reg.lock().changes_since(u64::MAX, usize::MAX, |_| 40);
+        let future = reg.lock().changes_since(u64::MAX, usize::MAX, crate::segment::ExportedRegistration::of, |_| 40);
         assert!(future.reset, "a version this registry never had");
     }
 }

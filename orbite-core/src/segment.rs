@@ -14,8 +14,9 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use crate::memory::Permission;
-use crate::registry::RegistrationId;
+use crate::memory::MemoryKind;
+use crate::registry::Registration;
+use crate::types::{Permission, RegistrationId};
 use crate::wire::WireError;
 
 /// Version of the descriptor encoding.
@@ -37,6 +38,22 @@ pub struct ExportedRegistration {
     /// For a range of a shared allocation: the file name under /dev/shm and
     /// the range's offset in it.
     pub shm: Option<(String, u64)>,
+}
+
+impl ExportedRegistration {
+    /// A registration of this engine, as peers see it.
+    pub(crate) fn of(r: &Registration) -> Self {
+        ExportedRegistration {
+            id: r.id,
+            len: r.len,
+            permission: r.permission,
+            addr: r.base as u64,
+            shm: match &r.kind {
+                MemoryKind::Shm { name, offset } => Some((name.to_string(), *offset)),
+                MemoryKind::Host => None,
+            },
+        }
+    }
 }
 
 /// What an engine exposes to peers.

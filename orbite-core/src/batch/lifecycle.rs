@@ -13,7 +13,8 @@
 //! * release is refused while an execution is active; only a retired success
 //!   may be posted again.
 
-use crate::error::BatchError;
+use crate::batch::BatchError;
+pub use crate::types::{TaskEnd, TaskReport};
 
 /// What the destination of an execution experienced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -138,32 +139,6 @@ impl TransferStatus {
             _ => None,
         }
     }
-}
-
-/// How a route task ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum TaskEnd {
-    /// All planned bytes landed.
-    Complete,
-    /// Fewer bytes than planned landed, and nothing beyond them.
-    Short,
-    /// The task failed after `bytes` landed; `effect_unknown` if bytes
-    /// beyond them may have been written.
-    Failed {
-        /// Whether more than `bytes` may have been written.
-        effect_unknown: bool,
-    },
-}
-
-/// A route's report of one task.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct TaskReport {
-    /// Bytes the task was asked to move.
-    pub planned: u64,
-    /// Bytes known landed (a prefix of the task).
-    pub done: u64,
-    /// How it ended.
-    pub end: TaskEnd,
 }
 
 /// Misuse of the machine by its driver (a bug, never a peer's doing).

@@ -1,18 +1,17 @@
-//! Transfers: descriptor lists, their validation into a copy program
-//! (`plan`), and the lifecycle state machine of their executions
-//! (`lifecycle`).
+//! Transfers as data: descriptors, per-transfer options, the lifecycle
+//! state machine of executions (`lifecycle`) and the errors of preparing,
+//! posting and releasing.
 
 pub mod lifecycle;
-pub(crate) mod plan;
 
+pub use crate::types::{Intent, Op, Route, RouteChoice, RoutePolicy, TaskEnd, TaskReport};
 pub use lifecycle::{
-    ExecutionPhase, LogicalOutcome, OutcomeCode, RemoteEffect, RetirementReceipt, TaskEnd, TaskReport, TransferResult,
-    TransferStatus,
+    ExecutionPhase, LogicalOutcome, OutcomeCode, RemoteEffect, RetirementReceipt, TransferResult, TransferStatus,
 };
 
 use std::time::Duration;
 
-use crate::registry::RegistrationId;
+use crate::types::RegistrationId;
 
 /// One contiguous range of a registration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -32,87 +31,6 @@ impl Desc {
     }
 }
 
-/// Direction of a transfer, seen from the initiator.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Op {
-    /// Remote (target) bytes into local memory.
-    Read,
-    /// Local bytes into remote (target) memory.
-    Write,
-}
-
-/// Priority class of a transfer at admission.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Intent {
-    /// On the decode critical path: served first.
-    DecodeCritical = 0,
-    /// Ordinary transfers.
-    Normal = 1,
-    /// Background prefetch and offload: served last, never starved.
-    Prefetch = 2,
-}
-
-impl Intent {
-    /// All classes, highest priority first.
-    pub const ALL: [Intent; 3] = [Intent::DecodeCritical, Intent::Normal, Intent::Prefetch];
-}
-
-/// Who the remote descriptors belong to.
-#[derive(Debug, Clone, Copy)]
-pub enum Target<'a> {
-    /// This engine itself (the self connection NIXL uses for local
-    /// transfers): remote descriptors name this engine's registrations.
-    Loopback,
-    /// A peer engine: remote descriptors name registrations of its
-    /// segment (ids as in its descriptor).
-    Peer(&'a crate::RemoteSegment),
-    /// A local file: remote descriptors are file extents (`offset`, `len`;
-    /// their `registration` is ignored). READ moves file bytes into the
-    /// local memory, WRITE the reverse.
-    File(&'a std::sync::Arc<crate::file::Entry>),
-}
-
-/// How bytes reach a peer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Route {
-    /// Copies inside this engine (the self connection).
-    Loopback,
-    /// Frames over TCP; the peer's CPU lands the bytes.
-    Tcp,
-    /// One-sided copies into a peer's shared allocation mapped here.
-    Shm,
-    /// One-sided cross-memory copies into a same-host peer's memory.
-    Cma,
-    /// io_uring reads and writes of a local file.
-    File,
-}
-
-/// Which route a transfer to a peer may take.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum RoutePolicy {
-    /// shm if every target range is a shared allocation on this boot, else
-    /// cma if the peer is on this boot and the kernel permits it, else tcp.
-    #[default]
-    Auto,
-    /// Only tcp.
-    Tcp,
-    /// Only shm; a transfer that cannot use it fails at prepare.
-    Shm,
-    /// Only cma; a transfer that cannot use it fails at prepare.
-    Cma,
-}
-
-/// The route a transfer takes, and why.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct RouteChoice {
-    /// The route.
-    pub route: Route,
-    /// Why it was chosen (the policy and what ruled the others out).
-    pub reason: String,
-}
-
 /// Per-transfer options.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct TransferOptions {
@@ -130,27 +48,48 @@ impl Default for TransferOptions {
     }
 }
 
-/// What to prepare.
-#[derive(Debug, Clone, Copy)]
-pub struct TransferSpec<'a> {
-    /// Direction.
-    pub op: Op,
-    /// Local descriptors (source of a WRITE, destination of a READ).
-    pub local: &'a [Desc],
-    /// Target descriptors; together they cover as many bytes as `local`.
-    pub remote: &'a [Desc],
-    /// Whose memory `remote` names.
-    pub target: Target<'a>,
-    /// Options.
-    pub options: TransferOptions,
-    /// A notification delivered to the target exactly once, after every
-    /// byte landed; success requires its delivery.
-    pub notification: Option<&'a [u8]>,
-}
-
-impl<'a> TransferSpec<'a> {
-    /// A spec with default options and no notification.
-    pub fn new(op: Op, local: &'a [Desc], remote: &'a [Desc], target: Target<'a>) -> Self {
-        TransferSpec { op, local, remote, target, options: TransferOptions::default(), notification: None }
-    }
+/// Errors of preparing, posting and releasing transfers.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BatchError {
+    /// A descriptor is malformed or outside its registration.
+    #[error("invalid descriptor {index} of the {side} list: {reason}")]
+    InvalidDescriptor {
+        /// `local` or `remote`.
+        side: &'static str,
+        /// Position in its list.
+        index: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The two descriptor lists do not cover the same number of bytes.
+    #[error("descriptor lists differ in length: local {local} bytes, remote {remote} bytes")]
+    LengthMismatch {
+        /// Total bytes of the local list.
+        local: u64,
+        /// Total bytes of the remote list.
+        remote: u64,
+    },
+    /// A registration lacks the permission the operation needs.
+    #[error("registration {id} does not permit {needed}")]
+    PermissionDenied {
+        /// The registration.
+        id: RegistrationId,
+        /// The access that was needed.
+        needed: &'static str,
+    },
+    /// The transfer has an execution that is not retired.
+    #[error("transfer has an active execution ({phase:?})")]
+    ExecutionActive {
+        /// Where the execution stands.
+        phase: ExecutionPhase,
+    },
+    /// Only a retired, successful execution may be posted again.
+    #[error("transfer may not be reposted after {outcome}")]
+    RepostRefused {
+        /// The outcome of the previous execution.
+        outcome: LogicalOutcome,
+    },
+    /// The transfer was never posted (nothing to cancel or wait for).
+    #[error("transfer is not posted")]
+    NotPosted,
 }

@@ -6,9 +6,12 @@
 //! a copy, and no lock is held while an owner-release callback runs.
 
 mod peer;
+pub(crate) mod plan;
+mod spec;
 mod transfer;
 
 pub use peer::{Notification, RemoteSegment};
+pub use spec::{Target, TransferSpec};
 pub use transfer::{ReleaseRefused, Transfer};
 
 use std::collections::HashMap;
@@ -21,16 +24,16 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::admission::AdmissionQueue;
 use crate::batch::lifecycle::TransferLifecycle;
-use crate::batch::plan;
-use crate::batch::{ExecutionPhase, Route, RouteChoice, TransferSpec, TransferStatus};
+use crate::batch::{ExecutionPhase, TransferStatus};
 use crate::charge::{Charge, Counter, Counters, Stats};
 use crate::config::EngineConfig;
-use crate::error::{Error, Resource};
+use crate::error::Error;
 use crate::memory::{HostMemory, MemoryRange};
-use crate::registry::{RegistrationId, Registry};
+use crate::registry::Registry;
 use crate::segment::SegmentDescriptor;
 use crate::transport::local::LocalRoute;
 use crate::transport::tcp::{PeerJob, Server};
+use crate::types::{RegistrationId, Resource, Route, RouteChoice};
 use peer::{NotificationQueue, Peer};
 use transfer::{Cell, Owners, PlanTarget, RouteTask, TransferShared};
 
@@ -503,7 +506,7 @@ impl TransferEngine {
         if inner.is_closed() {
             return Err(Error::Closed);
         }
-        HostMemory::allocate(&inner.counters, len, inner.config.max_host_memory_bytes)
+        Ok(HostMemory::allocate(&inner.counters, len, inner.config.max_host_memory_bytes)?)
     }
 
     /// Allocates page-aligned, zeroed memory that same-host peers can map
@@ -515,7 +518,7 @@ impl TransferEngine {
         if inner.is_closed() {
             return Err(Error::Closed);
         }
-        HostMemory::allocate_shared(&inner.counters, len, inner.config.max_host_memory_bytes, inner.epoch)
+        Ok(HostMemory::allocate_shared(&inner.counters, len, inner.config.max_host_memory_bytes, inner.epoch)?)
     }
 
     /// Registers ranges, all or none. Each range becomes its own
@@ -809,7 +812,7 @@ impl TransferEngine {
     /// How a live registration of this engine is exported to peers (`None`
     /// for a stale id or one peers may not target).
     pub fn exported_registration(&self, id: RegistrationId) -> Option<crate::segment::ExportedRegistration> {
-        self.inner().registry.lock().export_one(id)
+        self.inner().registry.lock().export_one(id, crate::segment::ExportedRegistration::of)
     }
 
     /// Fences new posts to the peer, waits up to `timeout` for admitted
@@ -865,6 +868,7 @@ impl TransferEngine {
         let limit = inner.config.max_binding_handles;
         Charge::limited(&inner.counters, Counter::BindingHandles, count, Resource::BindingHandles, limit)
             .map(BindingCharge)
+            .map_err(Error::from)
     }
 
     /// Like [`Self::take_notifications`], but if none is queued, waits up

@@ -11,11 +11,13 @@ use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard};
 use crate::charge::{Charge, Counter};
 use crate::engine::EngineInner;
 use crate::engine::transfer::RouteTask;
-use crate::error::{Error, PeerError, Resource};
-use crate::registry::{Registration, RegistrationId};
+use crate::error::{Error, PeerError};
+use crate::registry::Registration;
 use crate::segment::{Delta, ExportedRegistration, SegmentDescriptor, SegmentView};
 use crate::transport::sock::iov;
 use crate::transport::tcp::{ANNOUNCE_UNKNOWN, ControlDone, ControlJob, PeerFailure, PeerJob, PeerLink, TargetSide};
+use crate::types::RegistrationId;
+use crate::types::Resource;
 use crate::wire::{Kind, Limits, NotifyEnvelope, RemoteStatus, Request};
 
 /// A notification received by this engine.
@@ -551,10 +553,10 @@ impl EngineInner {
     pub(crate) fn choose_route(
         &self,
         peer: &Peer,
-        policy: crate::batch::RoutePolicy,
+        policy: crate::types::RoutePolicy,
         remote: &[crate::batch::Desc],
-    ) -> Result<crate::batch::RouteChoice, PeerError> {
-        use crate::batch::{Route, RouteChoice, RoutePolicy};
+    ) -> Result<crate::types::RouteChoice, PeerError> {
+        use crate::types::{Route, RouteChoice, RoutePolicy};
         let view = peer.view();
         let shm = match &peer.same_host {
             Err(why) => Err(why.clone()),
@@ -638,6 +640,7 @@ impl EngineInner {
             Resource::NotificationBytes,
             self.config.notification_queue_bytes,
         )
+        .map_err(Error::from)
     }
 
     /// Moves notifications from the same-host inbox into the queue (the
@@ -830,7 +833,7 @@ impl TargetSide for EngineInner {
     }
 
     fn changes(&self, since: u64, budget: usize) -> Delta {
-        let c = self.registry.lock().changes_since(since, budget, crate::segment::entry_len);
+        let c = self.registry.lock().changes_since(since, budget, ExportedRegistration::of, crate::segment::entry_len);
         Delta { version: c.version, reset: c.reset, more: c.more, removed: c.removed, added: c.added }
     }
 
@@ -906,7 +909,7 @@ impl TargetSide for EngineInner {
 
 impl EngineInner {
     pub(crate) fn segment_descriptor(&self) -> SegmentDescriptor {
-        let (registrations, registry_version) = self.registry.lock().exported();
+        let (registrations, registry_version) = self.registry.lock().exported(ExportedRegistration::of);
         SegmentDescriptor {
             endpoint: self.own_endpoint(),
             epoch: self.epoch,

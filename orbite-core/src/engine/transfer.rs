@@ -11,15 +11,17 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::batch::TransferStatus;
 use crate::batch::lifecycle::TransferLifecycle;
-use crate::batch::plan::Plan;
-use crate::batch::{TaskReport, TransferStatus};
 use crate::charge::{Charge, Counter};
 use crate::engine::peer::{Notification, Peer};
+use crate::engine::plan::Plan;
 use crate::engine::{EngineInner, QueuedExec};
-use crate::error::{BatchError, Error, RegistryError, Resource};
+use crate::error::{BatchError, Error, RegistryError};
 use crate::registry::Registration;
 use crate::transport::{CopyJob, CopyProgram};
+use crate::types::Resource;
+use crate::types::TaskReport;
 
 /// What a transfer owns apart from its program: refunded on release.
 pub(crate) struct Owners {
@@ -50,7 +52,7 @@ pub(crate) struct TransferShared {
     pub id: u64,
     pub plan: Plan,
     pub target: PlanTarget,
-    pub route: crate::batch::RouteChoice,
+    pub route: crate::types::RouteChoice,
     /// Raw ids and lengths of the peer registrations the transfer names
     /// (one-sided routes borrow them).
     pub remote_ids: Vec<(u64, u64)>,
@@ -223,7 +225,7 @@ impl Transfer {
     }
 
     /// The route the transfer takes, and why it was chosen.
-    pub fn route(&self) -> &crate::batch::RouteChoice {
+    pub fn route(&self) -> &crate::types::RouteChoice {
         &self.shared.route
     }
 
@@ -317,7 +319,7 @@ impl Transfer {
     /// deregistered something since (a deregistered range is then refused:
     /// nothing is copied into a range its owner gave up).
     pub(crate) fn borrow_remote(&self) -> Result<(), Error> {
-        let (PlanTarget::Peer(p), crate::batch::Route::Shm | crate::batch::Route::Cma) =
+        let (PlanTarget::Peer(p), crate::types::Route::Shm | crate::types::Route::Cma) =
             (&self.shared.target, self.shared.route.route)
         else {
             return Ok(());

@@ -7,8 +7,8 @@ use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::batch::Op;
 use crate::transport::Span;
+use crate::types::Op;
 
 /// Spans per system call (the kernel's `IOV_MAX`).
 const BATCH: usize = 1024;

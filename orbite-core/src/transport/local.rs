@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::batch::{TaskEnd, TaskReport};
 use crate::transport::{CopyJob, copy_spans};
+use crate::types::{TaskEnd, TaskReport};
 
 #[cfg(feature = "fault-injection")]
 use crate::transport::fault::{FaultDirective, FaultState};
@@ -269,7 +269,7 @@ thread_local! {
 /// a failure, a WRITE's effect then unknown.
 fn copy_file(
     entry: &crate::file::Entry,
-    op: crate::batch::Op,
+    op: crate::types::Op,
     spans: &[crate::transport::Span],
     limit: u64,
 ) -> (u64, Option<TaskEnd>) {

@@ -10,7 +10,7 @@ pub(crate) mod tcp;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 
-use crate::batch::{Op, TaskReport};
+use crate::types::{Op, RegistrationId, TaskReport};
 
 /// One contiguous piece of a transfer: `len` bytes at local address
 /// `local` and at `remote` on the target side. For the self connection
@@ -103,4 +103,75 @@ pub(crate) unsafe fn copy_spans(op: Op, spans: &[Span], limit: u64) -> u64 {
         done += n as u64;
     }
     done
+}
+
+/// Errors of peers and segments.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PeerError {
+    /// The engine has no listener (`listen` is not configured).
+    #[error("engine is not listening for peers")]
+    NotListening,
+    /// Could not connect or exchange the descriptor.
+    #[error("cannot reach peer: {0}")]
+    Connect(String),
+    /// The peer broke the protocol.
+    #[error("peer protocol violation: {0}")]
+    Protocol(String),
+    /// The peer has another epoch than expected: a restarted engine is a
+    /// new identity, and work prepared for the old one cannot run.
+    #[error("peer epoch mismatch: expected {expected:#x}, peer has {found:#x}")]
+    EpochMismatch {
+        /// The epoch the caller (or a prepared transfer) expected.
+        expected: u64,
+        /// The epoch the peer has now.
+        found: u64,
+    },
+    /// The peer was lost (connection broken or timed out).
+    #[error("peer lost: {0}")]
+    Lost(String),
+    /// The segment was closed: fenced for new work.
+    #[error("segment is closed")]
+    SegmentClosed,
+    /// Closing the segment failed; the failure is sticky.
+    #[error("closing the segment failed: {0}")]
+    CloseFailed(String),
+    /// The peer's descriptor has no such registration.
+    #[error("peer has no registration {0}")]
+    UnknownRemoteRegistration(RegistrationId),
+    /// No registration of the peer covers this range (after asking the
+    /// peer for its current registrations).
+    #[error("peer has no registration covering {len} bytes at {addr:#x}")]
+    RangeNotRegistered {
+        /// First byte, an address in the peer.
+        addr: u64,
+        /// Bytes.
+        len: u64,
+    },
+    /// A control exchange with the peer got no answer in time.
+    #[error("peer did not answer: {0}")]
+    Timeout(String),
+    /// The peer refused the request.
+    #[error("peer refused: {status:?}: {detail}")]
+    Refused {
+        /// The peer's typed status.
+        status: crate::wire::RemoteStatus,
+        /// Its detail text.
+        detail: String,
+    },
+    /// A forced route cannot reach these ranges of this peer.
+    #[error("route {route:?} is not available: {reason}")]
+    RouteUnavailable {
+        /// The forced route.
+        route: crate::types::Route,
+        /// Why not.
+        reason: String,
+    },
+    /// A notification larger than `max_notification_bytes`.
+    #[error("notification of {len} bytes exceeds the limit of {limit}")]
+    NotificationTooLarge {
+        /// Its size.
+        len: u64,
+        /// The limit.
+        limit: u64,
+    },
 }

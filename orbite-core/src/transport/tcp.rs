@@ -22,7 +22,6 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::batch::{Op, TaskEnd, TaskReport};
 use crate::registry::Registration;
 use crate::segment::SegmentDescriptor;
 use crate::transport::CopyJob;
@@ -30,6 +29,7 @@ use crate::transport::local::{claim, poll};
 use crate::transport::sock::{
     Patience, discard, iov, read_exact, read_exact_within, readv_all, readv_within, writev_all, writev_within,
 };
+use crate::types::{Op, TaskEnd, TaskReport};
 use crate::wire::{self, Header, Kind, Limits, NotifyEnvelope, RemoteDesc, RemoteStatus, Request, WireError};
 
 /// Borrows held for initiators of one-sided routes: id to (connection,

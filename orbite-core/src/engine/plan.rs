@@ -13,13 +13,14 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::batch::{Desc, Op, TransferOptions, TransferSpec};
+use crate::batch::{Desc, TransferOptions};
 use crate::config::EngineConfig;
-use crate::error::{BatchError, Error, PeerError, Resource};
-use crate::memory::Permission;
-use crate::registry::{Registration, RegistrationId, Table};
+use crate::engine::TransferSpec;
+use crate::error::{BatchError, Error, PeerError};
+use crate::registry::{Registration, Table};
 use crate::segment::ExportedRegistration;
 use crate::transport::{CopyProgram, Span, TaskRange};
+use crate::types::{Op, Permission, RegistrationId, Resource};
 
 /// A validated transfer: its copy program, immutable after prepare.
 pub(crate) struct Plan {
@@ -55,7 +56,7 @@ pub(crate) enum RemoteSide<'a> {
     /// A peer's imported registrations, by raw id, reached by `route`.
     Peer {
         regs: &'a HashMap<u64, ExportedRegistration>,
-        route: crate::batch::Route,
+        route: crate::types::Route,
         /// Where a shared registration of the peer is mapped here (shm).
         shm_base: &'a dyn Fn(&ExportedRegistration) -> Option<u64>,
     },
@@ -172,14 +173,14 @@ pub(crate) fn build(
                 // shm: addresses of its shared allocation mapped here;
                 // cma: addresses in the peer's process.
                 let (base, wire_id) = match route {
-                    crate::batch::Route::Shm => (
+                    crate::types::Route::Shm => (
                         shm_base(r).ok_or(PeerError::RouteUnavailable {
                             route,
                             reason: format!("{id} is not mapped shared memory"),
                         })?,
                         0,
                     ),
-                    crate::batch::Route::Cma => (r.addr, 0),
+                    crate::types::Route::Cma => (r.addr, 0),
                     _ => (0, id.to_raw()),
                 };
                 Ok(View { id, base, wire_id, len: r.len, permission: r.permission, loan: false })

@@ -1,0 +1,203 @@
+//! The shared vocabulary of the core: ids, directions, permissions,
+//! routes and their policy, budgeted resources and what a route reports
+//! about a task.
+//!
+//! This module imports nothing of the crate; every layer may use it.
+
+/// Generation-checked id of a registration.
+///
+/// An id stays unique for the engine's life in practice: a slot's
+/// generation advances each time its registration is removed, so an old id
+/// never resolves to a newer registration in the same slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RegistrationId {
+    pub(crate) index: u32,
+    pub(crate) generation: u32,
+}
+
+impl RegistrationId {
+    /// Packs the id into 64 bits (for foreign handles and wire formats).
+    pub fn to_raw(self) -> u64 {
+        ((self.generation as u64) << 32) | self.index as u64
+    }
+    /// Unpacks an id from [`RegistrationId::to_raw`]; any value is accepted
+    /// and checked on use.
+    pub fn from_raw(raw: u64) -> Self {
+        RegistrationId { index: raw as u32, generation: (raw >> 32) as u32 }
+    }
+}
+
+impl std::fmt::Display for RegistrationId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "reg#{}.{}", self.index, self.generation)
+    }
+}
+
+/// What a registration may be used for by the other side of a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Permission {
+    /// Only as the local side of this engine's own transfers.
+    LocalOnly,
+    /// Also readable as the target of a READ.
+    RemoteRead,
+    /// Also readable and writable as a target (READ and WRITE).
+    RemoteReadWrite,
+}
+
+impl Permission {
+    /// May a peer read this range?
+    pub fn remote_read(self) -> bool {
+        matches!(self, Permission::RemoteRead | Permission::RemoteReadWrite)
+    }
+    /// May a peer write this range?
+    pub fn remote_write(self) -> bool {
+        matches!(self, Permission::RemoteReadWrite)
+    }
+}
+
+/// Direction of a transfer, seen from the initiator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Remote (target) bytes into local memory.
+    Read,
+    /// Local bytes into remote (target) memory.
+    Write,
+}
+
+/// Priority class of a transfer at admission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Intent {
+    /// On the decode critical path: served first.
+    DecodeCritical = 0,
+    /// Ordinary transfers.
+    Normal = 1,
+    /// Background prefetch and offload: served last, never starved.
+    Prefetch = 2,
+}
+
+/// How bytes reach a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Route {
+    /// Copies inside this engine (the self connection).
+    Loopback,
+    /// Frames over TCP; the peer's CPU lands the bytes.
+    Tcp,
+    /// One-sided copies into a peer's shared allocation mapped here.
+    Shm,
+    /// One-sided cross-memory copies into a same-host peer's memory.
+    Cma,
+    /// io_uring reads and writes of a local file.
+    File,
+}
+
+/// Which route a transfer to a peer may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RoutePolicy {
+    /// shm if every target range is a shared allocation on this boot, else
+    /// cma if the peer is on this boot and the kernel permits it, else tcp.
+    #[default]
+    Auto,
+    /// Only tcp.
+    Tcp,
+    /// Only shm; a transfer that cannot use it fails at prepare.
+    Shm,
+    /// Only cma; a transfer that cannot use it fails at prepare.
+    Cma,
+}
+
+/// The route a transfer takes, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RouteChoice {
+    /// The route.
+    pub route: Route,
+    /// Why it was chosen (the policy and what ruled the others out).
+    pub reason: String,
+}
+
+impl Intent {
+    /// All classes, highest priority first.
+    pub const ALL: [Intent; 3] = [Intent::DecodeCritical, Intent::Normal, Intent::Prefetch];
+}
+
+/// A budgeted resource of the engine (see [`crate::EngineConfig`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Resource {
+    /// Live registrations (`max_registrations`).
+    Registrations,
+    /// Bytes under live registrations (`max_registered_bytes`).
+    RegisteredBytes,
+    /// Engine-allocated host memory (`max_host_memory_bytes`).
+    HostMemoryBytes,
+    /// Prepared transfers (`max_prepared_transfers`).
+    PreparedTransfers,
+    /// Posted, not yet retired executions (`max_executions`).
+    Executions,
+    /// Executions waiting for admission (`admission_queue_len`).
+    AdmissionQueue,
+    /// Descriptors in one transfer (`max_descriptors_per_transfer`).
+    DescriptorsPerTransfer,
+    /// Bytes in one transfer (`max_transfer_bytes`).
+    TransferBytes,
+    /// Queued notification bytes (`notification_queue_bytes`).
+    NotificationBytes,
+    /// Handles held by a binding such as the C ABI (`max_binding_handles`).
+    BindingHandles,
+}
+
+impl std::fmt::Display for Resource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match self {
+            Resource::Registrations => "registrations",
+            Resource::RegisteredBytes => "registered bytes",
+            Resource::HostMemoryBytes => "host memory bytes",
+            Resource::PreparedTransfers => "prepared transfers",
+            Resource::Executions => "executions",
+            Resource::AdmissionQueue => "admission queue",
+            Resource::DescriptorsPerTransfer => "descriptors per transfer",
+            Resource::TransferBytes => "bytes per transfer",
+            Resource::NotificationBytes => "notification queue bytes",
+            Resource::BindingHandles => "binding handles",
+        };
+        f.write_str(name)
+    }
+}
+
+/// How a route task ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TaskEnd {
+    /// All planned bytes landed.
+    Complete,
+    /// Fewer bytes than planned landed, and nothing beyond them.
+    Short,
+    /// The task failed after `bytes` landed; `effect_unknown` if bytes
+    /// beyond them may have been written.
+    Failed {
+        /// Whether more than `bytes` may have been written.
+        effect_unknown: bool,
+    },
+}
+
+/// A route's report of one task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TaskReport {
+    /// Bytes the task was asked to move.
+    pub planned: u64,
+    /// Bytes known landed (a prefix of the task).
+    pub done: u64,
+    /// How it ended.
+    pub end: TaskEnd,
+}
+
+/// A bounded resource was exhausted: nothing was allocated or admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+#[error("resource exhausted: {resource} (limit {limit}, requested {requested})")]
+pub struct Exhausted {
+    /// Which budget.
+    pub resource: Resource,
+    /// Its configured limit.
+    pub limit: u64,
+    /// What the refused request would have brought the charge to.
+    pub requested: u64,
+}
