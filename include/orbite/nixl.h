@@ -1013,6 +1013,13 @@ extern "C" {
 /*
  Describes this library: ABI version, feature bits and the size of
  every record. Callable before anything else, with no engine.
+
+ # Safety
+ `out` is null or points to an `OrbiteAbiInfo` whose `size` and `version`
+ the caller set, readable for those two fields and, when they match this
+ library's, writable for the whole record.
+
+ Checked: a null or misaligned `out`, its size and version.
  */
 OrbiteStatus orbite_abi_info(struct OrbiteAbiInfo *out);
 
@@ -1021,6 +1028,13 @@ OrbiteStatus orbite_abi_info(struct OrbiteAbiInfo *out);
  `*needed` receives the size with the NUL; if `cap` is smaller, nothing
  is copied and `ORBITE_STATUS_BUFFER_TOO_SMALL` is returned. An empty
  message means the last call on this thread succeeded.
+
+ # Safety
+ `buf` is null or valid for writing `cap` bytes; `needed` is null or valid
+ for writing a `size_t`.
+
+ Checked: a null or misaligned `needed` (refused); a null `buf` counts as
+ no room.
  */
 OrbiteStatus orbite_last_error(char *buf, size_t cap, size_t *needed);
 
@@ -1028,6 +1042,18 @@ OrbiteStatus orbite_last_error(char *buf, size_t cap, size_t *needed);
  Creates an engine from an explicit JSON configuration. Refused, before
  anything is created, when `abi_major` differs from this library's, when
  a required feature is missing, or when the configuration is invalid.
+
+ # Safety
+ `options` is null or points to an `OrbiteEngineOptions` whose `size` and
+ `version` the caller set, readable for those two fields and, when they
+ match this library's, for the whole record; its `config_json` is null or
+ valid for reading `config_json_len` bytes. `out` is null or valid for
+ writing one `OrbiteEngine`. No other thread writes this memory during the
+ call.
+
+ Checked: null and misaligned pointers, a null `config_json` with a nonzero
+ length, the record's size and version, and `config_json_len` against its
+ limit before the bytes are read.
  */
 OrbiteStatus orbite_engine_create(const struct OrbiteEngineOptions *options,
                                   struct OrbiteEngine *out);
@@ -1039,6 +1065,14 @@ OrbiteStatus orbite_engine_create(const struct OrbiteEngineOptions *options,
  the variable is unset or blank. `*origin` (may be null) receives an
  `ORBITE_CONFIG_*` value. An unreadable or invalid document fails with
  `ORBITE_STATUS_INVALID_ARGUMENT` and a message that names the variable.
+
+ # Safety
+ `origin` is null or valid for writing a `uint32_t`; `buf` is null or valid
+ for writing `cap` bytes; `needed` is null or valid for writing a `size_t`;
+ none of them overlap.
+
+ Checked: a null or misaligned `needed` (refused); a null `buf` counts as
+ no room; a null `origin` is skipped and a misaligned one refused.
  */
 OrbiteStatus orbite_config_document(uint32_t *origin, uint8_t *buf, size_t cap, size_t *needed);
 
@@ -1048,6 +1082,15 @@ OrbiteStatus orbite_config_document(uint32_t *origin, uint8_t *buf, size_t cap, 
  `*source` (may be null) receives an `ORBITE_ADVERTISE_*` value;
  `ORBITE_ADVERTISE_LOOPBACK_FALLBACK` means only this host can connect,
  which the line says.
+
+ # Safety
+ `source` is null or valid for writing a `uint32_t`; `buf` is null or valid
+ for writing `cap` bytes; `needed` is null or valid for writing a `size_t`;
+ none of them overlap.
+
+ Checked: a null or misaligned `needed` (refused); a null `buf` counts as
+ no room; a null `source` is skipped and a misaligned one refused; the
+ handle may be any value: it is checked.
  */
 OrbiteStatus orbite_engine_advertise(struct OrbiteEngine engine,
                                      uint32_t *source,
@@ -1060,6 +1103,14 @@ OrbiteStatus orbite_engine_advertise(struct OrbiteEngine engine,
  work to retire, and reports whether it drained. Executions that did not
  retire keep their owners. The handle stays valid (for stats and
  release). `report` may be null.
+
+ # Safety
+ `report` is null (no report) or points to an `OrbiteCloseReport` whose
+ `size` and `version` the caller set, readable for those two fields and,
+ when they match this library's, writable for the whole record.
+
+ Checked: a misaligned `report`, its size and version; the handle may be
+ any value: it is checked.
  */
 OrbiteStatus orbite_engine_close(struct OrbiteEngine engine,
                                  uint64_t timeout_ms,
@@ -1076,12 +1127,27 @@ OrbiteStatus orbite_engine_release(struct OrbiteEngine engine);
 /*
  Every charge of the engine (they return to their baseline once work
  drained and handles were released).
+
+ # Safety
+ `out` is null or points to an `OrbiteStats` whose `size` and `version` the
+ caller set, readable for those two fields and, when they match this
+ library's, writable for the whole record.
+
+ Checked: a null or misaligned `out`, its size and version; the handle may
+ be any value: it is checked.
  */
 OrbiteStatus orbite_engine_stats(struct OrbiteEngine engine, struct OrbiteStats *out);
 
 /*
  Writes the engine's peer information (endpoint and epoch) for another
  process's `orbite_peer_open`, or for this engine's own self peer.
+
+ # Safety
+ `buf` is null or valid for writing `cap` bytes; `needed` is null or valid
+ for writing a `size_t`; they do not overlap.
+
+ Checked: a null or misaligned `needed` (refused); a null `buf` counts as
+ no room; the handle may be any value: it is checked.
  */
 OrbiteStatus orbite_engine_export_peer(struct OrbiteEngine engine,
                                        uint8_t *buf,
@@ -1093,6 +1159,13 @@ OrbiteStatus orbite_engine_export_peer(struct OrbiteEngine engine,
  /dev/shm). Ranges of it registered with `orbite_mem_register` may take
  the shm route. The memory lives until the handle is released and every
  registration inside it is gone.
+
+ # Safety
+ `out` is null or valid for writing one `OrbiteShm`; `out_addr` is null or
+ valid for writing one `void *`; they do not overlap.
+
+ Checked: null and misaligned pointers, `len`; the handle may be any value:
+ it is checked.
  */
 OrbiteStatus orbite_shm_alloc(struct OrbiteEngine engine,
                               uint64_t len,
@@ -1111,6 +1184,29 @@ OrbiteStatus orbite_shm_release(struct OrbiteShm shm);
  borrowed from the caller, never copied, and must stay valid until its
  `release` callback runs (or, without one, until it is deregistered and
  every transfer naming it is released).
+
+ # Safety
+ `region` is null or points to an `OrbiteMemRegion` whose `size` and
+ `version` the caller set, readable for those two fields and, when they
+ match this library's, for the whole record, which no other thread writes
+ during the call. `out` is null or valid for writing one
+ `OrbiteRegistration`.
+
+ Unless the range lies inside a live `orbite_shm_alloc` allocation of this
+ engine (which the engine owns), the `len` bytes at `addr` stay valid for
+ reads and writes, from any thread, until the engine gives them up: until
+ `release` runs, or, with no `release`, until the registration is
+ deregistered and every transfer naming it retired and was released. While
+ an execution that names bytes of the range has not retired, the caller
+ neither writes those bytes nor reads those the execution writes.
+
+ `release`, if not null, is a function of that signature that may be called
+ once, with `release_context`, on any thread.
+
+ Checked: null and misaligned pointers, the record's size and version, the
+ memory kind, permission and reserved fields, a null, empty or overflowing
+ range, a `release` on a range of a shared allocation; the handle may be
+ any value: it is checked.
  */
 OrbiteStatus orbite_mem_register(struct OrbiteEngine engine,
                                  const struct OrbiteMemRegion *region,
@@ -1126,6 +1222,13 @@ OrbiteStatus orbite_mem_deregister(struct OrbiteRegistration registration);
 /*
  Writes a registration's range metadata for a peer's
  `orbite_peer_import_range` (or this engine's own self peer).
+
+ # Safety
+ `buf` is null or valid for writing `cap` bytes; `needed` is null or valid
+ for writing a `size_t`; they do not overlap.
+
+ Checked: a null or misaligned `needed` (refused); a null `buf` counts as
+ no room; the handle may be any value: it is checked.
  */
 OrbiteStatus orbite_mem_export(struct OrbiteRegistration registration,
                                uint8_t *buf,
@@ -1136,6 +1239,14 @@ OrbiteStatus orbite_mem_export(struct OrbiteRegistration registration,
  Writes the values a transfer on this engine's own self peer puts in
  remote descriptors for `registration` (what `orbite_peer_import_range`
  gives for its range metadata, without parsing it).
+
+ # Safety
+ `out` is null or points to an `OrbiteRemoteRange` whose `size` and
+ `version` the caller set, readable for those two fields and, when they
+ match this library's, writable for the whole record.
+
+ Checked: a null or misaligned `out`, its size and version; the handle may
+ be any value: it is checked.
  */
 OrbiteStatus orbite_mem_remote_range(struct OrbiteRegistration registration,
                                      struct OrbiteRemoteRange *out);
@@ -1145,6 +1256,15 @@ OrbiteStatus orbite_mem_remote_range(struct OrbiteRegistration registration,
  engine itself opens the self connection (local transfers); any other
  peer is connected over TCP within `timeout_ms` and must still be the
  same incarnation (epoch).
+
+ # Safety
+ `info` is null or valid for reading `len` bytes, which no other thread
+ writes during the call; `out` is null or valid for writing one
+ `OrbitePeer`.
+
+ Checked: null and misaligned pointers, a null `info` with a nonzero `len`,
+ `len` against its limit before the bytes are read, and the bytes
+ themselves; the handle may be any value: it is checked.
  */
 OrbiteStatus orbite_peer_open(struct OrbiteEngine engine,
                               const uint8_t *info,
@@ -1158,6 +1278,18 @@ OrbiteStatus orbite_peer_open(struct OrbiteEngine engine,
  engine's view of the peer, which follows the peer's pushed changes and
  asks the peer once when it lacks the range) and returns the values to
  put in remote descriptors.
+
+ # Safety
+ `metadata` is null or valid for reading `len` bytes, which no other thread
+ writes during the call; `out` is null or points to an `OrbiteRemoteRange`
+ whose `size` and `version` the caller set, readable for those two fields
+ and, when they match this library's, writable for the whole record; they
+ do not overlap.
+
+ Checked: null and misaligned pointers, a null `metadata` with a nonzero
+ `len`, `len` against its limit before the bytes are read, the bytes
+ themselves, and `out`'s size and version; the handle may be any value: it
+ is checked.
  */
 OrbiteStatus orbite_peer_import_range(struct OrbitePeer peer,
                                       const uint8_t *metadata,
@@ -1185,6 +1317,22 @@ OrbiteStatus orbite_peer_close(struct OrbitePeer peer, uint64_t timeout_ms);
  Prepares a transfer: validates both lists (bounds, permissions, equal
  totals, limits) with no I/O. Counts beyond the engine's descriptor limit
  are refused before the arrays are read.
+
+ # Safety
+ `spec` is null or points to an `OrbiteXferSpec` whose `size` and `version`
+ the caller set, readable for those two fields and, when they match this
+ library's, for the whole record. In it, `local` is null or valid for
+ reading `local_count` `OrbiteDesc`s and `remote` for reading
+ `remote_count`; with `ORBITE_XFER_NOTIFY` in `flags`, `notification` is
+ null or valid for reading `notification_len` bytes. No other thread writes
+ any of this during the call. `out` is null or valid for writing one
+ `OrbiteXfer`.
+
+ Checked: null and misaligned pointers, a null array with a nonzero count,
+ the record's size and version, every count against the engine's limits
+ before its array is read, every field and descriptor; the handles (the
+ engine, `spec->peer`, the registrations the descriptors name) may be any
+ value: they are checked.
  */
 OrbiteStatus orbite_xfer_prepare(struct OrbiteEngine engine,
                                  const struct OrbiteXferSpec *spec,
@@ -1196,6 +1344,20 @@ OrbiteStatus orbite_xfer_prepare(struct OrbiteEngine engine,
  ignored), `spec->peer` must be zero and notifications are refused. READ
  moves file bytes into memory, WRITE the reverse. A READ that meets the
  end of the file ends `SHORT` with the exact prefix.
+
+ # Safety
+ As for `orbite_xfer_prepare`: `spec` is null or points to an
+ `OrbiteXferSpec` whose `size` and `version` the caller set, readable for
+ those two fields and, when they match this library's, for the whole
+ record. In it, `local` is null or valid for reading `local_count`
+ `OrbiteDesc`s and `remote` for reading `remote_count`; with
+ `ORBITE_XFER_NOTIFY` in `flags`, `notification` is null or valid for
+ reading `notification_len` bytes (read before the flag is refused). No
+ other thread writes any of this during the call. `out` is null or valid
+ for writing one `OrbiteXfer`.
+
+ Checked: as for `orbite_xfer_prepare`; `file` may be any value too: it is
+ checked.
  */
 OrbiteStatus orbite_xfer_prepare_file(struct OrbiteEngine engine,
                                       const struct OrbiteXferSpec *spec,
@@ -1207,6 +1369,15 @@ OrbiteStatus orbite_xfer_prepare_file(struct OrbiteEngine engine,
  in `mode` (`ORBITE_FILE_READ_ONLY` or `_READ_WRITE`). Flags that are not
  implemented (`ORBITE_FILE_DIRECT`, `ORBITE_FILE_SYNC`) are refused with
  `ORBITE_STATUS_NOT_SUPPORTED`, never dropped.
+
+ # Safety
+ `path` is null or valid for reading `path_len` bytes, which no other
+ thread writes during the call; `out` is null or valid for writing one
+ `OrbiteFile`.
+
+ Checked: null and misaligned pointers, a null `path` with a nonzero
+ `path_len`, `path_len` against its limit (4096) before the bytes are read,
+ `mode` and `flags`; the handle may be any value: it is checked.
  */
 OrbiteStatus orbite_file_open(struct OrbiteEngine engine,
                               const uint8_t *path,
@@ -1220,6 +1391,13 @@ OrbiteStatus orbite_file_open(struct OrbiteEngine engine,
  is a regular file open for `mode`; the caller keeps (and may close) its
  own descriptor, and a later reuse of that number never reaches this
  file.
+
+ # Safety
+ `out` is null or valid for writing one `OrbiteFile`. If `fd` is an open
+ descriptor, no other thread closes it during the call.
+
+ Checked: a null or misaligned `out`, `mode`, a negative or unopened `fd`,
+ what the descriptor is; the handle may be any value: it is checked.
  */
 OrbiteStatus orbite_file_adopt(struct OrbiteEngine engine,
                                int32_t fd,
@@ -1228,6 +1406,14 @@ OrbiteStatus orbite_file_adopt(struct OrbiteEngine engine,
 
 /*
  What is known about a file.
+
+ # Safety
+ `out` is null or points to an `OrbiteFileInfo` whose `size` and `version`
+ the caller set, readable for those two fields and, when they match this
+ library's, writable for the whole record.
+
+ Checked: a null or misaligned `out`, its size and version; the handle may
+ be any value: it is checked.
  */
 OrbiteStatus orbite_file_query(struct OrbiteFile file, struct OrbiteFileInfo *out);
 
@@ -1256,6 +1442,14 @@ OrbiteStatus orbite_xfer_cancel(struct OrbiteXfer xfer);
 /*
  Makes one bounded, non-blocking progress step and reports where the
  transfer stands.
+
+ # Safety
+ `out` is null or points to an `OrbiteXferState` whose `size` and `version`
+ the caller set, readable for those two fields and, when they match this
+ library's, writable for the whole record.
+
+ Checked: a null or misaligned `out`, its size and version; the handle may
+ be any value: it is checked.
  */
 OrbiteStatus orbite_xfer_query(struct OrbiteXfer xfer, struct OrbiteXferState *out);
 
@@ -1269,6 +1463,14 @@ OrbiteStatus orbite_xfer_release(struct OrbiteXfer xfer);
 /*
  Sends a binary notification to a peer (to this engine itself for a self
  peer) and returns once it is queued there. Nothing is ever replayed.
+
+ # Safety
+ `payload` is null or valid for reading `len` bytes, which no other thread
+ writes during the call.
+
+ Checked: a null `payload` with a nonzero `len`, and `len` against
+ `max_notification_bytes` before the bytes are read; the handle may be any
+ value: it is checked.
  */
 OrbiteStatus orbite_notify(struct OrbitePeer peer, const uint8_t *payload, size_t len);
 
@@ -1279,6 +1481,15 @@ OrbiteStatus orbite_notify(struct OrbitePeer peer, const uint8_t *payload, size_
  unpadded; read them with `orbite_notif_next`. If not even the first
  fits, nothing is taken and `ORBITE_STATUS_BUFFER_TOO_SMALL` is returned
  with `next_needed` set.
+
+ # Safety
+ `buf` is null (no room) or valid for writing `cap` bytes; `out` is null or
+ points to an `OrbiteDrainResult` whose `size` and `version` the caller
+ set, readable for those two fields and, when they match this library's,
+ writable for the whole record; they do not overlap.
+
+ Checked: a null or misaligned `out`, its size and version; the handle may
+ be any value: it is checked.
  */
 OrbiteStatus orbite_notifs_drain(struct OrbiteEngine engine,
                                  uint8_t *buf,
@@ -1290,6 +1501,19 @@ OrbiteStatus orbite_notifs_drain(struct OrbiteEngine engine,
  into `view` and advances `*offset`. Returns `ORBITE_STATUS_NOT_FOUND` at
  the end of the buffer and `ORBITE_STATUS_INVALID_ARGUMENT` for bytes
  that are not a drained notification.
+
+ # Safety
+ `buf` is null or valid for reading `len` bytes, which no other thread
+ writes during the call; `offset` is null or valid for reading and writing
+ a `uint64_t`; `view` is null or points to an `OrbiteNotifView` whose
+ `size` and `version` the caller set, readable for those two fields and,
+ when they match this library's, writable for the whole record; none of
+ them overlap. The pointers written into `view` point into `buf`: they are
+ valid as long as it is.
+
+ Checked: null and misaligned pointers, a null `buf` with a nonzero `len`,
+ `view`'s size and version, `*offset` against `len`, and the bytes
+ themselves.
  */
 OrbiteStatus orbite_notif_next(const uint8_t *buf,
                                size_t len,
@@ -1327,6 +1551,12 @@ OrbiteStatus orbite_test_hold_all(struct OrbiteEngine engine, uint32_t on);
 /*
  Test-only: waits up to `timeout_ms` until at least `n` tasks are held;
  writes how many are.
+
+ # Safety
+ `held` is null or valid for writing a `uint64_t`.
+
+ Checked: a null or misaligned `held`; the handle may be any value: it is
+ checked.
  */
 OrbiteStatus orbite_test_wait_held(struct OrbiteEngine engine,
                                    uint64_t n,
@@ -1349,6 +1579,13 @@ OrbiteStatus orbite_test_release_held(struct OrbiteEngine engine,
  Test-only: writes up to `cap` live engine handles into `out` and their
  total into `*count` (for tests that reach an engine created inside
  another component, such as the NIXL plugin).
+
+ # Safety
+ `out` is null or valid for writing `cap` `OrbiteEngine`s; `count` is null
+ or valid for writing a `size_t`; they do not overlap.
+
+ Checked: a null or misaligned `count`, and a null or misaligned `out` when
+ `cap` is not 0 and there is an engine to write.
  */
 OrbiteStatus orbite_test_engines(struct OrbiteEngine *out, size_t cap, size_t *count);
 #endif

@@ -251,8 +251,15 @@ fn stats_record(s: Stats) -> OrbiteStats {
 
 /// Describes this library: ABI version, feature bits and the size of
 /// every record. Callable before anything else, with no engine.
+///
+/// # Safety
+/// `out` is null or points to an `OrbiteAbiInfo` whose `size` and `version`
+/// the caller set, readable for those two fields and, when they match this
+/// library's, writable for the whole record.
+///
+/// Checked: a null or misaligned `out`, its size and version.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_abi_info(out: *mut OrbiteAbiInfo) -> OrbiteStatus {
+pub unsafe extern "C" fn orbite_abi_info(out: *mut OrbiteAbiInfo) -> OrbiteStatus {
     entry("orbite_abi_info", || {
         // SAFETY: caller's contract: `out` is a writable OrbiteAbiInfo.
         unsafe { output_check(out)? };
@@ -284,8 +291,15 @@ pub extern "C" fn orbite_abi_info(out: *mut OrbiteAbiInfo) -> OrbiteStatus {
 /// `*needed` receives the size with the NUL; if `cap` is smaller, nothing
 /// is copied and `ORBITE_STATUS_BUFFER_TOO_SMALL` is returned. An empty
 /// message means the last call on this thread succeeded.
+///
+/// # Safety
+/// `buf` is null or valid for writing `cap` bytes; `needed` is null or valid
+/// for writing a `size_t`.
+///
+/// Checked: a null or misaligned `needed` (refused); a null `buf` counts as
+/// no room.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_last_error(buf: *mut c_char, cap: usize, needed: *mut usize) -> OrbiteStatus {
+pub unsafe extern "C" fn orbite_last_error(buf: *mut c_char, cap: usize, needed: *mut usize) -> OrbiteStatus {
     let r = catch_unwind(AssertUnwindSafe(|| {
         with_last_error(|m| {
             let mut bytes = m.as_bytes().to_vec();
@@ -305,8 +319,23 @@ pub extern "C" fn orbite_last_error(buf: *mut c_char, cap: usize, needed: *mut u
 /// Creates an engine from an explicit JSON configuration. Refused, before
 /// anything is created, when `abi_major` differs from this library's, when
 /// a required feature is missing, or when the configuration is invalid.
+///
+/// # Safety
+/// `options` is null or points to an `OrbiteEngineOptions` whose `size` and
+/// `version` the caller set, readable for those two fields and, when they
+/// match this library's, for the whole record; its `config_json` is null or
+/// valid for reading `config_json_len` bytes. `out` is null or valid for
+/// writing one `OrbiteEngine`. No other thread writes this memory during the
+/// call.
+///
+/// Checked: null and misaligned pointers, a null `config_json` with a nonzero
+/// length, the record's size and version, and `config_json_len` against its
+/// limit before the bytes are read.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_engine_create(options: *const OrbiteEngineOptions, out: *mut OrbiteEngine) -> OrbiteStatus {
+pub unsafe extern "C" fn orbite_engine_create(
+    options: *const OrbiteEngineOptions,
+    out: *mut OrbiteEngine,
+) -> OrbiteStatus {
     entry("orbite_engine_create", || {
         // SAFETY: caller's contract: a readable OrbiteEngineOptions.
         let o = unsafe { input(options)? };
@@ -348,8 +377,16 @@ pub extern "C" fn orbite_engine_create(options: *const OrbiteEngineOptions, out:
 /// the variable is unset or blank. `*origin` (may be null) receives an
 /// `ORBITE_CONFIG_*` value. An unreadable or invalid document fails with
 /// `ORBITE_STATUS_INVALID_ARGUMENT` and a message that names the variable.
+///
+/// # Safety
+/// `origin` is null or valid for writing a `uint32_t`; `buf` is null or valid
+/// for writing `cap` bytes; `needed` is null or valid for writing a `size_t`;
+/// none of them overlap.
+///
+/// Checked: a null or misaligned `needed` (refused); a null `buf` counts as
+/// no room; a null `origin` is skipped and a misaligned one refused.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_config_document(
+pub unsafe extern "C" fn orbite_config_document(
     origin: *mut u32,
     buf: *mut u8,
     cap: usize,
@@ -375,8 +412,17 @@ pub extern "C" fn orbite_config_document(
 /// `*source` (may be null) receives an `ORBITE_ADVERTISE_*` value;
 /// `ORBITE_ADVERTISE_LOOPBACK_FALLBACK` means only this host can connect,
 /// which the line says.
+///
+/// # Safety
+/// `source` is null or valid for writing a `uint32_t`; `buf` is null or valid
+/// for writing `cap` bytes; `needed` is null or valid for writing a `size_t`;
+/// none of them overlap.
+///
+/// Checked: a null or misaligned `needed` (refused); a null `buf` counts as
+/// no room; a null `source` is skipped and a misaligned one refused; the
+/// handle may be any value: it is checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_engine_advertise(
+pub unsafe extern "C" fn orbite_engine_advertise(
     engine: OrbiteEngine,
     source: *mut u32,
     buf: *mut u8,
@@ -414,8 +460,16 @@ pub extern "C" fn orbite_engine_advertise(
 /// work to retire, and reports whether it drained. Executions that did not
 /// retire keep their owners. The handle stays valid (for stats and
 /// release). `report` may be null.
+///
+/// # Safety
+/// `report` is null (no report) or points to an `OrbiteCloseReport` whose
+/// `size` and `version` the caller set, readable for those two fields and,
+/// when they match this library's, writable for the whole record.
+///
+/// Checked: a misaligned `report`, its size and version; the handle may be
+/// any value: it is checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_engine_close(
+pub unsafe extern "C" fn orbite_engine_close(
     engine: OrbiteEngine,
     timeout_ms: u64,
     report: *mut OrbiteCloseReport,
@@ -463,8 +517,16 @@ pub extern "C" fn orbite_engine_release(engine: OrbiteEngine) -> OrbiteStatus {
 
 /// Every charge of the engine (they return to their baseline once work
 /// drained and handles were released).
+///
+/// # Safety
+/// `out` is null or points to an `OrbiteStats` whose `size` and `version` the
+/// caller set, readable for those two fields and, when they match this
+/// library's, writable for the whole record.
+///
+/// Checked: a null or misaligned `out`, its size and version; the handle may
+/// be any value: it is checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_engine_stats(engine: OrbiteEngine, out: *mut OrbiteStats) -> OrbiteStatus {
+pub unsafe extern "C" fn orbite_engine_stats(engine: OrbiteEngine, out: *mut OrbiteStats) -> OrbiteStatus {
     entry("orbite_engine_stats", || {
         let e = engine_of(engine)?;
         // SAFETY: caller's contract: a writable OrbiteStats.
@@ -477,8 +539,15 @@ pub extern "C" fn orbite_engine_stats(engine: OrbiteEngine, out: *mut OrbiteStat
 
 /// Writes the engine's peer information (endpoint and epoch) for another
 /// process's `orbite_peer_open`, or for this engine's own self peer.
+///
+/// # Safety
+/// `buf` is null or valid for writing `cap` bytes; `needed` is null or valid
+/// for writing a `size_t`; they do not overlap.
+///
+/// Checked: a null or misaligned `needed` (refused); a null `buf` counts as
+/// no room; the handle may be any value: it is checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_engine_export_peer(
+pub unsafe extern "C" fn orbite_engine_export_peer(
     engine: OrbiteEngine,
     buf: *mut u8,
     cap: usize,
@@ -496,8 +565,15 @@ pub extern "C" fn orbite_engine_export_peer(
 /// /dev/shm). Ranges of it registered with `orbite_mem_register` may take
 /// the shm route. The memory lives until the handle is released and every
 /// registration inside it is gone.
+///
+/// # Safety
+/// `out` is null or valid for writing one `OrbiteShm`; `out_addr` is null or
+/// valid for writing one `void *`; they do not overlap.
+///
+/// Checked: null and misaligned pointers, `len`; the handle may be any value:
+/// it is checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_shm_alloc(
+pub unsafe extern "C" fn orbite_shm_alloc(
     engine: OrbiteEngine,
     len: u64,
     out: *mut OrbiteShm,
@@ -538,8 +614,31 @@ pub extern "C" fn orbite_shm_release(shm: OrbiteShm) -> OrbiteStatus {
 /// borrowed from the caller, never copied, and must stay valid until its
 /// `release` callback runs (or, without one, until it is deregistered and
 /// every transfer naming it is released).
+///
+/// # Safety
+/// `region` is null or points to an `OrbiteMemRegion` whose `size` and
+/// `version` the caller set, readable for those two fields and, when they
+/// match this library's, for the whole record, which no other thread writes
+/// during the call. `out` is null or valid for writing one
+/// `OrbiteRegistration`.
+///
+/// Unless the range lies inside a live `orbite_shm_alloc` allocation of this
+/// engine (which the engine owns), the `len` bytes at `addr` stay valid for
+/// reads and writes, from any thread, until the engine gives them up: until
+/// `release` runs, or, with no `release`, until the registration is
+/// deregistered and every transfer naming it retired and was released. While
+/// an execution that names bytes of the range has not retired, the caller
+/// neither writes those bytes nor reads those the execution writes.
+///
+/// `release`, if not null, is a function of that signature that may be called
+/// once, with `release_context`, on any thread.
+///
+/// Checked: null and misaligned pointers, the record's size and version, the
+/// memory kind, permission and reserved fields, a null, empty or overflowing
+/// range, a `release` on a range of a shared allocation; the handle may be
+/// any value: it is checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_mem_register(
+pub unsafe extern "C" fn orbite_mem_register(
     engine: OrbiteEngine,
     region: *const OrbiteMemRegion,
     out: *mut OrbiteRegistration,
@@ -639,8 +738,15 @@ pub extern "C" fn orbite_mem_deregister(registration: OrbiteRegistration) -> Orb
 
 /// Writes a registration's range metadata for a peer's
 /// `orbite_peer_import_range` (or this engine's own self peer).
+///
+/// # Safety
+/// `buf` is null or valid for writing `cap` bytes; `needed` is null or valid
+/// for writing a `size_t`; they do not overlap.
+///
+/// Checked: a null or misaligned `needed` (refused); a null `buf` counts as
+/// no room; the handle may be any value: it is checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_mem_export(
+pub unsafe extern "C" fn orbite_mem_export(
     registration: OrbiteRegistration,
     buf: *mut u8,
     cap: usize,
@@ -679,8 +785,16 @@ fn remote_range(x: &orbite_core::segment::ExportedRegistration) -> OrbiteRemoteR
 /// Writes the values a transfer on this engine's own self peer puts in
 /// remote descriptors for `registration` (what `orbite_peer_import_range`
 /// gives for its range metadata, without parsing it).
+///
+/// # Safety
+/// `out` is null or points to an `OrbiteRemoteRange` whose `size` and
+/// `version` the caller set, readable for those two fields and, when they
+/// match this library's, writable for the whole record.
+///
+/// Checked: a null or misaligned `out`, its size and version; the handle may
+/// be any value: it is checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_mem_remote_range(
+pub unsafe extern "C" fn orbite_mem_remote_range(
     registration: OrbiteRegistration,
     out: *mut OrbiteRemoteRange,
 ) -> OrbiteStatus {
@@ -701,8 +815,17 @@ pub extern "C" fn orbite_mem_remote_range(
 /// engine itself opens the self connection (local transfers); any other
 /// peer is connected over TCP within `timeout_ms` and must still be the
 /// same incarnation (epoch).
+///
+/// # Safety
+/// `info` is null or valid for reading `len` bytes, which no other thread
+/// writes during the call; `out` is null or valid for writing one
+/// `OrbitePeer`.
+///
+/// Checked: null and misaligned pointers, a null `info` with a nonzero `len`,
+/// `len` against its limit before the bytes are read, and the bytes
+/// themselves; the handle may be any value: it is checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_peer_open(
+pub unsafe extern "C" fn orbite_peer_open(
     engine: OrbiteEngine,
     info: *const u8,
     len: usize,
@@ -735,8 +858,20 @@ pub extern "C" fn orbite_peer_open(
 /// engine's view of the peer, which follows the peer's pushed changes and
 /// asks the peer once when it lacks the range) and returns the values to
 /// put in remote descriptors.
+///
+/// # Safety
+/// `metadata` is null or valid for reading `len` bytes, which no other thread
+/// writes during the call; `out` is null or points to an `OrbiteRemoteRange`
+/// whose `size` and `version` the caller set, readable for those two fields
+/// and, when they match this library's, writable for the whole record; they
+/// do not overlap.
+///
+/// Checked: null and misaligned pointers, a null `metadata` with a nonzero
+/// `len`, `len` against its limit before the bytes are read, the bytes
+/// themselves, and `out`'s size and version; the handle may be any value: it
+/// is checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_peer_import_range(
+pub unsafe extern "C" fn orbite_peer_import_range(
     peer: OrbitePeer,
     metadata: *const u8,
     len: usize,
@@ -809,13 +944,32 @@ pub extern "C" fn orbite_peer_close(peer: OrbitePeer, timeout_ms: u64) -> Orbite
 /// Prepares a transfer: validates both lists (bounds, permissions, equal
 /// totals, limits) with no I/O. Counts beyond the engine's descriptor limit
 /// are refused before the arrays are read.
+///
+/// # Safety
+/// `spec` is null or points to an `OrbiteXferSpec` whose `size` and `version`
+/// the caller set, readable for those two fields and, when they match this
+/// library's, for the whole record. In it, `local` is null or valid for
+/// reading `local_count` `OrbiteDesc`s and `remote` for reading
+/// `remote_count`; with `ORBITE_XFER_NOTIFY` in `flags`, `notification` is
+/// null or valid for reading `notification_len` bytes. No other thread writes
+/// any of this during the call. `out` is null or valid for writing one
+/// `OrbiteXfer`.
+///
+/// Checked: null and misaligned pointers, a null array with a nonzero count,
+/// the record's size and version, every count against the engine's limits
+/// before its array is read, every field and descriptor; the handles (the
+/// engine, `spec->peer`, the registrations the descriptors name) may be any
+/// value: they are checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_xfer_prepare(
+pub unsafe extern "C" fn orbite_xfer_prepare(
     engine: OrbiteEngine,
     spec: *const OrbiteXferSpec,
     out: *mut OrbiteXfer,
 ) -> OrbiteStatus {
-    entry("orbite_xfer_prepare", || prepare(engine, spec, None, out))
+    entry("orbite_xfer_prepare", || {
+        // SAFETY: this function's contract (# Safety) is `prepare`'s.
+        unsafe { prepare(engine, spec, None, out) }
+    })
 }
 
 /// Prepares a transfer between registered memory and a local file: the
@@ -823,17 +977,46 @@ pub extern "C" fn orbite_xfer_prepare(
 /// ignored), `spec->peer` must be zero and notifications are refused. READ
 /// moves file bytes into memory, WRITE the reverse. A READ that meets the
 /// end of the file ends `SHORT` with the exact prefix.
+///
+/// # Safety
+/// As for `orbite_xfer_prepare`: `spec` is null or points to an
+/// `OrbiteXferSpec` whose `size` and `version` the caller set, readable for
+/// those two fields and, when they match this library's, for the whole
+/// record. In it, `local` is null or valid for reading `local_count`
+/// `OrbiteDesc`s and `remote` for reading `remote_count`; with
+/// `ORBITE_XFER_NOTIFY` in `flags`, `notification` is null or valid for
+/// reading `notification_len` bytes (read before the flag is refused). No
+/// other thread writes any of this during the call. `out` is null or valid
+/// for writing one `OrbiteXfer`.
+///
+/// Checked: as for `orbite_xfer_prepare`; `file` may be any value too: it is
+/// checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_xfer_prepare_file(
+pub unsafe extern "C" fn orbite_xfer_prepare_file(
     engine: OrbiteEngine,
     spec: *const OrbiteXferSpec,
     file: OrbiteFile,
     out: *mut OrbiteXfer,
 ) -> OrbiteStatus {
-    entry("orbite_xfer_prepare_file", || prepare(engine, spec, Some(file), out))
+    entry("orbite_xfer_prepare_file", || {
+        // SAFETY: this function's contract (# Safety) is `prepare`'s.
+        unsafe { prepare(engine, spec, Some(file), out) }
+    })
 }
 
-fn prepare(engine: OrbiteEngine, spec: *const OrbiteXferSpec, file: Option<OrbiteFile>, out: *mut OrbiteXfer) -> Res {
+/// Both prepare entry points.
+///
+/// # Safety
+/// `spec` is null or a readable `OrbiteXferSpec` as [`input`] takes it,
+/// whose `local`, `remote` and (with `ORBITE_XFER_NOTIFY`) `notification`
+/// are null or readable for their counts, unchanged for the call; `out` is
+/// null or writable for one `OrbiteXfer`.
+unsafe fn prepare(
+    engine: OrbiteEngine,
+    spec: *const OrbiteXferSpec,
+    file: Option<OrbiteFile>,
+    out: *mut OrbiteXfer,
+) -> Res {
     let e = engine_of(engine)?;
     // SAFETY: caller's contract: a readable OrbiteXferSpec.
     let s = unsafe { input(spec)? };
@@ -954,10 +1137,15 @@ fn file_mode(mode: u32) -> Res<orbite_core::file::FileMode> {
     })
 }
 
-fn insert_file(e: &Arc<EngineObj>, entry: orbite_core::file::Entry, out: *mut OrbiteFile) -> Res {
+/// Hands out a handle for `entry`.
+///
+/// # Safety
+/// `out` passed [`check_pointer`] and is writable for one `OrbiteFile`.
+unsafe fn insert_file(e: &Arc<EngineObj>, entry: orbite_core::file::Entry, out: *mut OrbiteFile) -> Res {
     let child = Child::new(e)?;
     let raw = handles::insert(Object::File(Arc::new(FileObj { child, entry: Arc::new(entry) })))?;
-    // SAFETY: checked non-null and aligned by the caller, writable.
+    // SAFETY: non-null and aligned (checked by the caller), writable
+    // (this function's contract).
     unsafe { *out = OrbiteFile { raw } };
     Ok(())
 }
@@ -966,8 +1154,17 @@ fn insert_file(e: &Arc<EngineObj>, entry: orbite_core::file::Entry, out: *mut Or
 /// in `mode` (`ORBITE_FILE_READ_ONLY` or `_READ_WRITE`). Flags that are not
 /// implemented (`ORBITE_FILE_DIRECT`, `ORBITE_FILE_SYNC`) are refused with
 /// `ORBITE_STATUS_NOT_SUPPORTED`, never dropped.
+///
+/// # Safety
+/// `path` is null or valid for reading `path_len` bytes, which no other
+/// thread writes during the call; `out` is null or valid for writing one
+/// `OrbiteFile`.
+///
+/// Checked: null and misaligned pointers, a null `path` with a nonzero
+/// `path_len`, `path_len` against its limit (4096) before the bytes are read,
+/// `mode` and `flags`; the handle may be any value: it is checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_file_open(
+pub unsafe extern "C" fn orbite_file_open(
     engine: OrbiteEngine,
     path: *const u8,
     path_len: usize,
@@ -991,7 +1188,8 @@ pub extern "C" fn orbite_file_open(
         use std::os::unix::ffi::OsStrExt;
         let path = std::path::Path::new(std::ffi::OsStr::from_bytes(bytes));
         let entry = orbite_core::file::Entry::open(path, mode, flags).map_err(orbite_core::Error::from)?;
-        insert_file(&e, entry, out)
+        // SAFETY: `out` was checked above and is writable (# Safety).
+        unsafe { insert_file(&e, entry, out) }
     })
 }
 
@@ -999,8 +1197,20 @@ pub extern "C" fn orbite_file_open(
 /// is a regular file open for `mode`; the caller keeps (and may close) its
 /// own descriptor, and a later reuse of that number never reaches this
 /// file.
+///
+/// # Safety
+/// `out` is null or valid for writing one `OrbiteFile`. If `fd` is an open
+/// descriptor, no other thread closes it during the call.
+///
+/// Checked: a null or misaligned `out`, `mode`, a negative or unopened `fd`,
+/// what the descriptor is; the handle may be any value: it is checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_file_adopt(engine: OrbiteEngine, fd: i32, mode: u32, out: *mut OrbiteFile) -> OrbiteStatus {
+pub unsafe extern "C" fn orbite_file_adopt(
+    engine: OrbiteEngine,
+    fd: i32,
+    mode: u32,
+    out: *mut OrbiteFile,
+) -> OrbiteStatus {
     entry("orbite_file_adopt", || {
         let e = engine_of(engine)?;
         check_pointer(out, "out")?;
@@ -1012,13 +1222,22 @@ pub extern "C" fn orbite_file_adopt(engine: OrbiteEngine, fd: i32, mode: u32, ou
         // is not open makes fcntl fail with a typed error.
         let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
         let entry = orbite_core::file::Entry::adopt(borrowed, mode).map_err(orbite_core::Error::from)?;
-        insert_file(&e, entry, out)
+        // SAFETY: `out` was checked above and is writable (# Safety).
+        unsafe { insert_file(&e, entry, out) }
     })
 }
 
 /// What is known about a file.
+///
+/// # Safety
+/// `out` is null or points to an `OrbiteFileInfo` whose `size` and `version`
+/// the caller set, readable for those two fields and, when they match this
+/// library's, writable for the whole record.
+///
+/// Checked: a null or misaligned `out`, its size and version; the handle may
+/// be any value: it is checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_file_query(file: OrbiteFile, out: *mut OrbiteFileInfo) -> OrbiteStatus {
+pub unsafe extern "C" fn orbite_file_query(file: OrbiteFile, out: *mut OrbiteFileInfo) -> OrbiteStatus {
     entry("orbite_file_query", || {
         let f = file_of(file)?;
         // SAFETY: caller's contract: a writable OrbiteFileInfo.
@@ -1076,8 +1295,16 @@ pub extern "C" fn orbite_xfer_cancel(xfer: OrbiteXfer) -> OrbiteStatus {
 
 /// Makes one bounded, non-blocking progress step and reports where the
 /// transfer stands.
+///
+/// # Safety
+/// `out` is null or points to an `OrbiteXferState` whose `size` and `version`
+/// the caller set, readable for those two fields and, when they match this
+/// library's, writable for the whole record.
+///
+/// Checked: a null or misaligned `out`, its size and version; the handle may
+/// be any value: it is checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_xfer_query(xfer: OrbiteXfer, out: *mut OrbiteXferState) -> OrbiteStatus {
+pub unsafe extern "C" fn orbite_xfer_query(xfer: OrbiteXfer, out: *mut OrbiteXferState) -> OrbiteStatus {
     entry("orbite_xfer_query", || {
         let x = xfer_of(xfer)?;
         // SAFETY: caller's contract: a writable OrbiteXferState.
@@ -1162,8 +1389,16 @@ pub extern "C" fn orbite_xfer_release(xfer: OrbiteXfer) -> OrbiteStatus {
 
 /// Sends a binary notification to a peer (to this engine itself for a self
 /// peer) and returns once it is queued there. Nothing is ever replayed.
+///
+/// # Safety
+/// `payload` is null or valid for reading `len` bytes, which no other thread
+/// writes during the call.
+///
+/// Checked: a null `payload` with a nonzero `len`, and `len` against
+/// `max_notification_bytes` before the bytes are read; the handle may be any
+/// value: it is checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_notify(peer: OrbitePeer, payload: *const u8, len: usize) -> OrbiteStatus {
+pub unsafe extern "C" fn orbite_notify(peer: OrbitePeer, payload: *const u8, len: usize) -> OrbiteStatus {
     entry("orbite_notify", || {
         let p = peer_of(peer)?;
         let engine = &p.child.engine.engine;
@@ -1184,8 +1419,17 @@ pub extern "C" fn orbite_notify(peer: OrbitePeer, payload: *const u8, len: usize
 /// unpadded; read them with `orbite_notif_next`. If not even the first
 /// fits, nothing is taken and `ORBITE_STATUS_BUFFER_TOO_SMALL` is returned
 /// with `next_needed` set.
+///
+/// # Safety
+/// `buf` is null (no room) or valid for writing `cap` bytes; `out` is null or
+/// points to an `OrbiteDrainResult` whose `size` and `version` the caller
+/// set, readable for those two fields and, when they match this library's,
+/// writable for the whole record; they do not overlap.
+///
+/// Checked: a null or misaligned `out`, its size and version; the handle may
+/// be any value: it is checked.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_notifs_drain(
+pub unsafe extern "C" fn orbite_notifs_drain(
     engine: OrbiteEngine,
     buf: *mut u8,
     cap: usize,
@@ -1242,8 +1486,21 @@ pub extern "C" fn orbite_notifs_drain(
 /// into `view` and advances `*offset`. Returns `ORBITE_STATUS_NOT_FOUND` at
 /// the end of the buffer and `ORBITE_STATUS_INVALID_ARGUMENT` for bytes
 /// that are not a drained notification.
+///
+/// # Safety
+/// `buf` is null or valid for reading `len` bytes, which no other thread
+/// writes during the call; `offset` is null or valid for reading and writing
+/// a `uint64_t`; `view` is null or points to an `OrbiteNotifView` whose
+/// `size` and `version` the caller set, readable for those two fields and,
+/// when they match this library's, writable for the whole record; none of
+/// them overlap. The pointers written into `view` point into `buf`: they are
+/// valid as long as it is.
+///
+/// Checked: null and misaligned pointers, a null `buf` with a nonzero `len`,
+/// `view`'s size and version, `*offset` against `len`, and the bytes
+/// themselves.
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_notif_next(
+pub unsafe extern "C" fn orbite_notif_next(
     buf: *const u8,
     len: usize,
     offset: *mut u64,
@@ -1357,9 +1614,20 @@ pub extern "C" fn orbite_test_hold_all(engine: OrbiteEngine, on: u32) -> OrbiteS
 
 /// Test-only: waits up to `timeout_ms` until at least `n` tasks are held;
 /// writes how many are.
+///
+/// # Safety
+/// `held` is null or valid for writing a `uint64_t`.
+///
+/// Checked: a null or misaligned `held`; the handle may be any value: it is
+/// checked.
 #[cfg(feature = "test-hooks")]
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_test_wait_held(engine: OrbiteEngine, n: u64, timeout_ms: u64, held: *mut u64) -> OrbiteStatus {
+pub unsafe extern "C" fn orbite_test_wait_held(
+    engine: OrbiteEngine,
+    n: u64,
+    timeout_ms: u64,
+    held: *mut u64,
+) -> OrbiteStatus {
     entry("orbite_test_wait_held", || {
         check_pointer(held, "held")?;
         let e = engine_of(engine)?;
@@ -1394,9 +1662,16 @@ pub extern "C" fn orbite_test_release_held(
 /// Test-only: writes up to `cap` live engine handles into `out` and their
 /// total into `*count` (for tests that reach an engine created inside
 /// another component, such as the NIXL plugin).
+///
+/// # Safety
+/// `out` is null or valid for writing `cap` `OrbiteEngine`s; `count` is null
+/// or valid for writing a `size_t`; they do not overlap.
+///
+/// Checked: a null or misaligned `count`, and a null or misaligned `out` when
+/// `cap` is not 0 and there is an engine to write.
 #[cfg(feature = "test-hooks")]
 #[unsafe(no_mangle)]
-pub extern "C" fn orbite_test_engines(out: *mut OrbiteEngine, cap: usize, count: *mut usize) -> OrbiteStatus {
+pub unsafe extern "C" fn orbite_test_engines(out: *mut OrbiteEngine, cap: usize, count: *mut usize) -> OrbiteStatus {
     entry("orbite_test_engines", || {
         check_pointer(count, "count")?;
         let all = handles::all(Kind::Engine);

@@ -1,6 +1,15 @@
 //! The C ABI driven from Rust through its extern "C" functions: flows,
 //! lifecycle statuses, bad input (N10), the generated header and the
 //! record layouts the C tests assert.
+//!
+//! The entry points over raw pointers are `unsafe`. Every `unsafe` block
+//! here calls one with what its `# Safety` section asks: each pointer is a
+//! reference to a live Rust value (records with their size and version
+//! set), points into a live buffer of the length passed with it, or is null
+//! where the call checks for null; nothing else touches that memory during
+//! the call; registered buffers outlive their registrations and the
+//! transfers naming them, and are not accessed while an execution is
+//! active. Comments mark the calls that rely on more.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -11,9 +20,9 @@ const OK: OrbiteStatus = OrbiteStatus::Ok;
 
 fn last_error() -> String {
     let mut needed = 0usize;
-    let _ = orbite_last_error(std::ptr::null_mut(), 0, &mut needed);
+    let _ = unsafe { orbite_last_error(std::ptr::null_mut(), 0, &mut needed) };
     let mut buf = vec![0u8; needed];
-    assert_eq!(orbite_last_error(buf.as_mut_ptr().cast(), buf.len(), &mut needed), OK);
+    assert_eq!(unsafe { orbite_last_error(buf.as_mut_ptr().cast(), buf.len(), &mut needed) }, OK);
     String::from_utf8_lossy(&buf[..needed - 1]).into_owned()
 }
 
@@ -36,13 +45,13 @@ fn options(json: &str) -> OrbiteEngineOptions {
 
 fn engine(json: &str) -> OrbiteEngine {
     let mut e = OrbiteEngine::default();
-    ok(orbite_engine_create(&options(json), &mut e));
+    ok(unsafe { orbite_engine_create(&options(json), &mut e) });
     e
 }
 
 fn stats(e: OrbiteEngine) -> OrbiteStats {
     let mut s = OrbiteStats { size: size_of::<OrbiteStats>() as u32, version: 1, ..Default::default() };
-    ok(orbite_engine_stats(e, &mut s));
+    ok(unsafe { orbite_engine_stats(e, &mut s) });
     s
 }
 
@@ -63,10 +72,13 @@ fn region(buf: &mut [u8], permission: u32) -> OrbiteMemRegion {
 
 fn register(e: OrbiteEngine, buf: &mut [u8]) -> OrbiteRegistration {
     let mut r = OrbiteRegistration::default();
-    ok(orbite_mem_register(e, &region(buf, ORBITE_PERM_REMOTE_READ_WRITE), &mut r));
+    ok(unsafe { orbite_mem_register(e, &region(buf, ORBITE_PERM_REMOTE_READ_WRITE), &mut r) });
     r
 }
 
+/// Runs a byte-output call twice: with no buffer for the size, then with a
+/// buffer of that size. `f` gets what those calls' `# Safety` asks: a buffer
+/// (or null) with its capacity and a writable `needed`.
 fn blob(mut f: impl FnMut(*mut u8, usize, *mut usize) -> OrbiteStatus) -> Vec<u8> {
     let mut needed = 0usize;
     assert_eq!(f(std::ptr::null_mut(), 0, &mut needed), OrbiteStatus::BufferTooSmall);
@@ -76,16 +88,16 @@ fn blob(mut f: impl FnMut(*mut u8, usize, *mut usize) -> OrbiteStatus) -> Vec<u8
 }
 
 fn self_peer(e: OrbiteEngine) -> OrbitePeer {
-    let info = blob(|b, c, n| orbite_engine_export_peer(e, b, c, n));
+    let info = blob(|b, c, n| unsafe { orbite_engine_export_peer(e, b, c, n) });
     let mut p = OrbitePeer::default();
-    ok(orbite_peer_open(e, info.as_ptr(), info.len(), 1000, &mut p));
+    ok(unsafe { orbite_peer_open(e, info.as_ptr(), info.len(), 1000, &mut p) });
     p
 }
 
 fn import(p: OrbitePeer, r: OrbiteRegistration) -> OrbiteRemoteRange {
-    let meta = blob(|b, c, n| orbite_mem_export(r, b, c, n));
+    let meta = blob(|b, c, n| unsafe { orbite_mem_export(r, b, c, n) });
     let mut out = OrbiteRemoteRange { size: size_of::<OrbiteRemoteRange>() as u32, version: 1, ..Default::default() };
-    ok(orbite_peer_import_range(p, meta.as_ptr(), meta.len(), &mut out));
+    ok(unsafe { orbite_peer_import_range(p, meta.as_ptr(), meta.len(), &mut out) });
     out
 }
 
@@ -110,7 +122,7 @@ fn spec(op: u32, peer: OrbitePeer, local: &[OrbiteDesc], remote: &[OrbiteDesc]) 
 
 fn query(x: OrbiteXfer) -> OrbiteXferState {
     let mut s = OrbiteXferState { size: size_of::<OrbiteXferState>() as u32, version: 1, ..Default::default() };
-    ok(orbite_xfer_query(x, &mut s));
+    ok(unsafe { orbite_xfer_query(x, &mut s) });
     s
 }
 
@@ -132,7 +144,7 @@ fn zero_stats() -> OrbiteStats {
 
 fn close_and_release(e: OrbiteEngine) {
     let mut r = OrbiteCloseReport { size: size_of::<OrbiteCloseReport>() as u32, version: 1, ..Default::default() };
-    ok(orbite_engine_close(e, 5000, &mut r));
+    ok(unsafe { orbite_engine_close(e, 5000, &mut r) });
     assert_eq!((r.drained, r.unquiesced), (1, 0));
     ok(orbite_engine_release(e));
 }
@@ -162,7 +174,7 @@ fn local_transfer_with_notification_and_charges_back_to_baseline() {
     sp.notification = payload.as_ptr();
     sp.notification_len = payload.len() as u64;
     let mut x = OrbiteXfer::default();
-    ok(orbite_xfer_prepare(e, &sp, &mut x));
+    ok(unsafe { orbite_xfer_prepare(e, &sp, &mut x) });
     assert_eq!(query(x).state, ORBITE_STATE_NOT_POSTED);
     ok(orbite_xfer_post(x));
     let s = wait_retired(x);
@@ -176,11 +188,14 @@ fn local_transfer_with_notification_and_charges_back_to_baseline() {
     // Too small a buffer takes nothing; a big one takes it, byte for byte.
     let mut small = [0u8; 8];
     let mut d = OrbiteDrainResult { size: size_of::<OrbiteDrainResult>() as u32, version: 1, ..Default::default() };
-    assert_eq!(orbite_notifs_drain(e, small.as_mut_ptr(), small.len(), &mut d), OrbiteStatus::BufferTooSmall);
+    assert_eq!(
+        unsafe { orbite_notifs_drain(e, small.as_mut_ptr(), small.len(), &mut d) },
+        OrbiteStatus::BufferTooSmall
+    );
     assert_eq!(d.count, 0);
     assert!(d.next_needed > 8);
     let mut big = vec![0u8; d.next_needed as usize];
-    ok(orbite_notifs_drain(e, big.as_mut_ptr(), big.len(), &mut d));
+    ok(unsafe { orbite_notifs_drain(e, big.as_mut_ptr(), big.len(), &mut d) });
     assert_eq!((d.count, d.written, d.next_needed), (1, big.len() as u64, 0));
     let mut at = 0u64;
     let mut v = OrbiteNotifView {
@@ -192,11 +207,11 @@ fn local_transfer_with_notification_and_charges_back_to_baseline() {
         payload: std::ptr::null(),
         payload_len: 0,
     };
-    ok(orbite_notif_next(big.as_ptr(), big.len(), &mut at, &mut v));
+    ok(unsafe { orbite_notif_next(big.as_ptr(), big.len(), &mut at, &mut v) });
     // SAFETY: the view points into `big`.
     let got = unsafe { std::slice::from_raw_parts(v.payload, v.payload_len as usize) };
     assert_eq!(got, payload);
-    assert_eq!(orbite_notif_next(big.as_ptr(), big.len(), &mut at, &mut v), OrbiteStatus::NotFound);
+    assert_eq!(unsafe { orbite_notif_next(big.as_ptr(), big.len(), &mut at, &mut v) }, OrbiteStatus::NotFound);
 
     // A drained success may be posted again.
     ok(orbite_xfer_post(x));
@@ -216,11 +231,11 @@ fn local_transfer_with_notification_and_charges_back_to_baseline() {
 fn shared_allocation_is_exported_as_shared_and_plain_memory_is_not() {
     let e = engine("{}");
     let (mut shm, mut addr) = (OrbiteShm::default(), std::ptr::null_mut::<c_void>());
-    ok(orbite_shm_alloc(e, 1 << 20, &mut shm, &mut addr));
+    ok(unsafe { orbite_shm_alloc(e, 1 << 20, &mut shm, &mut addr) });
     let mut r = OrbiteRegistration::default();
     // SAFETY: `addr` is 1 MiB the engine allocated; 4 KiB in it.
     let inside = unsafe { std::slice::from_raw_parts_mut(addr.cast::<u8>().add(4096), 4096) };
-    ok(orbite_mem_register(e, &region(inside, ORBITE_PERM_REMOTE_READ_WRITE), &mut r));
+    ok(unsafe { orbite_mem_register(e, &region(inside, ORBITE_PERM_REMOTE_READ_WRITE), &mut r) });
     let mut plain = vec![0u8; 4096];
     let rp = register(e, &mut plain);
     let p = self_peer(e);
@@ -243,7 +258,7 @@ unsafe extern "C" fn on_release(context: *mut c_void) {
     // were held around the callback.
     let mut s = zero_stats();
     let e = OrbiteEngine { raw: CALLBACK_ENGINE.load(Ordering::SeqCst) };
-    assert_eq!(orbite_engine_stats(e, &mut s), OK);
+    assert_eq!(unsafe { orbite_engine_stats(e, &mut s) }, OK);
     RELEASED.fetch_add(1, Ordering::SeqCst);
 }
 
@@ -258,17 +273,18 @@ fn active_release_is_refused_and_the_owner_is_released_only_after_retirement() {
     rg.release = Some(on_release);
     rg.release_context = 0xC0FFEE as *mut c_void;
     let mut rd = OrbiteRegistration::default();
-    ok(orbite_mem_register(e, &rg, &mut rd));
+    // `on_release` may run once, on any thread, with that context.
+    ok(unsafe { orbite_mem_register(e, &rg, &mut rd) });
     let p = self_peer(e);
     let remote = import(p, rd);
     let local = [OrbiteDesc { registration: rs.raw, offset: 0, len: 8192 }];
     let remote_d = [OrbiteDesc { registration: remote.remote_registration, offset: 0, len: 8192 }];
     let mut x = OrbiteXfer::default();
-    ok(orbite_xfer_prepare(e, &spec(ORBITE_OP_WRITE, p, &local, &remote_d), &mut x));
+    ok(unsafe { orbite_xfer_prepare(e, &spec(ORBITE_OP_WRITE, p, &local, &remote_d), &mut x) });
     ok(orbite_test_hold_all(e, 1));
     ok(orbite_xfer_post(x));
     let mut held = 0;
-    ok(orbite_test_wait_held(e, 1, 10_000, &mut held));
+    ok(unsafe { orbite_test_wait_held(e, 1, 10_000, &mut held) });
     assert_eq!(held, 1);
     assert_eq!(orbite_xfer_release(x), OrbiteStatus::Active);
     assert!(last_error().contains("active"));
@@ -299,19 +315,22 @@ fn n10_bad_input_is_refused_and_changes_nothing() {
     let mut e = OrbiteEngine::default();
     let mut o = options("{}");
     o.abi_major += 1;
-    assert_eq!(orbite_engine_create(&o, &mut e), OrbiteStatus::VersionMismatch);
+    assert_eq!(unsafe { orbite_engine_create(&o, &mut e) }, OrbiteStatus::VersionMismatch);
     let mut o = options("{}");
     o.size -= 8;
-    assert_eq!(orbite_engine_create(&o, &mut e), OrbiteStatus::VersionMismatch);
+    assert_eq!(unsafe { orbite_engine_create(&o, &mut e) }, OrbiteStatus::VersionMismatch);
     let mut o = options("{}");
     o.version = 2;
-    assert_eq!(orbite_engine_create(&o, &mut e), OrbiteStatus::VersionMismatch);
+    assert_eq!(unsafe { orbite_engine_create(&o, &mut e) }, OrbiteStatus::VersionMismatch);
     let mut o = options("{}");
     o.required_features = 1 << 40;
-    assert_eq!(orbite_engine_create(&o, &mut e), OrbiteStatus::NotSupported);
-    assert_eq!(orbite_engine_create(&options(r#"{"no_such_field": 1}"#), &mut e), OrbiteStatus::InvalidArgument);
+    assert_eq!(unsafe { orbite_engine_create(&o, &mut e) }, OrbiteStatus::NotSupported);
+    assert_eq!(
+        unsafe { orbite_engine_create(&options(r#"{"no_such_field": 1}"#), &mut e) },
+        OrbiteStatus::InvalidArgument
+    );
     assert!(last_error().contains("no_such_field"));
-    assert_eq!(orbite_engine_create(std::ptr::null(), &mut e), OrbiteStatus::InvalidArgument);
+    assert_eq!(unsafe { orbite_engine_create(std::ptr::null(), &mut e) }, OrbiteStatus::InvalidArgument);
     assert_eq!(e, OrbiteEngine::default(), "nothing written on failure");
 
     let e = engine(r#"{"max_descriptors_per_transfer": 64}"#);
@@ -327,7 +346,7 @@ fn n10_bad_input_is_refused_and_changes_nothing() {
     let rdesc = [OrbiteDesc { registration: remote.remote_registration, offset: 0, len: 16 }];
     let prepare = |local: &[OrbiteDesc], remote: &[OrbiteDesc]| {
         let mut x = OrbiteXfer::default();
-        let s = orbite_xfer_prepare(e, &spec(ORBITE_OP_WRITE, p, local, remote), &mut x);
+        let s = unsafe { orbite_xfer_prepare(e, &spec(ORBITE_OP_WRITE, p, local, remote), &mut x) };
         assert_eq!(x, OrbiteXfer::default(), "nothing written on failure");
         s
     };
@@ -350,9 +369,11 @@ fn n10_bad_input_is_refused_and_changes_nothing() {
     let mut sp = spec(ORBITE_OP_WRITE, p, &[], &rdesc);
     sp.local_count = 1 << 40;
     let mut x = OrbiteXfer::default();
-    assert_eq!(orbite_xfer_prepare(e, &sp, &mut x), OrbiteStatus::ResourceExhausted);
+    // The count is wrong for the array, but beyond the engine's limit, which
+    // `orbite_xfer_prepare` checks before it reads the array.
+    assert_eq!(unsafe { orbite_xfer_prepare(e, &sp, &mut x) }, OrbiteStatus::ResourceExhausted);
     sp.local_count = 65;
-    assert_eq!(orbite_xfer_prepare(e, &sp, &mut x), OrbiteStatus::ResourceExhausted);
+    assert_eq!(unsafe { orbite_xfer_prepare(e, &sp, &mut x) }, OrbiteStatus::ResourceExhausted);
     // Arithmetic overflow and bounds.
     assert_eq!(prepare(&d(ra.raw, u64::MAX - 4, 16), &rdesc), OrbiteStatus::OutOfRange);
     assert_eq!(prepare(&d(ra.raw, 4090, 16), &rdesc), OrbiteStatus::OutOfRange);
@@ -360,34 +381,40 @@ fn n10_bad_input_is_refused_and_changes_nothing() {
     let mut rg = region(&mut gone, ORBITE_PERM_LOCAL_ONLY);
     rg.addr = u64::MAX - 10;
     let mut r = OrbiteRegistration::default();
-    assert_eq!(orbite_mem_register(e, &rg, &mut r), OrbiteStatus::OutOfRange);
+    assert_eq!(unsafe { orbite_mem_register(e, &rg, &mut r) }, OrbiteStatus::OutOfRange);
     let mut rg = region(&mut gone, ORBITE_PERM_LOCAL_ONLY);
     rg.kind = ORBITE_MEM_VRAM;
-    assert_eq!(orbite_mem_register(e, &rg, &mut r), OrbiteStatus::NotSupported);
+    assert_eq!(unsafe { orbite_mem_register(e, &rg, &mut r) }, OrbiteStatus::NotSupported);
     rg.kind = 9;
-    assert_eq!(orbite_mem_register(e, &rg, &mut r), OrbiteStatus::InvalidArgument);
+    assert_eq!(unsafe { orbite_mem_register(e, &rg, &mut r) }, OrbiteStatus::InvalidArgument);
     // Unknown enumeration values and flags.
     let mut sp = spec(7, p, &d(ra.raw, 0, 16), &rdesc);
-    assert_eq!(orbite_xfer_prepare(e, &sp, &mut x), OrbiteStatus::InvalidArgument);
+    assert_eq!(unsafe { orbite_xfer_prepare(e, &sp, &mut x) }, OrbiteStatus::InvalidArgument);
     sp.op = ORBITE_OP_WRITE;
     sp.flags = 0x80;
-    assert_eq!(orbite_xfer_prepare(e, &sp, &mut x), OrbiteStatus::InvalidArgument);
+    assert_eq!(unsafe { orbite_xfer_prepare(e, &sp, &mut x) }, OrbiteStatus::InvalidArgument);
     // Output records of an unknown size or version.
     let mut st = zero_stats();
     st.size += 8;
-    assert_eq!(orbite_engine_stats(e, &mut st), OrbiteStatus::VersionMismatch);
+    assert_eq!(unsafe { orbite_engine_stats(e, &mut st) }, OrbiteStatus::VersionMismatch);
     // Malformed metadata.
     let mut rr = OrbiteRemoteRange { size: size_of::<OrbiteRemoteRange>() as u32, version: 1, ..Default::default() };
-    assert_eq!(orbite_peer_import_range(p, b"ORBR\x02\x00\x07".as_ptr(), 7, &mut rr), OrbiteStatus::InvalidArgument);
-    assert_eq!(orbite_peer_import_range(p, b"ORBR\x01\x00\x07".as_ptr(), 7, &mut rr), OrbiteStatus::VersionMismatch);
+    assert_eq!(
+        unsafe { orbite_peer_import_range(p, b"ORBR\x02\x00\x07".as_ptr(), 7, &mut rr) },
+        OrbiteStatus::InvalidArgument
+    );
+    assert_eq!(
+        unsafe { orbite_peer_import_range(p, b"ORBR\x01\x00\x07".as_ptr(), 7, &mut rr) },
+        OrbiteStatus::VersionMismatch
+    );
     let mut peer = OrbitePeer::default();
-    assert_eq!(orbite_peer_open(e, b"junk".as_ptr(), 4, 100, &mut peer), OrbiteStatus::InvalidArgument);
+    assert_eq!(unsafe { orbite_peer_open(e, b"junk".as_ptr(), 4, 100, &mut peer) }, OrbiteStatus::InvalidArgument);
     // A live child refuses the engine's release.
     assert_eq!(orbite_engine_release(e), OrbiteStatus::Active);
     // An injected panic comes back as a status; the library keeps serving.
     ok(orbite_test_inject_panic());
     let mut st = zero_stats();
-    assert_eq!(orbite_engine_stats(e, &mut st), OrbiteStatus::Internal);
+    assert_eq!(unsafe { orbite_engine_stats(e, &mut st) }, OrbiteStatus::Internal);
     assert!(last_error().contains("panic"), "{}", last_error());
     assert_eq!(stats(e), base, "no failed call allocated or admitted anything");
 
@@ -398,7 +425,7 @@ fn n10_bad_input_is_refused_and_changes_nothing() {
     assert_eq!(stats(e), zero_stats());
     close_and_release(e);
     close_and_release(other);
-    assert_eq!(orbite_engine_stats(e, &mut st), OrbiteStatus::StaleHandle, "released engine");
+    assert_eq!(unsafe { orbite_engine_stats(e, &mut st) }, OrbiteStatus::StaleHandle, "released engine");
 }
 
 #[test]
@@ -413,7 +440,7 @@ fn handle_budget_is_charged_and_refusal_leaves_nothing() {
     assert_eq!(before.binding_handles, 2);
     let mut r = OrbiteRegistration::default();
     assert_eq!(
-        orbite_mem_register(e, &region(&mut c, ORBITE_PERM_LOCAL_ONLY), &mut r),
+        unsafe { orbite_mem_register(e, &region(&mut c, ORBITE_PERM_LOCAL_ONLY), &mut r) },
         OrbiteStatus::ResourceExhausted
     );
     assert_eq!(stats(e), before, "the refused registration registered nothing");
@@ -426,12 +453,12 @@ fn handle_budget_is_charged_and_refusal_leaves_nothing() {
 #[test]
 fn abi_info_reports_sizes_and_features() {
     let mut i = OrbiteAbiInfo { size: size_of::<OrbiteAbiInfo>() as u32, version: 1, ..Default::default() };
-    ok(orbite_abi_info(&mut i));
+    ok(unsafe { orbite_abi_info(&mut i) });
     assert_eq!((i.abi_major, i.abi_minor), (ORBITE_ABI_MAJOR, ORBITE_ABI_MINOR));
     assert_eq!(i.xfer_spec_size as usize, size_of::<OrbiteXferSpec>());
     assert_eq!(i.features & ORBITE_FEATURE_TEST_HOOKS, ORBITE_FEATURE_TEST_HOOKS, "tests build the hooks");
     let mut small = OrbiteAbiInfo { size: 8, version: 1, ..Default::default() };
-    assert_eq!(orbite_abi_info(&mut small), OrbiteStatus::VersionMismatch);
+    assert_eq!(unsafe { orbite_abi_info(&mut small) }, OrbiteStatus::VersionMismatch);
 }
 
 #[test]
@@ -454,13 +481,13 @@ fn tcp_peer_write_and_read_back_with_binary_notification() {
     let initiator = engine(r#"{"peer_timeout_ms": 30000}"#);
     let mut theirs = vec![0x55u8; 1 << 20];
     let rt = register(target, &mut theirs);
-    let info = blob(|b, c, n| orbite_engine_export_peer(target, b, c, n));
-    let meta = blob(|b, c, n| orbite_mem_export(rt, b, c, n));
+    let info = blob(|b, c, n| unsafe { orbite_engine_export_peer(target, b, c, n) });
+    let meta = blob(|b, c, n| unsafe { orbite_mem_export(rt, b, c, n) });
     let mut p = OrbitePeer::default();
-    ok(orbite_peer_open(initiator, info.as_ptr(), info.len(), 10_000, &mut p));
+    ok(unsafe { orbite_peer_open(initiator, info.as_ptr(), info.len(), 10_000, &mut p) });
     let mut remote =
         OrbiteRemoteRange { size: size_of::<OrbiteRemoteRange>() as u32, version: 1, ..Default::default() };
-    ok(orbite_peer_import_range(p, meta.as_ptr(), meta.len(), &mut remote));
+    ok(unsafe { orbite_peer_import_range(p, meta.as_ptr(), meta.len(), &mut remote) });
     let mut mine: Vec<u8> = (0..1 << 20).map(|i: u32| (i % 251) as u8).collect();
     let mut back = vec![0u8; 1 << 20];
     let (rm, rb) = (register(initiator, &mut mine), register(initiator, &mut back));
@@ -477,7 +504,7 @@ fn tcp_peer_write_and_read_back_with_binary_notification() {
     sp.notification = payload.as_ptr();
     sp.notification_len = payload.len() as u64;
     let mut x = OrbiteXfer::default();
-    ok(orbite_xfer_prepare(initiator, &sp, &mut x));
+    ok(unsafe { orbite_xfer_prepare(initiator, &sp, &mut x) });
     ok(orbite_xfer_post(x));
     let s = wait_retired(x);
     assert_eq!((s.code, s.route, s.transferred_prefix), (ORBITE_OUTCOME_SUCCESS, ORBITE_ROUTE_TCP, 500_001));
@@ -487,13 +514,13 @@ fn tcp_peer_write_and_read_back_with_binary_notification() {
     assert!(theirs[..17].iter().chain(&theirs[500_018..]).all(|b| *b == 0x55), "guard bytes");
     let mut buf = vec![0u8; 4096];
     let mut d = OrbiteDrainResult { size: size_of::<OrbiteDrainResult>() as u32, version: 1, ..Default::default() };
-    ok(orbite_notifs_drain(target, buf.as_mut_ptr(), buf.len(), &mut d));
+    ok(unsafe { orbite_notifs_drain(target, buf.as_mut_ptr(), buf.len(), &mut d) });
     assert_eq!(d.count, 1);
     assert_eq!(&buf[16 + (d.written as usize - 16 - payload.len())..d.written as usize], &payload);
 
     let mut sp = spec(ORBITE_OP_READ, p, &[OrbiteDesc { registration: rb.raw, offset: 0, len: 500_001 }], &far);
     sp.route = ORBITE_ROUTE_TCP;
-    ok(orbite_xfer_prepare(initiator, &sp, &mut x));
+    ok(unsafe { orbite_xfer_prepare(initiator, &sp, &mut x) });
     ok(orbite_xfer_post(x));
     assert_eq!(wait_retired(x).code, ORBITE_OUTCOME_SUCCESS);
     ok(orbite_xfer_release(x));
@@ -522,12 +549,12 @@ fn local_file_open_transfer_both_ways_eof_close_and_adopt() {
         (7, 0, OrbiteStatus::InvalidArgument),
         (ORBITE_FILE_READ_WRITE, 0x100, OrbiteStatus::InvalidArgument),
     ] {
-        assert_eq!(orbite_file_open(e, path.as_ptr(), path.len(), mode, flags, &mut f), want);
+        assert_eq!(unsafe { orbite_file_open(e, path.as_ptr(), path.len(), mode, flags, &mut f) }, want);
     }
     assert_eq!(f, OrbiteFile::default());
-    ok(orbite_file_open(e, path.as_ptr(), path.len(), ORBITE_FILE_READ_WRITE, 0, &mut f));
+    ok(unsafe { orbite_file_open(e, path.as_ptr(), path.len(), ORBITE_FILE_READ_WRITE, 0, &mut f) });
     let mut info = OrbiteFileInfo { size: size_of::<OrbiteFileInfo>() as u32, version: 1, ..Default::default() };
-    ok(orbite_file_query(f, &mut info));
+    ok(unsafe { orbite_file_query(f, &mut info) });
     assert_eq!((info.len, info.mode, info.closed), (100_000, ORBITE_FILE_READ_WRITE, 0));
     let mut mem = vec![0u8; 200_000];
     for (i, b) in mem.iter_mut().enumerate() {
@@ -538,7 +565,7 @@ fn local_file_open_transfer_both_ways_eof_close_and_adopt() {
     let extents = [OrbiteDesc { registration: 0, offset: 10, len: 150_000 }];
     let mut sp = spec(ORBITE_OP_WRITE, OrbitePeer::default(), &local, &extents);
     let mut x = OrbiteXfer::default();
-    ok(orbite_xfer_prepare_file(e, &sp, f, &mut x));
+    ok(unsafe { orbite_xfer_prepare_file(e, &sp, f, &mut x) });
     ok(orbite_xfer_post(x));
     let s = wait_retired(x);
     assert_eq!((s.code, s.route, s.transferred_prefix), (ORBITE_OUTCOME_SUCCESS, ORBITE_ROUTE_FILE, 150_000));
@@ -552,7 +579,7 @@ fn local_file_open_transfer_both_ways_eof_close_and_adopt() {
     let tail = [OrbiteDesc { registration: 0, offset: 120_000, len: 50_000 }];
     mem[150_000..].fill(0xEE);
     sp = spec(ORBITE_OP_READ, OrbitePeer::default(), &back, &tail);
-    ok(orbite_xfer_prepare_file(e, &sp, f, &mut x));
+    ok(unsafe { orbite_xfer_prepare_file(e, &sp, f, &mut x) });
     ok(orbite_xfer_post(x));
     let s = wait_retired(x);
     assert_eq!((s.code, s.transferred_prefix), (ORBITE_OUTCOME_SHORT, 30_010));
@@ -561,10 +588,10 @@ fn local_file_open_transfer_both_ways_eof_close_and_adopt() {
     ok(orbite_xfer_release(x));
     // A peer named with a file, or a notification, is refused.
     sp.peer = OrbitePeer { raw: 1 };
-    assert_eq!(orbite_xfer_prepare_file(e, &sp, f, &mut x), OrbiteStatus::InvalidArgument);
+    assert_eq!(unsafe { orbite_xfer_prepare_file(e, &sp, f, &mut x) }, OrbiteStatus::InvalidArgument);
     sp.peer = OrbitePeer::default();
     sp.flags = ORBITE_XFER_NOTIFY;
-    assert_eq!(orbite_xfer_prepare_file(e, &sp, f, &mut x), OrbiteStatus::NotSupported);
+    assert_eq!(unsafe { orbite_xfer_prepare_file(e, &sp, f, &mut x) }, OrbiteStatus::NotSupported);
     sp.flags = 0;
     // Adoption duplicates the descriptor: closing and reusing the caller's
     // number never reaches the adopted file.
@@ -572,24 +599,28 @@ fn local_file_open_transfer_both_ways_eof_close_and_adopt() {
     std::fs::write(&other, b"other").unwrap();
     let theirs = std::fs::File::open(&path).unwrap();
     let mut adopted = OrbiteFile::default();
+    // `theirs` stays open during both calls.
     assert_eq!(
-        orbite_file_adopt(e, std::os::fd::AsRawFd::as_raw_fd(&theirs), ORBITE_FILE_READ_WRITE, &mut adopted),
+        unsafe { orbite_file_adopt(e, std::os::fd::AsRawFd::as_raw_fd(&theirs), ORBITE_FILE_READ_WRITE, &mut adopted) },
         OrbiteStatus::NotAllowed,
         "a read-only descriptor cannot be adopted for writing"
     );
-    ok(orbite_file_adopt(e, std::os::fd::AsRawFd::as_raw_fd(&theirs), ORBITE_FILE_READ_ONLY, &mut adopted));
+    ok(unsafe { orbite_file_adopt(e, std::os::fd::AsRawFd::as_raw_fd(&theirs), ORBITE_FILE_READ_ONLY, &mut adopted) });
     drop(theirs);
     let _reuse = std::fs::File::open(&other).unwrap();
     let mut ai = OrbiteFileInfo { size: size_of::<OrbiteFileInfo>() as u32, version: 1, ..Default::default() };
-    ok(orbite_file_query(adopted, &mut ai));
+    ok(unsafe { orbite_file_query(adopted, &mut ai) });
     assert_eq!((ai.dev, ai.ino, ai.len), (info.dev, info.ino, 150_010));
-    assert_eq!(orbite_file_adopt(e, -1, ORBITE_FILE_READ_ONLY, &mut adopted.clone()), OrbiteStatus::InvalidArgument);
+    assert_eq!(
+        unsafe { orbite_file_adopt(e, -1, ORBITE_FILE_READ_ONLY, &mut adopted.clone()) },
+        OrbiteStatus::InvalidArgument
+    );
     ok(orbite_file_close(adopted, 1000));
     // Close fences: a transfer prepared before it cannot post after it.
-    ok(orbite_xfer_prepare_file(e, &sp, f, &mut x));
+    ok(unsafe { orbite_xfer_prepare_file(e, &sp, f, &mut x) });
     ok(orbite_file_close(f, 1000));
     assert_eq!(orbite_xfer_post(x), OrbiteStatus::Closed);
-    assert_eq!(orbite_file_query(f, &mut info), OrbiteStatus::StaleHandle);
+    assert_eq!(unsafe { orbite_file_query(f, &mut info) }, OrbiteStatus::StaleHandle);
     ok(orbite_xfer_release(x));
     ok(orbite_mem_deregister(r));
     assert_eq!(stats(e), zero_stats());
@@ -602,9 +633,9 @@ fn local_file_open_transfer_both_ways_eof_close_and_adopt() {
 fn late_registrations_import_after_a_refresh_and_remote_ranges_resolve_by_address() {
     let target = engine(r#"{"listen": "127.0.0.1:0", "route": "tcp"}"#);
     let initiator = engine(r#"{"route": "tcp"}"#);
-    let info = blob(|b, c, n| orbite_engine_export_peer(target, b, c, n));
+    let info = blob(|b, c, n| unsafe { orbite_engine_export_peer(target, b, c, n) });
     let mut p = OrbitePeer::default();
-    ok(orbite_peer_open(initiator, info.as_ptr(), info.len(), 10_000, &mut p));
+    ok(unsafe { orbite_peer_open(initiator, info.as_ptr(), info.len(), 10_000, &mut p) });
     ok(orbite_peer_check(p));
     // Registered after the peer was opened: the import finds it.
     let mut theirs = vec![0x11u8; 256 << 10];
@@ -612,10 +643,14 @@ fn late_registrations_import_after_a_refresh_and_remote_ranges_resolve_by_addres
     let remote = import(p, rt);
     assert_eq!((remote.addr, remote.len), (theirs.as_ptr() as u64, 256 << 10));
     // The same range registered again gives byte-identical metadata.
-    let meta = blob(|b, c, n| orbite_mem_export(rt, b, c, n));
+    let meta = blob(|b, c, n| unsafe { orbite_mem_export(rt, b, c, n) });
     ok(orbite_mem_deregister(rt));
     let rt2 = register(target, &mut theirs);
-    assert_eq!(blob(|b, c, n| orbite_mem_export(rt2, b, c, n)), meta, "metadata names the range, not the id");
+    assert_eq!(
+        blob(|b, c, n| unsafe { orbite_mem_export(rt2, b, c, n) }),
+        meta,
+        "metadata names the range, not the id"
+    );
     // The peer pushed both changes before its calls returned; this process
     // is its own side channel, so wait until they were applied (a real
     // peer's metadata takes longer to arrive than its pushes).
@@ -634,7 +669,7 @@ fn late_registrations_import_after_a_refresh_and_remote_ranges_resolve_by_addres
     let mut sp = spec(ORBITE_OP_WRITE, p, &local, &far);
     sp.flags = ORBITE_XFER_REMOTE_BY_ADDRESS;
     let mut x = OrbiteXfer::default();
-    ok(orbite_xfer_prepare(initiator, &sp, &mut x));
+    ok(unsafe { orbite_xfer_prepare(initiator, &sp, &mut x) });
     ok(orbite_xfer_post(x));
     assert_eq!(wait_retired(x).code, ORBITE_OUTCOME_SUCCESS);
     ok(orbite_xfer_release(x));
@@ -645,10 +680,10 @@ fn late_registrations_import_after_a_refresh_and_remote_ranges_resolve_by_addres
     let local = [OrbiteDesc { registration: rm.raw, offset: 0, len: 100 }];
     let mut sp = spec(ORBITE_OP_WRITE, p, &local, &far);
     sp.flags = ORBITE_XFER_REMOTE_BY_ADDRESS;
-    assert_eq!(orbite_xfer_prepare(initiator, &sp, &mut x), OrbiteStatus::NotFound);
+    assert_eq!(unsafe { orbite_xfer_prepare(initiator, &sp, &mut x) }, OrbiteStatus::NotFound);
     // Our own registration, for the self peer.
     let mut own = OrbiteRemoteRange { size: size_of::<OrbiteRemoteRange>() as u32, version: 1, ..Default::default() };
-    ok(orbite_mem_remote_range(rm, &mut own));
+    ok(unsafe { orbite_mem_remote_range(rm, &mut own) });
     assert_eq!((own.addr, own.len), (mine.as_ptr() as u64, 256 << 10));
     let me = self_peer(initiator);
     assert_eq!(own.remote_registration, import(me, rm).remote_registration);
@@ -666,9 +701,9 @@ fn deployment_engines_listen_on_all_interfaces_and_say_what_they_advertise() {
     let mut o = options("{}");
     o.flags = ORBITE_ENGINE_DEPLOYMENT;
     let mut e = OrbiteEngine::default();
-    ok(orbite_engine_create(&o, &mut e));
+    ok(unsafe { orbite_engine_create(&o, &mut e) });
     let mut source = 0u32;
-    let line = blob(|b, c, n| orbite_engine_advertise(e, &mut source, b, c, n));
+    let line = blob(|b, c, n| unsafe { orbite_engine_advertise(e, &mut source, b, c, n) });
     let line = String::from_utf8(line).unwrap();
     assert!(line.starts_with("listening on 0.0.0.0:"), "{line}");
     assert!((ORBITE_ADVERTISE_DEFAULT_ROUTE..=ORBITE_ADVERTISE_LOOPBACK_FALLBACK).contains(&source), "{source}");
@@ -676,7 +711,7 @@ fn deployment_engines_listen_on_all_interfaces_and_say_what_they_advertise() {
     close_and_release(e);
     // Without the flag and without `listen`: no listener.
     let e = engine("{}");
-    let line = blob(|b, c, n| orbite_engine_advertise(e, &mut source, b, c, n));
+    let line = blob(|b, c, n| unsafe { orbite_engine_advertise(e, &mut source, b, c, n) });
     assert_eq!(
         (source, String::from_utf8(line).unwrap().as_str()),
         (ORBITE_ADVERTISE_NONE, "not listening: local transfers only")
@@ -686,10 +721,10 @@ fn deployment_engines_listen_on_all_interfaces_and_say_what_they_advertise() {
     let mut o = options(r#"{"listen": "127.0.0.1:0"}"#);
     o.flags = ORBITE_ENGINE_DEPLOYMENT;
     let mut e = OrbiteEngine::default();
-    ok(orbite_engine_create(&o, &mut e));
-    let _ = blob(|b, c, n| orbite_engine_advertise(e, &mut source, b, c, n));
+    ok(unsafe { orbite_engine_create(&o, &mut e) });
+    let _ = blob(|b, c, n| unsafe { orbite_engine_advertise(e, &mut source, b, c, n) });
     assert_eq!(source, ORBITE_ADVERTISE_BOUND);
     close_and_release(e);
     o.flags = 0x100;
-    assert_eq!(orbite_engine_create(&o, &mut e), OrbiteStatus::InvalidArgument);
+    assert_eq!(unsafe { orbite_engine_create(&o, &mut e) }, OrbiteStatus::InvalidArgument);
 }
