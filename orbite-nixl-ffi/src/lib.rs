@@ -16,11 +16,17 @@
 //!
 //! No lock of this library is held while the engine runs (and so while a
 //! caller's release callback may run).
+//!
+//! Every entry point that takes a raw pointer (directly, or inside a record
+//! it reads) is an `unsafe extern "C" fn` whose `# Safety` section says what
+//! the caller guarantees beyond the checks above: which memory is readable
+//! or writable, for how long, and that no other thread writes it during the
+//! call. Entry points that take only handles and integers are safe. Rust
+//! callers of the rlib call the unsafe ones in `unsafe` blocks and uphold
+//! those sections; each `unsafe` block inside this crate says which
+//! invariant it relies on.
 
 #![warn(missing_docs)]
-// The entry points take raw pointers from C and check them before use;
-// each unsafe block says which invariant it relies on.
-#![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 mod api;
 mod handles;
