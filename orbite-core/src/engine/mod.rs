@@ -31,6 +31,7 @@ use crate::error::Error;
 use crate::memory::{HostMemory, MemoryRange};
 use crate::registry::Registry;
 use crate::segment::SegmentDescriptor;
+use crate::transport::hooks::Hooks;
 use crate::transport::local::LocalRoute;
 use crate::transport::tcp::{PeerJob, Server};
 use crate::types::{RegistrationId, Resource, Route, RouteChoice};
@@ -91,10 +92,8 @@ pub(crate) struct EngineInner {
     notification_arrived: Condvar,
     /// Same-host peers append notifications here (listening engines only).
     inbox: OnceLock<(HostMemory, crate::transport::inbox::Inbox)>,
-    #[cfg(feature = "fault-injection")]
-    remote_hold: (Mutex<bool>, Condvar),
-    #[cfg(feature = "fault-injection")]
-    deny_cma: AtomicBool,
+    /// Test hooks (feature `fault-injection`); none in a shipped build.
+    hooks: Option<Arc<dyn Hooks<RouteTask>>>,
 }
 
 /// A random, nonzero 64-bit epoch.
@@ -412,8 +411,9 @@ impl TransferEngine {
     /// progress worker).
     pub fn new(config: EngineConfig) -> Result<Self, Error> {
         config.validate()?;
-        let route =
-            LocalRoute::start(config.route_workers(), config.spin()).map_err(|e| Error::System(e.to_string()))?;
+        let hooks = hooks();
+        let route = LocalRoute::start(config.route_workers(), config.spin(), hooks.clone())
+            .map_err(|e| Error::System(e.to_string()))?;
         let inner = Arc::new(EngineInner {
             admission: Mutex::new(AdmissionState {
                 queue: AdmissionQueue::new(config.admission_queue_len as usize, config.anti_starvation_after),
@@ -443,10 +443,7 @@ impl TransferEngine {
             notifications: Mutex::new(std::collections::VecDeque::new()),
             notification_arrived: Condvar::new(),
             inbox: OnceLock::new(),
-            #[cfg(feature = "fault-injection")]
-            remote_hold: (Mutex::new(false), Condvar::new()),
-            #[cfg(feature = "fault-injection")]
-            deny_cma: AtomicBool::new(false),
+            hooks,
             config,
         });
         if let Some(bind) = inner.config.listen.clone() {
@@ -910,26 +907,41 @@ impl TransferEngine {
             }
         }
     }
+}
+
+/// The test interface (feature `fault-injection`).
+#[cfg(feature = "fault-injection")]
+impl TransferEngine {
+    fn fault_control(&self) -> &dyn crate::transport::fault::FaultControl {
+        let hooks = self.inner().hooks.as_ref().and_then(|h| h.as_any());
+        hooks
+            .and_then(|a| a.downcast_ref::<crate::transport::fault::FaultState<RouteTask>>())
+            .expect("an engine built with fault-injection has fault hooks")
+    }
 
     /// Test-only: holds incoming peer requests after validation (their
     /// range loans taken) and before any byte moves, until set to false.
-    #[cfg(feature = "fault-injection")]
     pub fn hold_remote_requests(&self, on: bool) {
-        let (m, cv) = &self.inner().remote_hold;
-        *m.lock() = on;
-        cv.notify_all();
+        self.fault_control().hold_remote(on);
     }
 
     /// Test-only: the CMA probe of segments opened from now on reports a
     /// denial, as a kernel that forbids cross-memory access would.
-    #[cfg(feature = "fault-injection")]
     pub fn deny_cma_for_tests(&self, on: bool) {
-        self.inner().deny_cma.store(on, Ordering::Release);
+        self.fault_control().deny_cma(on);
     }
 
     /// Test-only fault hooks of the local route.
-    #[cfg(feature = "fault-injection")]
     pub fn fault_hooks(&self) -> crate::transport::fault::FaultHooks<'_> {
-        crate::transport::fault::FaultHooks { ctl: self.inner().route.shared().as_ref() }
+        crate::transport::fault::FaultHooks { ctl: self.fault_control() }
     }
+}
+
+/// The engine's hooks: scripted faults in a test build, none otherwise.
+fn hooks() -> Option<Arc<dyn Hooks<RouteTask>>> {
+    #[cfg(feature = "fault-injection")]
+    let hooks: Option<Arc<dyn Hooks<RouteTask>>> = Some(Arc::new(crate::transport::fault::FaultState::default()));
+    #[cfg(not(feature = "fault-injection"))]
+    let hooks = None;
+    hooks
 }

@@ -401,15 +401,14 @@ impl EngineInner {
             return Err("peer is not on this boot".into());
         }
         let probe_at = d.registrations.iter().find(|r| r.permission.remote_read() && r.len > 0).map(|r| r.addr);
-        #[cfg_attr(not(feature = "fault-injection"), allow(unused_mut))]
-        let mut cma = match probe_at {
+        let cma = match probe_at {
             Some(addr) => crate::transport::cma::probe(d.pid as i32, addr),
             None => Err("the peer exports no readable registration to probe".into()),
         };
-        #[cfg(feature = "fault-injection")]
-        if self.deny_cma.load(Ordering::Acquire) {
-            cma = Err("process_vm_readv denied (injected by a test)".into());
-        }
+        let cma = match &self.hooks {
+            Some(h) => h.cma_probe(cma),
+            None => cma,
+        };
         Ok(SameHost { cma })
     }
 
@@ -898,11 +897,9 @@ impl TargetSide for EngineInner {
         EngineInner::limits(self)
     }
 
-    #[cfg(feature = "fault-injection")]
     fn remote_gate(&self) {
-        let mut held = self.remote_hold.0.lock();
-        while *held {
-            self.remote_hold.1.wait(&mut held);
+        if let Some(h) = &self.hooks {
+            h.before_remote_bytes();
         }
     }
 }

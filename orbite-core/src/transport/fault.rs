@@ -1,48 +1,40 @@
-//! Test-only fault hooks of the local route (feature `fault-injection`).
+//! Test-only fault hooks (feature `fault-injection`): an implementation of
+//! [`Hooks`] driven by a script.
 //!
-//! A script of directives is consumed one per task, in the order the
-//! route received the tasks; with `hold_all`, every task is held. A held task has
-//! not touched any byte; it stays admitted (its execution cannot retire)
-//! until the test releases it with a directive. This makes every lifecycle
-//! rule testable deterministically: withheld completions, short
-//! completions, failures with known or unknown effect.
+//! A script of directives is consumed one per task, in the order the local
+//! route received the tasks; with `hold_all`, every task is held. A held
+//! task has not touched any byte; it stays admitted (its execution cannot
+//! retire) until the test releases it with a directive. This makes every
+//! lifecycle rule testable deterministically: withheld completions, short
+//! completions, failures with known or unknown effect. The same hooks can
+//! hold a target's peer requests before their bytes move, and make CMA
+//! probes report a denial.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use parking_lot::{Condvar, Mutex};
 
-/// What a worker does with the next task.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FaultDirective {
-    /// Copy normally.
-    Run,
-    /// Do not start it; keep it until released.
-    Hold,
-    /// Copy at most `bytes`, then report a short completion.
-    Short {
-        /// Bytes copied before stopping.
-        bytes: u64,
-    },
-    /// Copy at most `bytes`, then report failure.
-    Fail {
-        /// Bytes copied before failing.
-        bytes: u64,
-        /// Whether to report that more may have been written.
-        effect_unknown: bool,
-    },
-}
+pub use crate::transport::hooks::FaultDirective;
+use crate::transport::hooks::{Hooks, Requeue};
+
+type Held<J> = (u64, J, Arc<dyn Requeue<J>>);
 
 struct Inner<J> {
     script: VecDeque<FaultDirective>,
     hold_all: bool,
-    held: Vec<(u64, J)>,
+    held: Vec<Held<J>>,
     next_ticket: u64,
 }
 
+/// The scripted hooks of one engine.
 pub(crate) struct FaultState<J> {
     inner: Mutex<Inner<J>>,
     changed: Condvar,
+    remote_hold: (Mutex<bool>, Condvar),
+    deny_cma: AtomicBool,
 }
 
 impl<J> Default for FaultState<J> {
@@ -50,12 +42,14 @@ impl<J> Default for FaultState<J> {
         FaultState {
             inner: Mutex::new(Inner { script: VecDeque::new(), hold_all: false, held: Vec::new(), next_ticket: 1 }),
             changed: Condvar::new(),
+            remote_hold: (Mutex::new(false), Condvar::new()),
+            deny_cma: AtomicBool::new(false),
         }
     }
 }
 
-impl<J> FaultState<J> {
-    pub(crate) fn next_directive(&self) -> FaultDirective {
+impl<J: Send + 'static> Hooks<J> for FaultState<J> {
+    fn task_directive(&self) -> FaultDirective {
         let mut g = self.inner.lock();
         match g.script.pop_front() {
             Some(d) => d,
@@ -64,18 +58,31 @@ impl<J> FaultState<J> {
         }
     }
 
-    pub(crate) fn hold(&self, job: J) {
+    fn hold(&self, job: J, back: Arc<dyn Requeue<J>>) -> Option<J> {
         let mut g = self.inner.lock();
         let ticket = g.next_ticket;
         g.next_ticket += 1;
-        g.held.push((ticket, job));
+        g.held.push((ticket, job, back));
         self.changed.notify_all();
+        None
     }
 
-    fn take(&self, ticket: u64) -> Option<J> {
-        let mut g = self.inner.lock();
-        let i = g.held.iter().position(|(t, _)| *t == ticket)?;
-        Some(g.held.remove(i).1)
+    fn before_remote_bytes(&self) {
+        let mut held = self.remote_hold.0.lock();
+        while *held {
+            self.remote_hold.1.wait(&mut held);
+        }
+    }
+
+    fn cma_probe(&self, probe: Result<(), String>) -> Result<(), String> {
+        if self.deny_cma.load(Ordering::Acquire) {
+            return Err("process_vm_readv denied (injected by a test)".into());
+        }
+        probe
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
     }
 }
 
@@ -87,22 +94,28 @@ pub(crate) trait FaultControl: Send + Sync {
     fn held(&self) -> Vec<u64>;
     fn release(&self, ticket: u64, d: FaultDirective) -> bool;
     fn wait_held(&self, n: usize, timeout: Duration) -> bool;
+    fn hold_remote(&self, on: bool);
+    fn deny_cma(&self, on: bool);
 }
 
-impl<J: crate::transport::CopyJob> FaultControl for crate::transport::local::RouteShared<J> {
+impl<J: Send + 'static> FaultControl for FaultState<J> {
     fn push(&self, d: FaultDirective) {
-        self.faults.inner.lock().script.push_back(d);
+        self.inner.lock().script.push_back(d);
     }
     fn set_hold_all(&self, on: bool) {
-        self.faults.inner.lock().hold_all = on;
+        self.inner.lock().hold_all = on;
     }
     fn held(&self) -> Vec<u64> {
-        self.faults.inner.lock().held.iter().map(|(t, _)| *t).collect()
+        self.inner.lock().held.iter().map(|(t, _, _)| *t).collect()
     }
     fn release(&self, ticket: u64, d: FaultDirective) -> bool {
-        match self.faults.take(ticket) {
-            Some(job) => {
-                self.requeue(job, d);
+        let taken = {
+            let mut g = self.inner.lock();
+            g.held.iter().position(|(t, _, _)| *t == ticket).map(|i| g.held.remove(i))
+        };
+        match taken {
+            Some((_, job, back)) => {
+                back.requeue(job, d);
                 true
             }
             None => false,
@@ -110,13 +123,21 @@ impl<J: crate::transport::CopyJob> FaultControl for crate::transport::local::Rou
     }
     fn wait_held(&self, n: usize, timeout: Duration) -> bool {
         let deadline = crate::time::deadline_after(timeout);
-        let mut g = self.faults.inner.lock();
+        let mut g = self.inner.lock();
         while g.held.len() < n {
-            if self.faults.changed.wait_until(&mut g, deadline).timed_out() {
+            if self.changed.wait_until(&mut g, deadline).timed_out() {
                 return g.held.len() >= n;
             }
         }
         true
+    }
+    fn hold_remote(&self, on: bool) {
+        let (m, cv) = &self.remote_hold;
+        *m.lock() = on;
+        cv.notify_all();
+    }
+    fn deny_cma(&self, on: bool) {
+        self.deny_cma.store(on, Ordering::Release);
     }
 }
 

@@ -15,19 +15,16 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::transport::hooks::{FaultDirective, Hooks, Requeue};
 use crate::transport::{CopyJob, copy_spans};
 use crate::types::{TaskEnd, TaskReport};
 
-#[cfg(feature = "fault-injection")]
-use crate::transport::fault::{FaultDirective, FaultState};
-
-#[cfg(feature = "fault-injection")]
-type Forced = Option<FaultDirective>;
-#[cfg(not(feature = "fault-injection"))]
-type Forced = ();
+/// A queued job, with the directive it starts under when the hooks already
+/// decided it (a held job given back).
+type Queued<J> = (J, Option<FaultDirective>);
 
 struct Queue<J> {
-    jobs: VecDeque<(J, Forced)>,
+    jobs: VecDeque<Queued<J>>,
     shutdown: bool,
 }
 
@@ -41,8 +38,7 @@ pub(crate) struct RouteShared<J> {
     /// Set while one idle worker polls.
     spinner: AtomicBool,
     spin: Duration,
-    #[cfg(feature = "fault-injection")]
-    pub(crate) faults: FaultState<J>,
+    hooks: Option<Arc<dyn Hooks<J>>>,
 }
 
 /// The local route and its workers.
@@ -52,8 +48,9 @@ pub(crate) struct LocalRoute<J: CopyJob> {
 }
 
 impl<J: CopyJob> LocalRoute<J> {
-    /// Starts `workers` threads that poll for up to `spin` before sleeping.
-    pub fn start(workers: u32, spin: Duration) -> std::io::Result<Self> {
+    /// Starts `workers` threads that poll for up to `spin` before sleeping;
+    /// `hooks` (tests) see every task as it starts.
+    pub fn start(workers: u32, spin: Duration, hooks: Option<Arc<dyn Hooks<J>>>) -> std::io::Result<Self> {
         let shared = Arc::new(RouteShared {
             queue: Mutex::new(Queue { jobs: VecDeque::new(), shutdown: false }),
             ready: Condvar::new(),
@@ -61,8 +58,7 @@ impl<J: CopyJob> LocalRoute<J> {
             busy_ns: AtomicU64::new(0),
             spinner: AtomicBool::new(false),
             spin,
-            #[cfg(feature = "fault-injection")]
-            faults: FaultState::default(),
+            hooks,
         });
         let route = LocalRoute { shared, threads: Mutex::new(Vec::new()) };
         for i in 0..workers {
@@ -76,10 +72,7 @@ impl<J: CopyJob> LocalRoute<J> {
 
     /// Hands a task to the workers.
     pub fn submit(&self, job: J) {
-        #[cfg(feature = "fault-injection")]
         let forced = None;
-        #[cfg(not(feature = "fault-injection"))]
-        let forced = ();
         // Count under the queue lock: a worker pops (and decrements) only
         // under it, so the count never runs below zero.
         let pending = {
@@ -105,16 +98,9 @@ impl<J: CopyJob> LocalRoute<J> {
             return self.submit(job);
         }
         // Directives are taken under the queue lock, as a worker does.
-        #[cfg(feature = "fault-injection")]
-        let directive = self.shared.faults.next_directive();
+        let directive = self.shared.directive(None);
         drop(q);
-        #[cfg(feature = "fault-injection")]
-        match directive {
-            FaultDirective::Hold => self.shared.faults.hold(job),
-            other => run_faulty(job, other, &self.shared.busy_ns),
-        }
-        #[cfg(not(feature = "fault-injection"))]
-        run(job, &self.shared.busy_ns);
+        start(&self.shared, job, directive);
     }
 
     /// Cumulative time workers spent copying bytes.
@@ -131,17 +117,19 @@ impl<J: CopyJob> LocalRoute<J> {
             let _ = t.join();
         }
     }
+}
 
-    #[cfg(feature = "fault-injection")]
-    pub(crate) fn shared(&self) -> &Arc<RouteShared<J>> {
-        &self.shared
+impl<J: CopyJob> RouteShared<J> {
+    /// What a task starts under: the directive it was given back with, or
+    /// the hooks' next one (taken under the queue lock, so directives
+    /// apply in the order the route received its tasks).
+    fn directive(&self, forced: Option<FaultDirective>) -> Option<FaultDirective> {
+        forced.or_else(|| self.hooks.as_ref().map(|h| h.task_directive()))
     }
 }
 
-#[cfg(feature = "fault-injection")]
-impl<J: CopyJob> RouteShared<J> {
-    /// Re-queues a held job with a directive.
-    pub(crate) fn requeue(&self, job: J, directive: FaultDirective) {
+impl<J: CopyJob> Requeue<J> for RouteShared<J> {
+    fn requeue(&self, job: J, directive: FaultDirective) {
         {
             let mut q = self.queue.lock();
             q.jobs.push_back((job, Some(directive)));
@@ -151,7 +139,32 @@ impl<J: CopyJob> RouteShared<J> {
     }
 }
 
-fn worker<J: CopyJob>(shared: &RouteShared<J>) {
+/// Starts a task: copies it (within what the directive allows) and reports
+/// how it ended, or hands it to the hooks to hold.
+fn start<J: CopyJob>(shared: &Arc<RouteShared<J>>, job: J, directive: Option<FaultDirective>) {
+    let planned = job.planned();
+    let (limit, end) = match directive {
+        None | Some(FaultDirective::Run) => (u64::MAX, TaskEnd::Complete),
+        Some(FaultDirective::Hold) => {
+            let back: Arc<dyn Requeue<J>> = shared.clone();
+            match shared.hooks.as_ref() {
+                Some(h) => match h.hold(job, back) {
+                    Some(job) => return start(shared, job, None),
+                    None => return,
+                },
+                None => return start(shared, job, None),
+            }
+        }
+        Some(FaultDirective::Short { bytes }) => (bytes.min(planned), TaskEnd::Short),
+        Some(FaultDirective::Fail { bytes, effect_unknown }) => {
+            (bytes.min(planned), TaskEnd::Failed { effect_unknown })
+        }
+    };
+    let (done, failed) = copy(&job, limit, &shared.busy_ns);
+    job.finish(TaskReport { planned, done, end: failed.unwrap_or(end) });
+}
+
+fn worker<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
     loop {
         let (job, forced) = {
             let mut polled = false;
@@ -162,11 +175,7 @@ fn worker<J: CopyJob>(shared: &RouteShared<J>) {
                     if !q.jobs.is_empty() {
                         shared.ready.notify_one(); // more work: a second pair of hands
                     }
-                    // Directives are taken under the queue lock, so they
-                    // apply to tasks in the order the route received them.
-                    #[cfg(feature = "fault-injection")]
-                    let forced = forced.unwrap_or_else(|| shared.faults.next_directive());
-                    break (job, forced);
+                    break (job, shared.directive(forced));
                 }
                 if q.shutdown {
                     return;
@@ -183,18 +192,7 @@ fn worker<J: CopyJob>(shared: &RouteShared<J>) {
                 shared.ready.wait(&mut q);
             }
         };
-        #[cfg(feature = "fault-injection")]
-        {
-            match forced {
-                FaultDirective::Hold => shared.faults.hold(job),
-                other => run_faulty(job, other, &shared.busy_ns),
-            }
-        }
-        #[cfg(not(feature = "fault-injection"))]
-        {
-            let () = forced;
-            run(job, &shared.busy_ns);
-        }
+        start(shared, job, forced);
     }
 }
 
@@ -217,13 +215,6 @@ pub(crate) fn poll(pending: &AtomicUsize, spin: Duration) -> bool {
             return false;
         }
     }
-}
-
-#[cfg_attr(feature = "fault-injection", allow(dead_code))]
-fn run<J: CopyJob>(job: J, busy_ns: &AtomicU64) {
-    let (done, end) = copy(&job, u64::MAX, busy_ns);
-    let planned = job.planned();
-    job.finish(TaskReport { planned, done, end: end.unwrap_or(TaskEnd::Complete) });
 }
 
 /// Copies a task (at most `limit` bytes) by the program's means: memory of
@@ -303,16 +294,4 @@ fn copy_file(
         // Refused before any I/O (the file was closed, say).
         Err(_) => (0, Some(TaskEnd::Failed { effect_unknown: false })),
     }
-}
-
-#[cfg(feature = "fault-injection")]
-fn run_faulty<J: CopyJob>(job: J, directive: FaultDirective, busy_ns: &AtomicU64) {
-    let planned = job.planned();
-    let (limit, end) = match directive {
-        FaultDirective::Run | FaultDirective::Hold => return run(job, busy_ns),
-        FaultDirective::Short { bytes } => (bytes.min(planned), TaskEnd::Short),
-        FaultDirective::Fail { bytes, effect_unknown } => (bytes.min(planned), TaskEnd::Failed { effect_unknown }),
-    };
-    let (done, failed) = copy(&job, limit, busy_ns);
-    job.finish(TaskReport { planned, done, end: failed.unwrap_or(end) });
 }

@@ -9,6 +9,7 @@ pub(crate) mod tcp;
 
 #[cfg(feature = "fault-injection")]
 pub mod fault;
+pub(crate) mod hooks;
 
 use crate::types::{Op, RegistrationId, TaskReport};
 
