@@ -1,4 +1,4 @@
-//! The shared vocabulary of the core: ids, directions, permissions,
+//! The shared vocabulary of the core: ids and descriptors, directions, permissions,
 //! routes and their policy, budgeted resources and what a route reports
 //! about a task.
 //!
@@ -30,6 +30,24 @@ impl RegistrationId {
 impl std::fmt::Display for RegistrationId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "reg#{}.{}", self.index, self.generation)
+    }
+}
+
+/// One contiguous range of a registration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Desc {
+    /// The registration the range lies in.
+    pub registration: RegistrationId,
+    /// Offset from the registration's start.
+    pub offset: u64,
+    /// Length in bytes (at least 1).
+    pub len: u64,
+}
+
+impl Desc {
+    /// A descriptor.
+    pub fn new(registration: RegistrationId, offset: u64, len: u64) -> Self {
+        Desc { registration, offset, len }
     }
 }
 

@@ -4,7 +4,7 @@
 
 pub mod lifecycle;
 
-pub use crate::types::{Intent, Op, Route, RouteChoice, RoutePolicy, TaskEnd, TaskReport};
+pub use crate::types::{Desc, Intent, Op, Route, RouteChoice, RoutePolicy, TaskEnd, TaskReport};
 pub use lifecycle::{
     ExecutionPhase, LogicalOutcome, OutcomeCode, RemoteEffect, RetirementReceipt, TransferResult, TransferStatus,
 };
@@ -12,24 +12,6 @@ pub use lifecycle::{
 use std::time::Duration;
 
 use crate::types::RegistrationId;
-
-/// One contiguous range of a registration.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct Desc {
-    /// The registration the range lies in.
-    pub registration: RegistrationId,
-    /// Offset from the registration's start.
-    pub offset: u64,
-    /// Length in bytes (at least 1).
-    pub len: u64,
-}
-
-impl Desc {
-    /// A descriptor.
-    pub fn new(registration: RegistrationId, offset: u64, len: u64) -> Self {
-        Desc { registration, offset, len }
-    }
-}
 
 /// Per-transfer options.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

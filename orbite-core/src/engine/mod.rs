@@ -33,8 +33,9 @@ use crate::registry::Registry;
 use crate::segment::SegmentDescriptor;
 use crate::transport::hooks::Hooks;
 use crate::transport::local::LocalRoute;
+use crate::transport::route::{Reach, Runs};
 use crate::transport::tcp::{PeerJob, Server};
-use crate::types::{RegistrationId, Resource, Route, RouteChoice};
+use crate::types::{RegistrationId, Resource};
 use peer::{NotificationQueue, Peer};
 use transfer::{Cell, Owners, PlanTarget, RouteTask, TransferShared};
 
@@ -197,8 +198,8 @@ impl EngineInner {
                 graveyard.extend(queue.pop_front(class));
             }
             let job = RouteTask { engine: self.clone(), transfer: transfer.clone(), seq, task, in_flight };
-            match (&transfer.target, transfer.route.route) {
-                (PlanTarget::Peer(p), Route::Tcp) => p.link.submit(PeerJob::Task(job)),
+            match (&transfer.target, transfer.way.runs()) {
+                (PlanTarget::Peer(p), Runs::PeerLink) => p.link.submit(PeerJob::Task(job)),
                 _ if inline.as_ref().is_some_and(|(t, slot)| {
                     slot.is_none()
                         && Arc::ptr_eq(t, &transfer)
@@ -591,10 +592,8 @@ impl TransferEngine {
             Resource::PreparedTransfers,
             inner.config.max_prepared_transfers,
         )?;
-        let (target, route) = match spec.target {
-            crate::Target::Loopback => {
-                (PlanTarget::Loopback, RouteChoice { route: Route::Loopback, reason: "self connection".into() })
-            }
+        let target = match spec.target {
+            crate::Target::Loopback => PlanTarget::Loopback,
             crate::Target::Peer(seg) => {
                 if let Some(e) = seg.peer.refusal() {
                     return Err(e.into());
@@ -608,9 +607,7 @@ impl TransferEngine {
                 if unknown || seg.peer.view_is_behind() {
                     let _ = inner.refresh(&seg.peer);
                 }
-                let policy = spec.options.route.unwrap_or(inner.config.route);
-                let route = inner.choose_route(&seg.peer, policy, spec.remote)?;
-                (PlanTarget::Peer(seg.peer.clone()), route)
+                PlanTarget::Peer(seg.peer.clone())
             }
             crate::Target::File(entry) => {
                 if entry.is_closed() {
@@ -622,38 +619,33 @@ impl TransferEngine {
                 if spec.op == crate::Op::Write && entry.mode() == crate::file::FileMode::ReadOnly {
                     return Err(crate::file::FileError::ModeMismatch("writing").into());
                 }
-                (PlanTarget::File(entry.clone()), RouteChoice { route: Route::File, reason: "local file".into() })
+                PlanTarget::File(entry.clone())
             }
         };
         let view = match &target {
             PlanTarget::Peer(p) => Some(p.view()),
             PlanTarget::Loopback | PlanTarget::File(_) => None,
         };
-        let (mut plan, loans) = {
-            let shm_base = |r: &crate::segment::ExportedRegistration| view.as_ref().and_then(|v| v.shm_base(r));
-            let remote_side = match (&target, &view) {
-                (PlanTarget::Peer(_), Some(v)) => {
-                    plan::RemoteSide::Peer { regs: v.segment.registrations(), route: route.route, shm_base: &shm_base }
-                }
-                (PlanTarget::File(f), _) => {
+        let (plan, loans, way, route) = {
+            let reach = match (&target, &view) {
+                (PlanTarget::Peer(p), Some(v)) => Reach::Peer(p.reach(v)),
+                (PlanTarget::File(f), _) => Reach::File(f),
+                _ => Reach::Loopback,
+            };
+            let policy = spec.options.route.unwrap_or(inner.config.route);
+            let (way, route) = crate::transport::policy::choose(policy, &reach, spec.remote)?;
+            let kind = way.copy_kind(&reach);
+            let remote_side = match (&reach, &target) {
+                (Reach::Peer(r), _) => plan::RemoteSide::Peer { regs: r.segment.registrations(), route: way, reach: r },
+                (_, PlanTarget::File(f)) => {
                     plan::RemoteSide::File { writable: f.mode() == crate::file::FileMode::ReadWrite }
                 }
                 _ => plan::RemoteSide::Loopback,
             };
             let table = inner.registry.lock();
-            plan::build(spec, remote_side, &table, &inner.config)?
+            let (plan, loans) = plan::build(spec, remote_side, kind, &table, &inner.config)?;
+            (plan, loans, way, route)
         };
-        if let PlanTarget::File(f) = &target {
-            plan.program.file = Some(f.clone());
-        }
-        if let PlanTarget::Peer(p) = &target {
-            if matches!(route.route, Route::Shm | Route::Cma) {
-                plan.program.peer_alive = p.liveness.as_ref().map(|l| l.handle());
-            }
-            if route.route == Route::Cma {
-                plan.program.cma_pid = Some(p.pid);
-            }
-        }
         let mut remote_ids: Vec<(u64, u64)> = match &view {
             Some(v) => spec
                 .remote
@@ -676,6 +668,7 @@ impl TransferEngine {
             id: inner.next_transfer.fetch_add(1, Ordering::Relaxed),
             plan,
             target,
+            way,
             route,
             remote_ids,
             cell: Mutex::new(Cell {

@@ -14,6 +14,8 @@ use crate::engine::transfer::RouteTask;
 use crate::error::{Error, PeerError};
 use crate::registry::Registration;
 use crate::segment::{Delta, ExportedRegistration, SegmentDescriptor, SegmentView};
+use crate::transport::mapping::{SharedMaps, ShmMapping, map_new_shared, map_shared};
+use crate::transport::route::{PeerReach, SameHost};
 use crate::transport::sock::iov;
 use crate::transport::tcp::{ANNOUNCE_UNKNOWN, ControlDone, ControlJob, PeerFailure, PeerJob, PeerLink, TargetSide};
 use crate::types::RegistrationId;
@@ -35,83 +37,12 @@ pub(crate) struct PeerState {
     close: Option<Result<(), PeerError>>,
 }
 
-/// A peer's shared allocation mapped into this process.
-pub(crate) struct ShmMapping {
-    pub ptr: *mut u8,
-    pub len: usize,
-}
-
-// SAFETY: a shared mapping owned by this value; transfers access it only
-// through spans whose lifetimes are bounded by the owning `Peer`.
-unsafe impl Send for ShmMapping {}
-// SAFETY: as above.
-unsafe impl Sync for ShmMapping {}
-
-impl Drop for ShmMapping {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `map_shared`, unmapped once, after the
-        // last transfer holding its peer is gone.
-        unsafe { libc::munmap(self.ptr.cast(), self.len) };
-    }
-}
-
-/// Maps a peer's shared allocation `/dev/shm/<name>`.
-fn map_shared(name: &str) -> Result<ShmMapping, String> {
-    use std::os::fd::AsRawFd;
-    let path = std::path::Path::new("/dev/shm").join(name);
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&path)
-        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
-    let len = file.metadata().map_err(|e| e.to_string())?.len() as usize;
-    if len == 0 {
-        return Err(format!("{} is empty", path.display()));
-    }
-    // SAFETY: a fresh shared mapping of the whole file; nothing in this
-    // process aliases it yet.
-    let raw = unsafe {
-        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd(), 0)
-    };
-    if raw == libc::MAP_FAILED {
-        return Err(format!("cannot map {}: {}", path.display(), std::io::Error::last_os_error()));
-    }
-    Ok(ShmMapping { ptr: raw.cast(), len })
-}
-
-/// Maps every shared allocation `regs` name that `maps` lacks.
-fn map_new_shared<'a>(
-    maps: &mut HashMap<String, Result<Arc<ShmMapping>, String>>,
-    regs: impl IntoIterator<Item = &'a ExportedRegistration>,
-) {
-    for r in regs {
-        if let Some((name, _)) = &r.shm {
-            maps.entry(name.clone()).or_insert_with(|| map_shared(name).map(Arc::new));
-        }
-    }
-}
-
-/// How one peer's target ranges are reached from this process.
-pub(crate) struct SameHost {
-    /// Whether the kernel lets this process use CMA on the peer.
-    pub cma: Result<(), String>,
-}
-
 /// This engine's current picture of one peer's registrations: its
 /// description at open, brought up to date by refreshes.
 pub(crate) struct PeerView {
     pub segment: SegmentView,
     /// For a same-host peer: its shared allocations mapped here (or why not).
-    pub maps: HashMap<String, Result<Arc<ShmMapping>, String>>,
-}
-
-impl PeerView {
-    /// Where a shared registration of the peer is mapped in this process.
-    pub fn shm_base(&self, r: &ExportedRegistration) -> Option<u64> {
-        let (name, offset) = r.shm.as_ref()?;
-        let map = self.maps.get(name)?.as_ref().ok()?;
-        (offset.checked_add(r.len)? <= map.len as u64).then(|| map.ptr as u64 + offset)
-    }
+    pub maps: SharedMaps,
 }
 
 /// One opened peer epoch.
@@ -131,7 +62,7 @@ pub(crate) struct Peer {
     /// `Err(why)` when the peer is not on this boot.
     pub same_host: Result<SameHost, String>,
     /// For a same-host peer: whether its process still runs.
-    pub liveness: Option<crate::transport::cma::PeerLiveness>,
+    pub liveness: Option<crate::transport::liveness::PeerLiveness>,
     /// For a same-host peer: its notification inbox, mapped here.
     pub inbox: Option<(Arc<ShmMapping>, crate::transport::inbox::Inbox)>,
     state: Mutex<PeerState>,
@@ -204,6 +135,18 @@ impl Peer {
 }
 
 impl Peer {
+    /// What routes see of this peer, through `view` (a read guard of its
+    /// view, held while a prepare resolves descriptors).
+    pub fn reach<'a>(&'a self, view: &'a PeerView) -> PeerReach<'a> {
+        PeerReach {
+            segment: &view.segment,
+            maps: &view.maps,
+            same_host: self.same_host.as_ref().map_err(String::as_str),
+            pid: self.pid,
+            alive: self.liveness.as_ref(),
+        }
+    }
+
     /// The current view of the peer's registrations.
     pub fn view(&self) -> RwLockReadGuard<'_, PeerView> {
         self.view.read()
@@ -341,7 +284,7 @@ impl EngineInner {
         let bound = usize::try_from(c.max_registrations).unwrap_or(usize::MAX);
         let view = PeerView { segment: SegmentView::bounded(&link.descriptor, bound), maps };
         let liveness =
-            same_host.is_ok().then(|| crate::transport::cma::PeerLiveness::watch(link.descriptor.pid as i32));
+            same_host.is_ok().then(|| crate::transport::liveness::PeerLiveness::watch(link.descriptor.pid as i32));
         let inbox = match (&same_host, link.descriptor.inbox.as_str()) {
             (Ok(_), name) if !name.is_empty() => map_shared(name).ok().and_then(|m| {
                 // SAFETY: a live shared mapping of the peer's inbox file,
@@ -549,57 +492,6 @@ impl EngineInner {
 
     /// Picks the route of a peer transfer under `policy`, and resolves how
     /// each target range is addressed on it.
-    pub(crate) fn choose_route(
-        &self,
-        peer: &Peer,
-        policy: crate::types::RoutePolicy,
-        remote: &[crate::batch::Desc],
-    ) -> Result<crate::types::RouteChoice, PeerError> {
-        use crate::types::{Route, RouteChoice, RoutePolicy};
-        let view = peer.view();
-        let shm = match &peer.same_host {
-            Err(why) => Err(why.clone()),
-            Ok(_) => remote
-                .iter()
-                .try_for_each(|d| {
-                    let r = view.segment.get(d.registration.to_raw()).ok_or("names an unknown registration")?;
-                    let (name, offset) = r.shm.as_ref().ok_or("not every target range is shared memory")?;
-                    let map = view
-                        .maps
-                        .get(name)
-                        .ok_or("shared allocation not mapped")?
-                        .as_ref()
-                        .map_err(|_| "shared allocation could not be mapped")?;
-                    match offset.checked_add(r.len) {
-                        Some(end) if end <= map.len as u64 => Ok(()),
-                        _ => Err("registration outside its shared allocation"),
-                    }
-                })
-                .map_err(str::to_owned),
-        };
-        let cma = match &peer.same_host {
-            Err(why) => Err(why.clone()),
-            Ok(h) => h.cma.clone(),
-        };
-        let pick = |route, reason: String| Ok(RouteChoice { route, reason });
-        match policy {
-            RoutePolicy::Tcp => pick(Route::Tcp, "policy tcp".into()),
-            RoutePolicy::Shm => match shm {
-                Ok(()) => pick(Route::Shm, "policy shm".into()),
-                Err(reason) => Err(PeerError::RouteUnavailable { route: Route::Shm, reason }),
-            },
-            RoutePolicy::Cma => match cma {
-                Ok(()) => pick(Route::Cma, "policy cma".into()),
-                Err(reason) => Err(PeerError::RouteUnavailable { route: Route::Cma, reason }),
-            },
-            RoutePolicy::Auto => match (shm, cma) {
-                (Ok(()), _) => pick(Route::Shm, "auto: every target range is shared memory on this boot".into()),
-                (Err(no_shm), Ok(())) => pick(Route::Cma, format!("auto: same boot, CMA permitted; not shm: {no_shm}")),
-                (Err(no_shm), Err(no_cma)) => pick(Route::Tcp, format!("auto: not shm: {no_shm}; not cma: {no_cma}")),
-            },
-        }
-    }
-
     pub(crate) fn close_segment(&self, seg: &RemoteSegment, timeout: Duration) -> Result<(), Error> {
         Ok(seg.peer.close(timeout)?)
     }

@@ -19,7 +19,8 @@ use crate::engine::TransferSpec;
 use crate::error::{BatchError, Error, PeerError};
 use crate::registry::{Registration, Table};
 use crate::segment::ExportedRegistration;
-use crate::transport::{CopyProgram, Span, TaskRange};
+use crate::transport::route::{PeerReach, RouteImpl};
+use crate::transport::{CopyKind, CopyProgram, Span, TaskRange};
 use crate::types::{Op, Permission, RegistrationId, Resource};
 
 /// A validated transfer: its copy program, immutable after prepare.
@@ -54,12 +55,7 @@ pub(crate) enum RemoteSide<'a> {
     /// This engine's own registry (the self connection).
     Loopback,
     /// A peer's imported registrations, by raw id, reached by `route`.
-    Peer {
-        regs: &'a HashMap<u64, ExportedRegistration>,
-        route: crate::types::Route,
-        /// Where a shared registration of the peer is mapped here (shm).
-        shm_base: &'a dyn Fn(&ExportedRegistration) -> Option<u64>,
-    },
+    Peer { regs: &'a HashMap<u64, ExportedRegistration>, route: &'a dyn RouteImpl, reach: &'a PeerReach<'a> },
     /// A local file: descriptors are file extents (offsets below 2^63).
     File {
         /// Opened for writing too.
@@ -153,6 +149,7 @@ fn local_view(table: &Table, id: RegistrationId) -> Result<View, Error> {
 pub(crate) fn build(
     spec: &TransferSpec<'_>,
     remote_side: RemoteSide<'_>,
+    kind: CopyKind,
     table: &Table,
     config: &EngineConfig,
 ) -> Result<(Plan, Loans), Error> {
@@ -166,23 +163,12 @@ pub(crate) fn build(
         RemoteSide::Loopback => {
             resolve("remote", spec.remote, config, Some(needs), |id| local_view(table, id), &mut ids)?
         }
-        RemoteSide::Peer { regs, route, shm_base } => {
+        RemoteSide::Peer { regs, route, reach } => {
             let peer_view = |id: RegistrationId| -> Result<View, Error> {
                 let r = regs.get(&id.to_raw()).ok_or(PeerError::UnknownRemoteRegistration(id))?;
-                // tcp: offsets in the peer's registration, named on the wire;
-                // shm: addresses of its shared allocation mapped here;
-                // cma: addresses in the peer's process.
-                let (base, wire_id) = match route {
-                    crate::types::Route::Shm => (
-                        shm_base(r).ok_or(PeerError::RouteUnavailable {
-                            route,
-                            reason: format!("{id} is not mapped shared memory"),
-                        })?,
-                        0,
-                    ),
-                    crate::types::Route::Cma => (r.addr, 0),
-                    _ => (0, id.to_raw()),
-                };
+                let (base, wire_id) = route
+                    .address(reach, r)
+                    .map_err(|reason| PeerError::RouteUnavailable { route: route.route(), reason })?;
                 Ok(View { id, base, wire_id, len: r.len, permission: r.permission, loan: false })
             };
             resolve("remote", spec.remote, config, Some(needs), peer_view, &mut ids)?
@@ -217,7 +203,7 @@ pub(crate) fn build(
             requested: span_bound,
         });
     }
-    let program = build_program(spec.op, &local, &remote, config.task_bytes);
+    let program = build_program(spec.op, kind, &local, &remote, config.task_bytes);
     ids.sort_unstable();
     ids.dedup();
     let loans = ids.iter().map(|id| table.get(*id).cloned()).collect::<Result<Vec<_>, _>>()?;
@@ -234,7 +220,7 @@ pub(crate) fn build(
 pub(crate) const MAX_SPANS_PER_TASK: u32 = 4096;
 
 /// Walks both fragmentations at once. Both cover the same total.
-fn build_program(op: Op, local: &[Resolved], remote: &[Resolved], task_bytes: u64) -> CopyProgram {
+fn build_program(op: Op, kind: CopyKind, local: &[Resolved], remote: &[Resolved], task_bytes: u64) -> CopyProgram {
     let mut spans: Vec<Span> = Vec::with_capacity(local.len().max(remote.len()));
     let mut tasks: Vec<TaskRange> = Vec::new();
     let (mut i, mut j) = (0usize, 0usize);
@@ -278,7 +264,7 @@ fn build_program(op: Op, local: &[Resolved], remote: &[Resolved], task_bytes: u6
     if task.bytes > 0 {
         tasks.push(task);
     }
-    CopyProgram { op, cma_pid: None, peer_alive: None, file: None, spans, tasks }
+    CopyProgram { op, kind, spans, tasks }
 }
 
 #[cfg(test)]
@@ -295,7 +281,13 @@ mod tests {
 
     #[test]
     fn different_fragmentations_meet_in_spans() {
-        let p = build_program(Op::Write, &[r(1000, 10), r(2000, 20)], &[r(5000, 25), r(9000, 5)], 1 << 20);
+        let p = build_program(
+            Op::Write,
+            CopyKind::Memory,
+            &[r(1000, 10), r(2000, 20)],
+            &[r(5000, 25), r(9000, 5)],
+            1 << 20,
+        );
         assert_eq!(flatten(&p), vec![(1000, 5000, 10), (2000, 5010, 15), (2015, 9000, 5)]);
         assert_eq!(p.tasks.len(), 1);
         assert_eq!(p.tasks[0].bytes, 30);
@@ -303,8 +295,13 @@ mod tests {
 
     #[test]
     fn contiguous_descriptors_merge_and_tasks_split_large_ones() {
-        let p =
-            build_program(Op::Read, &[r(0x1000, 4), r(0x1004, 4), r(0x1008, 16)], &[r(0x8000, 8), r(0x8008, 16)], 10);
+        let p = build_program(
+            Op::Read,
+            CopyKind::Memory,
+            &[r(0x1000, 4), r(0x1004, 4), r(0x1008, 16)],
+            &[r(0x8000, 8), r(0x8008, 16)],
+            10,
+        );
         assert_eq!(flatten(&p), vec![(0x1000, 0x8000, 10), (0x100a, 0x800a, 10), (0x1014, 0x8014, 4)]);
         let bytes: Vec<u64> = p.tasks.iter().map(|t| t.bytes).collect();
         assert_eq!(bytes, vec![10, 10, 4]);
@@ -315,12 +312,12 @@ mod tests {
 
     #[test]
     fn spans_never_merge_across_tasks_or_remote_registrations() {
-        let p = build_program(Op::Write, &[r(0, 8)], &[r(100, 8)], 4);
+        let p = build_program(Op::Write, CopyKind::Memory, &[r(0, 8)], &[r(100, 8)], 4);
         assert_eq!(p.tasks.len(), 2);
         assert_eq!(p.task_spans(1)[0].local, 4);
         let a = Resolved { addr: 0, reg: 1, len: 4 };
         let b = Resolved { addr: 4, reg: 2, len: 4 };
-        let p = build_program(Op::Write, &[r(0, 8)], &[a, b], 100);
+        let p = build_program(Op::Write, CopyKind::Memory, &[r(0, 8)], &[a, b], 100);
         assert_eq!(p.spans.len(), 2, "same offsets in different registrations never merge");
     }
 
@@ -329,7 +326,7 @@ mod tests {
         let n = MAX_SPANS_PER_TASK as u64 + 10;
         let local: Vec<Resolved> = (0..n).map(|i| r(i * 2, 1)).collect();
         let remote: Vec<Resolved> = (0..n).map(|i| r(100_000 + i * 2, 1)).collect();
-        let p = build_program(Op::Write, &local, &remote, 1 << 30);
+        let p = build_program(Op::Write, CopyKind::Memory, &local, &remote, 1 << 30);
         assert_eq!(p.tasks.len(), 2);
         assert_eq!(p.task_spans(0).len() as u32, MAX_SPANS_PER_TASK);
     }

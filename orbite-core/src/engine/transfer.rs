@@ -52,6 +52,9 @@ pub(crate) struct TransferShared {
     pub id: u64,
     pub plan: Plan,
     pub target: PlanTarget,
+    /// The route it takes.
+    pub way: &'static dyn crate::transport::route::RouteImpl,
+    /// Which route, and why.
     pub route: crate::types::RouteChoice,
     /// Raw ids and lengths of the peer registrations the transfer names
     /// (one-sided routes borrow them).
@@ -319,11 +322,10 @@ impl Transfer {
     /// deregistered something since (a deregistered range is then refused:
     /// nothing is copied into a range its owner gave up).
     pub(crate) fn borrow_remote(&self) -> Result<(), Error> {
-        let (PlanTarget::Peer(p), crate::types::Route::Shm | crate::types::Route::Cma) =
-            (&self.shared.target, self.shared.route.route)
-        else {
+        let PlanTarget::Peer(p) = &self.shared.target else { return Ok(()) };
+        if !self.shared.way.borrows() {
             return Ok(());
-        };
+        }
         if self.shared.cell.lock().owners.as_ref().is_some_and(|o| o.remote_loan.as_ref().is_some_and(|l| l.current()))
         {
             return Ok(());

@@ -4,11 +4,69 @@
 //! (same user, or ptrace permission).
 
 use std::io;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::transport::Span;
-use crate::types::Op;
+use crate::segment::ExportedRegistration;
+use crate::transport::liveness::LivenessCheck;
+use crate::transport::route::{PeerReach, Reach, RouteImpl, Serves};
+use crate::transport::{CopyKind, Span};
+use crate::types::{Desc, Op, Route, TaskEnd};
+
+/// The cma route.
+pub(crate) struct Cma;
+
+impl RouteImpl for Cma {
+    fn route(&self) -> Route {
+        Route::Cma
+    }
+
+    fn serves(&self) -> Serves {
+        Serves::Peer
+    }
+
+    fn reaches(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<(), String> {
+        let Reach::Peer(p) = target else { return Err("not a peer".into()) };
+        p.same_host.map_err(str::to_owned)?.cma.clone()
+    }
+
+    fn auto_reason(&self) -> Option<&'static str> {
+        Some("same boot, CMA permitted")
+    }
+
+    fn address(&self, _target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), String> {
+        // Addresses in the peer's process.
+        Ok((r.addr, 0))
+    }
+
+    fn copy_kind(&self, target: &Reach<'_>) -> CopyKind {
+        match target {
+            Reach::Peer(p) => CopyKind::Cma { pid: p.pid, peer_alive: p.alive.map(|l| l.handle()) },
+            // `reaches` refused every other target at prepare.
+            _ => CopyKind::Frames,
+        }
+    }
+
+    fn borrows(&self) -> bool {
+        true
+    }
+}
+
+/// A cma task: copies, then checks that the peer still runs.
+pub(crate) fn copy_task(
+    pid: i32,
+    op: Op,
+    spans: &[Span],
+    limit: u64,
+    peer_alive: Option<&LivenessCheck>,
+) -> (u64, Option<TaskEnd>) {
+    // SAFETY: the job retains the range loans of every local span
+    // (CopyJob contract); remote addresses are checked by the kernel.
+    match unsafe { copy(pid, op, spans, limit) } {
+        Ok(done) => (done, crate::transport::liveness::after_one_sided(op, peer_alive)),
+        // A WRITE into a peer that failed (or died) mid-copy may have
+        // landed more than we can prove.
+        Err((done, _)) => (done, Some(TaskEnd::Failed { effect_unknown: op == Op::Write })),
+    }
+}
 
 /// Spans per system call (the kernel's `IOV_MAX`).
 const BATCH: usize = 1024;
@@ -24,104 +82,6 @@ pub(crate) fn probe(pid: i32, addr: u64) -> Result<(), String> {
     if r == 1 { Ok(()) } else { Err(format!("process_vm_readv denied: {}", io::Error::last_os_error())) }
 }
 
-/// True while process `pid` exists (signal 0 checks without sending).
-pub(crate) fn alive(pid: i32) -> bool {
-    // SAFETY: signal 0 performs only the existence and permission check.
-    let r = unsafe { libc::kill(pid, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
-}
-
-/// Whether a same-host peer process still runs, readable with one atomic
-/// load. A watcher thread sleeps on the process's pidfd and clears the
-/// flag when it exits; where pidfds are unavailable, each check asks the
-/// kernel (`kill(pid, 0)`).
-pub(crate) struct PeerLiveness {
-    pid: i32,
-    alive: Arc<AtomicBool>,
-    watcher: Option<(std::os::fd::OwnedFd, std::thread::JoinHandle<()>)>,
-}
-
-impl PeerLiveness {
-    pub fn watch(pid: i32) -> PeerLiveness {
-        let alive = Arc::new(AtomicBool::new(true));
-        PeerLiveness { pid, watcher: Self::spawn(pid, &alive), alive }
-    }
-
-    fn spawn(pid: i32, alive: &Arc<AtomicBool>) -> Option<(std::os::fd::OwnedFd, std::thread::JoinHandle<()>)> {
-        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-        // SAFETY: plain system calls; the returned descriptors are owned below.
-        let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        if pidfd < 0 {
-            return None;
-        }
-        // SAFETY: `pidfd` is a fresh descriptor owned from here on.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
-        // SAFETY: a fresh eventfd, owned from here on.
-        let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-        if wake < 0 {
-            return None;
-        }
-        // SAFETY: as above.
-        let wake = unsafe { OwnedFd::from_raw_fd(wake) };
-        let wake_fd = wake.as_raw_fd();
-        let flag = alive.clone();
-        let thread = std::thread::Builder::new()
-            .name("orbite-peer-watch".into())
-            .spawn(move || {
-                let mut fds = [
-                    libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-                    libc::pollfd { fd: wake_fd, events: libc::POLLIN, revents: 0 },
-                ];
-                loop {
-                    // SAFETY: two valid pollfds; blocks without a timeout.
-                    let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-                    if r < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-                        continue;
-                    }
-                    if fds[0].revents != 0 {
-                        flag.store(false, Ordering::Release);
-                    }
-                    return;
-                }
-            })
-            .ok()?;
-        Some((wake, thread))
-    }
-
-    /// A cheap handle for route tasks.
-    pub fn handle(&self) -> LivenessCheck {
-        LivenessCheck { pid: self.pid, alive: self.alive.clone(), watched: self.watcher.is_some() }
-    }
-}
-
-impl Drop for PeerLiveness {
-    fn drop(&mut self) {
-        use std::os::fd::AsRawFd;
-        if let Some((wake, thread)) = self.watcher.take() {
-            let one = 1u64;
-            // SAFETY: writes 8 bytes of a live local to our own eventfd.
-            unsafe { libc::write(wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
-            if thread.thread().id() != std::thread::current().id() {
-                let _ = thread.join();
-            }
-        }
-    }
-}
-
-/// Checks a peer's liveness from a route task.
-#[derive(Debug, Clone)]
-pub(crate) struct LivenessCheck {
-    pid: i32,
-    alive: Arc<AtomicBool>,
-    watched: bool,
-}
-
-impl LivenessCheck {
-    pub fn alive(&self) -> bool {
-        if self.watched { self.alive.load(Ordering::Acquire) } else { alive(self.pid) }
-    }
-}
-
 /// Copies the spans in order (at most `limit` bytes) between this process
 /// (`span.local`) and `pid` (`span.remote`, an address there). Returns the
 /// bytes moved, or the bytes moved before an error and the error.
@@ -129,7 +89,7 @@ impl LivenessCheck {
 /// # Safety
 /// Every local span must address memory of this process valid for its
 /// length and retained for the whole call.
-pub(crate) unsafe fn copy(pid: i32, op: Op, spans: &[Span], limit: u64) -> Result<u64, (u64, io::Error)> {
+unsafe fn copy(pid: i32, op: Op, spans: &[Span], limit: u64) -> Result<u64, (u64, io::Error)> {
     use std::mem::MaybeUninit;
     let mut done = 0u64;
     // Left uninitialised: zeroing 32 KiB of iovecs per call would cost more

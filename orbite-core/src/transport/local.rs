@@ -15,8 +15,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
+use crate::transport::CopyJob;
 use crate::transport::hooks::{FaultDirective, Hooks, Requeue};
-use crate::transport::{CopyJob, copy_spans};
+use crate::transport::spin::{claim, poll};
 use crate::types::{TaskEnd, TaskReport};
 
 /// A queued job, with the directive it starts under when the hooks already
@@ -196,102 +197,12 @@ fn worker<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
     }
 }
 
-/// Claims the right to poll; false if another thread holds it.
-pub(crate) fn claim(flag: &AtomicBool) -> bool {
-    flag.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_ok()
-}
-
-/// Polls `pending` for up to `spin`; true if work arrived.
-pub(crate) fn poll(pending: &AtomicUsize, spin: Duration) -> bool {
-    let start = Instant::now();
-    loop {
-        for _ in 0..64 {
-            if pending.load(Ordering::Acquire) > 0 {
-                return true;
-            }
-            std::hint::spin_loop();
-        }
-        if start.elapsed() >= spin {
-            return false;
-        }
-    }
-}
-
-/// Copies a task (at most `limit` bytes) by the program's means: memory of
-/// this process (self connection, mapped shared memory) or CMA. Returns
+/// Copies a task (at most `limit` bytes) by its program's kind. Returns
 /// the bytes moved and, on failure, how the task ended.
 fn copy<J: CopyJob>(job: &J, limit: u64, busy_ns: &AtomicU64) -> (u64, Option<TaskEnd>) {
     let start = Instant::now();
     let p = job.program();
-    if let Some(entry) = &p.file {
-        let result = copy_file(entry, p.op, job.spans(), limit);
-        busy_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        return result;
-    }
-    let result = match p.cma_pid {
-        // SAFETY: the job retains the range loans of every local span
-        // (CopyJob contract); remote addresses are checked by the kernel.
-        Some(pid) => match unsafe { crate::transport::cma::copy(pid, p.op, job.spans(), limit) } {
-            Ok(done) => (done, None),
-            // A WRITE into a peer that failed (or died) mid-copy may have
-            // landed more than we can prove.
-            Err((done, _)) => (done, Some(TaskEnd::Failed { effect_unknown: p.op == crate::batch::Op::Write })),
-        },
-        // SAFETY: the job retains the range loans (and mappings) of every
-        // span, and the lifecycle admits each task once.
-        None => (unsafe { copy_spans(p.op, job.spans(), limit) }, None),
-    };
+    let result = p.kind.copy(p.op, job.spans(), limit);
     busy_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    match &p.peer_alive {
-        Some(check) if result.1.is_none() && !check.alive() => {
-            (result.0, Some(TaskEnd::Failed { effect_unknown: p.op == crate::batch::Op::Write }))
-        }
-        _ => result,
-    }
-}
-
-thread_local! {
-    /// Each worker's io_uring ring, made on its first file task.
-    static RING: std::cell::RefCell<Option<crate::file::FileIo>> = const { std::cell::RefCell::new(None) };
-}
-
-/// A file task: the spans' `remote` are file offsets. Bytes landed are
-/// exact (a READ that meets the end of the file is short); an I/O error is
-/// a failure, a WRITE's effect then unknown.
-fn copy_file(
-    entry: &crate::file::Entry,
-    op: crate::types::Op,
-    spans: &[crate::transport::Span],
-    limit: u64,
-) -> (u64, Option<TaskEnd>) {
-    use crate::file::{FileIo, FileOp, FileSpan};
-    let write = op == crate::batch::Op::Write;
-    let mut left = limit;
-    let file_spans: Vec<FileSpan> = spans
-        .iter()
-        .map_while(|s| {
-            let len = s.len.min(left);
-            left -= len;
-            (len > 0).then_some(FileSpan { mem: s.local as *mut u8, len, file_offset: s.remote })
-        })
-        .collect();
-    let planned: u64 = file_spans.iter().map(|s| s.len).sum();
-    let outcome = RING.with(|ring| {
-        let mut ring = ring.borrow_mut();
-        if ring.is_none() {
-            *ring = Some(FileIo::new(64)?);
-        }
-        let io = ring.as_ref().expect("made above");
-        let op = if write { FileOp::Write } else { FileOp::Read };
-        // SAFETY: the job retains the range loans of every local span, and
-        // the lifecycle admits each task once.
-        unsafe { io.run(entry, op, &file_spans) }
-    });
-    match outcome {
-        Ok(o) if o.error.is_some() => (o.prefix, Some(TaskEnd::Failed { effect_unknown: write })),
-        Ok(o) if o.prefix < planned => (o.prefix, Some(TaskEnd::Short)),
-        Ok(o) => (o.prefix, None),
-        // Refused before any I/O (the file was closed, say).
-        Err(_) => (0, Some(TaskEnd::Failed { effect_unknown: false })),
-    }
+    result
 }

@@ -2,16 +2,27 @@
 //! never policy: admission, lifecycle and accounting live above it.
 
 pub(crate) mod cma;
+pub(crate) mod file;
 pub(crate) mod inbox;
+pub(crate) mod liveness;
 pub(crate) mod local;
+pub(crate) mod loopback;
+pub(crate) mod mapping;
+pub(crate) mod policy;
+pub(crate) mod route;
+pub(crate) mod shm;
 pub(crate) mod sock;
+pub(crate) mod spin;
 pub(crate) mod tcp;
 
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 pub(crate) mod hooks;
 
-use crate::types::{Op, RegistrationId, TaskReport};
+use std::sync::Arc;
+
+use crate::transport::liveness::LivenessCheck;
+use crate::types::{Op, RegistrationId, TaskEnd, TaskReport};
 
 /// One contiguous piece of a transfer: `len` bytes at local address
 /// `local` and at `remote` on the target side. For the self connection
@@ -39,16 +50,48 @@ pub(crate) struct TaskRange {
 #[derive(Debug)]
 pub(crate) struct CopyProgram {
     pub op: Op,
-    /// For the CMA route: the peer's pid (`Span::remote` are addresses
-    /// there). `None`: both sides are addresses of this process.
-    pub cma_pid: Option<i32>,
-    /// For one-sided routes (shm, cma): the peer process, checked after each
-    /// task: bytes that went into a dead peer's memory did not reach it.
-    pub peer_alive: Option<crate::transport::cma::LivenessCheck>,
-    /// For the file route: the file (`Span::remote` are offsets in it).
-    pub file: Option<std::sync::Arc<crate::file::Entry>>,
+    /// How its spans are copied (and what `Span::remote` means).
+    pub kind: CopyKind,
     pub spans: Vec<Span>,
     pub tasks: Vec<TaskRange>,
+}
+
+/// How a program's spans are copied: one kind per way of moving bytes.
+#[derive(Debug)]
+pub(crate) enum CopyKind {
+    /// Both sides are addresses of this process (the self connection).
+    Memory,
+    /// `remote` are addresses of a peer's shared allocation mapped here;
+    /// the peer process is checked after each task (bytes that went into
+    /// a dead peer's memory did not reach it).
+    Mapped { peer_alive: Option<LivenessCheck> },
+    /// `remote` are addresses in process `pid` (cross-memory copies),
+    /// checked after each task as for `Mapped`.
+    Cma { pid: i32, peer_alive: Option<LivenessCheck> },
+    /// `remote` are offsets in a local file.
+    File(Arc<crate::file::Entry>),
+    /// `remote` are offsets in the peer registration `remote_reg`, sent as
+    /// frames by the peer's link (never copied by this process).
+    Frames,
+}
+
+impl CopyKind {
+    /// Copies `spans` (at most `limit` bytes) on the calling thread: the
+    /// bytes moved and, on failure, how the task ended.
+    pub(crate) fn copy(&self, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
+        match self {
+            // SAFETY: the job retains the range loans of every span, and
+            // the lifecycle admits each task once.
+            CopyKind::Memory => (unsafe { copy_spans(op, spans, limit) }, None),
+            CopyKind::Mapped { peer_alive } => shm::copy(op, spans, limit, peer_alive.as_ref()),
+            CopyKind::Cma { pid, peer_alive } => cma::copy_task(*pid, op, spans, limit, peer_alive.as_ref()),
+            CopyKind::File(entry) => file::copy(entry, op, spans, limit),
+            CopyKind::Frames => {
+                debug_assert!(false, "frames are sent by the peer's link");
+                (0, Some(TaskEnd::Failed { effect_unknown: false }))
+            }
+        }
+    }
 }
 
 impl CopyProgram {

@@ -23,14 +23,48 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::registry::Registration;
-use crate::segment::SegmentDescriptor;
-use crate::transport::CopyJob;
-use crate::transport::local::{claim, poll};
+use crate::segment::{ExportedRegistration, SegmentDescriptor};
+use crate::transport::route::{PeerReach, Reach, RouteImpl, Runs, Serves};
 use crate::transport::sock::{
     Patience, discard, iov, read_exact, read_exact_within, readv_all, readv_within, writev_all, writev_within,
 };
-use crate::types::{Op, TaskEnd, TaskReport};
+use crate::transport::spin::{claim, poll};
+use crate::transport::{CopyJob, CopyKind};
+use crate::types::{Desc, Op, Route, TaskEnd, TaskReport};
 use crate::wire::{self, Header, Kind, Limits, NotifyEnvelope, RemoteDesc, RemoteStatus, Request, WireError};
+
+/// The tcp route.
+pub(crate) struct Tcp;
+
+impl RouteImpl for Tcp {
+    fn route(&self) -> Route {
+        Route::Tcp
+    }
+
+    fn serves(&self) -> Serves {
+        Serves::Peer
+    }
+
+    fn reaches(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<(), String> {
+        match target {
+            Reach::Peer(_) => Ok(()),
+            _ => Err("not a peer".into()),
+        }
+    }
+
+    fn address(&self, _target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), String> {
+        // Offsets in the peer's registration, named on the wire.
+        Ok((0, r.id.to_raw()))
+    }
+
+    fn copy_kind(&self, _target: &Reach<'_>) -> CopyKind {
+        CopyKind::Frames
+    }
+
+    fn runs(&self) -> Runs {
+        Runs::PeerLink
+    }
+}
 
 /// Borrows held for initiators of one-sided routes: id to (connection,
 /// range loans). A connection's borrows end with it.

@@ -1,0 +1,82 @@
+//! The file route: io_uring reads and writes of a local file, on the local
+//! workers (one ring per worker thread). Spans' `remote` are file offsets.
+
+use std::sync::Arc;
+
+use crate::file::{Entry, FileIo, FileOp, FileSpan};
+use crate::segment::ExportedRegistration;
+use crate::transport::route::{PeerReach, Reach, RouteImpl, Serves};
+use crate::transport::{CopyKind, Span};
+use crate::types::{Desc, Op, Route, TaskEnd};
+
+/// The file route.
+pub(crate) struct File;
+
+impl RouteImpl for File {
+    fn route(&self) -> Route {
+        Route::File
+    }
+
+    fn serves(&self) -> Serves {
+        Serves::File
+    }
+
+    fn reaches(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<(), String> {
+        match target {
+            Reach::File(_) => Ok(()),
+            _ => Err("not a file".into()),
+        }
+    }
+
+    fn address(&self, _target: &PeerReach<'_>, _r: &ExportedRegistration) -> Result<(u64, u64), String> {
+        Err("a file is addressed by extents".into())
+    }
+
+    fn copy_kind(&self, target: &Reach<'_>) -> CopyKind {
+        match target {
+            Reach::File(entry) => CopyKind::File(Arc::clone(entry)),
+            // `reaches` refused every other target at prepare.
+            _ => CopyKind::Frames,
+        }
+    }
+}
+
+thread_local! {
+    /// Each worker's io_uring ring, made on its first file task.
+    static RING: std::cell::RefCell<Option<FileIo>> = const { std::cell::RefCell::new(None) };
+}
+
+/// A file task (at most `limit` bytes): bytes landed are exact (a READ that
+/// meets the end of the file is short); an I/O error is a failure, a
+/// WRITE's effect then unknown.
+pub(crate) fn copy(entry: &Entry, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
+    let write = op == Op::Write;
+    let mut left = limit;
+    let file_spans: Vec<FileSpan> = spans
+        .iter()
+        .map_while(|s| {
+            let len = s.len.min(left);
+            left -= len;
+            (len > 0).then_some(FileSpan { mem: s.local as *mut u8, len, file_offset: s.remote })
+        })
+        .collect();
+    let planned: u64 = file_spans.iter().map(|s| s.len).sum();
+    let outcome = RING.with(|ring| {
+        let mut ring = ring.borrow_mut();
+        if ring.is_none() {
+            *ring = Some(FileIo::new(64)?);
+        }
+        let io = ring.as_ref().expect("made above");
+        let op = if write { FileOp::Write } else { FileOp::Read };
+        // SAFETY: the job retains the range loans of every local span, and
+        // the lifecycle admits each task once.
+        unsafe { io.run(entry, op, &file_spans) }
+    });
+    match outcome {
+        Ok(o) if o.error.is_some() => (o.prefix, Some(TaskEnd::Failed { effect_unknown: write })),
+        Ok(o) if o.prefix < planned => (o.prefix, Some(TaskEnd::Short)),
+        Ok(o) => (o.prefix, None),
+        // Refused before any I/O (the file was closed, say).
+        Err(_) => (0, Some(TaskEnd::Failed { effect_unknown: false })),
+    }
+}

@@ -1,0 +1,96 @@
+//! What a route is, in one interface, and the policy that picks one.
+//!
+//! Every route (the self connection, shm, cma, tcp, a local file; later
+//! CUDA and RDMA) implements [`RouteImpl`]: its capability check at
+//! prepare, how it addresses a target's ranges, the kind of copy program
+//! it runs, whether the target must lend it the ranges, and where its
+//! tasks run. `transport::policy` lists them and picks one.
+
+use crate::segment::{ExportedRegistration, SegmentView};
+use crate::transport::CopyKind;
+use crate::transport::liveness::PeerLiveness;
+use crate::transport::mapping::SharedMaps;
+use crate::types::{Desc, Route};
+
+/// What this engine learnt at open about a peer on the same boot.
+pub(crate) struct SameHost {
+    /// Whether the kernel lets this process use CMA on the peer.
+    pub cma: Result<(), String>,
+}
+
+/// What a route sees of a peer at prepare.
+pub(crate) struct PeerReach<'a> {
+    /// The peer's registrations as this engine knows them.
+    pub segment: &'a SegmentView,
+    /// Its shared allocations mapped here.
+    pub maps: &'a SharedMaps,
+    /// `Err(why)` when the peer is not on this boot.
+    pub same_host: Result<&'a SameHost, &'a str>,
+    pub pid: i32,
+    /// For a same-host peer: whether its process still runs.
+    pub alive: Option<&'a PeerLiveness>,
+}
+
+/// A transfer's target, as routes see it.
+pub(crate) enum Reach<'a> {
+    /// This engine (the self connection).
+    Loopback,
+    /// A peer engine.
+    Peer(PeerReach<'a>),
+    /// A local file.
+    File(&'a std::sync::Arc<crate::file::Entry>),
+}
+
+/// Which targets a route serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Serves {
+    Loopback,
+    Peer,
+    File,
+}
+
+/// Where a route's tasks run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Runs {
+    /// On the local workers (or, for a lone small task, the posting
+    /// thread): this process copies.
+    Workers,
+    /// On the peer's link: frames to the peer's server.
+    PeerLink,
+}
+
+/// One route.
+pub(crate) trait RouteImpl: Sync {
+    /// Its name.
+    fn route(&self) -> Route;
+
+    /// The targets it serves.
+    fn serves(&self) -> Serves;
+
+    /// Capability check at prepare: whether it reaches every target range
+    /// `remote` names (why not, if not).
+    fn reaches(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<(), String>;
+
+    /// What the `auto` policy says when it picks this route.
+    fn auto_reason(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// Addressing of a peer registration: the base its spans' `remote`
+    /// counts from, and the raw id spans carry (0: none).
+    fn address(&self, target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), String>;
+
+    /// The copy program's kind.
+    fn copy_kind(&self, target: &Reach<'_>) -> CopyKind;
+
+    /// Leases: whether the target must lend the ranges while transfers may
+    /// touch them (one-sided routes, which bypass the target's server).
+    fn borrows(&self) -> bool {
+        false
+    }
+
+    /// Where its tasks run.
+    fn runs(&self) -> Runs {
+        Runs::Workers
+    }
+}

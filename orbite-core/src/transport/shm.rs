@@ -1,0 +1,82 @@
+//! The shm route: one-sided copies into a same-host peer's shared
+//! allocations, mapped into this process once per peer. The peer spends no
+//! CPU; it lends the ranges (a Borrow) for as long as transfers may touch
+//! them.
+
+use crate::segment::ExportedRegistration;
+use crate::transport::mapping::mapped_base;
+use crate::transport::route::{PeerReach, Reach, RouteImpl, Serves};
+use crate::transport::{CopyKind, copy_spans};
+use crate::types::{Desc, Route};
+
+/// The shm route.
+pub(crate) struct Shm;
+
+impl RouteImpl for Shm {
+    fn route(&self) -> Route {
+        Route::Shm
+    }
+
+    fn serves(&self) -> Serves {
+        Serves::Peer
+    }
+
+    fn reaches(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<(), String> {
+        let Reach::Peer(p) = target else { return Err("not a peer".into()) };
+        p.same_host.map_err(str::to_owned)?;
+        remote
+            .iter()
+            .try_for_each(|d| {
+                let r = p.segment.get(d.registration.to_raw()).ok_or("names an unknown registration")?;
+                let (name, offset) = r.shm.as_ref().ok_or("not every target range is shared memory")?;
+                let map = p
+                    .maps
+                    .get(name)
+                    .ok_or("shared allocation not mapped")?
+                    .as_ref()
+                    .map_err(|_| "shared allocation could not be mapped")?;
+                match offset.checked_add(r.len) {
+                    Some(end) if end <= map.len as u64 => Ok(()),
+                    _ => Err("registration outside its shared allocation"),
+                }
+            })
+            .map_err(str::to_owned)
+    }
+
+    fn auto_reason(&self) -> Option<&'static str> {
+        Some("every target range is shared memory on this boot")
+    }
+
+    fn address(&self, target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), String> {
+        // Addresses of its shared allocation mapped here.
+        let base = mapped_base(target.maps, r).ok_or_else(|| format!("{} is not mapped shared memory", r.id))?;
+        Ok((base, 0))
+    }
+
+    fn copy_kind(&self, target: &Reach<'_>) -> CopyKind {
+        let peer_alive = match target {
+            Reach::Peer(p) => p.alive.map(|l| l.handle()),
+            _ => None,
+        };
+        CopyKind::Mapped { peer_alive }
+    }
+
+    fn borrows(&self) -> bool {
+        true
+    }
+}
+
+/// Copies a task into (or out of) the mapped allocation, then checks that
+/// the peer still runs: bytes copied into a dead peer's memory never
+/// reached it.
+pub(crate) fn copy(
+    op: crate::types::Op,
+    spans: &[crate::transport::Span],
+    limit: u64,
+    peer_alive: Option<&crate::transport::liveness::LivenessCheck>,
+) -> (u64, Option<crate::types::TaskEnd>) {
+    // SAFETY: the job retains the range loans (and mappings) of every
+    // span, and the lifecycle admits each task once.
+    let done = unsafe { copy_spans(op, spans, limit) };
+    (done, crate::transport::liveness::after_one_sided(op, peer_alive))
+}
