@@ -44,6 +44,7 @@
 pub mod admission;
 pub mod batch;
 mod charge;
+pub mod codec;
 pub mod config;
 pub mod endpoint;
 mod engine;
