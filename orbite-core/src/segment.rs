@@ -14,6 +14,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
+use crate::codec::{Reader, Short};
 use crate::memory::MemoryKind;
 use crate::registry::Registration;
 use crate::types::{Permission, RegistrationId};
@@ -103,73 +104,54 @@ pub fn local_boot_id() -> [u8; 16] {
     out
 }
 
-struct Reader<'a> {
-    b: &'a [u8],
-    at: usize,
+/// A short read, of a descriptor or of a delta: both report it as a
+/// malformed "segment descriptor".
+fn short(_: Short) -> WireError {
+    WireError::Malformed("segment descriptor")
 }
 
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
-        let end = self.at.checked_add(n).ok_or(WireError::Malformed("segment descriptor"))?;
-        let s = self.b.get(self.at..end).ok_or(WireError::Malformed("segment descriptor"))?;
-        self.at = end;
-        Ok(s)
+fn read_str<'a>(r: &mut Reader<'a>, n: usize) -> Result<&'a str, WireError> {
+    std::str::from_utf8(r.take(n).map_err(short)?).map_err(|_| WireError::Malformed("segment descriptor"))
+}
+
+/// `count` registration entries; the count is bounded by the bytes left
+/// before anything is allocated.
+fn read_entries(r: &mut Reader<'_>, count: usize) -> Result<Vec<ExportedRegistration>, WireError> {
+    let bad = WireError::Malformed("segment descriptor");
+    if count > r.remaining() / ENTRY_FIXED {
+        return Err(bad);
     }
-    fn u16(&mut self) -> Result<u16, WireError> {
-        let s = self.take(2)?;
-        Ok(u16::from_le_bytes([s[0], s[1]]))
-    }
-    fn u32(&mut self) -> Result<u32, WireError> {
-        let s = self.take(4)?;
-        Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
-    }
-    fn u64(&mut self) -> Result<u64, WireError> {
-        let mut a = [0u8; 8];
-        a.copy_from_slice(self.take(8)?);
-        Ok(u64::from_le_bytes(a))
-    }
-    fn str(&mut self, n: usize) -> Result<&'a str, WireError> {
-        std::str::from_utf8(self.take(n)?).map_err(|_| WireError::Malformed("segment descriptor"))
-    }
-    /// `count` registration entries; the count is bounded by the bytes
-    /// left before anything is allocated.
-    fn entries(&mut self, count: usize) -> Result<Vec<ExportedRegistration>, WireError> {
-        let bad = WireError::Malformed("segment descriptor");
-        if count > (self.b.len() - self.at) / ENTRY_FIXED {
+    let mut out = Vec::with_capacity(count);
+    for _ in 0..count {
+        let id = RegistrationId::from_raw(r.u64().map_err(short)?);
+        let len = r.u64().map_err(short)?;
+        let addr = r.u64().map_err(short)?;
+        let offset = r.u64().map_err(short)?;
+        let [permission, shared, n0, n1, _, _, _, _] = r.array::<8>().map_err(short)?;
+        let permission = match permission {
+            0 => Permission::LocalOnly,
+            1 => Permission::RemoteRead,
+            2 => Permission::RemoteReadWrite,
+            _ => return Err(bad),
+        };
+        let shared = match shared {
+            0 => false,
+            1 => true,
+            _ => return Err(bad),
+        };
+        let name_len = u16::from_le_bytes([n0, n1]) as usize;
+        let name = read_str(r, name_len)?;
+        if shared == name.is_empty() || name.contains('/') || name.starts_with('.') {
             return Err(bad);
         }
-        let mut out = Vec::with_capacity(count);
-        for _ in 0..count {
-            let id = RegistrationId::from_raw(self.u64()?);
-            let len = self.u64()?;
-            let addr = self.u64()?;
-            let offset = self.u64()?;
-            let head = self.take(8)?;
-            let permission = match head[0] {
-                0 => Permission::LocalOnly,
-                1 => Permission::RemoteRead,
-                2 => Permission::RemoteReadWrite,
-                _ => return Err(bad),
-            };
-            let shared = match head[1] {
-                0 => false,
-                1 => true,
-                _ => return Err(bad),
-            };
-            let name_len = u16::from_le_bytes([head[2], head[3]]) as usize;
-            let name = self.str(name_len)?;
-            if shared == name.is_empty() || name.contains('/') || name.starts_with('.') {
-                return Err(bad);
-            }
-            // A range that wraps the address space is never a registration.
-            if len == 0 || addr.checked_add(len).is_none() {
-                return Err(bad);
-            }
-            let shm = shared.then(|| (name.to_owned(), offset));
-            out.push(ExportedRegistration { id, len, permission, addr, shm });
+        // A range that wraps the address space is never a registration.
+        if len == 0 || addr.checked_add(len).is_none() {
+            return Err(bad);
         }
-        Ok(out)
+        let shm = shared.then(|| (name.to_owned(), offset));
+        out.push(ExportedRegistration { id, len, permission, addr, shm });
     }
+    Ok(out)
 }
 
 fn encode_entry(out: &mut Vec<u8>, r: &ExportedRegistration) {
@@ -234,24 +216,24 @@ impl Delta {
     /// Decodes a delta; the layout must be exact.
     pub fn decode(b: &[u8]) -> Result<Self, WireError> {
         let bad = WireError::Malformed("segment delta");
-        let mut r = Reader { b, at: 0 };
-        let version = r.u64()?;
-        let flags = r.u32()?;
+        let mut r = Reader::new(b);
+        let version = r.u64().map_err(short)?;
+        let flags = r.u32().map_err(short)?;
         if flags & !(DELTA_RESET | DELTA_MORE) != 0 {
             return Err(bad);
         }
-        let removed_count = r.u32()? as usize;
-        let added_count = r.u32()? as usize;
-        r.u32()?;
-        if removed_count > (b.len() - r.at) / 8 {
+        let removed_count = r.u32().map_err(short)? as usize;
+        let added_count = r.u32().map_err(short)? as usize;
+        r.u32().map_err(short)?;
+        if removed_count > r.remaining() / 8 {
             return Err(bad);
         }
         let mut removed = Vec::with_capacity(removed_count);
         for _ in 0..removed_count {
-            removed.push(r.u64()?);
+            removed.push(r.u64().map_err(short)?);
         }
-        let added = r.entries(added_count)?;
-        if r.at != b.len() {
+        let added = read_entries(&mut r, added_count)?;
+        if !r.is_empty() {
             return Err(bad);
         }
         Ok(Delta { version, reset: flags & DELTA_RESET != 0, more: flags & DELTA_MORE != 0, removed, added })
@@ -411,26 +393,25 @@ impl SegmentDescriptor {
         if b.len() > max_len {
             return Err(WireError::TooLong { what: "segment descriptor", len: b.len() as u64, limit: max_len as u64 });
         }
-        let mut r = Reader { b, at: 0 };
-        if r.u16()? != DESCRIPTOR_VERSION {
+        let mut r = Reader::new(b);
+        if r.u16().map_err(short)? != DESCRIPTOR_VERSION {
             return Err(bad);
         }
-        r.u16()?;
-        let pid = r.u32()?;
-        let epoch = r.u64()?;
-        let registry_version = r.u64()?;
-        let mut boot_id = [0u8; 16];
-        boot_id.copy_from_slice(r.take(16)?);
-        let ep_len = r.u16()? as usize;
-        let endpoint = r.str(ep_len)?.to_owned();
-        let inbox_len = r.u16()? as usize;
-        let inbox = r.str(inbox_len)?.to_owned();
+        r.u16().map_err(short)?;
+        let pid = r.u32().map_err(short)?;
+        let epoch = r.u64().map_err(short)?;
+        let registry_version = r.u64().map_err(short)?;
+        let boot_id = r.array::<16>().map_err(short)?;
+        let ep_len = r.u16().map_err(short)? as usize;
+        let endpoint = read_str(&mut r, ep_len)?.to_owned();
+        let inbox_len = r.u16().map_err(short)? as usize;
+        let inbox = read_str(&mut r, inbox_len)?.to_owned();
         if inbox.contains('/') || inbox.starts_with('.') {
             return Err(bad);
         }
-        let count = r.u32()? as usize;
-        let registrations = r.entries(count)?;
-        if r.at != b.len() {
+        let count = r.u32().map_err(short)? as usize;
+        let registrations = read_entries(&mut r, count)?;
+        if !r.is_empty() {
             return Err(bad);
         }
         Ok(SegmentDescriptor { endpoint, epoch, registry_version, pid, boot_id, inbox, registrations })

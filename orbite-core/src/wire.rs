@@ -10,7 +10,10 @@
 //! registered memory.
 //!
 //! Input from the network is hostile: every function here returns a typed
-//! error on bad input and never panics.
+//! error on bad input and never panics. Bytes are read with
+//! [`crate::codec::Reader`].
+
+use crate::codec::{self, Reader, Short};
 
 /// `ORBT`.
 pub const MAGIC: u32 = u32::from_be_bytes(*b"ORBT");
@@ -169,24 +172,49 @@ pub fn header(kind: Kind, body_len: usize, data_len: u64, request: u64) -> Heade
 
 /// Decodes and bounds-checks a header.
 pub fn decode_header(b: &[u8; HEADER_LEN], limits: Limits) -> Result<Header, WireError> {
-    let magic = u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
+    // The reads cover exactly HEADER_LEN bytes, so they cannot come up short.
+    let (magic, [major, minor, kind, flags], body_len, data_len, request) =
+        exact(b, "header", |r| Ok((r.array::<4>()?, r.array::<4>()?, r.u32()?, r.u32()?, r.u64()?)))?;
+    let magic = u32::from_be_bytes(magic);
     if magic != MAGIC {
         return Err(WireError::BadMagic(magic));
     }
-    if b[4] != MAJOR {
-        return Err(WireError::UnsupportedMajor(b[4]));
+    if major != MAJOR {
+        return Err(WireError::UnsupportedMajor(major));
     }
-    let kind = Kind::from_u8(b[6]).ok_or(WireError::UnknownKind(b[6]))?;
-    let body_len = u32::from_le_bytes([b[8], b[9], b[10], b[11]]);
-    let data_len = u32::from_le_bytes([b[12], b[13], b[14], b[15]]);
-    let request = u64::from_le_bytes([b[16], b[17], b[18], b[19], b[20], b[21], b[22], b[23]]);
+    let kind = Kind::from_u8(kind).ok_or(WireError::UnknownKind(kind))?;
     if body_len > limits.max_body {
         return Err(WireError::TooLong { what: "body", len: body_len as u64, limit: limits.max_body as u64 });
     }
     if data_len > limits.max_data {
         return Err(WireError::TooLong { what: "data", len: data_len as u64, limit: limits.max_data as u64 });
     }
-    Ok(Header { kind, minor: b[5], flags: b[7], body_len, data_len, request })
+    Ok(Header { kind, minor, flags, body_len, data_len, request })
+}
+
+/// Reads all of `body` with `read`: any other length is a malformed `what`.
+fn exact<'a, T>(
+    body: &'a [u8],
+    what: &'static str,
+    read: impl FnOnce(&mut Reader<'a>) -> Result<T, Short>,
+) -> Result<T, WireError> {
+    let mut r = Reader::new(body);
+    match read(&mut r) {
+        Ok(v) if r.is_empty() => Ok(v),
+        _ => Err(WireError::Malformed(what)),
+    }
+}
+
+/// Reads the front of `body` with `read` and returns what it left: too
+/// short a body is a malformed `what`.
+fn prefix<'a, T>(
+    body: &'a [u8],
+    what: &'static str,
+    read: impl FnOnce(&mut Reader<'a>) -> Result<T, Short>,
+) -> Result<(T, &'a [u8]), WireError> {
+    let mut r = Reader::new(body);
+    let v = read(&mut r).map_err(|_| WireError::Malformed(what))?;
+    Ok((v, r.rest()))
 }
 
 /// One remote range named by a request.
@@ -204,14 +232,14 @@ pub struct RemoteDesc {
 /// total length the descriptors cover (saturating).
 pub fn encode_request(out: &mut Vec<u8>, target_epoch: u64, descs: impl Iterator<Item = RemoteDesc>) -> u64 {
     out.clear();
-    out.extend_from_slice(&target_epoch.to_le_bytes());
+    codec::put_u64(out, target_epoch);
     out.extend_from_slice(&[0u8; 8]); // count, patched below
     let mut n = 0u32;
     let mut total = 0u64;
     for d in descs {
-        out.extend_from_slice(&d.registration.to_le_bytes());
-        out.extend_from_slice(&d.offset.to_le_bytes());
-        out.extend_from_slice(&d.len.to_le_bytes());
+        codec::put_u64(out, d.registration);
+        codec::put_u64(out, d.offset);
+        codec::put_u64(out, d.len);
         n += 1;
         total = total.saturating_add(d.len);
     }
@@ -230,12 +258,12 @@ pub struct Request<'a> {
 impl<'a> Request<'a> {
     /// Decodes a body; the layout must be exact.
     pub fn decode(body: &'a [u8]) -> Result<Self, WireError> {
-        if body.len() < REQUEST_PREFIX_LEN {
-            return Err(WireError::Malformed("request"));
-        }
-        let target_epoch = u64_at(body, 0);
-        let count = u32::from_le_bytes([body[8], body[9], body[10], body[11]]) as usize;
-        let descs = &body[REQUEST_PREFIX_LEN..];
+        // Epoch, count, 4 reserved bytes: REQUEST_PREFIX_LEN.
+        let ((target_epoch, count), descs) = prefix(body, "request", |r| {
+            let v = (r.u64()?, r.u32()? as usize);
+            r.take(4)?;
+            Ok(v)
+        })?;
         if count.checked_mul(DESC_LEN) != Some(descs.len()) || count == 0 {
             return Err(WireError::Malformed("request"));
         }
@@ -254,10 +282,10 @@ impl<'a> Request<'a> {
 
     /// The descriptors.
     pub fn descs(&self) -> impl Iterator<Item = RemoteDesc> + 'a {
-        self.descs.chunks_exact(DESC_LEN).map(|c| RemoteDesc {
-            registration: u64_at(c, 0),
-            offset: u64_at(c, 8),
-            len: u64_at(c, 16),
+        // `descs` holds whole descriptors (checked by `decode`).
+        let mut r = Reader::new(self.descs);
+        std::iter::from_fn(move || {
+            Some(RemoteDesc { registration: r.u64().ok()?, offset: r.u64().ok()?, len: r.u64().ok()? })
         })
     }
 
@@ -265,12 +293,6 @@ impl<'a> Request<'a> {
     pub fn total_len(&self) -> Option<u64> {
         self.descs().try_fold(0u64, |acc, d| acc.checked_add(d.len))
     }
-}
-
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(a)
 }
 
 /// Flag of a Borrow frame: the borrower will write (not only read).
@@ -282,24 +304,19 @@ pub fn encode_borrow(out: &mut Vec<u8>, borrow_id: u64, target_epoch: u64, descs
     let mut req = Vec::new();
     encode_request(&mut req, target_epoch, descs);
     out.clear();
-    out.extend_from_slice(&borrow_id.to_le_bytes());
+    codec::put_u64(out, borrow_id);
     out.extend_from_slice(&req);
 }
 
 /// Decodes a Borrow body.
 pub fn decode_borrow(body: &[u8]) -> Result<(u64, Request<'_>), WireError> {
-    if body.len() < 8 {
-        return Err(WireError::Malformed("borrow"));
-    }
-    Ok((u64_at(body, 0), Request::decode(&body[8..])?))
+    let (borrow_id, request) = prefix(body, "borrow", Reader::u64)?;
+    Ok((borrow_id, Request::decode(request)?))
 }
 
 /// Decodes a Return body (the borrow id).
 pub fn decode_return(body: &[u8]) -> Result<u64, WireError> {
-    if body.len() != 8 {
-        return Err(WireError::Malformed("return"));
-    }
-    Ok(u64_at(body, 0))
+    exact(body, "return", Reader::u64)
 }
 
 /// Why a target refused a request (carried in an error frame).
@@ -350,38 +367,31 @@ impl RemoteStatus {
 pub fn encode_error(out: &mut Vec<u8>, status: RemoteStatus, detail: &str) {
     let detail = &detail.as_bytes()[..detail.len().min(MAX_ERROR_DETAIL)];
     out.clear();
-    out.extend_from_slice(&(status as u16).to_le_bytes());
-    out.extend_from_slice(&(detail.len() as u16).to_le_bytes());
+    codec::put_u16(out, status as u16);
+    codec::put_u16(out, detail.len() as u16);
     out.extend_from_slice(detail);
 }
 
 /// Decodes an error body.
 pub fn decode_error(body: &[u8]) -> Result<(RemoteStatus, String), WireError> {
-    if body.len() < 4 {
+    let ((status, n), detail) = prefix(body, "error", |r| Ok((r.u16()?, r.u16()? as usize)))?;
+    if n > MAX_ERROR_DETAIL || detail.len() != n {
         return Err(WireError::Malformed("error"));
     }
-    let status = RemoteStatus::from_u16(u16::from_le_bytes([body[0], body[1]]));
-    let n = u16::from_le_bytes([body[2], body[3]]) as usize;
-    if n > MAX_ERROR_DETAIL || body.len() != 4 + n {
-        return Err(WireError::Malformed("error"));
-    }
-    Ok((status, String::from_utf8_lossy(&body[4..]).into_owned()))
+    Ok((RemoteStatus::from_u16(status), String::from_utf8_lossy(detail).into_owned()))
 }
 
 /// Describe body: the initiator's identity and the target epoch it expects
 /// (0: any).
 pub fn encode_describe(out: &mut Vec<u8>, initiator_epoch: u64, expected_epoch: u64) {
     out.clear();
-    out.extend_from_slice(&initiator_epoch.to_le_bytes());
-    out.extend_from_slice(&expected_epoch.to_le_bytes());
+    codec::put_u64(out, initiator_epoch);
+    codec::put_u64(out, expected_epoch);
 }
 
 /// Decodes a Describe body.
 pub fn decode_describe(body: &[u8]) -> Result<(u64, u64), WireError> {
-    if body.len() != 16 {
-        return Err(WireError::Malformed("describe"));
-    }
-    Ok((u64_at(body, 0), u64_at(body, 8)))
+    exact(body, "describe", |r| Ok((r.u64()?, r.u64()?)))
 }
 
 /// A DescribeSince request.
@@ -401,20 +411,14 @@ pub struct DescribeSince {
 pub fn encode_describe_since(out: &mut Vec<u8>, d: &DescribeSince) {
     out.clear();
     for v in [d.initiator_epoch, d.expected_epoch, d.since, d.max_reply] {
-        out.extend_from_slice(&v.to_le_bytes());
+        codec::put_u64(out, v);
     }
 }
 
 /// Decodes a DescribeSince body.
 pub fn decode_describe_since(body: &[u8]) -> Result<DescribeSince, WireError> {
-    if body.len() != 32 {
-        return Err(WireError::Malformed("describe-since"));
-    }
-    Ok(DescribeSince {
-        initiator_epoch: u64_at(body, 0),
-        expected_epoch: u64_at(body, 8),
-        since: u64_at(body, 16),
-        max_reply: u64_at(body, 24),
+    exact(body, "describe-since", |r| {
+        Ok(DescribeSince { initiator_epoch: r.u64()?, expected_epoch: r.u64()?, since: r.u64()?, max_reply: r.u64()? })
     })
 }
 
@@ -423,16 +427,13 @@ pub fn decode_describe_since(body: &[u8]) -> Result<DescribeSince, WireError> {
 pub fn encode_watch(out: &mut Vec<u8>, target_epoch: u64, since: u64, max_reply: u64) {
     out.clear();
     for v in [target_epoch, since, max_reply] {
-        out.extend_from_slice(&v.to_le_bytes());
+        codec::put_u64(out, v);
     }
 }
 
 /// Decodes a Watch body: (target epoch, since, largest reply).
 pub fn decode_watch(body: &[u8]) -> Result<(u64, u64, u64), WireError> {
-    if body.len() != 24 {
-        return Err(WireError::Malformed("watch"));
-    }
-    Ok((u64_at(body, 0), u64_at(body, 8), u64_at(body, 16)))
+    exact(body, "watch", |r| Ok((r.u64()?, r.u64()?, r.u64()?)))
 }
 
 /// A Changed body: the target epoch, the registry version the changes are
@@ -440,17 +441,15 @@ pub fn decode_watch(body: &[u8]) -> Result<(u64, u64, u64), WireError> {
 /// that version, as much as fits).
 pub fn encode_changed(out: &mut Vec<u8>, target_epoch: u64, base: u64, delta: &[u8]) {
     out.clear();
-    out.extend_from_slice(&target_epoch.to_le_bytes());
-    out.extend_from_slice(&base.to_le_bytes());
+    codec::put_u64(out, target_epoch);
+    codec::put_u64(out, base);
     out.extend_from_slice(delta);
 }
 
 /// Decodes a Changed body: (target epoch, base version, delta bytes).
 pub fn decode_changed(body: &[u8]) -> Result<(u64, u64, &[u8]), WireError> {
-    if body.len() < 16 {
-        return Err(WireError::Malformed("changed"));
-    }
-    Ok((u64_at(body, 0), u64_at(body, 8), &body[16..]))
+    let ((target_epoch, base), delta) = prefix(body, "changed", |r| Ok((r.u64()?, r.u64()?)))?;
+    Ok((target_epoch, base, delta))
 }
 
 /// A notification envelope: sender identity, target epoch, payload.
@@ -469,28 +468,23 @@ pub struct NotifyEnvelope<'a> {
 /// Encodes a notification envelope body.
 pub fn encode_notify(out: &mut Vec<u8>, env: &NotifyEnvelope<'_>) {
     out.clear();
-    out.extend_from_slice(&env.sender_epoch.to_le_bytes());
-    out.extend_from_slice(&env.target_epoch.to_le_bytes());
+    codec::put_u64(out, env.sender_epoch);
+    codec::put_u64(out, env.target_epoch);
     let ep = env.sender_endpoint.as_bytes();
-    out.extend_from_slice(&(ep.len() as u16).to_le_bytes());
+    codec::put_u16(out, ep.len() as u16);
     out.extend_from_slice(ep);
     out.extend_from_slice(env.payload);
 }
 
 /// Decodes a notification envelope body.
 pub fn decode_notify(body: &[u8]) -> Result<NotifyEnvelope<'_>, WireError> {
-    if body.len() < 18 {
-        return Err(WireError::Malformed("notify"));
-    }
-    let n = u16::from_le_bytes([body[16], body[17]]) as usize;
-    let ep = body.get(18..18 + n).ok_or(WireError::Malformed("notify"))?;
+    let ((sender_epoch, target_epoch, ep), payload) = prefix(body, "notify", |r| {
+        let (sender_epoch, target_epoch) = (r.u64()?, r.u64()?);
+        let n = r.u16()? as usize;
+        Ok((sender_epoch, target_epoch, r.take(n)?))
+    })?;
     let sender_endpoint = std::str::from_utf8(ep).map_err(|_| WireError::Malformed("notify"))?;
-    Ok(NotifyEnvelope {
-        sender_endpoint,
-        sender_epoch: u64_at(body, 0),
-        target_epoch: u64_at(body, 8),
-        payload: &body[18 + n..],
-    })
+    Ok(NotifyEnvelope { sender_endpoint, sender_epoch, target_epoch, payload })
 }
 
 #[cfg(test)]

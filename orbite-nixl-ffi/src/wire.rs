@@ -2,7 +2,9 @@
 //! and range metadata. Both are bounded and versioned and are parsed
 //! defensively: they come from another process.
 
-use crate::status::{OrbiteStatus, Res, fail};
+use orbite_core::codec::{self, Reader, Short};
+
+use crate::status::{Failure, OrbiteStatus, Res, fail};
 
 const PEER_MAGIC: &[u8; 4] = b"ORBP";
 const RANGE_MAGIC: &[u8; 4] = b"ORBR";
@@ -33,66 +35,50 @@ pub(crate) struct RangeInfo {
     pub shared: bool,
 }
 
-struct Reader<'a>(&'a [u8]);
+/// Every short read of metadata.
+fn truncated(_: Short) -> Failure {
+    Failure::new(OrbiteStatus::InvalidArgument, "metadata is truncated")
+}
 
-impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize) -> Res<&'a [u8]> {
-        if self.0.len() < n {
-            return fail(OrbiteStatus::InvalidArgument, "metadata is truncated");
-        }
-        let (a, b) = self.0.split_at(n);
-        self.0 = b;
-        Ok(a)
+/// Reads and checks the magic and version that start every blob.
+fn header(r: &mut Reader<'_>, magic: &[u8; 4], version: u16, what: &str) -> Res {
+    if &r.array::<4>().map_err(truncated)? != magic {
+        return fail(OrbiteStatus::InvalidArgument, format!("not {what} metadata"));
     }
-    fn u16(&mut self) -> Res<u16> {
-        Ok(u16::from_le_bytes(self.take(2)?.try_into().expect("2 bytes")))
+    match r.u16().map_err(truncated)? {
+        v if v == version => Ok(()),
+        v => fail(OrbiteStatus::VersionMismatch, format!("{what} metadata version {v} (this library reads {version})")),
     }
-    fn u32(&mut self) -> Res<u32> {
-        Ok(u32::from_le_bytes(self.take(4)?.try_into().expect("4 bytes")))
-    }
-    fn u64(&mut self) -> Res<u64> {
-        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
-    }
-    fn header(&mut self, magic: &[u8; 4], version: u16, what: &str) -> Res {
-        if self.take(4)? != magic {
-            return fail(OrbiteStatus::InvalidArgument, format!("not {what} metadata"));
-        }
-        match self.u16()? {
-            v if v == version => Ok(()),
-            v => fail(
-                OrbiteStatus::VersionMismatch,
-                format!("{what} metadata version {v} (this library reads {version})"),
-            ),
-        }
-    }
-    fn end(&self) -> Res {
-        if self.0.is_empty() { Ok(()) } else { fail(OrbiteStatus::InvalidArgument, "trailing bytes after metadata") }
-    }
+}
+
+/// Refuses bytes after the end of a blob.
+fn end(r: &Reader<'_>) -> Res {
+    if r.is_empty() { Ok(()) } else { fail(OrbiteStatus::InvalidArgument, "trailing bytes after metadata") }
 }
 
 impl PeerInfo {
     pub fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(16 + self.endpoint.len());
         b.extend_from_slice(PEER_MAGIC);
-        b.extend_from_slice(&PEER_VERSION.to_le_bytes());
-        b.extend_from_slice(&(self.endpoint.len() as u16).to_le_bytes());
-        b.extend_from_slice(&self.epoch.to_le_bytes());
+        codec::put_u16(&mut b, PEER_VERSION);
+        codec::put_u16(&mut b, self.endpoint.len() as u16);
+        codec::put_u64(&mut b, self.epoch);
         b.extend_from_slice(self.endpoint.as_bytes());
         b
     }
 
     pub fn decode(bytes: &[u8]) -> Res<Self> {
-        let mut r = Reader(bytes);
-        r.header(PEER_MAGIC, PEER_VERSION, "peer")?;
-        let len = r.u16()? as usize;
-        let epoch = r.u64()?;
+        let mut r = Reader::new(bytes);
+        header(&mut r, PEER_MAGIC, PEER_VERSION, "peer")?;
+        let len = r.u16().map_err(truncated)? as usize;
+        let epoch = r.u64().map_err(truncated)?;
         if len > MAX_ENDPOINT {
             return fail(OrbiteStatus::OutOfRange, format!("endpoint of {len} bytes"));
         }
-        let endpoint = std::str::from_utf8(r.take(len)?)
-            .map_err(|_| crate::status::Failure::new(OrbiteStatus::InvalidArgument, "endpoint is not UTF-8"))?
+        let endpoint = std::str::from_utf8(r.take(len).map_err(truncated)?)
+            .map_err(|_| Failure::new(OrbiteStatus::InvalidArgument, "endpoint is not UTF-8"))?
             .to_owned();
-        r.end()?;
+        end(&r)?;
         Ok(PeerInfo { epoch, endpoint })
     }
 }
@@ -101,25 +87,26 @@ impl RangeInfo {
     pub fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(36);
         b.extend_from_slice(RANGE_MAGIC);
-        b.extend_from_slice(&RANGE_VERSION.to_le_bytes());
-        b.extend_from_slice(&u16::from(self.shared).to_le_bytes());
-        b.extend_from_slice(&self.permission.to_le_bytes());
+        codec::put_u16(&mut b, RANGE_VERSION);
+        codec::put_u16(&mut b, u16::from(self.shared));
+        codec::put_u32(&mut b, self.permission);
         for v in [self.epoch, self.addr, self.len] {
-            b.extend_from_slice(&v.to_le_bytes());
+            codec::put_u64(&mut b, v);
         }
         b
     }
 
     pub fn decode(bytes: &[u8]) -> Res<Self> {
-        let mut r = Reader(bytes);
-        r.header(RANGE_MAGIC, RANGE_VERSION, "range")?;
-        let flags = r.u16()?;
+        let mut r = Reader::new(bytes);
+        header(&mut r, RANGE_MAGIC, RANGE_VERSION, "range")?;
+        let flags = r.u16().map_err(truncated)?;
         if flags > 1 {
             return fail(OrbiteStatus::InvalidArgument, format!("unknown range flags {flags:#x}"));
         }
-        let permission = r.u32()?;
-        let (epoch, addr, len) = (r.u64()?, r.u64()?, r.u64()?);
-        r.end()?;
+        let permission = r.u32().map_err(truncated)?;
+        let (epoch, addr, len) =
+            (r.u64().map_err(truncated)?, r.u64().map_err(truncated)?, r.u64().map_err(truncated)?);
+        end(&r)?;
         if len == 0 || addr.checked_add(len).is_none() {
             return fail(OrbiteStatus::OutOfRange, format!("range of {len} bytes at {addr:#x}"));
         }

@@ -11,6 +11,8 @@
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::codec::Reader;
+
 const MAGIC: u64 = u64::from_be_bytes(*b"ORBTINB2");
 /// Bytes before the ring.
 pub(crate) const HEADER: usize = 128;
@@ -273,17 +275,17 @@ impl Inbox {
 }
 
 fn parse(e: &[u8], max_payload: usize) -> Option<Envelope> {
-    let u64_at = |i: usize| Some(u64::from_le_bytes(e.get(i..i + 8)?.try_into().ok()?));
-    let sender_epoch = u64_at(4)?;
-    let target_epoch = u64_at(12)?;
-    let ep_len = u16::from_le_bytes(e.get(20..22)?.try_into().ok()?) as usize;
-    let ep = std::str::from_utf8(e.get(22..22 + ep_len)?).ok()?.to_owned();
-    let at = 22 + ep_len;
-    let n = u32::from_le_bytes(e.get(at..at + 4)?.try_into().ok()?) as usize;
+    let mut r = Reader::new(e);
+    r.u32().ok()?; // the entry's length, checked by the caller
+    let sender_epoch = r.u64().ok()?;
+    let target_epoch = r.u64().ok()?;
+    let ep_len = r.u16().ok()? as usize;
+    let ep = std::str::from_utf8(r.take(ep_len).ok()?).ok()?.to_owned();
+    let n = r.u32().ok()? as usize;
     if n > max_payload {
         return None;
     }
-    let payload = e.get(at + 4..at + 4 + n)?.to_vec();
+    let payload = r.take(n).ok()?.to_vec();
     Some(Envelope { sender_epoch, target_epoch, sender_endpoint: ep, payload })
 }
 

@@ -6,6 +6,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Duration;
 
+use orbite_core::codec::Reader;
 use orbite_core::{
     EngineConfig, HostMemory, MemoryRange, Permission, RegistrationId, RemoteSegment, RoutePolicy, Target,
     TransferEngine,
@@ -30,12 +31,11 @@ pub enum Which {
 /// A 64-bit digest of bytes (word-wise; both processes compute it).
 pub fn digest(bytes: &[u8]) -> u64 {
     let mut h = 0x9E37_79B9_7F4A_7C15u64 ^ bytes.len() as u64;
-    let mut words = bytes.chunks_exact(8);
-    for w in &mut words {
-        let v = u64::from_le_bytes(w.try_into().unwrap_or([0; 8]));
+    let mut words = Reader::new(bytes);
+    while let Ok(v) = words.u64() {
         h = (h ^ v).rotate_left(29).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     }
-    for b in words.remainder() {
+    for b in words.rest() {
         h = (h ^ *b as u64).wrapping_mul(0x94D0_49BB_1331_11EB);
     }
     h
