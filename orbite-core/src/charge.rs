@@ -11,86 +11,97 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::types::{Exhausted, Resource};
 
-/// The counters of one engine.
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    pub registrations: AtomicU64,
-    pub registered_bytes: AtomicU64,
-    pub fenced_registrations: AtomicU64,
-    pub host_allocations: AtomicU64,
-    pub host_memory_bytes: AtomicU64,
-    pub prepared_transfers: AtomicU64,
-    pub executions: AtomicU64,
-    pub queued_executions: AtomicU64,
-    pub bytes_in_flight: AtomicU64,
-    pub tasks_in_flight: AtomicU64,
-    pub unquiesced_owners: AtomicU64,
-    pub notification_bytes: AtomicU64,
-    pub binding_handles: AtomicU64,
-    pub pinned_ranges: AtomicU64,
+/// Defines, from one list of counters (doc, field and variant of each), the
+/// [`Counters`] atomics, the [`Counter`] that names one of them, the mapping
+/// between the two, and the public [`Stats`] with its field list.
+macro_rules! counters {
+    ($($(#[doc = $doc:literal])+ $field:ident: $variant:ident,)+) => {
+        /// The counters of one engine.
+        #[derive(Debug, Default)]
+        pub(crate) struct Counters {
+            $(pub $field: AtomicU64,)+
+        }
+
+        /// Which counter a [`Charge`] pays into.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        #[allow(dead_code, reason = "one variant per counter: `stats()` fills unquiesced_owners, nothing charges it")]
+        pub(crate) enum Counter {
+            $($variant,)+
+        }
+
+        #[cfg(test)]
+        impl Counter {
+            /// Every counter, in the order of the list.
+            const ALL: [Counter; Stats::FIELDS.len()] = [$(Counter::$variant,)+];
+        }
+
+        impl Counters {
+            fn cell(&self, c: Counter) -> &AtomicU64 {
+                match c {
+                    $(Counter::$variant => &self.$field,)+
+                }
+            }
+
+            /// A snapshot of all counters.
+            pub fn snapshot(&self) -> Stats {
+                Stats { $($field: self.$field.load(Ordering::Acquire),)+ }
+            }
+        }
+
+        /// What the engine holds right now. Every field returns to its baseline
+        /// once all work has drained and all handles are released.
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+        pub struct Stats {
+            $($(#[doc = $doc])+ pub $field: u64,)+
+        }
+
+        impl Stats {
+            /// The names of the fields, in their order.
+            pub const FIELDS: &'static [&'static str] = &[$(stringify!($field),)+];
+
+            /// Every field with its name, in their order.
+            pub fn fields(&self) -> [(&'static str, u64); Stats::FIELDS.len()] {
+                [$((stringify!($field), self.$field),)+]
+            }
+        }
+    };
 }
 
-/// Which counter a [`Charge`] pays into.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Counter {
-    Registrations,
-    RegisteredBytes,
-    FencedRegistrations,
-    HostAllocations,
-    HostMemoryBytes,
-    PreparedTransfers,
-    Executions,
-    QueuedExecutions,
-    BytesInFlight,
-    TasksInFlight,
-    NotificationBytes,
-    BindingHandles,
-    PinnedRanges,
+counters! {
+    /// Live registrations (aliases included), deregistered-but-borrowed ones too.
+    registrations: Registrations,
+    /// Bytes under those registrations.
+    registered_bytes: RegisteredBytes,
+    /// Deregistered registrations still retained by a borrower.
+    fenced_registrations: FencedRegistrations,
+    /// Engine-allocated host memory blocks alive.
+    host_allocations: HostAllocations,
+    /// Their bytes.
+    host_memory_bytes: HostMemoryBytes,
+    /// Prepared transfers alive (handles, or dropped handles still draining).
+    prepared_transfers: PreparedTransfers,
+    /// Posted executions not yet retired.
+    executions: Executions,
+    /// Executions waiting for admission.
+    queued_executions: QueuedExecutions,
+    /// Bytes admitted to routes and not yet retired.
+    bytes_in_flight: BytesInFlight,
+    /// Route tasks admitted and not yet retired.
+    tasks_in_flight: TasksInFlight,
+    /// Owners that `close` could not retire and keeps on purpose.
+    unquiesced_owners: UnquiescedOwners,
+    /// Bytes of received notifications not yet taken.
+    notification_bytes: NotificationBytes,
+    /// Handles a binding (the C ABI) holds on this engine's objects.
+    binding_handles: BindingHandles,
+    /// Ranges held by [`crate::RangePin`]s (KV sessions pin their KV).
+    pinned_ranges: PinnedRanges,
 }
 
 impl Counters {
-    fn cell(&self, c: Counter) -> &AtomicU64 {
-        match c {
-            Counter::Registrations => &self.registrations,
-            Counter::RegisteredBytes => &self.registered_bytes,
-            Counter::FencedRegistrations => &self.fenced_registrations,
-            Counter::HostAllocations => &self.host_allocations,
-            Counter::HostMemoryBytes => &self.host_memory_bytes,
-            Counter::PreparedTransfers => &self.prepared_transfers,
-            Counter::Executions => &self.executions,
-            Counter::QueuedExecutions => &self.queued_executions,
-            Counter::BytesInFlight => &self.bytes_in_flight,
-            Counter::TasksInFlight => &self.tasks_in_flight,
-            Counter::NotificationBytes => &self.notification_bytes,
-            Counter::BindingHandles => &self.binding_handles,
-            Counter::PinnedRanges => &self.pinned_ranges,
-        }
-    }
-
     /// Current value of one counter.
     pub fn get(&self, c: Counter) -> u64 {
         self.cell(c).load(Ordering::Acquire)
-    }
-
-    /// A snapshot of all counters.
-    pub fn snapshot(&self) -> Stats {
-        let g = |a: &AtomicU64| a.load(Ordering::Acquire);
-        Stats {
-            registrations: g(&self.registrations),
-            registered_bytes: g(&self.registered_bytes),
-            fenced_registrations: g(&self.fenced_registrations),
-            host_allocations: g(&self.host_allocations),
-            host_memory_bytes: g(&self.host_memory_bytes),
-            prepared_transfers: g(&self.prepared_transfers),
-            executions: g(&self.executions),
-            queued_executions: g(&self.queued_executions),
-            bytes_in_flight: g(&self.bytes_in_flight),
-            tasks_in_flight: g(&self.tasks_in_flight),
-            unquiesced_owners: g(&self.unquiesced_owners),
-            notification_bytes: g(&self.notification_bytes),
-            binding_handles: g(&self.binding_handles),
-            pinned_ranges: g(&self.pinned_ranges),
-        }
     }
 }
 
@@ -164,40 +175,6 @@ impl Drop for Charge {
     }
 }
 
-/// What the engine holds right now. Every field returns to its baseline
-/// once all work has drained and all handles are released.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Stats {
-    /// Live registrations (aliases included), deregistered-but-borrowed ones too.
-    pub registrations: u64,
-    /// Bytes under those registrations.
-    pub registered_bytes: u64,
-    /// Deregistered registrations still retained by a borrower.
-    pub fenced_registrations: u64,
-    /// Engine-allocated host memory blocks alive.
-    pub host_allocations: u64,
-    /// Their bytes.
-    pub host_memory_bytes: u64,
-    /// Prepared transfers alive (handles, or dropped handles still draining).
-    pub prepared_transfers: u64,
-    /// Posted executions not yet retired.
-    pub executions: u64,
-    /// Executions waiting for admission.
-    pub queued_executions: u64,
-    /// Bytes admitted to routes and not yet retired.
-    pub bytes_in_flight: u64,
-    /// Route tasks admitted and not yet retired.
-    pub tasks_in_flight: u64,
-    /// Owners that `close` could not retire and keeps on purpose.
-    pub unquiesced_owners: u64,
-    /// Bytes of received notifications not yet taken.
-    pub notification_bytes: u64,
-    /// Handles a binding (the C ABI) holds on this engine's objects.
-    pub binding_handles: u64,
-    /// Ranges held by [`crate::RangePin`]s (KV sessions pin their KV).
-    pub pinned_ranges: u64,
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -226,6 +203,20 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(err, Exhausted { resource: Resource::RegisteredBytes, .. }));
+        assert_eq!(c.snapshot(), Stats::default());
+    }
+
+    #[test]
+    fn each_counter_maps_to_its_own_field_in_list_order() {
+        let c = Arc::new(Counters::default());
+        let charges: Vec<Charge> =
+            Counter::ALL.into_iter().zip(1..).map(|(counter, amount)| Charge::unlimited(&c, counter, amount)).collect();
+        let s = c.snapshot();
+        let fields = s.fields();
+        assert_eq!(fields.map(|(name, _)| name).as_slice(), Stats::FIELDS);
+        assert_eq!(fields.map(|(_, v)| v), std::array::from_fn(|i| i as u64 + 1), "{s:?}");
+        assert_eq!((s.registrations, s.executions, s.pinned_ranges), (1, 7, 14));
+        drop(charges);
         assert_eq!(c.snapshot(), Stats::default());
     }
 }
