@@ -229,6 +229,9 @@ fn permission_code(p: Permission) -> u32 {
     }
 }
 
+/// The record of `Stats`: every counter but `pinned_ranges`, by name, in
+/// the order of `Stats::FIELDS` (checked by the test below and by
+/// `tests/layout.rs`).
 fn stats_record(s: Stats) -> OrbiteStats {
     OrbiteStats {
         size: size_of::<OrbiteStats>() as u32,
@@ -1697,4 +1700,65 @@ pub extern "C" fn orbite_test_hold_remote(engine: OrbiteEngine, on: u32) -> Orbi
         engine_of(engine)?.engine.hold_remote_requests(on != 0);
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Counters of `Stats` the C record does not carry: adding one changes
+    /// the C ABI (a new record version).
+    const NOT_IN_THE_RECORD: &[&str] = &["pinned_ranges"];
+
+    /// Every field of a record and its value, in declaration order (read
+    /// from its `Debug`: `OrbiteStats { size: 120, version: 1, .. }`).
+    fn record_fields(r: &OrbiteStats) -> Vec<(String, u64)> {
+        let text = format!("{r:?}");
+        let inner = text.strip_prefix("OrbiteStats { ").and_then(|t| t.strip_suffix(" }")).expect("Debug of a struct");
+        inner
+            .split(", ")
+            .map(|f| {
+                let (name, value) = f.split_once(": ").expect("name: value");
+                (name.to_owned(), value.parse().expect("a number"))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_stats_record_carries_each_counter_of_stats_under_its_name_in_its_order() {
+        // Distinct values, so that a counter copied into another field shows.
+        let s = Stats {
+            registrations: 1,
+            registered_bytes: 2,
+            fenced_registrations: 3,
+            host_allocations: 4,
+            host_memory_bytes: 5,
+            prepared_transfers: 6,
+            executions: 7,
+            queued_executions: 8,
+            bytes_in_flight: 9,
+            tasks_in_flight: 10,
+            unquiesced_owners: 11,
+            notification_bytes: 12,
+            binding_handles: 13,
+            pinned_ranges: 14,
+        };
+        let values: Vec<u64> = s.fields().iter().map(|&(_, v)| v).collect();
+        assert_eq!(values, (1..=Stats::FIELDS.len() as u64).collect::<Vec<_>>(), "distinct values");
+        let want: Vec<(String, u64)> = s
+            .fields()
+            .into_iter()
+            .filter(|(name, _)| !NOT_IN_THE_RECORD.contains(name))
+            .map(|(name, v)| (name.to_owned(), v))
+            .collect();
+        let got = record_fields(&stats_record(s));
+        assert_eq!(
+            got[..2],
+            [
+                ("size".to_owned(), size_of::<OrbiteStats>() as u64),
+                ("version".to_owned(), ORBITE_RECORD_VERSION as u64)
+            ]
+        );
+        assert_eq!(got[2..], want);
+    }
 }

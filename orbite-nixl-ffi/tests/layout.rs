@@ -129,3 +129,31 @@ fn rust_and_c_agree_on_every_record_layout() {
     let only_c: Vec<_> = c.difference(&rust).collect();
     assert!(only_rust.is_empty() && only_c.is_empty(), "Rust only: {only_rust:#?}\nC test only: {only_c:#?}");
 }
+
+/// Counters of `orbite_core::Stats` that `OrbiteStats` does not carry:
+/// adding one changes the C ABI (a new record version).
+const NOT_IN_THE_RECORD: &[&str] = &["pinned_ranges"];
+
+#[test]
+fn the_stats_record_has_every_counter_of_the_core_in_its_order() {
+    // The fields of OrbiteStats by offset, as laid out (offset_of! above).
+    let mut fields: Vec<(usize, String)> = rust_layout()
+        .iter()
+        .filter_map(|l| l.strip_prefix("OrbiteStats."))
+        .map(|l| {
+            let (name, offset) = l.split_once(' ').unwrap();
+            (offset.parse().unwrap(), name.to_owned())
+        })
+        .collect();
+    fields.sort();
+    let names: Vec<&str> = fields.iter().map(|(_, n)| n.as_str()).collect();
+    let counters: Vec<&str> =
+        orbite_core::Stats::FIELDS.iter().copied().filter(|n| !NOT_IN_THE_RECORD.contains(n)).collect();
+    assert_eq!(names[..2], ["size", "version"]);
+    assert_eq!(names[2..], counters, "OrbiteStats must carry the counters of Stats, by name, in order");
+    // Nothing else: two u32, then one u64 per counter.
+    assert_eq!(size_of::<OrbiteStats>(), 8 + 8 * counters.len());
+    for (i, (offset, name)) in fields.iter().skip(2).enumerate() {
+        assert_eq!(*offset, 8 + 8 * i, "{name}");
+    }
+}
