@@ -115,7 +115,7 @@ impl EngineInner {
     /// changed since each one's view.
     fn announce_registry(&self) {
         if let Some(w) = self.watchers.get() {
-            use crate::transport::tcp::TargetSide;
+            use crate::transport::proto::server::TargetSide;
             let version = self.registry.lock().version();
             w.changed(version, &|since, budget| self.changes(since, budget));
         }
@@ -448,7 +448,7 @@ impl TransferEngine {
             config,
         });
         if let Some(bind) = inner.config.listen.clone() {
-            let side: Weak<dyn crate::transport::tcp::TargetSide> = Arc::downgrade(&inner) as _;
+            let side: Weak<dyn crate::transport::proto::server::TargetSide> = Arc::downgrade(&inner) as _;
             let server =
                 Server::start(&bind, side).map_err(|e| Error::System(format!("cannot listen on {bind}: {e}")))?;
             let bound = server.local_addr();

@@ -9,6 +9,7 @@ pub(crate) mod local;
 pub(crate) mod loopback;
 pub(crate) mod mapping;
 pub(crate) mod policy;
+pub(crate) mod proto;
 pub(crate) mod route;
 pub(crate) mod shm;
 pub(crate) mod sock;

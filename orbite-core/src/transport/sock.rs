@@ -106,41 +106,25 @@ unsafe fn vectored(
     Ok(())
 }
 
-/// Writes every byte of `iovs` (advancing them in place).
+/// Writes every byte of `iovs` (advancing them in place) within
+/// `patience` (a socket with a timeout tick).
 ///
 /// # Safety
 /// Every entry must address memory readable for its length for the whole
 /// call (kept alive by range loans).
-pub(crate) unsafe fn writev_all(fd: RawFd, iovs: &mut [libc::iovec]) -> io::Result<()> {
-    // SAFETY: forwarded contract.
-    unsafe { writev_within(fd, iovs, None) }
-}
-
-/// [`writev_all`] within `patience` (a socket with a timeout tick).
-///
-/// # Safety
-/// As for [`writev_all`].
 pub(crate) unsafe fn writev_within(fd: RawFd, iovs: &mut [libc::iovec], patience: Option<&Patience>) -> io::Result<()> {
     let mut done = 0;
     // SAFETY: forwarded contract.
     unsafe { vectored(fd, iovs, &mut done, libc::writev, patience) }
 }
 
-/// Fills every byte of `iovs` from the socket; `done` counts the bytes that
-/// landed, also when an error or EOF stops it early.
+/// Fills every byte of `iovs` from the socket within `patience` (a socket
+/// with a timeout tick); `done` counts the bytes that landed, also when an
+/// error or EOF stops it early.
 ///
 /// # Safety
 /// Every entry must address memory writable for its length for the whole
 /// call, which no Rust reference aliases.
-pub(crate) unsafe fn readv_all(fd: RawFd, iovs: &mut [libc::iovec], done: &mut u64) -> io::Result<()> {
-    // SAFETY: forwarded contract.
-    unsafe { readv_within(fd, iovs, done, None) }
-}
-
-/// [`readv_all`] within `patience` (a socket with a timeout tick).
-///
-/// # Safety
-/// As for [`readv_all`].
 pub(crate) unsafe fn readv_within(
     fd: RawFd,
     iovs: &mut [libc::iovec],
@@ -151,7 +135,8 @@ pub(crate) unsafe fn readv_within(
     unsafe { vectored(fd, iovs, done, libc::readv, patience) }
 }
 
-fn advance(iovs: &mut [libc::iovec], first: &mut usize, mut n: usize) {
+/// Advances `iovs` (from `first`) past `n` bytes that were transferred.
+pub(crate) fn advance(iovs: &mut [libc::iovec], first: &mut usize, mut n: usize) {
     while n > 0 && *first < iovs.len() {
         let v = &mut iovs[*first];
         if n >= v.iov_len {
@@ -164,27 +149,17 @@ fn advance(iovs: &mut [libc::iovec], first: &mut usize, mut n: usize) {
             n = 0;
         }
     }
+    // Empty entries carry nothing: never wait for them.
+    while *first < iovs.len() && iovs[*first].iov_len == 0 {
+        *first += 1;
+    }
 }
 
-/// Reads exactly `buf.len()` bytes into an ordinary buffer.
-pub(crate) fn read_exact(fd: RawFd, buf: &mut [u8]) -> io::Result<()> {
-    read_exact_within(fd, buf, None)
-}
-
-/// [`read_exact`] within `patience` (a socket with a timeout tick).
+/// Reads exactly `buf.len()` bytes into an ordinary buffer, within
+/// `patience` (a socket with a timeout tick).
 pub(crate) fn read_exact_within(fd: RawFd, buf: &mut [u8], patience: Option<&Patience>) -> io::Result<()> {
     let mut v = [iov(buf.as_mut_ptr() as u64, buf.len() as u64)];
     let mut done = 0;
     // SAFETY: `buf` is an exclusive borrow valid for the call.
     unsafe { readv_within(fd, &mut v, &mut done, patience) }
-}
-
-/// Reads and discards `n` bytes (keeps a stream in sync after a refusal).
-pub(crate) fn discard(fd: RawFd, mut n: u64, scratch: &mut [u8]) -> io::Result<()> {
-    while n > 0 {
-        let k = (n as usize).min(scratch.len());
-        read_exact(fd, &mut scratch[..k])?;
-        n -= k as u64;
-    }
-    Ok(())
 }

@@ -14,7 +14,7 @@
 use std::collections::VecDeque;
 use std::io;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
@@ -22,16 +22,14 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::registry::Registration;
 use crate::segment::{ExportedRegistration, SegmentDescriptor};
+use crate::transport::proto::server::{BorrowTable, Event, ServerConn, TargetSide};
 use crate::transport::route::{PeerReach, Reach, RouteImpl, Runs, Serves};
-use crate::transport::sock::{
-    Patience, discard, iov, read_exact, read_exact_within, readv_all, readv_within, writev_all, writev_within,
-};
+use crate::transport::sock::{Patience, iov, read_exact_within, readv_within, writev_within};
 use crate::transport::spin::{claim, poll};
 use crate::transport::{CopyJob, CopyKind};
 use crate::types::{Desc, Op, Route, TaskEnd, TaskReport};
-use crate::wire::{self, Header, Kind, Limits, NotifyEnvelope, RemoteDesc, RemoteStatus, Request, WireError};
+use crate::wire::{self, Header, Kind, Limits, RemoteDesc, RemoteStatus};
 
 /// The tcp route.
 pub(crate) struct Tcp;
@@ -66,42 +64,6 @@ impl RouteImpl for Tcp {
     }
 }
 
-/// Borrows held for initiators of one-sided routes: id to (connection,
-/// range loans). A connection's borrows end with it.
-type BorrowTable = Mutex<std::collections::HashMap<u64, (u64, Vec<Arc<Registration>>)>>;
-
-/// Most borrows one server holds at once.
-const MAX_BORROWS: usize = 65_536;
-
-/// What the target side of the engine provides to the server.
-pub(crate) trait TargetSide: Send + Sync + 'static {
-    /// This engine's epoch.
-    fn epoch(&self) -> u64;
-    /// The encoded segment descriptor.
-    fn descriptor(&self) -> Vec<u8>;
-    /// Resolves every descriptor of a request (live id and generation,
-    /// bounds, permission) into I/O vectors and range loans, or refuses.
-    fn resolve(
-        &self,
-        req: &Request<'_>,
-        write: bool,
-        iovs: &mut Vec<libc::iovec>,
-        loans: &mut Vec<Arc<Registration>>,
-    ) -> Result<(), (RemoteStatus, String)>;
-    /// Queues a notification, or refuses it.
-    fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)>;
-    /// What changed in the exported registrations after registry version
-    /// `since`, in at most `budget` encoded bytes.
-    fn changes(&self, since: u64, budget: usize) -> crate::segment::Delta;
-    /// The registry's current version.
-    fn registry_version(&self) -> u64;
-    /// Frame limits.
-    fn limits(&self) -> Limits;
-    /// Test hook: blocks while remote requests are held (after their loans
-    /// were taken, before any byte moves).
-    fn remote_gate(&self) {}
-}
-
 /// Initiators subscribed to this engine's registration changes, each on a
 /// watch connection of its own: every change is pushed to each of them as
 /// it happens, as what changed since the last push that went out.
@@ -115,7 +77,7 @@ struct Subscriber {
     epoch: u64,
     request: u64,
     /// Largest delta to push (what the watcher accepts, at most
-    /// [`PUSH_BUDGET`]).
+    /// `PUSH_BUDGET`).
     budget: usize,
     /// A duplicate of the connection's socket: writing to it stays safe
     /// even after the serving thread closed its own.
@@ -125,13 +87,6 @@ struct Subscriber {
     /// socket skips it, and the next change sends everything since).
     pushed: Mutex<u64>,
 }
-
-/// Most bytes of changes pushed at once; a watcher further behind gets the
-/// first part and asks for the rest.
-pub(crate) const PUSH_BUDGET: usize = 64 << 10;
-
-/// Bytes of a Changed frame besides its delta.
-const CHANGED_OVERHEAD: usize = 16;
 
 /// The changes after a registry version, in at most a budget of encoded
 /// bytes (what the target side computes for a subscriber).
@@ -211,69 +166,101 @@ impl Watchers {
     }
 }
 
-/// The listening side.
+/// The listening side: every accepted connection's [`ServerConn`], driven
+/// by a fixed set of threads over one epoll set, so the thread count does
+/// not grow with connections.
 pub(crate) struct Server {
     addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<Vec<(u64, TcpStream)>>>,
-    threads: Arc<Mutex<Vec<JoinHandle<()>>>>,
-    accept: Mutex<Option<JoinHandle<()>>>,
+    shared: Arc<ServerShared>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
     watchers: Arc<Watchers>,
 }
 
+struct ServerShared {
+    epoll: OwnedFd,
+    /// Written once at shutdown; level-triggered, so every thread sees it.
+    stop: OwnedFd,
+    listener: TcpListener,
+    side: Weak<dyn TargetSide>,
+    conns: Mutex<std::collections::HashMap<u64, Arc<ServedConn>>>,
+    next_conn: AtomicU64,
+    borrows: BorrowTable,
+    watchers: Arc<Watchers>,
+}
+
+/// One accepted connection: its socket and its machine. Armed one-shot in
+/// the epoll set, so one thread at a time serves it.
+struct ServedConn {
+    stream: TcpStream,
+    machine: Mutex<ServerConn>,
+}
+
+/// epoll data of the listener and of the stop event (connections count from 1).
+const LISTENER: u64 = u64::MAX;
+const STOP: u64 = u64::MAX - 1;
+
+/// Bytes one connection may move per turn before others get theirs.
+const TURN_BYTES: usize = 8 << 20;
+
+fn epoll_ctl(epoll: &OwnedFd, op: libc::c_int, fd: i32, events: u32, data: u64) -> io::Result<()> {
+    let mut ev = libc::epoll_event { events, u64: data };
+    // SAFETY: a live epoll fd and a pointer to a live event for the call.
+    if unsafe { libc::epoll_ctl(epoll.as_raw_fd(), op, fd, &mut ev) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn owned(fd: libc::c_int) -> io::Result<OwnedFd> {
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor this function now owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Threads that serve connections: one per core, at most 4.
+fn server_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4)
+}
+
 impl Server {
-    /// Binds and starts accepting. The server holds the target side weakly.
+    /// Binds and starts serving. The server holds the target side weakly.
     pub fn start(bind: &str, side: Weak<dyn TargetSide>) -> io::Result<Server> {
         let listener = TcpListener::bind(bind)?;
+        listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<Vec<(u64, TcpStream)>>> = Arc::new(Mutex::new(Vec::new()));
-        let borrows: Arc<BorrowTable> = Arc::new(Mutex::new(std::collections::HashMap::new()));
-        let threads: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::new(Mutex::new(Vec::new()));
+        // SAFETY: plain system calls creating descriptors.
+        let epoll = owned(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
+        // SAFETY: as above.
+        let stop = owned(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })?;
+        epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, stop.as_raw_fd(), libc::EPOLLIN as u32, STOP)?;
+        let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
+        epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, listener.as_raw_fd(), oneshot, LISTENER)?;
         let watchers = Arc::new(Watchers::new());
-        let accept = {
-            let (stop, conns, threads, watchers) = (stop.clone(), conns.clone(), threads.clone(), watchers.clone());
-            std::thread::Builder::new().name("orbite-accept".into()).spawn(move || {
-                let mut next = 0u64;
-                for stream in listener.incoming() {
-                    if stop.load(Ordering::Acquire) {
-                        return;
-                    }
-                    let Ok(stream) = stream else { continue };
-                    tune(&stream);
-                    let Ok(clone) = stream.try_clone() else { continue };
-                    next += 1;
-                    let id = next;
-                    conns.lock().push((id, clone));
-                    let (side, conns2, borrows) = (side.clone(), conns.clone(), borrows.clone());
-                    let watchers = watchers.clone();
-                    let spawned = std::thread::Builder::new().name("orbite-serve".into()).spawn(move || {
-                        serve_connection(stream, &side, id, &borrows, &watchers);
-                        watchers.forget(id);
-                        conns2.lock().retain(|(i, _)| *i != id);
-                        // The borrower is gone with its connection: give back
-                        // its loans (dropped outside the lock).
-                        let mut ended = Vec::new();
-                        borrows.lock().retain(|_, (conn, loans)| {
-                            if *conn == id {
-                                ended.push(std::mem::take(loans));
-                            }
-                            *conn != id
-                        });
-                        drop(ended);
-                    });
-                    match spawned {
-                        Ok(h) => {
-                            let mut t = threads.lock();
-                            t.retain(|h| !h.is_finished());
-                            t.push(h);
-                        }
-                        Err(_) => conns.lock().retain(|(i, _)| *i != id),
-                    }
+        let shared = Arc::new(ServerShared {
+            epoll,
+            stop,
+            listener,
+            side,
+            conns: Mutex::new(std::collections::HashMap::new()),
+            next_conn: AtomicU64::new(1),
+            borrows: Mutex::new(std::collections::HashMap::new()),
+            watchers: watchers.clone(),
+        });
+        let server = Server { addr, shared: shared.clone(), threads: Mutex::new(Vec::new()), watchers };
+        for i in 0..server_threads() {
+            let shared = shared.clone();
+            let spawned = std::thread::Builder::new().name(format!("orbite-serve-{i}")).spawn(move || shared.run());
+            match spawned {
+                Ok(h) => server.threads.lock().push(h),
+                Err(e) => {
+                    server.shutdown();
+                    return Err(e);
                 }
-            })?
-        };
-        Ok(Server { addr, stop, conns, threads, accept: Mutex::new(Some(accept)), watchers })
+            }
+        }
+        Ok(server)
     }
 
     /// Initiators watching this engine's registrations.
@@ -286,20 +273,151 @@ impl Server {
         self.addr
     }
 
-    /// Stops accepting, closes every connection and joins the threads.
+    /// Stops serving, closes every connection and joins the threads.
     pub fn shutdown(&self) {
-        self.stop.store(true, Ordering::Release);
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_secs(1)); // wakes accept
-        if let Some(h) = self.accept.lock().take() {
-            let _ = h.join();
-        }
-        for (_, s) in self.conns.lock().iter() {
-            let _ = s.shutdown(Shutdown::Both);
-        }
+        let one = 1u64;
+        // SAFETY: writes 8 bytes of a live local to our own eventfd.
+        unsafe { libc::write(self.shared.stop.as_raw_fd(), (&one as *const u64).cast(), 8) };
         let threads = std::mem::take(&mut *self.threads.lock());
         for t in threads {
             let _ = t.join();
         }
+        let conns: Vec<u64> = self.shared.conns.lock().keys().copied().collect();
+        for id in conns {
+            self.shared.close(id);
+        }
+    }
+}
+
+impl ServerShared {
+    fn run(&self) {
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        loop {
+            // SAFETY: a live epoll fd and a buffer of `events.len()` entries.
+            let n = unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, -1) };
+            if n < 0 {
+                if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return;
+            }
+            for ev in &events[..n as usize] {
+                match ev.u64 {
+                    STOP => return,
+                    LISTENER => self.accept(),
+                    id => self.serve(id),
+                }
+            }
+        }
+    }
+
+    /// Accepts every waiting connection, then re-arms the listener.
+    fn accept(&self) {
+        loop {
+            let stream = match self.listener.accept() {
+                Ok((s, _)) => s,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => break, // none waiting (or out of descriptors: try again on the next wake-up)
+            };
+            tune(&stream);
+            if stream.set_nonblocking(true).is_err() {
+                continue;
+            }
+            let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+            let fd = stream.as_raw_fd();
+            let conn = Arc::new(ServedConn { stream, machine: Mutex::new(ServerConn::new(id)) });
+            self.conns.lock().insert(id, conn);
+            let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
+            if epoll_ctl(&self.epoll, libc::EPOLL_CTL_ADD, fd, oneshot, id).is_err() {
+                self.conns.lock().remove(&id);
+            }
+        }
+        let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
+        let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_MOD, self.listener.as_raw_fd(), oneshot, LISTENER);
+    }
+
+    /// Serves connection `id` until its socket would block (then re-arms
+    /// it for what it waits for), its turn is used up, or it closes.
+    fn serve(&self, id: u64) {
+        let Some(conn) = self.conns.lock().get(&id).cloned() else { return };
+        let fd = conn.stream.as_raw_fd();
+        let mut m = conn.machine.lock();
+        let mut moved = 0usize;
+        let wait = loop {
+            if moved >= TURN_BYTES {
+                break libc::EPOLLIN; // others' turn; the socket is still ready
+            }
+            if let Some(out) = m.send_buf() {
+                // SAFETY: the machine's iovecs address its own buffers or
+                // registered memory its loans keep alive.
+                let r = unsafe { libc::writev(fd, out.as_ptr(), out.len().min(1024) as i32) };
+                if r >= 0 {
+                    m.sent(r as usize);
+                    moved += r as usize;
+                    continue;
+                }
+                match io::Error::last_os_error().kind() {
+                    io::ErrorKind::Interrupted => continue,
+                    io::ErrorKind::WouldBlock => break libc::EPOLLOUT,
+                    _ => break 0,
+                }
+            }
+            let Some(side) = self.side.upgrade() else { break 0 };
+            let Some(into) = m.recv_buf() else { continue };
+            // SAFETY: the machine's iovecs address its own buffers or
+            // registered memory its loans keep alive, which no Rust
+            // reference aliases while the kernel writes them.
+            let r = unsafe { libc::readv(fd, into.as_ptr(), into.len().min(1024) as i32) };
+            if r == 0 {
+                break 0; // the peer closed
+            }
+            if r < 0 {
+                match io::Error::last_os_error().kind() {
+                    io::ErrorKind::Interrupted => continue,
+                    io::ErrorKind::WouldBlock => break libc::EPOLLIN,
+                    _ => break 0,
+                }
+            }
+            moved += r as usize;
+            match m.received(r as usize, side.as_ref(), &self.borrows) {
+                Ok(None) => {}
+                Ok(Some(Event::Subscribe { epoch, request, budget, since })) => {
+                    let Ok(stream) = conn.stream.try_clone() else { break 0 };
+                    let sub = Subscriber { conn: id, epoch, request, budget, stream, pushed: Mutex::new(since) };
+                    self.watchers.subscribe(sub, side.registry_version(), &|since, budget| side.changes(since, budget));
+                }
+                Err(_) => break 0, // malformed: close this connection only
+            }
+        };
+        drop(m);
+        if wait == 0 {
+            self.close(id);
+            return;
+        }
+        let events = (wait | libc::EPOLLONESHOT) as u32;
+        if epoll_ctl(&self.epoll, libc::EPOLL_CTL_MOD, fd, events, id).is_err() {
+            self.close(id);
+        }
+    }
+
+    /// Closes connection `id`: its machine (and the loans of a request in
+    /// progress), its subscription and its borrows end.
+    fn close(&self, id: u64) {
+        let Some(conn) = self.conns.lock().remove(&id) else { return };
+        let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_DEL, conn.stream.as_raw_fd(), 0, id);
+        let _ = conn.stream.shutdown(Shutdown::Both);
+        self.watchers.forget(id);
+        // The borrower is gone with its connection: give back its loans
+        // (dropped outside the lock).
+        let mut ended = Vec::new();
+        self.borrows.lock().retain(|_, (c, loans)| {
+            if *c == id {
+                ended.push(std::mem::take(loans));
+            }
+            *c != id
+        });
+        drop(ended);
+        drop(conn);
     }
 }
 
@@ -329,246 +447,6 @@ struct Scratch {
     body: Vec<u8>,
     out: Vec<u8>,
     iovs: Vec<libc::iovec>,
-    loans: Vec<Arc<Registration>>,
-    discard: Vec<u8>,
-}
-
-fn serve_connection(
-    stream: TcpStream,
-    side: &Weak<dyn TargetSide>,
-    conn: u64,
-    borrows: &BorrowTable,
-    watchers: &Watchers,
-) {
-    let fd = stream.as_raw_fd();
-    let mut s = Scratch { discard: vec![0u8; 64 * 1024], ..Scratch::default() };
-    loop {
-        let mut hb = [0u8; wire::HEADER_LEN];
-        if read_exact(fd, &mut hb).is_err() {
-            return;
-        }
-        let Some(side) = side.upgrade() else { return };
-        let Ok(h) = wire::decode_header(&hb, side.limits()) else { return };
-        s.body.resize(h.body_len as usize, 0);
-        if read_exact(fd, &mut s.body).is_err() {
-            return;
-        }
-        let served = match h.kind {
-            Kind::Watch => serve_watch(fd, &h, side.as_ref(), &mut s, conn, watchers, &stream),
-            _ => serve_request(fd, &h, side.as_ref(), &mut s, conn, borrows),
-        };
-        if served.is_err() {
-            return; // malformed frame or broken connection: close this one only
-        }
-        s.loans.clear(); // range loans end after the bytes moved
-    }
-}
-
-/// Why a connection must close.
-enum Close {
-    Io,
-    Malformed,
-}
-
-impl From<io::Error> for Close {
-    fn from(_: io::Error) -> Self {
-        Close::Io
-    }
-}
-impl From<WireError> for Close {
-    fn from(_: WireError) -> Self {
-        Close::Malformed
-    }
-}
-
-fn send_frame(fd: i32, kind: Kind, request: u64, body: &[u8]) -> io::Result<()> {
-    let hb = wire::encode_header(&wire::header(kind, body.len(), 0, request));
-    let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
-    // SAFETY: both entries borrow live local buffers for the call.
-    unsafe { writev_all(fd, &mut v) }
-}
-
-fn send_error(fd: i32, request: u64, out: &mut Vec<u8>, status: RemoteStatus, detail: &str) -> io::Result<()> {
-    wire::encode_error(out, status, detail);
-    send_frame(fd, Kind::Error, request, out)
-}
-
-/// A Watch subscribes its connection to the registry's changes
-/// ([`Watchers::changed`]); what changed since the version it names is
-/// pushed at once.
-fn serve_watch(
-    fd: i32,
-    h: &Header,
-    side: &dyn TargetSide,
-    s: &mut Scratch,
-    conn: u64,
-    watchers: &Watchers,
-    stream: &TcpStream,
-) -> Result<(), Close> {
-    let (epoch, since, max_reply) = wire::decode_watch(&s.body)?;
-    if h.data_len != 0 {
-        return Err(Close::Malformed);
-    }
-    if epoch != side.epoch() {
-        let detail = format!("target epoch is {:#x}", side.epoch());
-        return Ok(send_error(fd, h.request, &mut s.out, RemoteStatus::EpochMismatch, &detail)?);
-    }
-    let budget = (max_reply.min(side.limits().max_body as u64) as usize)
-        .min(PUSH_BUDGET)
-        .saturating_sub(CHANGED_OVERHEAD + crate::segment::DELTA_HEADER);
-    if budget < 1024 {
-        return Ok(send_error(fd, h.request, &mut s.out, RemoteStatus::BadLength, "replies must allow 1 KiB")?);
-    }
-    let sub =
-        Subscriber { conn, epoch, request: h.request, budget, stream: stream.try_clone()?, pushed: Mutex::new(since) };
-    watchers.subscribe(sub, side.registry_version(), &|since, budget| side.changes(since, budget));
-    Ok(())
-}
-
-fn serve_request(
-    fd: i32,
-    h: &Header,
-    side: &dyn TargetSide,
-    s: &mut Scratch,
-    conn: u64,
-    borrows: &BorrowTable,
-) -> Result<(), Close> {
-    match h.kind {
-        Kind::Borrow => {
-            let (borrow_id, req) = wire::decode_borrow(&s.body)?;
-            if h.data_len != 0 {
-                return Err(Close::Malformed);
-            }
-            let write = h.flags & wire::BORROW_WRITE != 0;
-            let refusal = if req.target_epoch != side.epoch() {
-                Some((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
-            } else {
-                s.iovs.clear();
-                side.resolve(&req, write, &mut s.iovs, &mut s.loans).err()
-            };
-            let refusal = refusal.or_else(|| {
-                let mut table = borrows.lock();
-                if table.len() >= MAX_BORROWS {
-                    Some((RemoteStatus::ResourceExhausted, "too many borrows".to_owned()))
-                } else {
-                    match table.entry(borrow_id) {
-                        std::collections::hash_map::Entry::Occupied(_) => {
-                            Some((RemoteStatus::Other, "borrow id in use".to_owned()))
-                        }
-                        std::collections::hash_map::Entry::Vacant(v) => {
-                            v.insert((conn, std::mem::take(&mut s.loans)));
-                            None
-                        }
-                    }
-                }
-            });
-            s.loans.clear();
-            match refusal {
-                Some((status, detail)) => send_error(fd, h.request, &mut s.out, status, &detail)?,
-                None => send_frame(fd, Kind::BorrowAck, h.request, &[])?,
-            }
-        }
-        Kind::Return => {
-            let borrow_id = wire::decode_return(&s.body)?;
-            let ended = borrows.lock().remove(&borrow_id);
-            drop(ended);
-            send_frame(fd, Kind::ReturnAck, h.request, &[])?;
-        }
-        Kind::DescribeSince => {
-            let d = wire::decode_describe_since(&s.body)?;
-            if h.data_len != 0 {
-                return Err(Close::Malformed);
-            }
-            let budget =
-                (d.max_reply.min(side.limits().max_body as u64) as usize).saturating_sub(crate::segment::DELTA_HEADER);
-            if d.expected_epoch != 0 && d.expected_epoch != side.epoch() {
-                let detail = format!("target epoch is {:#x}", side.epoch());
-                send_error(fd, h.request, &mut s.out, RemoteStatus::EpochMismatch, &detail)?;
-            } else if budget < 1024 {
-                send_error(fd, h.request, &mut s.out, RemoteStatus::BadLength, "replies must allow 1 KiB")?;
-            } else {
-                let delta = side.changes(d.since, budget).to_bytes();
-                send_frame(fd, Kind::DescribeDelta, h.request, &delta)?;
-            }
-        }
-        Kind::Describe => {
-            wire::decode_describe(&s.body)?;
-            if h.data_len != 0 {
-                return Err(Close::Malformed);
-            }
-            let d = side.descriptor();
-            send_frame(fd, Kind::DescribeReply, h.request, &d)?;
-        }
-        Kind::Write | Kind::Read => {
-            let write = h.kind == Kind::Write;
-            let req = Request::decode(&s.body)?;
-            let total = req.total_len().ok_or(Close::Malformed)?;
-            // A WRITE's payload length must match its descriptors, or the
-            // stream cannot be kept in sync: close. A READ carries none.
-            if (write && total != h.data_len as u64) || (!write && h.data_len != 0) {
-                return Err(Close::Malformed);
-            }
-            let refusal = if req.target_epoch != side.epoch() {
-                Some((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
-            } else if !write && total > side.limits().max_data as u64 {
-                Some((RemoteStatus::BadLength, "read larger than one frame".to_owned()))
-            } else {
-                s.iovs.clear();
-                side.resolve(&req, write, &mut s.iovs, &mut s.loans).err()
-            };
-            if let Some((status, detail)) = refusal {
-                s.loans.clear();
-                if write {
-                    discard(fd, h.data_len as u64, &mut s.discard)?;
-                }
-                send_error(fd, h.request, &mut s.out, status, &detail)?;
-                return Ok(());
-            }
-            side.remote_gate();
-            if write {
-                let mut done = 0;
-                // SAFETY: `resolve` checked every range against a live
-                // registration and `s.loans` keeps those registrations (and
-                // their backing) alive until after this call.
-                unsafe { readv_all(fd, &mut s.iovs, &mut done)? };
-                s.loans.clear(); // landed: release the loans, then ack
-                send_frame(fd, Kind::WriteAck, h.request, &[])?;
-            } else {
-                let hb = wire::encode_header(&wire::header(Kind::ReadReply, 0, total, h.request));
-                s.iovs.insert(0, iov(hb.as_ptr() as u64, hb.len() as u64));
-                // SAFETY: as above, for reads; the header is a live local.
-                unsafe { writev_all(fd, &mut s.iovs)? };
-            }
-        }
-        Kind::Notify => {
-            let env = wire::decode_notify(&s.body)?;
-            if h.data_len != 0 {
-                return Err(Close::Malformed);
-            }
-            let result = if env.target_epoch != side.epoch() {
-                Err((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
-            } else {
-                side.deliver(&env)
-            };
-            match result {
-                Ok(()) => send_frame(fd, Kind::NotifyAck, h.request, &[])?,
-                Err((status, detail)) => send_error(fd, h.request, &mut s.out, status, &detail)?,
-            }
-        }
-        Kind::DescribeReply
-        | Kind::WriteAck
-        | Kind::ReadReply
-        | Kind::NotifyAck
-        | Kind::Error
-        | Kind::BorrowAck
-        | Kind::ReturnAck
-        | Kind::DescribeDelta
-        | Kind::Changed
-        | Kind::Watch => {
-            return Err(Close::Malformed);
-        }
-    }
-    Ok(())
 }
 
 /// Why a peer operation failed.

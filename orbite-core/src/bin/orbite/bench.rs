@@ -45,6 +45,8 @@ enum Workload {
     Sessions,
     /// Metadata refresh: importing registrations made after the exchange.
     Refresh,
+    /// 64 initiator processes writing into one target, against one.
+    FanIn,
 }
 
 /// Parsed `orbite bench` options.
@@ -68,6 +70,7 @@ impl BenchArgs {
                 Workload::Idle,
                 Workload::Sessions,
                 Workload::Refresh,
+                Workload::FanIn,
             ],
             quick: false,
             json: false,
@@ -115,7 +118,10 @@ impl BenchArgs {
                             "idle" => Ok(Workload::Idle),
                             "sessions" => Ok(Workload::Sessions),
                             "refresh" => Ok(Workload::Refresh),
-                            other => Err(format!("unknown workload `{other}` (W1, W2, W3, idle, sessions, refresh)")),
+                            "fan-in" | "fanin" => Ok(Workload::FanIn),
+                            other => {
+                                Err(format!("unknown workload `{other}` (W1, W2, W3, idle, sessions, refresh, fan-in)"))
+                            }
                         })
                         .collect::<Result<_, _>>()?;
                 }
@@ -146,7 +152,8 @@ fn progress(msg: &str) {
 pub fn run(args: BenchArgs) -> Result<(), String> {
     let mut report = Report { json: args.json, rows: Vec::new() };
     let started = Instant::now();
-    let route_work = args.workloads.iter().any(|w| !matches!(w, Workload::Sessions | Workload::Refresh));
+    let route_work =
+        args.workloads.iter().any(|w| !matches!(w, Workload::Sessions | Workload::Refresh | Workload::FanIn));
     for &route in args.routes.iter().filter(|_| route_work) {
         let config = args.config.clone();
         let mut rig = match route.policy() {
@@ -169,7 +176,7 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
                     w3(&mut rig, Op::Read, args.quick, &mut report)?;
                 }
                 Workload::Idle => idle(&mut rig, args.quick, &mut report)?,
-                Workload::Sessions | Workload::Refresh => {}
+                Workload::Sessions | Workload::Refresh | Workload::FanIn => {}
             }
         }
     }
@@ -183,6 +190,10 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
     if args.workloads.contains(&Workload::Refresh) {
         progress("refresh: importing 1 000 registrations made after the exchange, 10 000 at open");
         report.emit(crate::refresh::run(args.quick)?);
+    }
+    if args.workloads.contains(&Workload::FanIn) {
+        progress("fan-in: 64 initiator processes writing 16 KiB blocks into one target, and one alone");
+        report.emit(crate::fanin::run(args.quick, &args.config)?);
     }
     progress(&format!("done in {:.1} s", started.elapsed().as_secs_f64()));
     if !report.json {

@@ -6,6 +6,7 @@
 //! created for a deployment would listen on and advertise.
 
 mod bench;
+mod fanin;
 mod info;
 mod measure;
 mod refresh;
@@ -22,8 +23,8 @@ commands:
           --route LIST          local, shm, cma, tcp, auto or all (default all =
                                 local,shm,cma,tcp); peer routes spawn their
                                 target as a child process on loopback
-          --workload LIST       comma list of W1,W2,W3,idle,sessions,refresh
-                                (default: all)
+          --workload LIST       comma list of W1,W2,W3,idle,sessions,refresh,
+                                fan-in (default: all)
           --quick               short run (under 30 s)
           --config JSON         engine configuration fields to use (both sides)
           --json                print only JSON lines on stdout
@@ -45,6 +46,7 @@ fn main() -> ExitCode {
         Some("copy") => copy(&args[1..]),
         Some("info") => info::InfoArgs::parse(&args[1..]).and_then(info::run),
         Some("bench-target") => rig::serve_target(),
+        Some("bench-fanin") => fanin::initiator(&args[1..]),
         Some("help" | "-h" | "--help") => {
             print!("{USAGE}");
             Ok(())

@@ -1,0 +1,274 @@
+//! `orbite bench --workload fan-in`: many initiator processes write into one
+//! target at once.
+//!
+//! This process is the target: it listens on loopback with one region.
+//! Initiators are child processes (`orbite bench-fanin`), each opening the
+//! target over tcp and writing 4 MiB transfers of 16 KiB descriptors, each
+//! from a local slice into a target slice of its own, as fast as it can,
+//! for the same time. One initiator alone is the reference; 64 together
+//! should move at least 0.9 of what it moves. Both phases touch the same
+//! memory (64 slices of 4 MiB on each side: the lone initiator cycles
+//! through all of them, each of the 64 has one), so neither gains from a
+//! cache the other cannot use (the server serves every connection from a fixed set of threads,
+//! so many connections must not cost throughput). The row's `x_limit` is
+//! the 64 initiators' total over one initiator's; the target's thread count
+//! is reported with one and with 64.
+//!
+//! The initiators stand in for other hosts: the target runs on the first
+//! half of this machine's cores and the initiators on the other half, so
+//! that in both phases the target has the same cores to itself (with one
+//! core, everything shares it).
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use orbite_core::{Desc, EngineConfig, MemoryRange, Op, Permission, Target, TransferEngine, TransferSpec};
+use serde_json::{Value, json};
+
+use crate::measure;
+use crate::rig::{MIB, digest};
+
+const BLOCK: u64 = 16 << 10;
+const SLICE: u64 = 4 * MIB;
+const INITIATORS: usize = 64;
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+/// This machine's cores, split in two halves: the target's and the
+/// initiators'.
+fn halves() -> Option<(Vec<usize>, Vec<usize>)> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set, filled by the call.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: as above, with its exact size.
+    if unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) } != 0 {
+        return None;
+    }
+    // SAFETY: reads bits of a valid set.
+    let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize).filter(|c| unsafe { libc::CPU_ISSET(*c, &set) }).collect();
+    if cpus.len() < 2 {
+        return None;
+    }
+    let (a, b) = cpus.split_at(cpus.len() / 2);
+    Some((a.to_vec(), b.to_vec()))
+}
+
+/// Runs the calling thread (and the threads it starts) on `cpus`.
+fn pin(cpus: &[usize]) {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    for &c in cpus {
+        // SAFETY: `c` is below CPU_SETSIZE (it came from such a set).
+        unsafe { libc::CPU_SET(c, &mut set) };
+    }
+    // SAFETY: a valid set of its exact size.
+    unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+}
+
+/// CPU seconds this process used so far.
+fn cpu_seconds() -> f64 {
+    // SAFETY: a zeroed rusage is valid and filled by the call.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 * 1e-6;
+    t(u.ru_utime) + t(u.ru_stime)
+}
+
+fn threads() -> usize {
+    std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0)
+}
+
+struct Initiator {
+    child: Child,
+    out: BufReader<std::process::ChildStdout>,
+}
+
+impl Initiator {
+    fn spawn(endpoint: &str, epoch: u64, slices: (usize, usize), secs: f64, cpus: &[usize]) -> Result<Self, String> {
+        let exe = std::env::current_exe().map_err(err)?;
+        let cpus: Vec<String> = cpus.iter().map(usize::to_string).collect();
+        let (first, count) = (slices.0.to_string(), slices.1.to_string());
+        let mut child = Command::new(exe)
+            .args(["bench-fanin", endpoint, &epoch.to_string(), &first, &count, &secs.to_string()])
+            .arg(cpus.join(","))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("cannot start an initiator: {e}"))?;
+        let out = BufReader::new(child.stdout.take().ok_or("no stdout")?);
+        Ok(Initiator { child, out })
+    }
+
+    fn line(&mut self) -> Result<String, String> {
+        let mut l = String::new();
+        self.out.read_line(&mut l).map_err(err)?;
+        if l.is_empty() {
+            return Err("an initiator exited early".into());
+        }
+        Ok(l.trim().to_owned())
+    }
+}
+
+/// One phase: `n` initiators at once; returns (bytes per second in all,
+/// every slice verified, the target's busy cores).
+fn phase(
+    target: &TransferEngine,
+    mem: &orbite_core::HostMemory,
+    n: usize,
+    secs: f64,
+    cpus: &[usize],
+) -> Result<(f64, bool, f64), String> {
+    let endpoint = target.endpoint().unwrap_or_default();
+    let per = INITIATORS / n;
+    let mut kids = Vec::with_capacity(n);
+    for i in 0..n {
+        kids.push(Initiator::spawn(&endpoint, target.source_epoch(), (i * per, per), secs, cpus)?);
+    }
+    for k in &mut kids {
+        let l = k.line()?;
+        if l != "ready" {
+            return Err(format!("initiator: {l}"));
+        }
+    }
+    let (cpu0, t0) = (cpu_seconds(), Instant::now());
+    for k in &mut kids {
+        let stdin = k.child.stdin.as_mut().ok_or("no stdin")?;
+        stdin.write_all(b"go\n").and_then(|()| stdin.flush()).map_err(err)?;
+    }
+    // Each initiator's rate over its own window, summed: what they moved
+    // together while all of them ran.
+    let (mut rate, mut verified) = (0f64, true);
+    let mut busy = None;
+    for (i, k) in kids.iter_mut().enumerate() {
+        let l = k.line()?;
+        // The target's cores while every initiator still ran.
+        busy.get_or_insert_with(|| (cpu_seconds() - cpu0) / t0.elapsed().as_secs_f64());
+        let mut f = l.split_whitespace();
+        let (Some("done"), Some(b), Some(s)) = (f.next(), f.next(), f.next()) else {
+            return Err(format!("initiator: {l}"));
+        };
+        rate += b.parse::<u64>().map_err(err)? as f64 / s.parse::<f64>().map_err(err)?.max(1e-9);
+        // The last write into each slice is a pattern of its own.
+        for (j, d) in f.enumerate() {
+            let off = ((i * per + j) as u64 * SLICE) as usize;
+            // SAFETY: reads the target region after every initiator finished.
+            let slice = unsafe { std::slice::from_raw_parts(mem.as_ptr().add(off), SLICE as usize) };
+            verified &= d.parse::<u64>().map_err(err)? == digest(slice);
+        }
+        let _ = k.child.wait();
+    }
+    Ok((rate, verified, busy.unwrap_or(0.0)))
+}
+
+/// The `fan-in` row.
+pub fn run(quick: bool, config: &EngineConfig) -> Result<Value, String> {
+    let secs = if quick { 0.5 } else { 3.0 };
+    let (mine, theirs) = halves().unwrap_or_default();
+    // The target's threads start from this one (and so inherit its cores);
+    // it gets them back afterwards.
+    let all: Vec<usize> = mine.iter().chain(&theirs).copied().collect();
+    if !mine.is_empty() {
+        pin(&mine);
+    }
+    let row = run_pinned(quick, secs, config, &theirs);
+    if !all.is_empty() {
+        pin(&all);
+    }
+    row
+}
+
+fn run_pinned(quick: bool, secs: f64, config: &EngineConfig, theirs: &[usize]) -> Result<Value, String> {
+    let _ = quick;
+    let mut cfg = config.clone();
+    cfg.listen = Some("127.0.0.1:0".into());
+    let target = TransferEngine::new(cfg).map_err(err)?;
+    let mem = target.allocate_host_memory((INITIATORS as u64 * SLICE) as usize).map_err(err)?;
+    target
+        .register_memory_ranges(vec![MemoryRange::host(&mem, 0, mem.len(), Permission::RemoteReadWrite).map_err(err)?])
+        .map_err(err)?;
+    let idle_threads = threads();
+    let (one, v1, cpu1) = phase(&target, &mem, 1, secs, theirs)?;
+    let (many, v64, cpu64) = phase(&target, &mem, INITIATORS, secs, theirs)?;
+    let served_threads = threads();
+    target.close();
+    let gbps = |b: f64| (b / 1e9 * 100.0).round() / 100.0;
+    Ok(json!({
+        "system": "orbite", "route": "tcp", "workload": "fan-in", "block_bytes": BLOCK,
+        "initiators": INITIATORS, "one_initiator_gbps": gbps(one), "gbps": gbps(many),
+        "x_limit": ((many / one) * 100.0).round() / 100.0,
+        "limit": "one initiator's throughput (bar: 0.9)",
+        "target_threads": [idle_threads, served_threads], "seconds": secs,
+        "target_cores_busy": [(cpu1 * 100.0).round() / 100.0, (cpu64 * 100.0).round() / 100.0],
+        "verified": v1 && v64,
+    }))
+}
+
+/// `orbite bench-fanin ENDPOINT EPOCH FIRST COUNT SECONDS CPUS`: one
+/// initiator, writing target slices FIRST..FIRST+COUNT (CPUS: a comma list
+/// of the cores to run on, or empty).
+pub fn initiator(args: &[String]) -> Result<(), String> {
+    let [endpoint, epoch, first, count, secs, cpus] = args else {
+        return Err("usage: orbite bench-fanin ENDPOINT EPOCH FIRST COUNT SECONDS CPUS".into());
+    };
+    let cpus: Vec<usize> =
+        cpus.split(',').filter(|c| !c.is_empty()).map(str::parse).collect::<Result<_, _>>().map_err(err)?;
+    if !cpus.is_empty() {
+        pin(&cpus);
+    }
+    let epoch: u64 = epoch.parse().map_err(err)?;
+    let first: u64 = first.parse().map_err(err)?;
+    let count: u64 = count.parse().map_err(err)?;
+    let secs: f64 = secs.parse().map_err(err)?;
+    if count == 0 || first + count > INITIATORS as u64 {
+        return Err("slices outside the target region".into());
+    }
+    let e = TransferEngine::from_json(r#"{"route": "tcp"}"#).map_err(err)?;
+    let mem = e.allocate_host_memory((count * SLICE) as usize).map_err(err)?;
+    let id = e
+        .register_memory_ranges(vec![MemoryRange::host(&mem, 0, mem.len(), Permission::LocalOnly).map_err(err)?])
+        .map_err(err)?[0];
+    let seg = e.open_segment(endpoint, Some(epoch), Duration::from_secs(30)).map_err(err)?;
+    let remote_id = seg.descriptor().registrations.first().ok_or("the target exports nothing")?.id;
+    let n = SLICE / BLOCK;
+    let transfers = (0..count)
+        .map(|s| {
+            let local: Vec<Desc> = (0..n).map(|i| Desc::new(id, s * SLICE + i * BLOCK, BLOCK)).collect();
+            let remote: Vec<Desc> =
+                (0..n).map(|i| Desc::new(remote_id, (first + s) * SLICE + i * BLOCK, BLOCK)).collect();
+            e.prepare(&TransferSpec::new(Op::Write, &local, &remote, Target::Peer(&seg))).map_err(err)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    measure::fill(&mem, 0x3333 + first);
+    let mut stdout = std::io::stdout();
+    writeln!(stdout, "ready").map_err(err)?;
+    let mut go = String::new();
+    std::io::stdin().read_line(&mut go).map_err(err)?;
+    let run = |t: &orbite_core::Transfer| -> Result<(), String> {
+        t.post().map_err(err)?;
+        let r = t.wait(Duration::from_secs(60)).result().ok_or("a transfer did not retire")?;
+        if r.outcome.is_success() { Ok(()) } else { Err(format!("transfer failed: {}", r.outcome)) }
+    };
+    let start = Instant::now();
+    let mut bytes = 0u64;
+    let mut next = transfers.iter().cycle();
+    while start.elapsed().as_secs_f64() < secs {
+        run(next.next().ok_or("no transfer")?)?;
+        bytes += SLICE;
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let mut line = format!("done {bytes} {elapsed}");
+    for (s, t) in transfers.iter().enumerate() {
+        run(t)?;
+        // SAFETY: the local region, read after the transfer from it retired.
+        let local = unsafe { std::slice::from_raw_parts(mem.as_ptr().add(s * SLICE as usize), SLICE as usize) };
+        line.push_str(&format!(" {}", digest(local)));
+    }
+    writeln!(stdout, "{line}").map_err(err)?;
+    drop(transfers);
+    let _ = e.close_segment(&seg, Duration::from_secs(5));
+    e.close();
+    Ok(())
+}

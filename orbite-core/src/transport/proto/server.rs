@@ -1,0 +1,734 @@
+//! The target side of one peer connection, as a state machine: bytes in,
+//! replies out, no sockets, threads or clocks.
+//!
+//! The driver asks where the next incoming bytes go ([`ServerConn::recv_buf`]:
+//! the machine's own header and body buffers, or, for an accepted WRITE,
+//! straight into the registered memory it names), reports how many arrived
+//! ([`ServerConn::received`]), and sends what [`ServerConn::send_buf`] holds
+//! (a reply, or a READ's bytes straight from registered memory) until
+//! [`ServerConn::sent`] has seen all of it. One request is served at a time,
+//! in order: the next is read only once the previous reply is out.
+//!
+//! Every request is checked whole (epoch, ids, generations, bounds and
+//! permissions, through [`TargetSide::resolve`]) before any payload byte
+//! moves. A refusal is a typed error frame; a refused WRITE's payload is
+//! drained first, so the stream stays in sync. A malformed frame closes the
+//! connection ([`Close`]); other connections are not affected.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::registry::Registration;
+use crate::transport::sock::{advance, iov};
+use crate::wire::{self, Header, Kind, Limits, NotifyEnvelope, RemoteStatus, Request, WireError};
+
+/// What the target side of the engine provides to its server.
+pub(crate) trait TargetSide: Send + Sync + 'static {
+    /// This engine's epoch.
+    fn epoch(&self) -> u64;
+    /// The encoded segment descriptor.
+    fn descriptor(&self) -> Vec<u8>;
+    /// Resolves every descriptor of a request (live id and generation,
+    /// bounds, permission) into I/O vectors and range loans, or refuses.
+    fn resolve(
+        &self,
+        req: &Request<'_>,
+        write: bool,
+        iovs: &mut Vec<libc::iovec>,
+        loans: &mut Vec<Arc<Registration>>,
+    ) -> Result<(), (RemoteStatus, String)>;
+    /// Queues a notification, or refuses it.
+    fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)>;
+    /// What changed in the exported registrations after registry version
+    /// `since`, in at most `budget` encoded bytes.
+    fn changes(&self, since: u64, budget: usize) -> crate::segment::Delta;
+    /// The registry's current version.
+    fn registry_version(&self) -> u64;
+    /// Frame limits.
+    fn limits(&self) -> Limits;
+    /// Test hook: blocks while remote requests are held (after their loans
+    /// were taken, before any byte moves).
+    fn remote_gate(&self) {}
+}
+
+/// Borrows held for initiators of one-sided routes: id to (connection,
+/// range loans). A connection's borrows end with it.
+pub(crate) type BorrowTable = Mutex<std::collections::HashMap<u64, (u64, Vec<Arc<Registration>>)>>;
+
+/// Most borrows one server holds at once.
+pub(crate) const MAX_BORROWS: usize = 65_536;
+
+/// Most bytes of changes pushed at once; a watcher further behind gets the
+/// first part and asks for the rest.
+pub(crate) const PUSH_BUDGET: usize = 64 << 10;
+
+/// Bytes of a Changed frame besides its delta.
+pub(crate) const CHANGED_OVERHEAD: usize = 16;
+
+/// Why a connection must close.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Close {
+    /// The peer broke the protocol.
+    Malformed,
+}
+
+impl From<WireError> for Close {
+    fn from(_: WireError) -> Self {
+        Close::Malformed
+    }
+}
+
+/// Something the driver must do for the machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Event {
+    /// Subscribe this connection to the registry's changes (a Watch): push
+    /// what changed after `since` at once, then every change.
+    Subscribe { epoch: u64, request: u64, budget: usize, since: u64 },
+}
+
+/// What incoming bytes are for.
+enum Input {
+    /// A frame header: `have` of its bytes arrived.
+    Header { have: usize },
+    /// The body of `h`: `have` bytes arrived.
+    Body { h: Header, have: usize },
+    /// An accepted WRITE's payload, landing in registered memory through
+    /// `iovs` (from `first`); `loans` keep those registrations alive.
+    Payload { h: Header, first: usize },
+    /// A refused WRITE's payload, `left` bytes still to drop; the error
+    /// reply goes out once it is drained.
+    Discard { h: Header, left: u64, status: RemoteStatus, detail: String },
+}
+
+/// One peer connection's target side.
+pub(crate) struct ServerConn {
+    conn: u64,
+    input: Input,
+    head: [u8; wire::HEADER_LEN],
+    body: Vec<u8>,
+    discard: Vec<u8>,
+    /// Incoming: the iovecs of the buffer or memory bytes go to.
+    in_iovs: Vec<libc::iovec>,
+    /// Range loans of the request being served (landing or sending).
+    loans: Vec<Arc<Registration>>,
+    /// Outgoing: the reply's header and body.
+    out: Vec<u8>,
+    /// Outgoing: what remains to send (into `out`, or registered memory).
+    out_iovs: Vec<libc::iovec>,
+    out_first: usize,
+    /// A READ reply holds its loans until every byte is out.
+    out_loans: Vec<Arc<Registration>>,
+    scratch: Vec<u8>,
+}
+
+// SAFETY: the raw pointers in the iovecs point into buffers this value owns
+// or into registered memory kept alive by its loans; they are only used by
+// the thread that holds the machine.
+unsafe impl Send for ServerConn {}
+
+/// Largest piece of a refused payload dropped per read.
+const DISCARD_CHUNK: usize = 64 * 1024;
+
+impl ServerConn {
+    /// A machine for connection `conn` (an id unique in the server).
+    pub fn new(conn: u64) -> Self {
+        ServerConn {
+            conn,
+            input: Input::Header { have: 0 },
+            head: [0; wire::HEADER_LEN],
+            body: Vec::new(),
+            discard: Vec::new(),
+            in_iovs: Vec::new(),
+            loans: Vec::new(),
+            out: Vec::new(),
+            out_iovs: Vec::new(),
+            out_first: 0,
+            out_loans: Vec::new(),
+            scratch: Vec::new(),
+        }
+    }
+
+    /// Where the next incoming bytes go; `None` while a reply waits to be
+    /// sent (requests are served one at a time, in order).
+    pub fn recv_buf(&mut self) -> Option<&mut [libc::iovec]> {
+        if self.out_first < self.out_iovs.len() {
+            return None;
+        }
+        match &self.input {
+            Input::Header { have } => {
+                let rest = &mut self.head[*have..];
+                self.in_iovs.clear();
+                self.in_iovs.push(iov(rest.as_mut_ptr() as u64, rest.len() as u64));
+            }
+            Input::Body { have, .. } => {
+                let rest = &mut self.body[*have..];
+                self.in_iovs.clear();
+                self.in_iovs.push(iov(rest.as_mut_ptr() as u64, rest.len() as u64));
+            }
+            Input::Payload { first, .. } => return Some(&mut self.in_iovs[*first..]),
+            Input::Discard { left, .. } => {
+                let n = (*left as usize).min(DISCARD_CHUNK);
+                self.discard.resize(DISCARD_CHUNK, 0);
+                self.in_iovs.clear();
+                self.in_iovs.push(iov(self.discard.as_mut_ptr() as u64, n as u64));
+            }
+        }
+        Some(&mut self.in_iovs[..])
+    }
+
+    /// `n` (> 0) bytes arrived into what [`ServerConn::recv_buf`] gave.
+    /// Returns what the driver must do, or why the connection closes.
+    pub fn received(&mut self, n: usize, side: &dyn TargetSide, borrows: &BorrowTable) -> Result<Option<Event>, Close> {
+        match &mut self.input {
+            Input::Header { have } => {
+                *have += n;
+                if *have < wire::HEADER_LEN {
+                    return Ok(None);
+                }
+                let h = wire::decode_header(&self.head, side.limits())?;
+                self.body.clear();
+                self.body.resize(h.body_len as usize, 0);
+                self.input = Input::Body { h, have: 0 };
+                if h.body_len == 0 {
+                    return self.on_frame(h, side, borrows);
+                }
+                Ok(None)
+            }
+            Input::Body { h, have } => {
+                *have += n;
+                let h = *h;
+                if *have < self.body.len() {
+                    return Ok(None);
+                }
+                self.on_frame(h, side, borrows)
+            }
+            Input::Payload { h, first } => {
+                let h = *h;
+                advance(&mut self.in_iovs, first, n);
+                if *first < self.in_iovs.len() {
+                    return Ok(None);
+                }
+                self.loans.clear(); // landed: release the loans, then ack
+                self.input = Input::Header { have: 0 };
+                self.reply(Kind::WriteAck, h.request, &[]);
+                Ok(None)
+            }
+            Input::Discard { h, left, status, detail } => {
+                *left -= n as u64;
+                if *left > 0 {
+                    return Ok(None);
+                }
+                let (request, status, detail) = (h.request, *status, std::mem::take(detail));
+                self.input = Input::Header { have: 0 };
+                self.error(request, status, &detail);
+                Ok(None)
+            }
+        }
+    }
+
+    /// What to send next (advanced by [`ServerConn::sent`]); `None`: nothing.
+    pub fn send_buf(&mut self) -> Option<&mut [libc::iovec]> {
+        (self.out_first < self.out_iovs.len()).then(|| &mut self.out_iovs[self.out_first..])
+    }
+
+    /// `n` bytes of [`ServerConn::send_buf`] went out.
+    pub fn sent(&mut self, n: usize) {
+        advance(&mut self.out_iovs, &mut self.out_first, n);
+        if self.out_first >= self.out_iovs.len() {
+            self.out_loans.clear(); // a READ's bytes are out: its loans end
+        }
+    }
+
+    fn reply(&mut self, kind: Kind, request: u64, body: &[u8]) {
+        let h = wire::header(kind, body.len(), 0, request);
+        self.out.clear();
+        self.out.extend_from_slice(&wire::encode_header(&h));
+        self.out.extend_from_slice(body);
+        self.out_iovs.clear();
+        self.out_iovs.push(iov(self.out.as_ptr() as u64, self.out.len() as u64));
+        self.out_first = 0;
+    }
+
+    fn error(&mut self, request: u64, status: RemoteStatus, detail: &str) {
+        let mut body = std::mem::take(&mut self.scratch);
+        wire::encode_error(&mut body, status, detail);
+        self.reply(Kind::Error, request, &body);
+        self.scratch = body;
+    }
+
+    fn epoch_mismatch(&mut self, request: u64, side: &dyn TargetSide) {
+        let detail = format!("target epoch is {:#x}", side.epoch());
+        self.error(request, RemoteStatus::EpochMismatch, &detail);
+    }
+
+    /// A whole frame (header and body) arrived.
+    fn on_frame(&mut self, h: Header, side: &dyn TargetSide, borrows: &BorrowTable) -> Result<Option<Event>, Close> {
+        self.input = Input::Header { have: 0 };
+        match h.kind {
+            Kind::Watch => {
+                let (epoch, since, max_reply) = wire::decode_watch(&self.body)?;
+                if h.data_len != 0 {
+                    return Err(Close::Malformed);
+                }
+                if epoch != side.epoch() {
+                    self.epoch_mismatch(h.request, side);
+                    return Ok(None);
+                }
+                let budget = (max_reply.min(side.limits().max_body as u64) as usize)
+                    .min(PUSH_BUDGET)
+                    .saturating_sub(CHANGED_OVERHEAD + crate::segment::DELTA_HEADER);
+                if budget < 1024 {
+                    self.error(h.request, RemoteStatus::BadLength, "replies must allow 1 KiB");
+                    return Ok(None);
+                }
+                return Ok(Some(Event::Subscribe { epoch, request: h.request, budget, since }));
+            }
+            Kind::Borrow => {
+                let (borrow_id, req) = wire::decode_borrow(&self.body)?;
+                if h.data_len != 0 {
+                    return Err(Close::Malformed);
+                }
+                let write = h.flags & wire::BORROW_WRITE != 0;
+                let mut iovs = Vec::new();
+                let refusal = if req.target_epoch != side.epoch() {
+                    Some((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
+                } else {
+                    side.resolve(&req, write, &mut iovs, &mut self.loans).err()
+                };
+                let refusal = refusal.or_else(|| {
+                    let mut table = borrows.lock();
+                    if table.len() >= MAX_BORROWS {
+                        Some((RemoteStatus::ResourceExhausted, "too many borrows".to_owned()))
+                    } else {
+                        match table.entry(borrow_id) {
+                            std::collections::hash_map::Entry::Occupied(_) => {
+                                Some((RemoteStatus::Other, "borrow id in use".to_owned()))
+                            }
+                            std::collections::hash_map::Entry::Vacant(v) => {
+                                v.insert((self.conn, std::mem::take(&mut self.loans)));
+                                None
+                            }
+                        }
+                    }
+                });
+                self.loans.clear();
+                match refusal {
+                    Some((status, detail)) => self.error(h.request, status, &detail),
+                    None => self.reply(Kind::BorrowAck, h.request, &[]),
+                }
+            }
+            Kind::Return => {
+                let borrow_id = wire::decode_return(&self.body)?;
+                let ended = borrows.lock().remove(&borrow_id);
+                drop(ended);
+                self.reply(Kind::ReturnAck, h.request, &[]);
+            }
+            Kind::DescribeSince => {
+                let d = wire::decode_describe_since(&self.body)?;
+                if h.data_len != 0 {
+                    return Err(Close::Malformed);
+                }
+                let budget = (d.max_reply.min(side.limits().max_body as u64) as usize)
+                    .saturating_sub(crate::segment::DELTA_HEADER);
+                if d.expected_epoch != 0 && d.expected_epoch != side.epoch() {
+                    self.epoch_mismatch(h.request, side);
+                } else if budget < 1024 {
+                    self.error(h.request, RemoteStatus::BadLength, "replies must allow 1 KiB");
+                } else {
+                    let delta = side.changes(d.since, budget).to_bytes();
+                    self.reply(Kind::DescribeDelta, h.request, &delta);
+                }
+            }
+            Kind::Describe => {
+                wire::decode_describe(&self.body)?;
+                if h.data_len != 0 {
+                    return Err(Close::Malformed);
+                }
+                let d = side.descriptor();
+                self.reply(Kind::DescribeReply, h.request, &d);
+            }
+            Kind::Write | Kind::Read => {
+                let write = h.kind == Kind::Write;
+                let req = Request::decode(&self.body)?;
+                let total = req.total_len().ok_or(Close::Malformed)?;
+                // A WRITE's payload length must match its descriptors, or the
+                // stream cannot be kept in sync: close. A READ carries none.
+                if (write && total != h.data_len as u64) || (!write && h.data_len != 0) {
+                    return Err(Close::Malformed);
+                }
+                let mut iovs = std::mem::take(&mut self.in_iovs);
+                iovs.clear();
+                let refusal = if req.target_epoch != side.epoch() {
+                    Some((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
+                } else if !write && total > side.limits().max_data as u64 {
+                    Some((RemoteStatus::BadLength, "read larger than one frame".to_owned()))
+                } else {
+                    side.resolve(&req, write, &mut iovs, &mut self.loans).err()
+                };
+                if let Some((status, detail)) = refusal {
+                    self.loans.clear();
+                    self.in_iovs = iovs;
+                    if write && h.data_len > 0 {
+                        self.input = Input::Discard { h, left: h.data_len as u64, status, detail };
+                    } else {
+                        self.error(h.request, status, &detail);
+                    }
+                    return Ok(None);
+                }
+                side.remote_gate();
+                if write {
+                    self.in_iovs = iovs;
+                    self.in_iovs.retain(|v| v.iov_len > 0);
+                    if self.in_iovs.is_empty() {
+                        self.loans.clear();
+                        self.reply(Kind::WriteAck, h.request, &[]);
+                    } else {
+                        self.input = Input::Payload { h, first: 0 };
+                    }
+                } else {
+                    self.out.clear();
+                    self.out.extend_from_slice(&wire::encode_header(&wire::header(
+                        Kind::ReadReply,
+                        0,
+                        total,
+                        h.request,
+                    )));
+                    self.out_iovs.clear();
+                    self.out_iovs.push(iov(self.out.as_ptr() as u64, self.out.len() as u64));
+                    self.out_iovs.extend(iovs.iter().copied());
+                    self.out_first = 0;
+                    self.out_loans.clear();
+                    self.out_loans.append(&mut self.loans);
+                    self.in_iovs = iovs;
+                }
+            }
+            Kind::Notify => {
+                let env = wire::decode_notify(&self.body)?;
+                if h.data_len != 0 {
+                    return Err(Close::Malformed);
+                }
+                let result = if env.target_epoch != side.epoch() {
+                    Err((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
+                } else {
+                    side.deliver(&env)
+                };
+                match result {
+                    Ok(()) => self.reply(Kind::NotifyAck, h.request, &[]),
+                    Err((status, detail)) => self.error(h.request, status, &detail),
+                }
+            }
+            Kind::DescribeReply
+            | Kind::WriteAck
+            | Kind::ReadReply
+            | Kind::NotifyAck
+            | Kind::Error
+            | Kind::BorrowAck
+            | Kind::ReturnAck
+            | Kind::DescribeDelta
+            | Kind::Changed => return Err(Close::Malformed),
+        }
+        Ok(None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The machine against a reference model: random request streams
+    //! (valid, refused and malformed frames), cut into random pieces on the
+    //! way in and out, give the replies, bytes and memory the model says.
+
+    use super::*;
+    use crate::wire::{NotifyEnvelope, RemoteDesc};
+    use proptest::prelude::*;
+    use std::cell::UnsafeCell;
+
+    const EPOCH: u64 = 0xfeed;
+    const LIMITS: Limits = Limits { max_body: 4096, max_data: 1 << 16 };
+
+    /// Two registrations: 1 read-write, 2 read-only, 256 bytes each.
+    struct FakeSide {
+        mem: UnsafeCell<[[u8; 256]; 2]>,
+    }
+
+    // SAFETY: the tests use one thread.
+    unsafe impl Sync for FakeSide {}
+
+    impl TargetSide for FakeSide {
+        fn epoch(&self) -> u64 {
+            EPOCH
+        }
+        fn descriptor(&self) -> Vec<u8> {
+            b"descriptor".to_vec()
+        }
+        fn resolve(
+            &self,
+            req: &Request<'_>,
+            write: bool,
+            iovs: &mut Vec<libc::iovec>,
+            _loans: &mut Vec<Arc<Registration>>,
+        ) -> Result<(), (RemoteStatus, String)> {
+            for d in req.descs() {
+                let Some(i) = d.registration.checked_sub(1).filter(|i| *i < 2) else {
+                    return Err((RemoteStatus::UnknownRegistration, String::new()));
+                };
+                if write && i == 1 {
+                    return Err((RemoteStatus::PermissionDenied, String::new()));
+                }
+                if d.offset.checked_add(d.len).is_none_or(|end| end > 256) {
+                    return Err((RemoteStatus::OutOfBounds, String::new()));
+                }
+                // SAFETY: in bounds of the fake's memory (checked above).
+                let base = unsafe { (*self.mem.get())[i as usize].as_mut_ptr().add(d.offset as usize) };
+                iovs.push(iov(base as u64, d.len));
+            }
+            Ok(())
+        }
+        fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)> {
+            if env.payload.len() > 8 { Err((RemoteStatus::NotificationTooLarge, String::new())) } else { Ok(()) }
+        }
+        fn changes(&self, _since: u64, _budget: usize) -> crate::segment::Delta {
+            crate::segment::Delta::default()
+        }
+        fn registry_version(&self) -> u64 {
+            0
+        }
+        fn limits(&self) -> Limits {
+            LIMITS
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Frame {
+        Write {
+            reg: u64,
+            offset: u64,
+            data: Vec<u8>,
+            epoch_ok: bool,
+        },
+        Read {
+            reg: u64,
+            offset: u64,
+            len: u64,
+        },
+        Notify {
+            payload: Vec<u8>,
+        },
+        Describe,
+        /// A WRITE whose payload length disagrees with its descriptors.
+        BadLength,
+        /// A reply kind sent to a server.
+        WrongKind,
+    }
+
+    fn frame() -> impl Strategy<Value = Frame> {
+        prop_oneof![
+            4 => (0u64..4, 0u64..300, prop::collection::vec(any::<u8>(), 1..64), prop::bool::weighted(0.9))
+                .prop_map(|(reg, offset, data, epoch_ok)| Frame::Write { reg, offset, data, epoch_ok }),
+            3 => (0u64..4, 0u64..300, 1u64..64).prop_map(|(reg, offset, len)| Frame::Read { reg, offset, len }),
+            1 => prop::collection::vec(any::<u8>(), 0..12).prop_map(|payload| Frame::Notify { payload }),
+            1 => Just(Frame::Describe),
+            1 => Just(Frame::BadLength),
+            1 => Just(Frame::WrongKind),
+        ]
+    }
+
+    fn encode(f: &Frame, request: u64) -> Vec<u8> {
+        let mut body = Vec::new();
+        let (kind, data): (Kind, &[u8]) = match f {
+            Frame::Write { reg, offset, data, epoch_ok } => {
+                let epoch = if *epoch_ok { EPOCH } else { EPOCH + 1 };
+                let d = RemoteDesc { registration: *reg, offset: *offset, len: data.len() as u64 };
+                wire::encode_request(&mut body, epoch, [d].into_iter());
+                (Kind::Write, data)
+            }
+            Frame::Read { reg, offset, len } => {
+                let d = RemoteDesc { registration: *reg, offset: *offset, len: *len };
+                wire::encode_request(&mut body, EPOCH, [d].into_iter());
+                (Kind::Read, &[])
+            }
+            Frame::Notify { payload } => {
+                let env = NotifyEnvelope { sender_endpoint: "x:1", sender_epoch: 3, target_epoch: EPOCH, payload };
+                wire::encode_notify(&mut body, &env);
+                (Kind::Notify, &[])
+            }
+            Frame::Describe => {
+                wire::encode_describe(&mut body, 3, 0);
+                (Kind::Describe, &[])
+            }
+            Frame::BadLength => {
+                let d = RemoteDesc { registration: 1, offset: 0, len: 8 };
+                wire::encode_request(&mut body, EPOCH, [d].into_iter());
+                (Kind::Write, &[0u8; 4])
+            }
+            Frame::WrongKind => (Kind::WriteAck, &[]),
+        };
+        let mut out = wire::encode_header(&wire::header(kind, body.len(), data.len() as u64, request)).to_vec();
+        out.extend_from_slice(&body);
+        out.extend_from_slice(data);
+        out
+    }
+
+    /// What the model expects of one frame: a reply (kind, status of an
+    /// error, READ bytes), or the connection closing.
+    #[derive(Debug, PartialEq)]
+    enum Expect {
+        Reply(Kind, Option<RemoteStatus>, Vec<u8>),
+        Close,
+    }
+
+    fn model(frames: &[Frame], mem: &mut [[u8; 256]; 2]) -> Vec<Expect> {
+        let mut out = Vec::new();
+        let check = |reg: u64, offset: u64, len: u64, write: bool| -> Result<usize, RemoteStatus> {
+            let i = reg.checked_sub(1).filter(|i| *i < 2).ok_or(RemoteStatus::UnknownRegistration)? as usize;
+            if write && i == 1 {
+                return Err(RemoteStatus::PermissionDenied);
+            }
+            if offset + len > 256 {
+                return Err(RemoteStatus::OutOfBounds);
+            }
+            Ok(i)
+        };
+        for f in frames {
+            let e = match f {
+                Frame::Write { epoch_ok: false, .. } => {
+                    Expect::Reply(Kind::Error, Some(RemoteStatus::EpochMismatch), vec![])
+                }
+                Frame::Write { reg, offset, data, .. } => match check(*reg, *offset, data.len() as u64, true) {
+                    Ok(i) => {
+                        mem[i][*offset as usize..*offset as usize + data.len()].copy_from_slice(data);
+                        Expect::Reply(Kind::WriteAck, None, vec![])
+                    }
+                    Err(s) => Expect::Reply(Kind::Error, Some(s), vec![]),
+                },
+                Frame::Read { reg, offset, len } => match check(*reg, *offset, *len, false) {
+                    Ok(i) => Expect::Reply(
+                        Kind::ReadReply,
+                        None,
+                        mem[i][*offset as usize..(*offset + *len) as usize].to_vec(),
+                    ),
+                    Err(s) => Expect::Reply(Kind::Error, Some(s), vec![]),
+                },
+                Frame::Notify { payload } if payload.len() > 8 => {
+                    Expect::Reply(Kind::Error, Some(RemoteStatus::NotificationTooLarge), vec![])
+                }
+                Frame::Notify { .. } => Expect::Reply(Kind::NotifyAck, None, vec![]),
+                Frame::Describe => Expect::Reply(Kind::DescribeReply, None, b"descriptor".to_vec()),
+                Frame::BadLength | Frame::WrongKind => Expect::Close,
+            };
+            let close = e == Expect::Close;
+            out.push(e);
+            if close {
+                break;
+            }
+        }
+        out
+    }
+
+    /// Copies `src` into the iovecs, in order; returns the bytes copied.
+    fn fill(iovs: &[libc::iovec], src: &[u8]) -> usize {
+        let mut done = 0;
+        for v in iovs {
+            let n = v.iov_len.min(src.len() - done);
+            // SAFETY: the machine's iovecs address writable memory of at
+            // least `iov_len` bytes.
+            unsafe { std::ptr::copy_nonoverlapping(src[done..].as_ptr(), v.iov_base.cast(), n) };
+            done += n;
+            if done == src.len() {
+                break;
+            }
+        }
+        done
+    }
+
+    fn drain(iovs: &[libc::iovec], max: usize, out: &mut Vec<u8>) -> usize {
+        let mut done = 0;
+        for v in iovs {
+            let n = v.iov_len.min(max - done);
+            // SAFETY: the machine's iovecs address readable memory of at
+            // least `iov_len` bytes.
+            out.extend_from_slice(unsafe { std::slice::from_raw_parts(v.iov_base.cast::<u8>(), n) });
+            done += n;
+            if done == max {
+                break;
+            }
+        }
+        done
+    }
+
+    /// Runs the stream through a machine, `cuts` sizing each piece moved.
+    fn run(frames: &[Frame], cuts: &[usize]) -> (Vec<Expect>, [[u8; 256]; 2]) {
+        let side = FakeSide { mem: UnsafeCell::new([[0u8; 256]; 2]) };
+        let borrows: BorrowTable = Mutex::new(Default::default());
+        let input: Vec<u8> = frames.iter().enumerate().flat_map(|(i, f)| encode(f, i as u64 + 1)).collect();
+        let mut m = ServerConn::new(1);
+        let (mut pos, mut out, mut closed) = (0usize, Vec::new(), false);
+        let mut cut = cuts.iter().cycle();
+        loop {
+            while let Some(iovs) = m.send_buf() {
+                let n = drain(iovs, *cut.next().unwrap(), &mut out);
+                m.sent(n);
+            }
+            if pos == input.len() {
+                break;
+            }
+            let Some(iovs) = m.recv_buf() else { continue };
+            let end = (pos + *cut.next().unwrap()).min(input.len());
+            let n = fill(iovs, &input[pos..end]);
+            pos += n;
+            if m.received(n, &side, &borrows).is_err() {
+                closed = true;
+                break;
+            }
+        }
+        // Parse the replies.
+        let mut got = Vec::new();
+        let mut at = 0;
+        while at < out.len() {
+            let h: [u8; wire::HEADER_LEN] = out[at..at + wire::HEADER_LEN].try_into().unwrap();
+            let h = wire::decode_header(&h, LIMITS).unwrap();
+            at += wire::HEADER_LEN;
+            let body = out[at..at + h.body_len as usize].to_vec();
+            at += h.body_len as usize;
+            let data = out[at..at + h.data_len as usize].to_vec();
+            at += h.data_len as usize;
+            assert_eq!(h.request, got.len() as u64 + 1, "replies come in request order");
+            got.push(match h.kind {
+                Kind::Error => Expect::Reply(Kind::Error, Some(wire::decode_error(&body).unwrap().0), vec![]),
+                Kind::DescribeReply => Expect::Reply(h.kind, None, body),
+                k => Expect::Reply(k, None, data),
+            });
+        }
+        if closed {
+            got.push(Expect::Close);
+        }
+        (got, side.mem.into_inner())
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+        #[test]
+        fn matches_the_model(
+            frames in prop::collection::vec(frame(), 1..24),
+            cuts in prop::collection::vec(1usize..80, 1..8),
+        ) {
+            let mut mem = [[0u8; 256]; 2];
+            let expected = model(&frames, &mut mem);
+            let (got, landed) = run(&frames, &cuts);
+            prop_assert_eq!(got, expected);
+            prop_assert_eq!(landed, mem, "bytes land exactly where the model puts them");
+        }
+    }
+
+    #[test]
+    fn refused_write_payload_is_drained_before_the_error() {
+        let frames = [
+            Frame::Write { reg: 2, offset: 0, data: vec![9; 40], epoch_ok: true },
+            Frame::Read { reg: 2, offset: 0, len: 4 },
+        ];
+        let (got, mem) = run(&frames, &[7]);
+        assert_eq!(got[0], Expect::Reply(Kind::Error, Some(RemoteStatus::PermissionDenied), vec![]));
+        assert_eq!(got[1], Expect::Reply(Kind::ReadReply, None, vec![0; 4]), "the stream stayed in sync");
+        assert_eq!(mem[1], [0u8; 256], "nothing landed in a read-only registration");
+    }
+}
