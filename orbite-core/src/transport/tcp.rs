@@ -23,13 +23,15 @@ use std::time::{Duration, Instant};
 use parking_lot::{Condvar, Mutex};
 
 use crate::segment::{ExportedRegistration, SegmentDescriptor};
+use crate::transport::proto::client::{ClientConn, Done, unsent};
+pub(crate) use crate::transport::proto::client::{ControlDone, ControlJob, PeerFailure, PeerJob};
 use crate::transport::proto::server::{BorrowTable, Event, ServerConn, TargetSide};
 use crate::transport::route::{PeerReach, Reach, RouteImpl, Runs, Serves};
 use crate::transport::sock::{Patience, iov, read_exact_within, readv_within, writev_within};
 use crate::transport::spin::{claim, poll};
 use crate::transport::{CopyJob, CopyKind};
-use crate::types::{Desc, Op, Route, TaskEnd, TaskReport};
-use crate::wire::{self, Header, Kind, Limits, RemoteDesc, RemoteStatus};
+use crate::types::{Desc, Route};
+use crate::wire::{self, Kind, Limits};
 
 /// The tcp route.
 pub(crate) struct Tcp;
@@ -441,52 +443,6 @@ fn tune(stream: &TcpStream) {
     }
 }
 
-/// Reusable per-connection buffers: no allocation per request once warm.
-#[derive(Default)]
-struct Scratch {
-    body: Vec<u8>,
-    out: Vec<u8>,
-    iovs: Vec<libc::iovec>,
-}
-
-/// Why a peer operation failed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum PeerFailure {
-    /// The connection broke or timed out; the peer is lost.
-    Lost(String),
-    /// The target refused with a typed status.
-    Refused(RemoteStatus, String),
-}
-
-/// What a control request hears back: the reply's body (empty for an
-/// acknowledgement), or why there is none.
-pub(crate) type ControlDone = Box<dyn FnOnce(Result<&[u8], PeerFailure>) + Send>;
-
-/// A control request for a peer (a notification, a borrow or a return, a
-/// refresh): one frame with an encoded body, answered by one reply.
-pub(crate) struct ControlJob {
-    pub kind: Kind,
-    pub flags: u8,
-    pub body: Vec<u8>,
-    pub done: ControlDone,
-}
-
-impl ControlJob {
-    fn expected_reply(&self) -> Kind {
-        match self.kind {
-            Kind::Borrow => Kind::BorrowAck,
-            Kind::Return => Kind::ReturnAck,
-            Kind::DescribeSince => Kind::DescribeDelta,
-            _ => Kind::NotifyAck,
-        }
-    }
-}
-
-pub(crate) enum PeerJob<J> {
-    Task(J),
-    Control(ControlJob),
-}
-
 struct LinkQueue<J> {
     jobs: VecDeque<PeerJob<J>>,
     lost: Option<String>,
@@ -812,72 +768,85 @@ impl<J: CopyJob> PeerLink<J> {
     }
 }
 
-/// Requests a connection keeps outstanding: the next request is on the
-/// wire while the previous reply is still coming, so neither side idles
-/// for a round trip between tasks.
-const PIPELINE_DEPTH: usize = 2;
-
-/// A request on the wire, waiting for its reply.
-enum Sent<J> {
-    Task(J, u64),
-    Control(ControlJob, u64),
-}
-
 fn connection_worker<J: CopyJob>(link: &PeerLink<J>, stream: TcpStream) {
     let fd = stream.as_raw_fd();
-    let mut s = Scratch::default();
-    let mut inflight: VecDeque<Sent<J>> = VecDeque::with_capacity(PIPELINE_DEPTH);
+    let mut m = ClientConn::new(link.descriptor.epoch, link.opts.limits);
+    // The blocking helpers advance the iovecs they are given: they get a
+    // copy, and the machine advances its own by what moved.
+    let mut v: Vec<libc::iovec> = Vec::new();
     loop {
         // Fill the pipeline; block for work only when nothing is outstanding.
-        while inflight.len() < PIPELINE_DEPTH {
-            let next = if inflight.is_empty() { link.next_job() } else { link.try_next_job() };
+        while m.can_start() {
+            let next = if m.in_flight() == 0 { link.next_job() } else { link.try_next_job() };
             let Some((job, lost)) = next else { break };
             if let Some(why) = lost {
-                fail_unsent(job, why);
+                unsent(job, why).deliver();
                 continue;
             }
-            let id = link.next_request.fetch_add(1, Ordering::Relaxed);
-            let sent = match job {
-                PeerJob::Task(j) => match send_task(fd, link, &j, id, &mut s) {
-                    Ok(()) => Sent::Task(j, id),
-                    Err(why) => {
-                        link.mark_lost(why.clone());
-                        let planned = j.planned();
-                        let unknown = j.program().op == Op::Write;
-                        j.finish(TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: unknown } });
-                        continue;
-                    }
-                },
-                PeerJob::Control(n) => match send_control(fd, link, &n, id) {
-                    Ok(()) => Sent::Control(n, id),
-                    Err(why) => {
-                        link.mark_lost(why.clone());
-                        (n.done)(Err(PeerFailure::Lost(why)));
-                        continue;
-                    }
-                },
-            };
-            inflight.push_back(sent);
-        }
-        let Some(sent) = inflight.pop_front() else { break };
-        match sent {
-            Sent::Task(j, id) => {
-                let (report, broken) = complete_task(fd, link, &j, id, &mut s);
-                if let Some(why) = broken {
-                    link.mark_lost(why);
-                }
-                j.finish(report);
+            m.start(job, link.next_request.fetch_add(1, Ordering::Relaxed));
+            let patience = link.opts.patience(m.send_len());
+            let total = m.send_len() as usize;
+            let Some(out) = m.send_buf() else { continue };
+            v.clear();
+            v.extend_from_slice(out);
+            // SAFETY: the machine's iovecs address its own buffers or the
+            // job's spans, kept valid by its range loans (CopyJob contract).
+            match unsafe { writev_within(fd, &mut v, Some(&patience)) } {
+                Ok(()) => m.sent(total),
+                Err(e) => lose(link, &mut m, format!("connection lost: {e}"), None),
             }
-            Sent::Control(n, id) => {
-                let result = complete_control(fd, link, n.expected_reply(), id, &mut s);
-                if let Err(PeerFailure::Lost(why)) = &result {
-                    link.mark_lost(why.clone());
+        }
+        if m.in_flight() == 0 {
+            break;
+        }
+        // The reply starts now (an earlier reply on this connection is
+        // done): it must come within the peer timeout and at the minimum
+        // rate.
+        let patience = link.opts.patience(m.reply_bytes());
+        let mut done = None;
+        let failed = loop {
+            let Some(into) = m.recv_buf() else { break None };
+            v.clear();
+            v.extend_from_slice(into);
+            let mut got = 0;
+            // SAFETY: the machine's iovecs address its own buffers or the
+            // READ's local spans, valid and retained (CopyJob contract), which
+            // nothing else writes during the task.
+            let r = unsafe { readv_within(fd, &mut v, &mut got, Some(&patience)) };
+            if got > 0 {
+                if let Err(why) = m.received(got as usize, &mut done) {
+                    break Some(why);
                 }
-                (n.done)(result.map(|()| &s.body[..]));
+            }
+            if let Err(e) = r {
+                break Some(format!("connection lost: {e}"));
+            }
+            if done.is_some() {
+                break None;
+            }
+        };
+        match failed {
+            Some(why) => lose(link, &mut m, why, done),
+            None => {
+                if let Some(d) = done {
+                    d.deliver();
+                }
             }
         }
     }
     drop(stream);
+}
+
+/// The connection failed: the peer is lost, and every job outstanding on
+/// it ends (`first`: the one whose reply broke the protocol).
+fn lose<J: CopyJob>(link: &PeerLink<J>, m: &mut ClientConn<J>, why: String, first: Option<Done<J>>) {
+    link.mark_lost(why.clone());
+    if let Some(d) = first {
+        d.deliver();
+    }
+    for d in m.fail_all(&why) {
+        d.deliver();
+    }
 }
 
 /// The watch connection (subscribed at open): the peer pushes
@@ -949,138 +918,4 @@ fn read_changed(
         return Err("changes of another epoch".into());
     }
     Ok(Some((base, delta)))
-}
-
-/// A job that was never put on the wire: nothing moved, effect known.
-fn fail_unsent<J: CopyJob>(job: PeerJob<J>, why: String) {
-    match job {
-        PeerJob::Task(j) => {
-            let planned = j.planned();
-            j.finish(TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: false } });
-        }
-        PeerJob::Control(n) => (n.done)(Err(PeerFailure::Lost(why))),
-    }
-}
-
-/// Reads a reply header and body within `patience`; protocol violations
-/// count as a lost peer.
-fn read_reply(
-    fd: i32,
-    link: &PeerLink<impl CopyJob>,
-    id: u64,
-    s: &mut Scratch,
-    patience: &Patience,
-) -> Result<Header, String> {
-    let mut hb = [0u8; wire::HEADER_LEN];
-    read_exact_within(fd, &mut hb, Some(patience)).map_err(|e| format!("connection lost: {e}"))?;
-    let h = wire::decode_header(&hb, link.opts.limits).map_err(|e| format!("protocol violation: {e}"))?;
-    if h.request != id {
-        return Err(format!("reply to request {} while {id} was outstanding", h.request));
-    }
-    s.body.resize(h.body_len as usize, 0);
-    read_exact_within(fd, &mut s.body, Some(patience)).map_err(|e| format!("connection lost: {e}"))?;
-    Ok(h)
-}
-
-/// Puts a task's request (and a WRITE's payload) on the wire.
-fn send_task<J: CopyJob>(fd: i32, link: &PeerLink<J>, j: &J, id: u64, s: &mut Scratch) -> Result<(), String> {
-    let planned = j.planned();
-    let op = j.program().op;
-    let spans = j.spans();
-    wire::encode_request(
-        &mut s.out,
-        link.descriptor.epoch,
-        spans.iter().map(|sp| RemoteDesc { registration: sp.remote_reg, offset: sp.remote, len: sp.len }),
-    );
-    let (kind, data) = if op == Op::Write { (Kind::Write, planned) } else { (Kind::Read, 0) };
-    let hb = wire::encode_header(&wire::header(kind, s.out.len(), data, id));
-    s.iovs.clear();
-    s.iovs.push(iov(hb.as_ptr() as u64, hb.len() as u64));
-    s.iovs.push(iov(s.out.as_ptr() as u64, s.out.len() as u64));
-    if op == Op::Write {
-        s.iovs.extend(spans.iter().map(|sp| iov(sp.local, sp.len)));
-    }
-    let patience = link.opts.patience(data + s.out.len() as u64);
-    // SAFETY: header and body are live locals; span addresses are kept
-    // valid by the job's range loans (CopyJob contract).
-    unsafe { writev_within(fd, &mut s.iovs, Some(&patience)) }.map_err(|e| format!("connection lost: {e}"))
-}
-
-/// Reads the reply of a sent task and lands a READ's bytes.
-fn complete_task<J: CopyJob>(
-    fd: i32,
-    link: &PeerLink<J>,
-    j: &J,
-    id: u64,
-    s: &mut Scratch,
-) -> (TaskReport, Option<String>) {
-    let planned = j.planned();
-    let op = j.program().op;
-    let spans = j.spans();
-    let unknown = |why: String| {
-        // Some payload may have landed: the effect cannot be known.
-        (TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: op == Op::Write } }, Some(why))
-    };
-    // The reply starts now (an earlier reply on this connection is done):
-    // it must come within the peer timeout and at the minimum rate.
-    let patience = link.opts.patience(if op == Op::Read { planned } else { 0 });
-    let h = match read_reply(fd, link, id, s, &patience) {
-        Ok(h) => h,
-        Err(why) => return unknown(why),
-    };
-    match (op, h.kind) {
-        (_, Kind::Error) => match wire::decode_error(&s.body) {
-            // The target validates everything before any byte moves.
-            Ok(_) => (TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: false } }, None),
-            Err(e) => unknown(format!("protocol violation: {e}")),
-        },
-        (Op::Write, Kind::WriteAck) if h.data_len == 0 => {
-            (TaskReport { planned, done: planned, end: TaskEnd::Complete }, None)
-        }
-        (Op::Read, Kind::ReadReply) if h.data_len as u64 == planned && h.body_len == 0 => {
-            s.iovs.clear();
-            s.iovs.extend(spans.iter().map(|sp| iov(sp.local, sp.len)));
-            let mut done = 0;
-            // SAFETY: local span addresses are valid and retained (CopyJob
-            // contract); nothing else writes them during the task.
-            match unsafe { readv_within(fd, &mut s.iovs, &mut done, Some(&patience)) } {
-                Ok(()) => (TaskReport { planned, done, end: TaskEnd::Complete }, None),
-                // Exactly `done` bytes landed locally; a READ has no remote effect.
-                Err(e) => (
-                    TaskReport { planned, done, end: TaskEnd::Failed { effect_unknown: false } },
-                    Some(format!("connection lost: {e}")),
-                ),
-            }
-        }
-        (_, k) => unknown(format!("protocol violation: unexpected {k:?} reply")),
-    }
-}
-
-fn send_control<J: CopyJob>(fd: i32, link: &PeerLink<J>, n: &ControlJob, id: u64) -> Result<(), String> {
-    let mut h = wire::header(n.kind, n.body.len(), 0, id);
-    h.flags = n.flags;
-    let hb = wire::encode_header(&h);
-    let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(n.body.as_ptr() as u64, n.body.len() as u64)];
-    let patience = link.opts.patience(n.body.len() as u64);
-    // SAFETY: both entries borrow live buffers for the call.
-    unsafe { writev_within(fd, &mut v, Some(&patience)) }.map_err(|e| format!("connection lost: {e}"))
-}
-
-fn complete_control<J: CopyJob>(
-    fd: i32,
-    link: &PeerLink<J>,
-    expected: Kind,
-    id: u64,
-    s: &mut Scratch,
-) -> Result<(), PeerFailure> {
-    let patience = link.opts.patience(link.opts.limits.max_body as u64);
-    let h = read_reply(fd, link, id, s, &patience).map_err(PeerFailure::Lost)?;
-    match h.kind {
-        k if k == expected && h.data_len == 0 => Ok(()),
-        Kind::Error => match wire::decode_error(&s.body) {
-            Ok((status, detail)) => Err(PeerFailure::Refused(status, detail)),
-            Err(e) => Err(PeerFailure::Lost(format!("protocol violation: {e}"))),
-        },
-        k => Err(PeerFailure::Lost(format!("protocol violation: unexpected {k:?} reply"))),
-    }
 }

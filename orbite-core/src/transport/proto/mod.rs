@@ -3,4 +3,5 @@
 //! completed; they own no socket or thread and read no clock. `tcp` drives
 //! them over sockets.
 
+pub(crate) mod client;
 pub(crate) mod server;
