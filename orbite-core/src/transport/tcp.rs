@@ -179,6 +179,8 @@ pub(crate) struct Server {
 }
 
 struct ServerShared {
+    /// Bytes one connection may move per turn.
+    turn: usize,
     epoll: OwnedFd,
     /// Written once at shutdown; level-triggered, so every thread sees it.
     stop: OwnedFd,
@@ -229,6 +231,11 @@ fn server_threads() -> usize {
 impl Server {
     /// Binds and starts serving. The server holds the target side weakly.
     pub fn start(bind: &str, side: Weak<dyn TargetSide>) -> io::Result<Server> {
+        Self::start_with(bind, side, TURN_BYTES)
+    }
+
+    /// [`Server::start`] with connections taking turns of `turn` bytes.
+    fn start_with(bind: &str, side: Weak<dyn TargetSide>, turn: usize) -> io::Result<Server> {
         let listener = TcpListener::bind(bind)?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
@@ -241,6 +248,7 @@ impl Server {
         epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, listener.as_raw_fd(), oneshot, LISTENER)?;
         let watchers = Arc::new(Watchers::new());
         let shared = Arc::new(ServerShared {
+            turn: turn.max(1),
             epoll,
             stop,
             listener,
@@ -346,8 +354,10 @@ impl ServerShared {
         let mut m = conn.machine.lock();
         let mut moved = 0usize;
         let wait = loop {
-            if moved >= TURN_BYTES {
-                break libc::EPOLLIN; // others' turn; the socket is still ready
+            if moved >= self.turn {
+                // Others' turn. Wake again for what this one waits for: a
+                // reply half sent needs the socket writable, not readable.
+                break if m.send_buf().is_some() { libc::EPOLLOUT } else { libc::EPOLLIN };
             }
             if let Some(out) = m.send_buf() {
                 // SAFETY: the machine's iovecs address its own buffers or
@@ -918,4 +928,90 @@ fn read_changed(
         return Err("changes of another epoch".into());
     }
     Ok(Some((base, delta)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::Registration;
+    use crate::wire::{NotifyEnvelope, RemoteDesc, RemoteStatus, Request};
+    use std::io::{Read, Write};
+
+    const EPOCH: u64 = 0x5e;
+    const LEN: usize = 1 << 20;
+
+    /// One read-write registration (id 1) of 1 MiB.
+    struct Side {
+        base: usize,
+    }
+
+    impl TargetSide for Side {
+        fn epoch(&self) -> u64 {
+            EPOCH
+        }
+        fn descriptor(&self) -> Vec<u8> {
+            Vec::new()
+        }
+        fn resolve(
+            &self,
+            req: &Request<'_>,
+            _write: bool,
+            iovs: &mut Vec<libc::iovec>,
+            _loans: &mut Vec<Arc<Registration>>,
+        ) -> Result<(), (RemoteStatus, String)> {
+            for d in req.descs() {
+                if d.registration != 1 || d.offset.checked_add(d.len).is_none_or(|e| e > LEN as u64) {
+                    return Err((RemoteStatus::OutOfBounds, String::new()));
+                }
+                iovs.push(iov(self.base as u64 + d.offset, d.len));
+            }
+            Ok(())
+        }
+        fn deliver(&self, _env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)> {
+            Ok(())
+        }
+        fn changes(&self, _since: u64, _budget: usize) -> crate::segment::Delta {
+            crate::segment::Delta::default()
+        }
+        fn registry_version(&self) -> u64 {
+            0
+        }
+        fn limits(&self) -> Limits {
+            Limits { max_body: 1 << 16, max_data: LEN as u32 }
+        }
+    }
+
+    fn request(s: &mut TcpStream, kind: Kind, len: u64, id: u64, payload: &[u8]) -> wire::Header {
+        let mut body = Vec::new();
+        wire::encode_request(&mut body, EPOCH, [RemoteDesc { registration: 1, offset: 0, len }].into_iter());
+        let mut f = wire::encode_header(&wire::header(kind, body.len(), payload.len() as u64, id)).to_vec();
+        f.extend_from_slice(&body);
+        f.extend_from_slice(payload);
+        s.write_all(&f).unwrap();
+        let mut h = [0u8; wire::HEADER_LEN];
+        s.read_exact(&mut h).expect("the reply arrives");
+        let h = wire::decode_header(&h, Limits { max_body: 1 << 16, max_data: LEN as u32 }).unwrap();
+        let mut rest = vec![0u8; (h.body_len + h.data_len) as usize];
+        s.read_exact(&mut rest).unwrap();
+        h
+    }
+
+    /// With turns of one byte, every turn ends with something left: a
+    /// reply half sent must still go out (the connection waits to be
+    /// writable, not readable, while its peer waits for that reply).
+    #[test]
+    fn a_turn_that_ends_with_a_reply_pending_still_sends_it() {
+        let mem: &'static mut [u8] = Box::leak(vec![0u8; LEN].into_boxed_slice());
+        let side: Arc<dyn TargetSide> = Arc::new(Side { base: mem.as_mut_ptr() as usize });
+        let server = Server::start_with("127.0.0.1:0", Arc::downgrade(&side), 1).unwrap();
+        let mut s = TcpStream::connect(server.local_addr()).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let payload = vec![7u8; 256 << 10];
+        for id in 1..=8 {
+            assert_eq!(request(&mut s, Kind::Write, payload.len() as u64, id, &payload).kind, Kind::WriteAck);
+            let h = request(&mut s, Kind::Read, payload.len() as u64, 100 + id, &[]);
+            assert_eq!((h.kind, h.data_len as usize), (Kind::ReadReply, payload.len()));
+        }
+        server.shutdown();
+    }
 }
