@@ -397,6 +397,10 @@ pub unsafe extern "C" fn orbite_config_document(
 ) -> OrbiteStatus {
     entry("orbite_config_document", || {
         use orbite_core::config::{ConfigDocument, ConfigOrigin};
+        // Every output is checked before any is written.
+        if !origin.is_null() {
+            check_pointer(origin, "origin")?;
+        }
         let doc = ConfigDocument::resolve(None).map_err(orbite_core::Error::from)?;
         // SAFETY: caller's contract: `buf` writable for `cap`, `needed` writable.
         unsafe { write_bytes(doc.json.as_bytes(), buf, cap, needed)? };
@@ -434,6 +438,10 @@ pub unsafe extern "C" fn orbite_engine_advertise(
 ) -> OrbiteStatus {
     entry("orbite_engine_advertise", || {
         use orbite_core::endpoint::AdvertiseSource;
+        // Every output is checked before any is written.
+        if !source.is_null() {
+            check_pointer(source, "source")?;
+        }
         let e = engine_of(engine)?;
         let (code, line) = match (e.engine.advertised(), e.engine.listen_addr()) {
             (Some(a), Some(bound)) => {
@@ -1221,8 +1229,14 @@ pub unsafe extern "C" fn orbite_file_adopt(
         if fd < 0 {
             return fail(OrbiteStatus::InvalidArgument, "negative descriptor");
         }
-        // SAFETY: borrowed only for the checks and the dup below; an fd that
-        // is not open makes fcntl fail with a typed error.
+        // SAFETY: F_GETFD on a plain number: the kernel says whether it
+        // names an open descriptor of this process.
+        if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+            return fail(OrbiteStatus::InvalidArgument, format!("descriptor {fd} is not open"));
+        }
+        // SAFETY: open (checked above), and the caller does not close it
+        // during the call (# Safety); borrowed only for the checks and the
+        // dup below.
         let borrowed = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
         let entry = orbite_core::file::Entry::adopt(borrowed, mode).map_err(orbite_core::Error::from)?;
         // SAFETY: `out` was checked above and is writable (# Safety).

@@ -615,6 +615,12 @@ fn local_file_open_transfer_both_ways_eof_close_and_adopt() {
         unsafe { orbite_file_adopt(e, -1, ORBITE_FILE_READ_ONLY, &mut adopted.clone()) },
         OrbiteStatus::InvalidArgument
     );
+    // A number that names no open descriptor is refused before anything
+    // treats it as one.
+    assert_eq!(
+        unsafe { orbite_file_adopt(e, 1 << 20, ORBITE_FILE_READ_ONLY, &mut adopted.clone()) },
+        OrbiteStatus::InvalidArgument
+    );
     ok(orbite_file_close(adopted, 1000));
     // Close fences: a transfer prepared before it cannot post after it.
     ok(unsafe { orbite_xfer_prepare_file(e, &sp, f, &mut x) });
