@@ -301,3 +301,31 @@ fn a_closed_connection_gives_back_its_borrows() {
         std::thread::sleep(Duration::from_millis(1));
     }
 }
+
+#[test]
+fn a_connection_closed_halfway_through_a_payload_gives_back_its_loans() {
+    let t = target();
+    let epoch = t.e.source_epoch();
+    let mut s = connect(&t);
+    let len = 60_000u64;
+    let body = request(epoch, &[RemoteDesc { registration: t.rw.id.to_raw(), offset: 0, len }]);
+    // The header promises `len` payload bytes; a third of them follow.
+    let mut f = wire::encode_header(&wire::header(Kind::Write, body.len(), len, 1)).to_vec();
+    f.extend_from_slice(&body);
+    f.extend_from_slice(&vec![0xAB; (len / 3) as usize]);
+    s.write_all(&f).unwrap();
+    // The request was validated and its loan taken: deregistering fences
+    // the range, and the landing request keeps it alive.
+    std::thread::sleep(Duration::from_millis(50));
+    t.e.deregister(t.rw.id).unwrap();
+    assert_eq!(t.e.stats().fenced_registrations, 1);
+    drop(s); // the initiator goes away mid-payload
+    let start = std::time::Instant::now();
+    while t.e.stats().fenced_registrations != 0 {
+        assert!(start.elapsed() < WAIT, "a half-landed request's loans were kept");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Other connections are still served.
+    let mut again = connect(&t);
+    describe_works(&mut again);
+}
