@@ -5,18 +5,21 @@
 //! cheap to clone; many threads may call it at once. No lock is held across
 //! a copy, and no lock is held while an owner-release callback runs.
 
+mod notify;
 mod peer;
 pub(crate) mod plan;
+mod serve;
 mod spec;
 mod transfer;
 
-pub use peer::{Notification, RemoteSegment};
+pub use notify::Notification;
+pub use peer::RemoteSegment;
 pub use spec::{Target, TransferSpec};
 pub use transfer::{ReleaseRefused, Transfer};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -36,7 +39,7 @@ use crate::transport::local::LocalRoute;
 use crate::transport::route::{Reach, Runs};
 use crate::transport::tcp::{PeerJob, Server};
 use crate::types::{RegistrationId, Resource};
-use peer::{NotificationQueue, Peer};
+use peer::Peer;
 use transfer::{Cell, Owners, PlanTarget, RouteTask, TransferShared};
 
 /// An execution waiting (partly or wholly) for admission.
@@ -79,20 +82,13 @@ pub(crate) struct EngineInner {
     epoch: u64,
     next_borrow: AtomicU64,
     boot_id: [u8; 16],
-    /// What peers dial (set once the listener is bound).
-    endpoint: OnceLock<crate::endpoint::Advertised>,
-    /// Where the listener is bound.
-    bound: OnceLock<std::net::SocketAddr>,
-    server: Mutex<Option<Server>>,
-    /// Peers watching this engine's registrations (listening engines).
-    watchers: OnceLock<Arc<crate::transport::tcp::Watchers>>,
+    /// The target side: the listener, its server and its watchers.
+    listener: serve::Listener,
     /// The latest opened peer per endpoint (the current epoch there).
     peers: Mutex<HashMap<String, Weak<Peer>>>,
     all_peers: Mutex<Vec<Weak<Peer>>>,
-    notifications: NotificationQueue,
-    notification_arrived: Condvar,
-    /// Same-host peers append notifications here (listening engines only).
-    inbox: OnceLock<(HostMemory, crate::transport::inbox::Inbox)>,
+    /// Received notifications and the same-host inbox.
+    notifications: notify::Notifications,
     /// Test hooks (feature `fault-injection`); none in a shipped build.
     hooks: Option<Arc<dyn Hooks<RouteTask>>>,
 }
@@ -107,6 +103,11 @@ fn new_epoch() -> u64 {
 }
 
 impl EngineInner {
+    /// The frame limits of this engine's peer protocol.
+    pub(crate) fn frame_limits(&self) -> crate::wire::Limits {
+        crate::wire::Limits { max_body: self.config.max_frame_body as u32, max_data: self.config.task_bytes as u32 }
+    }
+
     fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
     }
@@ -114,7 +115,7 @@ impl EngineInner {
     /// Tells watching peers the registry's current version, with what
     /// changed since each one's view.
     fn announce_registry(&self) {
-        if let Some(w) = self.watchers.get() {
+        if let Some(w) = self.listener.watchers.get() {
             use crate::transport::proto::server::TargetSide;
             let version = self.registry.lock().version();
             w.changed(version, &|since, budget| self.changes(since, budget));
@@ -273,13 +274,13 @@ impl EngineInner {
         }
         let drained = self.wait_idle(timeout);
         let unquiesced = self.unquiesced();
-        if let Some(server) = self.server.lock().take() {
+        if let Some(server) = self.listener.server.lock().take() {
             server.shutdown();
         }
         if drained {
             self.close_all_peers(Duration::ZERO);
         }
-        self.notifications.lock().clear();
+        self.notifications.queue.lock().clear();
         if let Some(t) = self.progress_thread.lock().take() {
             let _ = t.join();
         }
@@ -435,15 +436,10 @@ impl TransferEngine {
             epoch: new_epoch(),
             next_borrow: AtomicU64::new(1),
             boot_id: crate::segment::local_boot_id(),
-            endpoint: OnceLock::new(),
-            bound: OnceLock::new(),
-            server: Mutex::new(None),
-            watchers: OnceLock::new(),
+            listener: serve::Listener::default(),
             peers: Mutex::new(HashMap::new()),
             all_peers: Mutex::new(Vec::new()),
-            notifications: Mutex::new(std::collections::VecDeque::new()),
-            notification_arrived: Condvar::new(),
-            inbox: OnceLock::new(),
+            notifications: notify::Notifications::default(),
             hooks,
             config,
         });
@@ -452,10 +448,10 @@ impl TransferEngine {
             let server =
                 Server::start(&bind, side).map_err(|e| Error::System(format!("cannot listen on {bind}: {e}")))?;
             let bound = server.local_addr();
-            let _ = inner.watchers.set(server.watchers());
-            let _ = inner.bound.set(bound);
-            let _ = inner.endpoint.set(crate::endpoint::advertise(bound, inner.config.advertise.as_deref()));
-            *inner.server.lock() = Some(server);
+            let _ = inner.listener.watchers.set(server.watchers());
+            let _ = inner.listener.bound.set(bound);
+            let _ = inner.listener.endpoint.set(crate::endpoint::advertise(bound, inner.config.advertise.as_deref()));
+            *inner.listener.server.lock() = Some(server);
             use crate::transport::inbox::{CAPACITY, HEADER, Inbox};
             let mem =
                 HostMemory::allocate_shared(&inner.counters, HEADER + CAPACITY, u64::MAX, inner.epoch ^ 0x1_b0c5)?;
@@ -471,7 +467,7 @@ impl TransferEngine {
                     c.notification_queue_bytes,
                 )
             };
-            let _ = inner.inbox.set((mem, inbox));
+            let _ = inner.notifications.inbox.set((mem, inbox));
         }
         if inner.config.progress_worker {
             let e = inner.clone();
@@ -542,7 +538,7 @@ impl TransferEngine {
         inner.announce_registry();
         // Same-host borrowers copy without asking us: tell them to ask again
         // (their next post re-borrows, which a fenced range refuses).
-        if let Some((_, inbox)) = inner.inbox.get() {
+        if let Some((_, inbox)) = inner.notifications.inbox.get() {
             inbox.announce_fence();
         }
         Ok(())
@@ -724,17 +720,17 @@ impl TransferEngine {
     /// The endpoint peers connect to (the advertised one), if the engine
     /// listens.
     pub fn endpoint(&self) -> Option<String> {
-        self.inner().endpoint.get().map(|a| a.endpoint.clone())
+        self.inner().listener.endpoint.get().map(|a| a.endpoint.clone())
     }
 
     /// The advertised endpoint and how it was found, if the engine listens.
     pub fn advertised(&self) -> Option<&crate::endpoint::Advertised> {
-        self.inner().endpoint.get()
+        self.inner().listener.endpoint.get()
     }
 
     /// The address the listener is bound to, if the engine listens.
     pub fn listen_addr(&self) -> Option<std::net::SocketAddr> {
-        self.inner().bound.get().copied()
+        self.inner().listener.bound.get().copied()
     }
 
     /// This engine's epoch: its identity for this run. A restarted engine
@@ -818,39 +814,6 @@ impl TransferEngine {
         self.inner().notify(segment, payload)
     }
 
-    /// Queues a notification to this engine itself.
-    pub fn notify_self(&self, payload: &[u8]) -> Result<(), Error> {
-        let inner = self.inner();
-        inner.check_notification_size(payload.len())?;
-        inner.enqueue_notification(Notification {
-            sender_endpoint: inner.own_endpoint(),
-            sender_epoch: inner.epoch,
-            payload: payload.to_vec(),
-        })
-    }
-
-    /// Takes every queued notification, oldest first (refunds their charge).
-    pub fn take_notifications(&self) -> Vec<Notification> {
-        self.wait_notifications(Duration::ZERO)
-    }
-
-    /// Takes queued notifications, oldest first, while `fits` accepts the
-    /// next one; the first it refuses, and every later one, stay queued.
-    /// Lets a caller with a bounded buffer drain without losing any.
-    pub fn take_notifications_while(&self, mut fits: impl FnMut(&Notification) -> bool) -> Vec<Notification> {
-        let inner = self.inner();
-        let taken = {
-            let mut q = inner.notifications.lock();
-            inner.drain_inbox(&mut q);
-            let mut taken = Vec::new();
-            while q.front().is_some_and(|(n, _)| fits(n)) {
-                taken.extend(q.pop_front());
-            }
-            taken
-        };
-        taken.into_iter().map(|(n, _charge)| n).collect()
-    }
-
     /// Charges `count` handles held by a binding (the C ABI) against
     /// `max_binding_handles`; refunded when the returned value is dropped.
     pub fn charge_binding_handles(&self, count: u64) -> Result<BindingCharge, Error> {
@@ -859,46 +822,6 @@ impl TransferEngine {
         Charge::limited(&inner.counters, Counter::BindingHandles, count, Resource::BindingHandles, limit)
             .map(BindingCharge)
             .map_err(Error::from)
-    }
-
-    /// Like [`Self::take_notifications`], but if none is queued, waits up
-    /// to `timeout` for one (polling briefly, then sleeping).
-    pub fn wait_notifications(&self, timeout: Duration) -> Vec<Notification> {
-        let inner = self.inner();
-        let deadline = crate::time::deadline_after(timeout);
-        let spin_until = Instant::now() + inner.config.spin().min(timeout);
-        loop {
-            // Read the wake-up word before looking, so that an arrival after
-            // the look moves it and the sleep below returns at once.
-            let seen = inner.inbox.get().map(|(_, i)| i.word());
-            let mut q = inner.notifications.lock();
-            inner.drain_inbox(&mut q);
-            let now = Instant::now();
-            if !q.is_empty() || now >= deadline {
-                let taken: Vec<_> = q.drain(..).collect();
-                drop(q);
-                return taken.into_iter().map(|(n, _charge)| n).collect();
-            }
-            match (inner.inbox.get(), seen) {
-                (Some((_, inbox)), Some(seen)) => {
-                    drop(q);
-                    if now < spin_until {
-                        while inbox.word() == seen && Instant::now() < spin_until {
-                            std::hint::spin_loop();
-                        }
-                    } else {
-                        inbox.sleep(seen, deadline - now);
-                    }
-                }
-                _ => {
-                    if now < spin_until {
-                        parking_lot::MutexGuard::unlocked(&mut q, std::hint::spin_loop);
-                    } else {
-                        inner.notification_arrived.wait_until(&mut q, deadline);
-                    }
-                }
-            }
-        }
     }
 }
 

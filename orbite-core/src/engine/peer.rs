@@ -1,38 +1,21 @@
 //! Peers: segments opened on other engines, the target side this engine
 //! offers them, and notifications.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard};
 
-use crate::charge::{Charge, Counter};
 use crate::engine::EngineInner;
 use crate::engine::transfer::RouteTask;
 use crate::error::{Error, PeerError};
-use crate::registry::Registration;
 use crate::segment::{Delta, ExportedRegistration, SegmentDescriptor, SegmentView};
 use crate::transport::mapping::{SharedMaps, ShmMapping, map_new_shared, map_shared};
-use crate::transport::proto::server::TargetSide;
 use crate::transport::route::{PeerReach, SameHost};
-use crate::transport::sock::iov;
 use crate::transport::tcp::{ANNOUNCE_UNKNOWN, ControlDone, ControlJob, PeerFailure, PeerJob, PeerLink};
-use crate::types::RegistrationId;
-use crate::types::Resource;
-use crate::wire::{Kind, Limits, NotifyEnvelope, RemoteStatus, Request};
-
-/// A notification received by this engine.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Notification {
-    /// Endpoint of the sender (empty for an engine without a listener).
-    pub sender_endpoint: String,
-    /// Epoch of the sender.
-    pub sender_epoch: u64,
-    /// The payload, byte for byte.
-    pub payload: Vec<u8>,
-}
+use crate::wire::{Kind, NotifyEnvelope};
 
 pub(crate) struct PeerState {
     close: Option<Result<(), PeerError>>,
@@ -248,8 +231,6 @@ impl RemoteSegment {
 /// A one-shot answer slot for a synchronous peer call.
 type Reply = (Mutex<Option<Result<Vec<u8>, PeerFailure>>>, Condvar);
 
-pub(crate) type NotificationQueue = Mutex<VecDeque<(Notification, Charge)>>;
-
 impl EngineInner {
     pub(crate) fn open_segment(
         &self,
@@ -266,7 +247,7 @@ impl EngineInner {
             io_timeout: c.peer_timeout(),
             min_rate: c.peer_min_bytes_per_s,
             spin: c.spin(),
-            limits: self.limits(),
+            limits: self.frame_limits(),
             max_descriptor: c.max_frame_body as usize,
         };
         use crate::transport::tcp::OpenError;
@@ -505,68 +486,7 @@ impl EngineInner {
     }
 
     pub(crate) fn own_endpoint(&self) -> String {
-        self.endpoint.get().map(|a| a.endpoint.clone()).unwrap_or_default()
-    }
-
-    fn limits(&self) -> Limits {
-        Limits { max_body: self.config.max_frame_body as u32, max_data: self.config.task_bytes as u32 }
-    }
-
-    /// Queues a received (or self-sent) notification, charged.
-    pub(crate) fn enqueue_notification(&self, n: Notification) -> Result<(), Error> {
-        let charge = self.charge_notification(n.payload.len())?;
-        self.notifications.lock().push_back((n, charge));
-        self.notification_arrived.notify_all();
-        if let Some((_, inbox)) = self.inbox.get() {
-            inbox.wake(); // waiters sleep on the inbox word when there is one
-        }
-        Ok(())
-    }
-
-    /// Charges a queued notification's payload to `notification_queue_bytes`.
-    fn charge_notification(&self, len: usize) -> Result<Charge, Error> {
-        Charge::limited(
-            &self.counters,
-            Counter::NotificationBytes,
-            len as u64,
-            Resource::NotificationBytes,
-            self.config.notification_queue_bytes,
-        )
-        .map_err(Error::from)
-    }
-
-    /// Moves notifications from the same-host inbox into the queue (the
-    /// caller holds the queue lock: one consumer). Envelopes that fail the
-    /// checks of a TCP delivery are dropped; a full queue leaves the rest in
-    /// the inbox, whose senders then fall back to TCP and its refusal.
-    pub(crate) fn drain_inbox(&self, q: &mut std::collections::VecDeque<(Notification, Charge)>) {
-        let Some((_, inbox)) = self.inbox.get() else { return };
-        if !inbox.has_entries() {
-            return;
-        }
-        let max = self.config.max_notification_bytes as usize;
-        let peers = self.peers.lock();
-        inbox.drain(max, |env| {
-            if env.target_epoch != self.epoch {
-                return true; // addressed to another epoch of ours: refused
-            }
-            let known = peers.get(&env.sender_endpoint).and_then(|w| w.upgrade()).map(|p| p.epoch);
-            if known.is_some_and(|e| e != env.sender_epoch) {
-                return true; // a stale sender identity: refused
-            }
-            match self.charge_notification(env.payload.len()) {
-                Ok(charge) => {
-                    let n = Notification {
-                        sender_endpoint: env.sender_endpoint,
-                        sender_epoch: env.sender_epoch,
-                        payload: env.payload,
-                    };
-                    q.push_back((n, charge));
-                    true
-                }
-                Err(_) => false, // the queue is full: it waits in the inbox
-            }
-        });
+        self.listener.endpoint.get().map(|a| a.endpoint.clone()).unwrap_or_default()
     }
 
     /// Appends a notification to a same-host peer's inbox; false if the
@@ -712,102 +632,5 @@ impl Drop for RemoteLoan {
             body: self.id.to_le_bytes().to_vec(),
             done: Box::new(|_| {}),
         }));
-    }
-}
-
-impl TargetSide for EngineInner {
-    fn epoch(&self) -> u64 {
-        self.epoch
-    }
-
-    fn registry_version(&self) -> u64 {
-        self.registry.lock().version()
-    }
-
-    fn changes(&self, since: u64, budget: usize) -> Delta {
-        let c = self.registry.lock().changes_since(since, budget, ExportedRegistration::of, crate::segment::entry_len);
-        Delta { version: c.version, reset: c.reset, more: c.more, removed: c.removed, added: c.added }
-    }
-
-    fn descriptor(&self) -> Vec<u8> {
-        self.segment_descriptor().to_bytes()
-    }
-
-    fn resolve(
-        &self,
-        req: &Request<'_>,
-        write: bool,
-        iovs: &mut Vec<libc::iovec>,
-        loans: &mut Vec<Arc<Registration>>,
-    ) -> Result<(), (RemoteStatus, String)> {
-        if self.is_closed() {
-            return Err((RemoteStatus::Closing, "engine is closing".into()));
-        }
-        let table = self.registry.lock();
-        for d in req.descs() {
-            let id = RegistrationId::from_raw(d.registration);
-            let reg = table.get(id).map_err(|e| match e {
-                crate::RegistryError::Unknown(_) => (RemoteStatus::UnknownRegistration, e.to_string()),
-                _ => (RemoteStatus::StaleRegistration, e.to_string()),
-            })?;
-            let allowed = if write { reg.permission.remote_write() } else { reg.permission.remote_read() };
-            if !allowed || reg.is_fenced() {
-                return Err((RemoteStatus::PermissionDenied, format!("{id} does not permit this access")));
-            }
-            match d.offset.checked_add(d.len) {
-                Some(end) if end <= reg.len && d.len > 0 => {}
-                _ => return Err((RemoteStatus::OutOfBounds, format!("{}+{} outside {id}", d.offset, d.len))),
-            }
-            iovs.push(iov(reg.base as u64 + d.offset, d.len));
-            if !loans.last().is_some_and(|l| Arc::ptr_eq(l, reg)) {
-                loans.push(reg.clone());
-            }
-        }
-        Ok(())
-    }
-
-    fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)> {
-        if env.payload.len() as u64 > self.config.max_notification_bytes {
-            return Err((RemoteStatus::NotificationTooLarge, format!("limit {}", self.config.max_notification_bytes)));
-        }
-        // A sender we know under another epoch is a stale (or future)
-        // identity: refuse rather than attribute it wrongly.
-        let known = self.peers.lock().get(env.sender_endpoint).and_then(|w| w.upgrade()).map(|p| p.epoch);
-        if let Some(epoch) = known {
-            if epoch != env.sender_epoch {
-                return Err((RemoteStatus::EpochMismatch, format!("sender epoch is {epoch:#x}")));
-            }
-        }
-        let n = Notification {
-            sender_endpoint: env.sender_endpoint.to_owned(),
-            sender_epoch: env.sender_epoch,
-            payload: env.payload.to_vec(),
-        };
-        self.enqueue_notification(n).map_err(|e| (RemoteStatus::ResourceExhausted, e.to_string()))
-    }
-
-    fn limits(&self) -> Limits {
-        EngineInner::limits(self)
-    }
-
-    fn remote_gate(&self) {
-        if let Some(h) = &self.hooks {
-            h.before_remote_bytes();
-        }
-    }
-}
-
-impl EngineInner {
-    pub(crate) fn segment_descriptor(&self) -> SegmentDescriptor {
-        let (registrations, registry_version) = self.registry.lock().exported(ExportedRegistration::of);
-        SegmentDescriptor {
-            endpoint: self.own_endpoint(),
-            epoch: self.epoch,
-            registry_version,
-            pid: std::process::id(),
-            boot_id: self.boot_id,
-            inbox: self.inbox.get().and_then(|(m, _)| m.shared_name()).unwrap_or_default().to_owned(),
-            registrations,
-        }
     }
 }

@@ -1,0 +1,126 @@
+//! The target side this engine offers its peers: what it describes,
+//! how a request's descriptors are checked and resolved to registered
+//! memory under loans, and where received notifications go.
+
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+
+use crate::engine::EngineInner;
+use crate::engine::notify::Notification;
+use crate::registry::Registration;
+use crate::segment::{Delta, ExportedRegistration, SegmentDescriptor};
+use crate::transport::proto::server::TargetSide;
+use crate::transport::sock::iov;
+use crate::transport::tcp::{Server, Watchers};
+use crate::types::RegistrationId;
+use crate::wire::{Limits, NotifyEnvelope, RemoteStatus, Request};
+
+/// A listening engine's side towards its peers (empty until it listens).
+#[derive(Default)]
+pub(crate) struct Listener {
+    /// What peers dial (set once the listener is bound).
+    pub endpoint: OnceLock<crate::endpoint::Advertised>,
+    /// Where the listener is bound.
+    pub bound: OnceLock<std::net::SocketAddr>,
+    pub server: Mutex<Option<Server>>,
+    /// Peers watching this engine's registrations.
+    pub watchers: OnceLock<Arc<Watchers>>,
+}
+
+impl TargetSide for EngineInner {
+    fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    fn registry_version(&self) -> u64 {
+        self.registry.lock().version()
+    }
+
+    fn changes(&self, since: u64, budget: usize) -> Delta {
+        let c = self.registry.lock().changes_since(since, budget, ExportedRegistration::of, crate::segment::entry_len);
+        Delta { version: c.version, reset: c.reset, more: c.more, removed: c.removed, added: c.added }
+    }
+
+    fn descriptor(&self) -> Vec<u8> {
+        self.segment_descriptor().to_bytes()
+    }
+
+    fn resolve(
+        &self,
+        req: &Request<'_>,
+        write: bool,
+        iovs: &mut Vec<libc::iovec>,
+        loans: &mut Vec<Arc<Registration>>,
+    ) -> Result<(), (RemoteStatus, String)> {
+        if self.is_closed() {
+            return Err((RemoteStatus::Closing, "engine is closing".into()));
+        }
+        let table = self.registry.lock();
+        for d in req.descs() {
+            let id = RegistrationId::from_raw(d.registration);
+            let reg = table.get(id).map_err(|e| match e {
+                crate::RegistryError::Unknown(_) => (RemoteStatus::UnknownRegistration, e.to_string()),
+                _ => (RemoteStatus::StaleRegistration, e.to_string()),
+            })?;
+            let allowed = if write { reg.permission.remote_write() } else { reg.permission.remote_read() };
+            if !allowed || reg.is_fenced() {
+                return Err((RemoteStatus::PermissionDenied, format!("{id} does not permit this access")));
+            }
+            match d.offset.checked_add(d.len) {
+                Some(end) if end <= reg.len && d.len > 0 => {}
+                _ => return Err((RemoteStatus::OutOfBounds, format!("{}+{} outside {id}", d.offset, d.len))),
+            }
+            iovs.push(iov(reg.base as u64 + d.offset, d.len));
+            if !loans.last().is_some_and(|l| Arc::ptr_eq(l, reg)) {
+                loans.push(reg.clone());
+            }
+        }
+        Ok(())
+    }
+
+    fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)> {
+        if env.payload.len() as u64 > self.config.max_notification_bytes {
+            return Err((RemoteStatus::NotificationTooLarge, format!("limit {}", self.config.max_notification_bytes)));
+        }
+        // A sender we know under another epoch is a stale (or future)
+        // identity: refuse rather than attribute it wrongly.
+        let known = self.peers.lock().get(env.sender_endpoint).and_then(|w| w.upgrade()).map(|p| p.epoch);
+        if let Some(epoch) = known {
+            if epoch != env.sender_epoch {
+                return Err((RemoteStatus::EpochMismatch, format!("sender epoch is {epoch:#x}")));
+            }
+        }
+        let n = Notification {
+            sender_endpoint: env.sender_endpoint.to_owned(),
+            sender_epoch: env.sender_epoch,
+            payload: env.payload.to_vec(),
+        };
+        self.enqueue_notification(n).map_err(|e| (RemoteStatus::ResourceExhausted, e.to_string()))
+    }
+
+    fn limits(&self) -> Limits {
+        self.frame_limits()
+    }
+
+    fn remote_gate(&self) {
+        if let Some(h) = &self.hooks {
+            h.before_remote_bytes();
+        }
+    }
+}
+
+impl EngineInner {
+    pub(crate) fn segment_descriptor(&self) -> SegmentDescriptor {
+        let (registrations, registry_version) = self.registry.lock().exported(ExportedRegistration::of);
+        SegmentDescriptor {
+            endpoint: self.own_endpoint(),
+            epoch: self.epoch,
+            registry_version,
+            pid: std::process::id(),
+            boot_id: self.boot_id,
+            inbox: self.notifications.inbox.get().and_then(|(m, _)| m.shared_name()).unwrap_or_default().to_owned(),
+            registrations,
+        }
+    }
+}
