@@ -496,10 +496,6 @@ fn find_cycle(deps: &BTreeMap<String, BTreeMap<String, String>>) -> Option<Vec<S
     None
 }
 
-/// Circles still being taken apart, by parent module (the renovation of
-/// issue 13 empties this list; nothing may be added to it).
-const KNOWN_CIRCLES: &[(&str, &[&str])] = &[("engine", &["peer", "transfer"])];
-
 #[test]
 fn no_import_circle_among_modules() {
     let g = Graph::new();
@@ -507,19 +503,6 @@ fn no_import_circle_among_modules() {
     let levels = levels(&g.edges());
     let mut failures = Vec::new();
     for (parent, deps) in &levels {
-        let mut deps = deps.clone();
-        let shown_parent = parent.join("::");
-        for (p, members) in KNOWN_CIRCLES {
-            if *p == shown_parent {
-                // Only edges between the listed members are tolerated.
-                for m in members.iter() {
-                    if let Some(d) = deps.get_mut(*m) {
-                        d.retain(|to, _| !members.contains(&to.as_str()));
-                    }
-                }
-            }
-        }
-        let deps = &deps;
         if let Some(cycle) = find_cycle(deps) {
             let shown = if parent.is_empty() { "crate".to_owned() } else { parent.join("::") };
             let mut msg = format!("import circle under `{shown}`: {}", cycle.join(" -> "));

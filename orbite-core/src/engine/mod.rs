@@ -7,13 +7,13 @@
 
 mod notify;
 mod peer;
+mod peers;
 pub(crate) mod plan;
 mod serve;
 mod spec;
 mod transfer;
 
 pub use notify::Notification;
-pub use peer::RemoteSegment;
 pub use spec::{Target, TransferSpec};
 pub use transfer::{ReleaseRefused, Transfer};
 
@@ -30,16 +30,16 @@ use crate::batch::lifecycle::TransferLifecycle;
 use crate::batch::{ExecutionPhase, TransferStatus};
 use crate::charge::{Charge, Counter, Counters, Stats};
 use crate::config::EngineConfig;
-use crate::error::Error;
+use crate::error::{Error, PeerError};
 use crate::memory::{HostMemory, MemoryRange};
 use crate::registry::Registry;
-use crate::segment::SegmentDescriptor;
+use crate::segment::{ExportedRegistration, SegmentDescriptor};
 use crate::transport::hooks::Hooks;
 use crate::transport::local::LocalRoute;
 use crate::transport::route::{Reach, Runs};
 use crate::transport::tcp::{PeerJob, Server};
 use crate::types::{RegistrationId, Resource};
-use peer::Peer;
+use transfer::Peer;
 use transfer::{Cell, Owners, PlanTarget, RouteTask, TransferShared};
 
 /// An execution waiting (partly or wholly) for admission.
@@ -91,6 +91,53 @@ pub(crate) struct EngineInner {
     notifications: notify::Notifications,
     /// Test hooks (feature `fault-injection`); none in a shipped build.
     hooks: Option<Arc<dyn Hooks<RouteTask>>>,
+}
+
+/// A lease on a peer's imported segment: transfers target it with
+/// [`crate::Target::Peer`]. Prepared transfers keep it alive.
+#[derive(Clone)]
+pub struct RemoteSegment {
+    pub(crate) peer: Arc<Peer>,
+}
+
+impl std::fmt::Debug for RemoteSegment {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteSegment").field("endpoint", &self.peer.endpoint).field("epoch", &self.peer.epoch).finish()
+    }
+}
+
+impl RemoteSegment {
+    /// The peer's endpoint.
+    pub fn endpoint(&self) -> &str {
+        &self.peer.endpoint
+    }
+    /// The peer's epoch.
+    pub fn epoch(&self) -> u64 {
+        self.peer.epoch
+    }
+    /// The descriptor the peer described itself with when it was opened
+    /// (its registrations then; [`Self::registrations`] has the current
+    /// view).
+    pub fn descriptor(&self) -> &SegmentDescriptor {
+        &self.peer.link.descriptor
+    }
+
+    /// The peer's registrations as this engine currently knows them, and
+    /// the peer's registry version that view reflects.
+    pub fn registrations(&self) -> (Vec<ExportedRegistration>, u64) {
+        let v = self.peer.view();
+        (v.segment.registrations().values().cloned().collect(), v.segment.version)
+    }
+    /// Why the peer is lost, if it is.
+    pub fn lost(&self) -> Option<String> {
+        self.peer.link.lost()
+    }
+
+    /// Whether new work may start: `Err` if the peer is lost, the segment
+    /// closed, or a newer epoch of the peer was opened.
+    pub fn usable(&self) -> Result<(), PeerError> {
+        self.peer.refusal().map_or(Ok(()), Err)
+    }
 }
 
 /// A random, nonzero 64-bit epoch.

@@ -15,7 +15,6 @@ use crate::batch::TransferStatus;
 use crate::batch::lifecycle::TransferLifecycle;
 use crate::charge::{Charge, Counter};
 use crate::engine::notify::Notification;
-use crate::engine::peer::Peer;
 use crate::engine::plan::Plan;
 use crate::engine::{EngineInner, QueuedExec};
 use crate::error::{BatchError, Error, RegistryError};
@@ -24,11 +23,16 @@ use crate::transport::{CopyJob, CopyProgram};
 use crate::types::Resource;
 use crate::types::TaskReport;
 
+/// A peer of this engine: its links carry route tasks.
+pub(crate) type Peer = crate::engine::peer::Peer<RouteTask>;
+/// A peer's loan of ranges to this engine's one-sided copies.
+pub(crate) type RemoteLoan = crate::engine::peer::RemoteLoan<RouteTask>;
+
 /// What a transfer owns apart from its program: refunded on release.
 pub(crate) struct Owners {
     pub loans: Vec<Arc<Registration>>,
     /// For a one-sided route: what the peer keeps alive for us.
-    pub remote_loan: Option<crate::engine::peer::RemoteLoan>,
+    pub remote_loan: Option<RemoteLoan>,
     pub _charge: Charge,
 }
 
