@@ -85,11 +85,17 @@ fn random_lifecycle_operations_from_many_threads() {
                         drop(t); // retained until retirement, never waited for
                         continue;
                     }
-                    // Release right away: refused while active (the usual
-                    // case); allowed only if it already retired.
-                    let t = match t.release() {
-                        Ok(()) => continue,
-                        Err(refused) => refused.transfer,
+                    // Sometimes release right away: refused while active,
+                    // allowed only if it already retired (how often it has
+                    // depends on the machine, so only a third of the rounds
+                    // try; the others are all verified).
+                    let t = if rng.below(3) == 0 {
+                        match t.release() {
+                            Ok(()) => continue,
+                            Err(refused) => refused.transfer,
+                        }
+                    } else {
+                        t
                     };
                     let res = t.wait(WAIT).result().expect("retires");
                     let after = snapshot(&dst.mem);

@@ -69,7 +69,12 @@ pub(crate) struct EngineInner {
     counters: Arc<Counters>,
     registry: Registry,
     admission: Mutex<AdmissionState>,
-    progress_cv: Condvar,
+    /// Task ends that gave back budget while work was queued: bumped
+    /// without the admission lock (see `task_freed`).
+    freed: AtomicU64,
+    /// The progress worker sleeps here, not on the admission lock, so that
+    /// task ends wake it without taking that lock.
+    worker_wake: (Mutex<bool>, Condvar),
     drain_lock: Mutex<()>,
     drain_cv: Condvar,
     route: LocalRoute<RouteTask>,
@@ -273,15 +278,49 @@ impl EngineInner {
         if self.counters.get(Counter::QueuedExecutions) == 0 {
             return;
         }
-        let grave = {
-            let mut a = self.admission.lock();
-            if a.queue.is_empty() {
-                return;
+        // The guard's release runs the pass.
+        drop(self.lock_admission());
+    }
+
+    /// Takes the admission lock. Releasing it runs admission passes until
+    /// none was missed: a task end that gave back budget meanwhile (and
+    /// could not take the lock itself) is served before the lock goes.
+    fn lock_admission(self: &Arc<Self>) -> AdmissionGuard<'_> {
+        AdmissionGuard { engine: self, a: Some(self.admission.lock()) }
+    }
+
+    /// Admission passes while holding `a`, until no task end gave back
+    /// budget during the last one; returns the count that pass saw.
+    fn drive(self: &Arc<Self>, a: &mut AdmissionState) -> u64 {
+        loop {
+            let seen = self.freed.load(Ordering::SeqCst);
+            self.admit_pass(a);
+            if self.freed.load(Ordering::SeqCst) == seen {
+                return seen;
             }
-            self.admit_pass(&mut a);
-            std::mem::take(&mut a.graveyard)
-        };
-        drop(grave);
+        }
+    }
+
+    /// A task ended and gave back its budget: work waiting for admission
+    /// may start. The completion is an event (`freed`); this thread never
+    /// waits for the admission lock. If the lock is free it serves the
+    /// event itself (the cheapest way to keep a route busy); if not, the
+    /// holder serves it before letting go (`AdmissionGuard::release`).
+    fn task_freed(self: &Arc<Self>) {
+        if self.counters.get(Counter::QueuedExecutions) == 0 {
+            return;
+        }
+        self.freed.fetch_add(1, Ordering::SeqCst);
+        if let Some(a) = self.admission.try_lock() {
+            drop(AdmissionGuard { engine: self, a: Some(a) });
+        }
+    }
+
+    /// Wakes the progress worker (if there is one).
+    fn wake_worker(&self) {
+        let (flag, cv) = &self.worker_wake;
+        *flag.lock() = true;
+        cv.notify_one();
     }
 
     fn wait_idle(&self, timeout: Duration) -> bool {
@@ -312,10 +351,10 @@ impl EngineInner {
                 }
             }
             a.shutdown = true;
-            self.progress_cv.notify_all();
             (afters, entries)
         };
         drop(grave);
+        self.wake_worker();
         for (after, t) in afters {
             after.complete(self, &t);
         }
@@ -362,27 +401,85 @@ impl EngineInner {
 
 fn progress_worker(engine: Arc<EngineInner>) {
     let interval = engine.config.progress_interval();
-    let mut a = engine.admission.lock();
     loop {
-        if a.shutdown {
-            return;
-        }
-        engine.admit_pass(&mut a);
-        let grave = std::mem::take(&mut a.graveyard);
+        let (grave, sleep) = {
+            let mut a = engine.admission.lock();
+            if a.shutdown {
+                return;
+            }
+            let seen = engine.drive(&mut a);
+            // Idle means idle: with nothing queued, sleep until woken.
+            let sleep = (!a.queue.is_empty()).then(|| {
+                let until = Instant::now() + interval;
+                a.queue.earliest_deadline().map_or(until, |d| until.min(d))
+            });
+            (AdmissionGuard::release(&engine, a, seen), sleep)
+        };
         if !grave.is_empty() {
-            parking_lot::MutexGuard::unlocked(&mut a, || drop(grave));
+            drop(grave);
             continue;
         }
-        if a.queue.is_empty() {
-            // Idle means idle: sleep until a post queues something.
-            engine.progress_cv.wait(&mut a);
-        } else {
-            let mut until = Instant::now() + interval;
-            if let Some(d) = a.queue.earliest_deadline() {
-                until = until.min(d);
+        let (flag, cv) = &engine.worker_wake;
+        let mut woken = flag.lock();
+        if !*woken {
+            match sleep {
+                None => cv.wait(&mut woken),
+                Some(until) => {
+                    cv.wait_until(&mut woken, until);
+                }
             }
-            engine.progress_cv.wait_until(&mut a, until);
         }
+        *woken = false;
+    }
+}
+
+/// The admission lock, held: dropping it runs the passes no completion may
+/// miss (see `EngineInner::lock_admission`), then drops what the passes
+/// retired from the queue, after the lock is released.
+pub(crate) struct AdmissionGuard<'a> {
+    engine: &'a Arc<EngineInner>,
+    a: Option<parking_lot::MutexGuard<'a, AdmissionState>>,
+}
+
+impl AdmissionGuard<'_> {
+    /// Releases `a` (after passes up to `seen`) and runs further passes
+    /// while task ends that found the lock taken are unserved; returns the
+    /// queue entries to drop with no lock held.
+    fn release(
+        engine: &Arc<EngineInner>,
+        mut a: parking_lot::MutexGuard<'_, AdmissionState>,
+        mut seen: u64,
+    ) -> Vec<QueuedExec> {
+        let mut grave = std::mem::take(&mut a.graveyard);
+        drop(a);
+        while engine.freed.load(Ordering::SeqCst) != seen {
+            // Someone else holds it: they serve it before they let go.
+            let Some(mut a) = engine.admission.try_lock() else { break };
+            seen = engine.drive(&mut a);
+            grave.append(&mut a.graveyard);
+        }
+        grave
+    }
+}
+
+impl std::ops::Deref for AdmissionGuard<'_> {
+    type Target = AdmissionState;
+    fn deref(&self) -> &AdmissionState {
+        self.a.as_ref().expect("held until drop")
+    }
+}
+
+impl std::ops::DerefMut for AdmissionGuard<'_> {
+    fn deref_mut(&mut self) -> &mut AdmissionState {
+        self.a.as_mut().expect("held until drop")
+    }
+}
+
+impl Drop for AdmissionGuard<'_> {
+    fn drop(&mut self) {
+        let Some(mut a) = self.a.take() else { return };
+        let seen = self.engine.drive(&mut a);
+        drop(Self::release(self.engine, a, seen));
     }
 }
 
@@ -471,7 +568,8 @@ impl TransferEngine {
             }),
             counters: Arc::new(Counters::default()),
             registry: Registry::default(),
-            progress_cv: Condvar::new(),
+            freed: AtomicU64::new(0),
+            worker_wake: (Mutex::new(false), Condvar::new()),
             drain_lock: Mutex::new(()),
             drain_cv: Condvar::new(),
             route,

@@ -133,32 +133,31 @@ impl CopyJob for RouteTask {
 
     fn finish(mut self, report: TaskReport) {
         let engine = self.engine.clone();
-        let notify;
-        let (after, grave) = {
-            let mut a = engine.admission.lock();
-            drop(self.in_flight.take()); // refund the budget first
-            let (after, stopped_early) = {
-                let mut cell = self.transfer.cell.lock();
-                let Some(m) = cell.life.active_mut(self.seq) else {
-                    debug_assert!(false, "task ended for an execution that is not active");
-                    return;
-                };
-                let retired = m.task_ended(self.task, report).unwrap_or_else(|e| {
-                    debug_assert!(false, "route protocol violation: {e}");
-                    false
-                });
-                let stopped_early = m.stopped_early();
-                notify = m.take_notification();
-                let after = if retired { cell.on_retired() } else { AfterRetire::default() };
-                (after, stopped_early)
+        drop(self.in_flight.take()); // give back the budget first
+        let (after, stopped_early, notify) = {
+            let mut cell = self.transfer.cell.lock();
+            let Some(m) = cell.life.active_mut(self.seq) else {
+                debug_assert!(false, "task ended for an execution that is not active");
+                return;
             };
-            if stopped_early {
-                a.remove_execution(&self.transfer, self.seq);
-            }
-            engine.admit_pass(&mut a);
-            (after, std::mem::take(&mut a.graveyard))
+            let retired = m.task_ended(self.task, report).unwrap_or_else(|e| {
+                debug_assert!(false, "route protocol violation: {e}");
+                false
+            });
+            let stopped_early = m.stopped_early();
+            let notify = m.take_notification();
+            let after = if retired { cell.on_retired() } else { AfterRetire::default() };
+            (after, stopped_early, notify)
         };
-        drop(grave);
+        if stopped_early {
+            // A failure stopped the execution: its queue entry goes before
+            // its retirement is seen (rare; this path takes the lock).
+            let mut a = engine.lock_admission();
+            a.remove_execution(&self.transfer, self.seq);
+            drop(a);
+        } else {
+            engine.task_freed();
+        }
         after.complete(&engine, &self.transfer);
         if notify {
             send_transfer_notification(&engine, &self.transfer, self.seq);
@@ -266,8 +265,8 @@ impl Transfer {
             Charge::limited(&engine.counters, Counter::Executions, 1, Resource::Executions, config.max_executions)?;
         let deadline = self.shared.plan.options.deadline.map(crate::time::deadline_after);
         let mut inline = None;
-        let grave = {
-            let mut a = engine.admission.lock();
+        let waiting = {
+            let mut a = engine.lock_admission();
             {
                 let mut cell = self.shared.cell.lock();
                 let seq = cell.life.check_post()?;
@@ -310,12 +309,11 @@ impl Transfer {
             }
             engine.remember_active(&self.shared);
             engine.admit(&mut a, Some((&self.shared, &mut inline)));
-            if !a.queue.is_empty() {
-                engine.progress_cv.notify_one();
-            }
-            std::mem::take(&mut a.graveyard)
+            !a.queue.is_empty()
         };
-        drop(grave);
+        if waiting && engine.config.progress_worker {
+            engine.wake_worker();
+        }
         if let Some(job) = inline {
             engine.route.run_inline(job);
         }
@@ -401,8 +399,8 @@ impl Transfer {
     /// Returns the status after the request.
     pub fn cancel(&self) -> Result<TransferStatus, Error> {
         let engine = &self.engine;
-        let (after, status, grave) = {
-            let mut a = engine.admission.lock();
+        let (after, status) = {
+            let mut a = engine.lock_admission();
             let (after, status, seq) = {
                 let mut cell = self.shared.cell.lock();
                 let seq = match &cell.life {
@@ -414,9 +412,8 @@ impl Transfer {
                 (after, cell.life.status(), seq)
             };
             a.remove_execution(&self.shared, seq);
-            (after, status, std::mem::take(&mut a.graveyard))
+            (after, status)
         };
-        drop(grave);
         after.complete(engine, &self.shared);
         Ok(status)
     }
