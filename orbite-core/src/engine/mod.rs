@@ -49,6 +49,29 @@ pub(crate) struct QueuedExec {
     _queued: Charge,
 }
 
+/// Admission: the queue of executions, the events of task ends, and the
+/// progress worker.
+pub(crate) struct Admission {
+    pub state: Mutex<AdmissionState>,
+    /// Task ends that gave back budget while work was queued: bumped
+    /// without the admission lock (see `task_freed`).
+    pub freed: AtomicU64,
+    /// The progress worker sleeps here, not on the admission lock, so that
+    /// it can be woken without taking that lock.
+    pub worker_wake: (Mutex<bool>, Condvar),
+    pub worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// The initiator side of peers: the segments this engine opened.
+#[derive(Default)]
+pub(crate) struct Peers {
+    /// The latest opened peer per endpoint (the current epoch there).
+    pub latest: Mutex<HashMap<String, Weak<Peer>>>,
+    pub all: Mutex<Vec<Weak<Peer>>>,
+    /// Borrow ids (mixed with the epoch).
+    pub next_borrow: AtomicU64,
+}
+
 pub(crate) struct AdmissionState {
     queue: AdmissionQueue<QueuedExec, Instant>,
     /// Entries removed under the lock, dropped after it is released (the
@@ -68,13 +91,8 @@ pub(crate) struct EngineInner {
     config: EngineConfig,
     counters: Arc<Counters>,
     registry: Registry,
-    admission: Mutex<AdmissionState>,
-    /// Task ends that gave back budget while work was queued: bumped
-    /// without the admission lock (see `task_freed`).
-    freed: AtomicU64,
-    /// The progress worker sleeps here, not on the admission lock, so that
-    /// task ends wake it without taking that lock.
-    worker_wake: (Mutex<bool>, Condvar),
+    /// Admission: the queue, its events and the progress worker.
+    admission: Admission,
     drain_lock: Mutex<()>,
     drain_cv: Condvar,
     route: LocalRoute<RouteTask>,
@@ -82,16 +100,13 @@ pub(crate) struct EngineInner {
     closed: AtomicBool,
     close_finished: AtomicBool,
     next_transfer: AtomicU64,
-    progress_thread: Mutex<Option<JoinHandle<()>>>,
     /// This engine's identity for this run.
     epoch: u64,
-    next_borrow: AtomicU64,
     boot_id: [u8; 16],
     /// The target side: the listener, its server and its watchers.
     listener: serve::Listener,
-    /// The latest opened peer per endpoint (the current epoch there).
-    peers: Mutex<HashMap<String, Weak<Peer>>>,
-    all_peers: Mutex<Vec<Weak<Peer>>>,
+    /// The initiator side: the peers this engine opened.
+    peers: Peers,
     /// Received notifications and the same-host inbox.
     notifications: notify::Notifications,
     /// Test hooks (feature `fault-injection`); none in a shipped build.
@@ -286,16 +301,16 @@ impl EngineInner {
     /// none was missed: a task end that gave back budget meanwhile (and
     /// could not take the lock itself) is served before the lock goes.
     fn lock_admission(self: &Arc<Self>) -> AdmissionGuard<'_> {
-        AdmissionGuard { engine: self, a: Some(self.admission.lock()) }
+        AdmissionGuard { engine: self, a: Some(self.admission.state.lock()) }
     }
 
     /// Admission passes while holding `a`, until no task end gave back
     /// budget during the last one; returns the count that pass saw.
     fn drive(self: &Arc<Self>, a: &mut AdmissionState) -> u64 {
         loop {
-            let seen = self.freed.load(Ordering::SeqCst);
+            let seen = self.admission.freed.load(Ordering::SeqCst);
             self.admit_pass(a);
-            if self.freed.load(Ordering::SeqCst) == seen {
+            if self.admission.freed.load(Ordering::SeqCst) == seen {
                 return seen;
             }
         }
@@ -310,15 +325,15 @@ impl EngineInner {
         if self.counters.get(Counter::QueuedExecutions) == 0 {
             return;
         }
-        self.freed.fetch_add(1, Ordering::SeqCst);
-        if let Some(a) = self.admission.try_lock() {
+        self.admission.freed.fetch_add(1, Ordering::SeqCst);
+        if let Some(a) = self.admission.state.try_lock() {
             drop(AdmissionGuard { engine: self, a: Some(a) });
         }
     }
 
     /// Wakes the progress worker (if there is one).
     fn wake_worker(&self) {
-        let (flag, cv) = &self.worker_wake;
+        let (flag, cv) = &self.admission.worker_wake;
         *flag.lock() = true;
         cv.notify_one();
     }
@@ -338,7 +353,7 @@ impl EngineInner {
         self.closed.store(true, Ordering::Release);
         // Queued work never starts: cancel it (proven not started).
         let (afters, grave) = {
-            let mut a = self.admission.lock();
+            let mut a = self.admission.state.lock();
             let mut entries = Vec::new();
             a.queue.drain_all(|q| entries.push(q));
             let mut afters = Vec::new();
@@ -367,7 +382,7 @@ impl EngineInner {
             self.close_all_peers(Duration::ZERO);
         }
         self.notifications.queue.lock().clear();
-        if let Some(t) = self.progress_thread.lock().take() {
+        if let Some(t) = self.admission.worker.lock().take() {
             let _ = t.join();
         }
         if drained {
@@ -403,7 +418,7 @@ fn progress_worker(engine: Arc<EngineInner>) {
     let interval = engine.config.progress_interval();
     loop {
         let (grave, sleep) = {
-            let mut a = engine.admission.lock();
+            let mut a = engine.admission.state.lock();
             if a.shutdown {
                 return;
             }
@@ -419,7 +434,7 @@ fn progress_worker(engine: Arc<EngineInner>) {
             drop(grave);
             continue;
         }
-        let (flag, cv) = &engine.worker_wake;
+        let (flag, cv) = &engine.admission.worker_wake;
         let mut woken = flag.lock();
         if !*woken {
             match sleep {
@@ -452,9 +467,9 @@ impl AdmissionGuard<'_> {
     ) -> Vec<QueuedExec> {
         let mut grave = std::mem::take(&mut a.graveyard);
         drop(a);
-        while engine.freed.load(Ordering::SeqCst) != seen {
+        while engine.admission.freed.load(Ordering::SeqCst) != seen {
             // Someone else holds it: they serve it before they let go.
-            let Some(mut a) = engine.admission.try_lock() else { break };
+            let Some(mut a) = engine.admission.state.try_lock() else { break };
             seen = engine.drive(&mut a);
             grave.append(&mut a.graveyard);
         }
@@ -561,15 +576,18 @@ impl TransferEngine {
         let route = LocalRoute::start(config.route_workers(), config.spin(), hooks.clone())
             .map_err(|e| Error::System(e.to_string()))?;
         let inner = Arc::new(EngineInner {
-            admission: Mutex::new(AdmissionState {
-                queue: AdmissionQueue::new(config.admission_queue_len as usize, config.anti_starvation_after),
-                graveyard: Vec::new(),
-                shutdown: false,
-            }),
+            admission: Admission {
+                state: Mutex::new(AdmissionState {
+                    queue: AdmissionQueue::new(config.admission_queue_len as usize, config.anti_starvation_after),
+                    graveyard: Vec::new(),
+                    shutdown: false,
+                }),
+                freed: AtomicU64::new(0),
+                worker_wake: (Mutex::new(false), Condvar::new()),
+                worker: Mutex::new(None),
+            },
             counters: Arc::new(Counters::default()),
             registry: Registry::default(),
-            freed: AtomicU64::new(0),
-            worker_wake: (Mutex::new(false), Condvar::new()),
             drain_lock: Mutex::new(()),
             drain_cv: Condvar::new(),
             route,
@@ -577,13 +595,10 @@ impl TransferEngine {
             closed: AtomicBool::new(false),
             close_finished: AtomicBool::new(false),
             next_transfer: AtomicU64::new(1),
-            progress_thread: Mutex::new(None),
             epoch: new_epoch(),
-            next_borrow: AtomicU64::new(1),
             boot_id: crate::segment::local_boot_id(),
             listener: serve::Listener::default(),
-            peers: Mutex::new(HashMap::new()),
-            all_peers: Mutex::new(Vec::new()),
+            peers: Peers { next_borrow: AtomicU64::new(1), ..Peers::default() },
             notifications: notify::Notifications::default(),
             hooks,
             config,
@@ -620,7 +635,7 @@ impl TransferEngine {
                 .name("orbite-progress".into())
                 .spawn(move || progress_worker(e))
                 .map_err(|e| Error::System(e.to_string()))?;
-            *inner.progress_thread.lock() = Some(t);
+            *inner.admission.worker.lock() = Some(t);
         }
         Ok(TransferEngine { handle: Arc::new(EngineHandle { inner }) })
     }

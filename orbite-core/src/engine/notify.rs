@@ -71,7 +71,7 @@ impl EngineInner {
             return;
         }
         let max = self.config.max_notification_bytes as usize;
-        let peers = self.peers.lock();
+        let peers = self.peers.latest.lock();
         inbox.drain(max, |env| {
             if env.target_epoch != self.epoch {
                 return true; // addressed to another epoch of ours: refused

@@ -80,7 +80,7 @@ impl EngineInner {
         peer.link
             .start_watch(since, Box::new(move |base, delta| weak.upgrade().is_some_and(|p| p.apply(base, delta))))
             .map_err(|e| PeerError::Connect(e.to_string()))?;
-        let previous = self.peers.lock().insert(endpoint.to_owned(), Arc::downgrade(&peer));
+        let previous = self.peers.latest.lock().insert(endpoint.to_owned(), Arc::downgrade(&peer));
         // A new epoch on this endpoint makes work prepared for the old one
         // fail (a restarted peer is a new identity).
         if let Some(old) = previous.and_then(|w| w.upgrade()) {
@@ -88,7 +88,7 @@ impl EngineInner {
                 old.superseded_by.store(peer.epoch, Ordering::Release);
             }
         }
-        let mut all = self.all_peers.lock();
+        let mut all = self.peers.all.lock();
         all.retain(|w| w.strong_count() > 0);
         all.push(Arc::downgrade(&peer));
         Ok(RemoteSegment { peer })
@@ -253,7 +253,7 @@ impl EngineInner {
     }
 
     pub(crate) fn close_all_peers(&self, timeout: Duration) {
-        let peers: Vec<Arc<Peer>> = self.all_peers.lock().iter().filter_map(|w| w.upgrade()).collect();
+        let peers: Vec<Arc<Peer>> = self.peers.all.lock().iter().filter_map(|w| w.upgrade()).collect();
         for p in peers {
             let _ = p.close(timeout);
         }
@@ -360,7 +360,7 @@ impl EngineInner {
     /// Asks `peer` to keep registrations `ids` alive for a one-sided route
     /// until the returned loan is dropped.
     pub(crate) fn borrow(&self, peer: &Arc<Peer>, ids: &[(u64, u64)], write: bool) -> Result<RemoteLoan, PeerError> {
-        let id = self.next_borrow.fetch_add(1, Ordering::Relaxed) ^ self.epoch.rotate_left(32);
+        let id = self.peers.next_borrow.fetch_add(1, Ordering::Relaxed) ^ self.epoch.rotate_left(32);
         let mut body = Vec::new();
         crate::wire::encode_borrow(
             &mut body,

@@ -85,7 +85,7 @@ impl TargetSide for EngineInner {
         }
         // A sender we know under another epoch is a stale (or future)
         // identity: refuse rather than attribute it wrongly.
-        let known = self.peers.lock().get(env.sender_endpoint).and_then(|w| w.upgrade()).map(|p| p.epoch);
+        let known = self.peers.latest.lock().get(env.sender_endpoint).and_then(|w| w.upgrade()).map(|p| p.epoch);
         if let Some(epoch) = known {
             if epoch != env.sender_epoch {
                 return Err((RemoteStatus::EpochMismatch, format!("sender epoch is {epoch:#x}")));
