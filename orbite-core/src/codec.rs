@@ -5,8 +5,7 @@
 //! Nothing here panics on any input: every read checks that the bytes are
 //! there (with checked arithmetic) and returns [`Short`] when they are not,
 //! which each codec maps to its own error. The reader allocates nothing and
-//! is meant for hot paths too; fixed offsets into a slice whose length was
-//! already checked read with [`u16_at`], [`u32_at`] and [`u64_at`].
+//! is meant for hot paths too.
 //!
 //! A leaf module: it imports nothing of the crate.
 //!
@@ -22,7 +21,6 @@
 //! assert_eq!(r.u64(), Ok(1 << 40));
 //! assert_eq!(r.u32(), Ok(u32::from_le_bytes(*b"tail")));
 //! assert_eq!(r.u8(), Err(Short));
-//! assert_eq!(codec::u64_at(&out, 2), Some(1 << 40));
 //! ```
 
 use std::fmt;
@@ -110,26 +108,6 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// The `N` bytes at offset `at` of `b`, or `None` if they are not all there.
-pub fn array_at<const N: usize>(b: &[u8], at: usize) -> Option<[u8; N]> {
-    b.get(at..)?.first_chunk::<N>().copied()
-}
-
-/// The little-endian `u16` at offset `at` of `b`.
-pub fn u16_at(b: &[u8], at: usize) -> Option<u16> {
-    array_at(b, at).map(u16::from_le_bytes)
-}
-
-/// The little-endian `u32` at offset `at` of `b`.
-pub fn u32_at(b: &[u8], at: usize) -> Option<u32> {
-    array_at(b, at).map(u32::from_le_bytes)
-}
-
-/// The little-endian `u64` at offset `at` of `b`.
-pub fn u64_at(b: &[u8], at: usize) -> Option<u64> {
-    array_at(b, at).map(u64::from_le_bytes)
-}
-
 /// Appends `v`, little endian.
 pub fn put_u16(out: &mut Vec<u8>, v: u16) {
     out.extend_from_slice(&v.to_le_bytes());
@@ -179,21 +157,6 @@ mod tests {
         assert_eq!(Short.to_string(), "fewer bytes left than a read needs");
     }
 
-    #[test]
-    fn fixed_offsets_are_checked() {
-        let b = [1u8, 0, 0, 0, 0, 0, 0, 0, 2];
-        assert_eq!(u64_at(&b, 0), Some(1));
-        assert_eq!(u64_at(&b, 1), Some(2 << 56));
-        assert_eq!(u64_at(&b, 2), None);
-        assert_eq!(u32_at(&b, 5), Some(2 << 24));
-        assert_eq!(u32_at(&b, 6), None);
-        assert_eq!(u16_at(&b, 7), Some(2 << 8));
-        assert_eq!(u16_at(&b, 8), None);
-        assert_eq!(u16_at(&b, usize::MAX), None);
-        assert_eq!(array_at::<0>(&b, 9), Some([]));
-        assert_eq!(array_at::<0>(&b, 10), None);
-    }
-
     /// One read of a random sequence.
     #[derive(Debug, Clone, Copy)]
     enum Read {
@@ -227,7 +190,6 @@ mod tests {
         fn any_reads_of_any_bytes_agree_with_from_le_bytes(
             bytes in prop::collection::vec(any::<u8>(), 0..64),
             reads in prop::collection::vec(read(), 0..24),
-            at in 0usize..80,
         ) {
             let mut r = Reader::new(&bytes);
             let mut pos = 0usize;
@@ -290,12 +252,6 @@ mod tests {
                 }
             }
             prop_assert_eq!(r.position(), pos);
-            let want64 = bytes.get(at..).and_then(|s| s.get(..8)).map(|s| u64::from_le_bytes(s.try_into().unwrap()));
-            prop_assert_eq!(u64_at(&bytes, at), want64);
-            let want32 = bytes.get(at..).and_then(|s| s.get(..4)).map(|s| u32::from_le_bytes(s.try_into().unwrap()));
-            prop_assert_eq!(u32_at(&bytes, at), want32);
-            let want16 = bytes.get(at..).and_then(|s| s.get(..2)).map(|s| u16::from_le_bytes([s[0], s[1]]));
-            prop_assert_eq!(u16_at(&bytes, at), want16);
         }
     }
 }
