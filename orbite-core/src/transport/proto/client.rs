@@ -17,6 +17,7 @@
 
 use std::collections::VecDeque;
 
+use crate::transport::proto::FrameIn;
 use crate::transport::sock::{advance, iov};
 use crate::transport::{CopyJob, TaskReport};
 use crate::types::{Op, TaskEnd};
@@ -99,18 +100,10 @@ pub(crate) fn unsent<J: CopyJob>(job: PeerJob<J>, why: String) -> Done<J> {
 }
 
 enum Input {
-    Header {
-        have: usize,
-    },
-    Body {
-        h: Header,
-        have: usize,
-    },
+    /// A reply frame (header and body).
+    Frame,
     /// A READ reply's bytes, landing in the front task's local spans.
-    Payload {
-        first: usize,
-        done: u64,
-    },
+    Payload { first: usize, done: u64 },
 }
 
 /// One connection's initiator side.
@@ -122,8 +115,9 @@ pub(crate) struct ClientConn<J> {
     out_iovs: Vec<libc::iovec>,
     out_first: usize,
     input: Input,
-    head: [u8; wire::HEADER_LEN],
-    body: Vec<u8>,
+    frame: FrameIn,
+    /// Where request bodies are encoded.
+    scratch: Vec<u8>,
     in_iovs: Vec<libc::iovec>,
     lost: Option<String>,
 }
@@ -143,9 +137,9 @@ impl<J: CopyJob> ClientConn<J> {
             out: Vec::new(),
             out_iovs: Vec::new(),
             out_first: 0,
-            input: Input::Header { have: 0 },
-            head: [0; wire::HEADER_LEN],
-            body: Vec::new(),
+            input: Input::Frame,
+            frame: FrameIn::new(),
+            scratch: Vec::new(),
             in_iovs: Vec::new(),
             lost: None,
         }
@@ -175,7 +169,7 @@ impl<J: CopyJob> ClientConn<J> {
                 let planned = j.planned();
                 let op = j.program().op;
                 let spans = j.spans();
-                let mut body = std::mem::take(&mut self.body);
+                let mut body = std::mem::take(&mut self.scratch);
                 wire::encode_request(
                     &mut body,
                     self.epoch,
@@ -184,7 +178,7 @@ impl<J: CopyJob> ClientConn<J> {
                 let (kind, data) = if op == Op::Write { (Kind::Write, planned) } else { (Kind::Read, 0) };
                 self.out.extend_from_slice(&wire::encode_header(&wire::header(kind, body.len(), data, id)));
                 self.out.extend_from_slice(&body);
-                self.body = body;
+                self.scratch = body;
                 self.out_iovs.push(iov(self.out.as_ptr() as u64, self.out.len() as u64));
                 if op == Op::Write {
                     self.out_iovs.extend(spans.iter().map(|sp| iov(sp.local, sp.len)));
@@ -233,16 +227,7 @@ impl<J: CopyJob> ClientConn<J> {
             return None;
         }
         match &self.input {
-            Input::Header { have } => {
-                let rest = &mut self.head[*have..];
-                self.in_iovs.clear();
-                self.in_iovs.push(iov(rest.as_mut_ptr() as u64, rest.len() as u64));
-            }
-            Input::Body { have, .. } => {
-                let rest = &mut self.body[*have..];
-                self.in_iovs.clear();
-                self.in_iovs.push(iov(rest.as_mut_ptr() as u64, rest.len() as u64));
-            }
+            Input::Frame => self.frame.target(&mut self.in_iovs),
             Input::Payload { first, .. } => return Some(&mut self.in_iovs[*first..]),
         }
         Some(&mut self.in_iovs[..])
@@ -254,32 +239,15 @@ impl<J: CopyJob> ClientConn<J> {
     /// is in `done`, and [`ClientConn::fail_all`] ends the rest).
     pub fn received(&mut self, n: usize, done: &mut Option<Done<J>>) -> Result<(), String> {
         match &mut self.input {
-            Input::Header { have } => {
-                *have += n;
-                if *have < wire::HEADER_LEN {
-                    return Ok(());
-                }
-                let h = match wire::decode_header(&self.head, self.limits) {
-                    Ok(h) => h,
+            Input::Frame => {
+                let h = match self.frame.received(n, self.limits) {
+                    Ok(Some(h)) => h,
+                    Ok(None) => return Ok(()),
                     Err(e) => return self.violation(format!("protocol violation: {e}"), done),
                 };
                 let id = self.inflight.front().map_or(0, |(_, id)| *id);
                 if h.request != id {
                     return self.violation(format!("reply to request {} while {id} was outstanding", h.request), done);
-                }
-                self.body.clear();
-                self.body.resize(h.body_len as usize, 0);
-                self.input = Input::Body { h, have: 0 };
-                if h.body_len == 0 {
-                    return self.on_reply(h, done);
-                }
-                Ok(())
-            }
-            Input::Body { h, have } => {
-                *have += n;
-                let h = *h;
-                if *have < self.body.len() {
-                    return Ok(());
                 }
                 self.on_reply(h, done)
             }
@@ -289,7 +257,7 @@ impl<J: CopyJob> ClientConn<J> {
                 if *first < self.in_iovs.len() {
                     return Ok(());
                 }
-                self.input = Input::Header { have: 0 };
+                self.input = Input::Frame;
                 if let Some((PeerJob::Task(j), _)) = self.inflight.pop_front() {
                     let planned = j.planned();
                     *done = Some(Done::Task(j, TaskReport { planned, done: planned, end: TaskEnd::Complete }));
@@ -300,14 +268,14 @@ impl<J: CopyJob> ClientConn<J> {
     }
 
     fn on_reply(&mut self, h: Header, done: &mut Option<Done<J>>) -> Result<(), String> {
-        self.input = Input::Header { have: 0 };
+        self.input = Input::Frame;
         let Some((job, id)) = self.inflight.pop_front() else { return Ok(()) };
         match job {
             PeerJob::Task(j) => {
                 let planned = j.planned();
                 let op = j.program().op;
                 let report = match (op, h.kind) {
-                    (_, Kind::Error) => match wire::decode_error(&self.body) {
+                    (_, Kind::Error) => match wire::decode_error(&self.frame.body) {
                         // The target validates everything before any byte moves.
                         Ok(_) => TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: false } },
                         Err(e) => {
@@ -339,8 +307,8 @@ impl<J: CopyJob> ClientConn<J> {
             }
             PeerJob::Control(n) => {
                 let result = match h.kind {
-                    k if k == n.expected_reply() && h.data_len == 0 => Ok(std::mem::take(&mut self.body)),
-                    Kind::Error => match wire::decode_error(&self.body) {
+                    k if k == n.expected_reply() && h.data_len == 0 => Ok(std::mem::take(&mut self.frame.body)),
+                    Kind::Error => match wire::decode_error(&self.frame.body) {
                         Ok((status, detail)) => Err(PeerFailure::Refused(status, detail)),
                         Err(e) => {
                             self.inflight.push_front((PeerJob::Control(n), id));
@@ -382,7 +350,7 @@ impl<J: CopyJob> ClientConn<J> {
                         TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: op == Op::Write } }
                     }
                 };
-                self.input = Input::Header { have: 0 };
+                self.input = Input::Frame;
                 Done::Task(j, report)
             }
             PeerJob::Control(n) => Done::Control(n, Err(PeerFailure::Lost(why.to_owned()))),

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use crate::registry::Registration;
+use crate::transport::proto::FrameIn;
 use crate::transport::sock::{advance, iov};
 use crate::wire::{self, Header, Kind, Limits, NotifyEnvelope, RemoteStatus, Request, WireError};
 
@@ -89,10 +90,8 @@ pub(crate) enum Event {
 
 /// What incoming bytes are for.
 enum Input {
-    /// A frame header: `have` of its bytes arrived.
-    Header { have: usize },
-    /// The body of `h`: `have` bytes arrived.
-    Body { h: Header, have: usize },
+    /// A request frame (header and body).
+    Frame,
     /// An accepted WRITE's payload, landing in registered memory through
     /// `iovs` (from `first`); `loans` keep those registrations alive.
     Payload { h: Header, first: usize },
@@ -105,8 +104,7 @@ enum Input {
 pub(crate) struct ServerConn {
     conn: u64,
     input: Input,
-    head: [u8; wire::HEADER_LEN],
-    body: Vec<u8>,
+    frame: FrameIn,
     discard: Vec<u8>,
     /// Incoming: the iovecs of the buffer or memory bytes go to.
     in_iovs: Vec<libc::iovec>,
@@ -135,9 +133,8 @@ impl ServerConn {
     pub fn new(conn: u64) -> Self {
         ServerConn {
             conn,
-            input: Input::Header { have: 0 },
-            head: [0; wire::HEADER_LEN],
-            body: Vec::new(),
+            input: Input::Frame,
+            frame: FrameIn::new(),
             discard: Vec::new(),
             in_iovs: Vec::new(),
             loans: Vec::new(),
@@ -156,16 +153,7 @@ impl ServerConn {
             return None;
         }
         match &self.input {
-            Input::Header { have } => {
-                let rest = &mut self.head[*have..];
-                self.in_iovs.clear();
-                self.in_iovs.push(iov(rest.as_mut_ptr() as u64, rest.len() as u64));
-            }
-            Input::Body { have, .. } => {
-                let rest = &mut self.body[*have..];
-                self.in_iovs.clear();
-                self.in_iovs.push(iov(rest.as_mut_ptr() as u64, rest.len() as u64));
-            }
+            Input::Frame => self.frame.target(&mut self.in_iovs),
             Input::Payload { first, .. } => return Some(&mut self.in_iovs[*first..]),
             Input::Discard { left, .. } => {
                 let n = (*left as usize).min(DISCARD_CHUNK);
@@ -181,28 +169,10 @@ impl ServerConn {
     /// Returns what the driver must do, or why the connection closes.
     pub fn received(&mut self, n: usize, side: &dyn TargetSide, borrows: &BorrowTable) -> Result<Option<Event>, Close> {
         match &mut self.input {
-            Input::Header { have } => {
-                *have += n;
-                if *have < wire::HEADER_LEN {
-                    return Ok(None);
-                }
-                let h = wire::decode_header(&self.head, side.limits())?;
-                self.body.clear();
-                self.body.resize(h.body_len as usize, 0);
-                self.input = Input::Body { h, have: 0 };
-                if h.body_len == 0 {
-                    return self.on_frame(h, side, borrows);
-                }
-                Ok(None)
-            }
-            Input::Body { h, have } => {
-                *have += n;
-                let h = *h;
-                if *have < self.body.len() {
-                    return Ok(None);
-                }
-                self.on_frame(h, side, borrows)
-            }
+            Input::Frame => match self.frame.received(n, side.limits())? {
+                Some(h) => self.on_frame(h, side, borrows),
+                None => Ok(None),
+            },
             Input::Payload { h, first } => {
                 let h = *h;
                 advance(&mut self.in_iovs, first, n);
@@ -210,7 +180,7 @@ impl ServerConn {
                     return Ok(None);
                 }
                 self.loans.clear(); // landed: release the loans, then ack
-                self.input = Input::Header { have: 0 };
+                self.input = Input::Frame;
                 self.reply(Kind::WriteAck, h.request, &[]);
                 Ok(None)
             }
@@ -220,7 +190,7 @@ impl ServerConn {
                     return Ok(None);
                 }
                 let (request, status, detail) = (h.request, *status, std::mem::take(detail));
-                self.input = Input::Header { have: 0 };
+                self.input = Input::Frame;
                 self.error(request, status, &detail);
                 Ok(None)
             }
@@ -264,10 +234,10 @@ impl ServerConn {
 
     /// A whole frame (header and body) arrived.
     fn on_frame(&mut self, h: Header, side: &dyn TargetSide, borrows: &BorrowTable) -> Result<Option<Event>, Close> {
-        self.input = Input::Header { have: 0 };
+        self.input = Input::Frame;
         match h.kind {
             Kind::Watch => {
-                let (epoch, since, max_reply) = wire::decode_watch(&self.body)?;
+                let (epoch, since, max_reply) = wire::decode_watch(&self.frame.body)?;
                 if h.data_len != 0 {
                     return Err(Close::Malformed);
                 }
@@ -285,7 +255,7 @@ impl ServerConn {
                 return Ok(Some(Event::Subscribe { epoch, request: h.request, budget, since }));
             }
             Kind::Borrow => {
-                let (borrow_id, req) = wire::decode_borrow(&self.body)?;
+                let (borrow_id, req) = wire::decode_borrow(&self.frame.body)?;
                 if h.data_len != 0 {
                     return Err(Close::Malformed);
                 }
@@ -319,13 +289,13 @@ impl ServerConn {
                 }
             }
             Kind::Return => {
-                let borrow_id = wire::decode_return(&self.body)?;
+                let borrow_id = wire::decode_return(&self.frame.body)?;
                 let ended = borrows.lock().remove(&borrow_id);
                 drop(ended);
                 self.reply(Kind::ReturnAck, h.request, &[]);
             }
             Kind::DescribeSince => {
-                let d = wire::decode_describe_since(&self.body)?;
+                let d = wire::decode_describe_since(&self.frame.body)?;
                 if h.data_len != 0 {
                     return Err(Close::Malformed);
                 }
@@ -341,7 +311,7 @@ impl ServerConn {
                 }
             }
             Kind::Describe => {
-                wire::decode_describe(&self.body)?;
+                wire::decode_describe(&self.frame.body)?;
                 if h.data_len != 0 {
                     return Err(Close::Malformed);
                 }
@@ -350,7 +320,7 @@ impl ServerConn {
             }
             Kind::Write | Kind::Read => {
                 let write = h.kind == Kind::Write;
-                let req = Request::decode(&self.body)?;
+                let req = Request::decode(&self.frame.body)?;
                 let total = req.total_len().ok_or(Close::Malformed)?;
                 // A WRITE's payload length must match its descriptors, or the
                 // stream cannot be kept in sync: close. A READ carries none.
@@ -404,7 +374,7 @@ impl ServerConn {
                 }
             }
             Kind::Notify => {
-                let env = wire::decode_notify(&self.body)?;
+                let env = wire::decode_notify(&self.frame.body)?;
                 if h.data_len != 0 {
                     return Err(Close::Malformed);
                 }
