@@ -794,15 +794,15 @@ fn connection_worker<J: CopyJob>(link: &PeerLink<J>, stream: TcpStream) {
                 continue;
             }
             m.start(job, link.next_request.fetch_add(1, Ordering::Relaxed));
-            let patience = link.opts.patience(m.send_len());
-            let total = m.send_len() as usize;
+            let total = m.send_len();
+            let patience = link.opts.patience(total);
             let Some(out) = m.send_buf() else { continue };
             v.clear();
             v.extend_from_slice(out);
             // SAFETY: the machine's iovecs address its own buffers or the
             // job's spans, kept valid by its range loans (CopyJob contract).
             match unsafe { writev_within(fd, &mut v, Some(&patience)) } {
-                Ok(()) => m.sent(total),
+                Ok(()) => m.sent(total as usize),
                 Err(e) => lose(link, &mut m, format!("connection lost: {e}"), None),
             }
         }

@@ -169,17 +169,17 @@ impl<J: CopyJob> ClientConn<J> {
                 let planned = j.planned();
                 let op = j.program().op;
                 let spans = j.spans();
-                let mut body = std::mem::take(&mut self.scratch);
+                // The body is sent from where it was encoded (it stays
+                // untouched until the request is all out: `can_start`).
                 wire::encode_request(
-                    &mut body,
+                    &mut self.scratch,
                     self.epoch,
                     spans.iter().map(|sp| RemoteDesc { registration: sp.remote_reg, offset: sp.remote, len: sp.len }),
                 );
                 let (kind, data) = if op == Op::Write { (Kind::Write, planned) } else { (Kind::Read, 0) };
-                self.out.extend_from_slice(&wire::encode_header(&wire::header(kind, body.len(), data, id)));
-                self.out.extend_from_slice(&body);
-                self.scratch = body;
+                self.out.extend_from_slice(&wire::encode_header(&wire::header(kind, self.scratch.len(), data, id)));
                 self.out_iovs.push(iov(self.out.as_ptr() as u64, self.out.len() as u64));
+                self.out_iovs.push(iov(self.scratch.as_ptr() as u64, self.scratch.len() as u64));
                 if op == Op::Write {
                     self.out_iovs.extend(spans.iter().map(|sp| iov(sp.local, sp.len)));
                 }
