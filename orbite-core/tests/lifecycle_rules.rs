@@ -328,6 +328,33 @@ fn short_completion_and_unknown_effect_end_in_error_only_after_retirement() {
 }
 
 #[test]
+fn a_task_that_fails_at_once_does_not_cut_the_siblings_admitted_with_it() {
+    // Every task fits the budget, so post admits all four in one pass; the
+    // first one fails at once on a worker. Its siblings were admitted with
+    // it and start: the outcome (which bytes moved) must not depend on how
+    // fast a worker wakes. Many rounds, to give the race its chances.
+    let e = engine(r#"{"task_bytes": 4096, "local_route_workers": 2}"#);
+    let a = region(&e, 16384, Permission::RemoteReadWrite);
+    let b = region(&e, 16384, Permission::RemoteReadWrite);
+    fill(&a.mem, 9);
+    for round in 0..200 {
+        e.fault_hooks().hold_all(true);
+        e.fault_hooks().push(FaultDirective::Short { bytes: 100 });
+        let t = e.prepare(&spec(Op::Write, &[Desc::new(a.id, 0, 16384)], &[Desc::new(b.id, 0, 16384)])).unwrap();
+        t.post().unwrap();
+        assert!(e.fault_hooks().wait_held(3, WAIT), "round {round}: the three siblings were not started");
+        assert!(!t.check().is_terminal(), "round {round}: retired with three tasks held");
+        e.fault_hooks().hold_all(false);
+        e.fault_hooks().release_all();
+        let r = wait_retired(&t);
+        assert_eq!(r.outcome.code, OutcomeCode::ShortCompletion, "round {round}");
+        assert_eq!(r.receipt.tasks_started, 4, "round {round}");
+        drop(t);
+    }
+    assert_idle(&e);
+}
+
+#[test]
 fn deadline_expires_queued_work_but_never_cuts_running_work() {
     let e = engine(r#"{"max_tasks_in_flight": 1}"#);
     let a = region(&e, 8192, Permission::RemoteReadWrite);

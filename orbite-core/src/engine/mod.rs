@@ -235,6 +235,12 @@ impl EngineInner {
         }
         let max_tasks = self.config.max_tasks_in_flight;
         let max_bytes = self.config.max_bytes_in_flight;
+        // Tasks admitted by this pass start after it: a task that fails at
+        // once must not stop the admission of its siblings half-way through
+        // the pass (what one pass admits, starts, so an outcome does not
+        // depend on how fast a worker wakes).
+        let mut local: Vec<RouteTask> = Vec::new();
+        let mut remote: Vec<RouteTask> = Vec::new();
         while let Some(class) = queue.next_class() {
             let Some(head) = queue.front(class) else { break };
             let transfer = head.transfer.clone();
@@ -267,7 +273,7 @@ impl EngineInner {
             }
             let job = RouteTask { engine: self.clone(), transfer: transfer.clone(), seq, task, in_flight };
             match (&transfer.target, transfer.way.runs()) {
-                (PlanTarget::Peer(p), Runs::PeerLink) => p.link.submit(PeerJob::Task(job)),
+                (PlanTarget::Peer(_), Runs::PeerLink) => remote.push(job),
                 _ if inline.as_ref().is_some_and(|(t, slot)| {
                     slot.is_none()
                         && Arc::ptr_eq(t, &transfer)
@@ -281,7 +287,14 @@ impl EngineInner {
                 }
                 // The self connection and the one-sided routes copy on the
                 // local workers: the peer spends no CPU.
-                _ => self.route.submit(job),
+                _ => local.push(job),
+            }
+        }
+        self.route.submit_all(local);
+        for job in remote {
+            if let PlanTarget::Peer(p) = &job.transfer.target {
+                let link = p.link.clone();
+                link.submit(PeerJob::Task(job));
             }
         }
     }

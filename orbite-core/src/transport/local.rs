@@ -88,6 +88,21 @@ impl<J: CopyJob> LocalRoute<J> {
         }
     }
 
+    /// Hands tasks to the workers in order, under one lock.
+    pub fn submit_all(&self, jobs: Vec<J>) {
+        let n = jobs.len();
+        if n <= 1 {
+            return jobs.into_iter().for_each(|j| self.submit(j));
+        }
+        {
+            let mut q = self.shared.queue.lock();
+            q.jobs.extend(jobs.into_iter().map(|j| (j, None)));
+            self.shared.pending.fetch_add(n, Ordering::AcqRel);
+        }
+        // One worker now; it wakes a second when it sees more queued.
+        self.shared.ready.notify_one();
+    }
+
     /// Runs a task on the calling thread when no task is queued ahead of
     /// it (so tasks still start in the order the route received them);
     /// otherwise queues it for the workers. The caller holds no lock: the
