@@ -11,6 +11,9 @@ use std::time::Duration;
 use common::*;
 use orbite_core::wire::{self, Kind};
 
+/// The tests count the process's threads: one at a time.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn threads() -> usize {
     std::fs::read_dir("/proc/self/task").map(|d| d.count()).unwrap_or(0)
 }
@@ -31,6 +34,7 @@ fn describe(s: &mut TcpStream, request: u64) -> wire::Header {
 
 #[test]
 fn connected_peers_do_not_add_threads() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let e = engine(r#"{"listen": "127.0.0.1:0"}"#);
     let endpoint = e.endpoint().unwrap();
     let connect = || {
@@ -55,4 +59,44 @@ fn connected_peers_do_not_add_threads() {
     }
     drop(peers);
     e.close();
+}
+
+/// The initiator side too: an engine with 256 opened peers (each a link of
+/// data connections and a watch connection) has the threads it has with
+/// one, and every link still moves bytes and fails over to nothing.
+#[test]
+fn opened_peers_do_not_add_threads() {
+    use orbite_core::*;
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let target = engine(r#"{"listen": "127.0.0.1:0"}"#);
+    let endpoint = target.endpoint().unwrap();
+    let remote = region(&target, 1 << 16, Permission::RemoteReadWrite);
+    let e = engine(r#"{"route": "tcp", "connections_per_peer": 2}"#);
+    let local = region(&e, 1 << 16, Permission::RemoteReadWrite);
+    fill(&local.mem, 3);
+    let first = e.open_segment(&endpoint, None, WAIT).unwrap();
+    let write = |seg: &RemoteSegment, at: u64| {
+        let (l, r) = ([Desc::new(local.id, at, 256)], [Desc::new(remote.id, at, 256)]);
+        let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(seg))).unwrap();
+        t.post().unwrap();
+        assert!(wait_retired(&t).outcome.is_success());
+    };
+    write(&first, 0);
+    let with_one = threads();
+    let mut segs = vec![first];
+    for _ in 1..256 {
+        segs.push(e.open_segment(&endpoint, None, WAIT).unwrap());
+    }
+    assert_eq!(threads(), with_one, "256 opened peers use the threads one does");
+    for (i, seg) in segs.iter().enumerate().rev() {
+        write(seg, (i as u64 * 256) % (1 << 16));
+    }
+    assert_eq!(snapshot(&remote.mem), snapshot(&local.mem));
+    for seg in &segs {
+        e.close_segment(seg, WAIT).unwrap();
+    }
+    drop(segs);
+    assert_eq!(threads(), with_one);
+    e.close();
+    target.close();
 }

@@ -70,6 +70,9 @@ pub(crate) struct Peers {
     pub all: Mutex<Vec<Weak<Peer>>>,
     /// Borrow ids (mixed with the epoch).
     pub next_borrow: AtomicU64,
+    /// The threads driving every link's connections (started with the
+    /// first opened peer).
+    pub initiators: Mutex<Option<Arc<crate::transport::tcp::Initiators<RouteTask>>>>,
 }
 
 pub(crate) struct AdmissionState {
@@ -393,6 +396,9 @@ impl EngineInner {
         }
         if drained {
             self.close_all_peers(Duration::ZERO);
+            if let Some(i) = self.peers.initiators.lock().take() {
+                i.shutdown();
+            }
         }
         self.notifications.queue.lock().clear();
         if let Some(t) = self.admission.worker.lock().take() {

@@ -16,7 +16,7 @@ use crate::error::{Error, PeerError};
 use crate::segment::{Delta, ExportedRegistration, SegmentDescriptor, SegmentView};
 use crate::transport::mapping::{map_new_shared, map_shared};
 use crate::transport::route::SameHost;
-use crate::transport::tcp::{ControlDone, ControlJob, PeerFailure, PeerJob, PeerLink};
+use crate::transport::tcp::{ControlDone, ControlJob, Initiators, PeerFailure, PeerJob, PeerLink};
 use crate::wire::{Kind, NotifyEnvelope};
 /// A one-shot answer slot for a synchronous peer call.
 type Reply = (Mutex<Option<Result<Vec<u8>, PeerFailure>>>, Condvar);
@@ -36,16 +36,17 @@ impl EngineInner {
             connections: c.connections_per_peer,
             io_timeout: c.peer_timeout(),
             min_rate: c.peer_min_bytes_per_s,
-            spin: c.spin(),
             limits: self.frame_limits(),
             max_descriptor: c.max_frame_body as usize,
         };
         use crate::transport::tcp::OpenError;
-        let link = PeerLink::open(endpoint, expected_epoch, timeout, self.epoch, opts).map_err(|e| match e {
-            OpenError::Connect(m) => PeerError::Connect(m),
-            OpenError::Protocol(m) => PeerError::Protocol(m),
-            OpenError::EpochMismatch { expected, found } => PeerError::EpochMismatch { expected, found },
-        })?;
+        let drivers = self.initiators().map_err(|e| PeerError::Connect(format!("initiator threads: {e}")))?;
+        let link =
+            PeerLink::open(&drivers, endpoint, expected_epoch, timeout, self.epoch, opts).map_err(|e| match e {
+                OpenError::Connect(m) => PeerError::Connect(m),
+                OpenError::Protocol(m) => PeerError::Protocol(m),
+                OpenError::EpochMismatch { expected, found } => PeerError::EpochMismatch { expected, found },
+            })?;
         let same_host = self.same_host(&link.descriptor);
         let mut maps = HashMap::new();
         if same_host.is_ok() {
@@ -92,6 +93,17 @@ impl EngineInner {
         all.retain(|w| w.strong_count() > 0);
         all.push(Arc::downgrade(&peer));
         Ok(RemoteSegment { peer })
+    }
+
+    /// The initiator threads, started with the first opened peer.
+    fn initiators(&self) -> std::io::Result<Arc<Initiators<RouteTask>>> {
+        let mut g = self.peers.initiators.lock();
+        if let Some(i) = g.as_ref() {
+            return Ok(i.clone());
+        }
+        let i = Initiators::start(self.config.spin())?;
+        *g = Some(i.clone());
+        Ok(i)
     }
 
     /// Probes CMA on a same-boot peer.

@@ -2,8 +2,14 @@
 //! one-sided task (shm, cma), since bytes copied into a dead peer's memory
 //! never reached it.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+
+use crate::transport::sock::{epoll_ctl, owned};
 
 use crate::types::{Op, TaskEnd};
 
@@ -15,78 +21,90 @@ pub(crate) fn alive(pid: i32) -> bool {
 }
 
 /// Whether a same-host peer process still runs, readable with one atomic
-/// load. A watcher thread sleeps on the process's pidfd and clears the
-/// flag when it exits; where pidfds are unavailable, each check asks the
-/// kernel (`kill(pid, 0)`).
+/// load. One watcher thread per process waits on the pidfds of every
+/// watched peer (epoll) and clears a peer's flag when its process exits;
+/// where pidfds are unavailable, each check asks the kernel
+/// (`kill(pid, 0)`).
 pub(crate) struct PeerLiveness {
     pid: i32,
     alive: Arc<AtomicBool>,
-    watcher: Option<(std::os::fd::OwnedFd, std::thread::JoinHandle<()>)>,
+    /// The watch's id and pidfd, while watched.
+    watch: Option<(u64, OwnedFd)>,
+}
+
+/// The process's pidfd watcher: one epoll set, one thread.
+struct Watcher {
+    epoll: OwnedFd,
+    flags: Mutex<HashMap<u64, Arc<AtomicBool>>>,
+    next: AtomicU64,
+}
+
+fn watcher() -> Option<&'static Watcher> {
+    static WATCHER: OnceLock<Option<Watcher>> = OnceLock::new();
+    WATCHER
+        .get_or_init(|| {
+            // SAFETY: a plain system call creating a descriptor.
+            let epoll = owned(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) }).ok()?;
+            let epfd = epoll.as_raw_fd();
+            std::thread::Builder::new().name("orbite-peer-watch".into()).spawn(move || watch_loop(epfd)).ok()?;
+            Some(Watcher { epoll, flags: Mutex::new(HashMap::new()), next: AtomicU64::new(1) })
+        })
+        .as_ref()
+}
+
+fn watch_loop(epfd: i32) {
+    let mut events = [libc::epoll_event { events: 0, u64: 0 }; 32];
+    loop {
+        // SAFETY: the watcher's epoll fd lives as long as the process (a
+        // static); a buffer of `events.len()` entries.
+        let n = unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), events.len() as i32, -1) };
+        if n < 0 {
+            continue; // EINTR
+        }
+        let Some(w) = watcher() else { return };
+        let flags = w.flags.lock();
+        for ev in &events[..n as usize] {
+            // One shot: the pidfd stays readable after the exit.
+            if let Some(flag) = flags.get(&{ ev.u64 }) {
+                flag.store(false, Ordering::Release);
+            }
+        }
+    }
 }
 
 impl PeerLiveness {
     pub fn watch(pid: i32) -> PeerLiveness {
         let alive = Arc::new(AtomicBool::new(true));
-        PeerLiveness { pid, watcher: Self::spawn(pid, &alive), alive }
+        PeerLiveness { pid, watch: Self::register(pid, &alive), alive }
     }
 
-    fn spawn(pid: i32, alive: &Arc<AtomicBool>) -> Option<(std::os::fd::OwnedFd, std::thread::JoinHandle<()>)> {
-        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-        // SAFETY: plain system calls; the returned descriptors are owned below.
+    fn register(pid: i32, alive: &Arc<AtomicBool>) -> Option<(u64, OwnedFd)> {
+        let w = watcher()?;
+        // SAFETY: a plain system call; the descriptor is owned below.
         let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        if pidfd < 0 {
+        let pidfd = owned(i32::try_from(pidfd).unwrap_or(-1)).ok()?;
+        let id = w.next.fetch_add(1, Ordering::Relaxed);
+        w.flags.lock().insert(id, alive.clone());
+        let events = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
+        if epoll_ctl(&w.epoll, libc::EPOLL_CTL_ADD, pidfd.as_raw_fd(), events, id).is_err() {
+            w.flags.lock().remove(&id);
             return None;
         }
-        // SAFETY: `pidfd` is a fresh descriptor owned from here on.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
-        // SAFETY: a fresh eventfd, owned from here on.
-        let wake = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-        if wake < 0 {
-            return None;
-        }
-        // SAFETY: as above.
-        let wake = unsafe { OwnedFd::from_raw_fd(wake) };
-        let wake_fd = wake.as_raw_fd();
-        let flag = alive.clone();
-        let thread = std::thread::Builder::new()
-            .name("orbite-peer-watch".into())
-            .spawn(move || {
-                let mut fds = [
-                    libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 },
-                    libc::pollfd { fd: wake_fd, events: libc::POLLIN, revents: 0 },
-                ];
-                loop {
-                    // SAFETY: two valid pollfds; blocks without a timeout.
-                    let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
-                    if r < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-                        continue;
-                    }
-                    if fds[0].revents != 0 {
-                        flag.store(false, Ordering::Release);
-                    }
-                    return;
-                }
-            })
-            .ok()?;
-        Some((wake, thread))
+        Some((id, pidfd))
     }
 
     /// A cheap handle for route tasks.
     pub fn handle(&self) -> LivenessCheck {
-        LivenessCheck { pid: self.pid, alive: self.alive.clone(), watched: self.watcher.is_some() }
+        LivenessCheck { pid: self.pid, alive: self.alive.clone(), watched: self.watch.is_some() }
     }
 }
 
 impl Drop for PeerLiveness {
     fn drop(&mut self) {
-        use std::os::fd::AsRawFd;
-        if let Some((wake, thread)) = self.watcher.take() {
-            let one = 1u64;
-            // SAFETY: writes 8 bytes of a live local to our own eventfd.
-            unsafe { libc::write(wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
-            if thread.thread().id() != std::thread::current().id() {
-                let _ = thread.join();
-            }
+        if let (Some((id, pidfd)), Some(w)) = (self.watch.take(), watcher()) {
+            let _ = epoll_ctl(&w.epoll, libc::EPOLL_CTL_DEL, pidfd.as_raw_fd(), 0, id);
+            w.flags.lock().remove(&id);
+            drop(pidfd);
         }
     }
 }

@@ -4,6 +4,7 @@
 pub(crate) mod cma;
 pub(crate) mod file;
 pub(crate) mod inbox;
+pub(crate) mod link;
 pub(crate) mod liveness;
 pub(crate) mod local;
 pub(crate) mod loopback;

@@ -7,7 +7,8 @@
 //! report how many bytes moved before an error (the exact prefix).
 
 use std::io;
-use std::os::fd::RawFd;
+use std::net::TcpStream;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 /// Largest iovec count per system call (Linux `UIO_MAXIOV`).
 pub(crate) const IOV_MAX: usize = 1024;
@@ -162,4 +163,44 @@ pub(crate) fn read_exact_within(fd: RawFd, buf: &mut [u8], patience: Option<&Pat
     let mut done = 0;
     // SAFETY: `buf` is an exclusive borrow valid for the call.
     unsafe { readv_within(fd, &mut v, &mut done, patience) }
+}
+
+/// One `epoll_ctl` call.
+pub(crate) fn epoll_ctl(epoll: &OwnedFd, op: libc::c_int, fd: i32, events: u32, data: u64) -> io::Result<()> {
+    let mut ev = libc::epoll_event { events, u64: data };
+    // SAFETY: a live epoll fd and a pointer to a live event for the call.
+    if unsafe { libc::epoll_ctl(epoll.as_raw_fd(), op, fd, &mut ev) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Takes ownership of a descriptor a system call returned (or its error).
+pub(crate) fn owned(fd: libc::c_int) -> io::Result<OwnedFd> {
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor this function now owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Socket buffer size asked of the kernel on every connection: room for a
+/// few route tasks in flight each way.
+const SOCKET_BUFFER: libc::c_int = 4 << 20;
+
+/// Sets `TCP_NODELAY` and the socket buffer sizes.
+pub(crate) fn tune(stream: &TcpStream) {
+    let _ = stream.set_nodelay(true);
+    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+        // SAFETY: setsockopt with a pointer to a live c_int of the right size.
+        unsafe {
+            libc::setsockopt(
+                stream.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&SOCKET_BUFFER as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            );
+        }
+    }
 }

@@ -1,0 +1,978 @@
+//! The initiator side of the tcp route: a link per opened peer epoch (a few
+//! data connections and a watch connection), and the fixed set of threads
+//! that drive every link's connections ([`Initiators`]).
+//!
+//! Each driver thread owns the connections it was given and waits on one
+//! epoll set (edge-triggered) for all of them: a connection's
+//! [`ClientConn`] machine says what to send and where replies land, the
+//! driver moves the bytes with non-blocking `writev`/`readv` straight
+//! between the socket and registered memory, delivers completions, and
+//! enforces the peer's bounds as deadlines (no byte for the stall time, or
+//! slower than the minimum rate: the peer is lost). The thread count does
+//! not grow with peers: an engine with 256 connected peers has the threads
+//! it has with one.
+//!
+//! Jobs wait in their link's queue; a connection with room takes the next
+//! one when it finishes something, and a connection that found the queue
+//! empty is "hungry": the next submit kicks it (a command to its driver,
+//! with an eventfd write only if that driver sleeps). An idle driver polls
+//! its commands for `spin_us` before it sleeps, as the workers do.
+
+use std::cell::Cell;
+use std::collections::{HashMap, VecDeque};
+use std::io;
+use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
+
+use crate::segment::{Delta, SegmentDescriptor};
+use crate::transport::CopyJob;
+use crate::transport::proto::FrameIn;
+use crate::transport::proto::client::{ClientConn, PeerJob, unsent};
+use crate::transport::sock::{Patience, epoll_ctl, iov, owned, read_exact_within, tune, writev_within};
+use crate::transport::spin::poll;
+use crate::wire::{self, Kind, Limits};
+
+/// Options of a link.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LinkOptions {
+    pub connections: u32,
+    /// Longest silence of a peer while a request is outstanding.
+    pub io_timeout: Duration,
+    /// Slowest accepted peer, bytes per second (0: no rate bound).
+    pub min_rate: u64,
+    pub limits: Limits,
+    pub max_descriptor: usize,
+}
+
+impl LinkOptions {
+    /// The granularity of the bounds (of the blocking exchange at open).
+    fn tick(&self) -> Duration {
+        (self.io_timeout / 100).clamp(Duration::from_millis(1), Duration::from_millis(25))
+    }
+
+    /// Silence after which the peer is lost: two ticks short of the
+    /// timeout, so that the loss is found, and work fails, within
+    /// `peer_timeout_ms` of the peer's last sign of life.
+    fn stall(&self) -> Duration {
+        self.io_timeout.saturating_sub(2 * self.tick()).max(self.tick())
+    }
+
+    /// When an I/O of `bytes` starting at `now` must be done by, at the
+    /// minimum rate (`None`: no rate bound).
+    fn until(&self, now: Instant, bytes: u64) -> Option<Instant> {
+        match self.min_rate {
+            0 => None,
+            rate => now.checked_add(self.stall() + Duration::from_secs_f64(bytes as f64 / rate as f64)),
+        }
+    }
+}
+
+/// Errors of opening a link.
+#[derive(Debug)]
+pub(crate) enum OpenError {
+    Connect(String),
+    Protocol(String),
+    EpochMismatch { expected: u64, found: u64 },
+}
+
+/// Applies changes a peer pushed (`base`: the version they start after).
+pub(crate) type ChangeSink = Box<dyn Fn(u64, Delta) -> bool + Send + Sync>;
+
+/// `PeerLink::announced` once the watch connection is gone.
+pub(crate) const ANNOUNCE_UNKNOWN: u64 = u64::MAX;
+
+/// A connection: which driver owns it, and its id there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ConnRef {
+    driver: usize,
+    id: u64,
+}
+
+struct LinkQueue<J> {
+    jobs: VecDeque<PeerJob<J>>,
+    lost: Option<String>,
+    closing: bool,
+    /// Connections that found no job while they had room for one.
+    hungry: Vec<ConnRef>,
+}
+
+/// The initiator's link to one peer epoch: a few connections, driven by
+/// the engine's [`Initiators`], that take its queued jobs.
+pub(crate) struct PeerLink<J> {
+    pub descriptor: SegmentDescriptor,
+    queue: Mutex<LinkQueue<J>>,
+    opts: LinkOptions,
+    next_request: AtomicU64,
+    lost_flag: AtomicBool,
+    /// The newest registry version the peer announced on the watch
+    /// connection; `u64::MAX` once that connection is gone (nothing is
+    /// announced any more, so every lookup must ask).
+    announced: AtomicU64,
+    /// The watch connection, until its driver takes it.
+    watch: Mutex<Option<TcpStream>>,
+    /// Where pushed changes go (set by the engine once its view exists):
+    /// applies them from a base version; false if they do not apply.
+    sink: OnceLock<ChangeSink>,
+    /// The subscription's first answer, until the engine applies it.
+    first: Mutex<Option<(u64, Delta)>>,
+    drivers: Arc<Initiators<J>>,
+    /// The link's connections still held by a driver.
+    conns: Mutex<Vec<ConnRef>>,
+    gone: Condvar,
+}
+
+impl<J: CopyJob> PeerLink<J> {
+    /// Connects, runs the authoritative Describe exchange, checks the
+    /// epoch and hands the connections to `drivers`.
+    pub fn open(
+        drivers: &Arc<Initiators<J>>,
+        endpoint: &str,
+        expected_epoch: Option<u64>,
+        timeout: Duration,
+        my_epoch: u64,
+        opts: LinkOptions,
+    ) -> Result<Arc<Self>, OpenError> {
+        let deadline = crate::time::deadline_after(timeout);
+        let addr = endpoint
+            .to_socket_addrs()
+            .map_err(|e| OpenError::Connect(format!("{endpoint}: {e}")))?
+            .next()
+            .ok_or_else(|| OpenError::Connect(format!("{endpoint}: no address")))?;
+        let tick = opts.tick();
+        let connect = || -> Result<TcpStream, OpenError> {
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            let s =
+                TcpStream::connect_timeout(&addr, left).map_err(|e| OpenError::Connect(format!("{endpoint}: {e}")))?;
+            tune(&s);
+            // The exchange at open blocks, waking every tick to check its
+            // bounds; the drivers make the sockets non-blocking after.
+            s.set_read_timeout(Some(tick)).map_err(|e| OpenError::Connect(e.to_string()))?;
+            s.set_write_timeout(Some(tick)).map_err(|e| OpenError::Connect(e.to_string()))?;
+            Ok(s)
+        };
+        // The whole exchange is bounded by the caller's timeout, however
+        // slowly the peer answers.
+        let open_patience = Patience { stall: opts.stall().min(timeout), until: Some(deadline) };
+        let first = connect()?;
+        let fd = first.as_raw_fd();
+        let mut body = Vec::new();
+        wire::encode_describe(&mut body, my_epoch, expected_epoch.unwrap_or(0));
+        let hb = wire::encode_header(&wire::header(Kind::Describe, body.len(), 0, 1));
+        let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
+        // SAFETY: both entries borrow live local buffers for the call.
+        unsafe { writev_within(fd, &mut v, Some(&open_patience)) }.map_err(|e| OpenError::Connect(e.to_string()))?;
+        let mut hb = [0u8; wire::HEADER_LEN];
+        read_exact_within(fd, &mut hb, Some(&open_patience)).map_err(|e| OpenError::Connect(e.to_string()))?;
+        let h = wire::decode_header(&hb, opts.limits).map_err(|e| OpenError::Protocol(e.to_string()))?;
+        if h.kind != Kind::DescribeReply || h.data_len != 0 || h.request != 1 {
+            return Err(OpenError::Protocol(format!("unexpected {:?} reply to describe", h.kind)));
+        }
+        body.resize(h.body_len as usize, 0);
+        read_exact_within(fd, &mut body, Some(&open_patience)).map_err(|e| OpenError::Connect(e.to_string()))?;
+        let descriptor =
+            SegmentDescriptor::decode(&body, opts.max_descriptor).map_err(|e| OpenError::Protocol(e.to_string()))?;
+        if let Some(expected) = expected_epoch {
+            if expected != descriptor.epoch {
+                return Err(OpenError::EpochMismatch { expected, found: descriptor.epoch });
+            }
+        }
+        let mut streams = vec![first];
+        for _ in 1..opts.connections.max(1) {
+            streams.push(connect()?);
+        }
+        // The watch connection: subscribed now, so that every change the
+        // peer makes after this open returns is pushed. Its first answer
+        // has what changed since the Describe.
+        let watch = connect()?;
+        wire::encode_watch(&mut body, descriptor.epoch, descriptor.registry_version, opts.limits.max_body as u64);
+        let hb = wire::encode_header(&wire::header(Kind::Watch, body.len(), 0, 1));
+        let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
+        let wfd = watch.as_raw_fd();
+        // SAFETY: both entries borrow live local buffers for the call.
+        unsafe { writev_within(wfd, &mut v, Some(&open_patience)) }.map_err(|e| OpenError::Connect(e.to_string()))?;
+        let first = read_first_changes(wfd, &opts.limits, descriptor.epoch, &open_patience)?
+            .filter(|(base, d)| *base == descriptor.registry_version && d.version >= *base)
+            .ok_or_else(|| OpenError::Protocol("no answer to the watch".into()))?;
+        for s in streams.iter().chain([&watch]) {
+            s.set_nonblocking(true).map_err(|e| OpenError::Connect(e.to_string()))?;
+        }
+        let since = first.1.version;
+        let link = Arc::new(PeerLink {
+            descriptor,
+            queue: Mutex::new(LinkQueue { jobs: VecDeque::new(), lost: None, closing: false, hungry: Vec::new() }),
+            opts,
+            next_request: AtomicU64::new(2),
+            lost_flag: AtomicBool::new(false),
+            announced: AtomicU64::new(since),
+            watch: Mutex::new(Some(watch)),
+            sink: OnceLock::new(),
+            first: Mutex::new(Some(first)),
+            drivers: drivers.clone(),
+            conns: Mutex::new(Vec::new()),
+            gone: Condvar::new(),
+        });
+        for s in streams {
+            let m = ClientConn::new(link.descriptor.epoch, opts.limits);
+            drivers.add(&link, s, Role::Data(Box::new(m)));
+        }
+        Ok(link)
+    }
+
+    /// The changes the peer pushed when the link subscribed (what changed
+    /// between its Describe and the subscription): `(base, delta)`, once.
+    pub fn take_first_changes(&self) -> Option<(u64, Delta)> {
+        self.first.lock().take()
+    }
+
+    /// Hands the watch connection to a driver: the peer's pushed changes
+    /// go to `sink` from now on. Called once, after the first changes
+    /// were applied.
+    pub fn start_watch(self: &Arc<Self>, since: u64, sink: ChangeSink) -> io::Result<()> {
+        let _ = self.sink.set(sink);
+        if let Some(watch) = self.watch.lock().take() {
+            self.drivers.add(
+                self,
+                watch,
+                Role::Watch(Box::new(Watch { frame: FrameIn::new(), iovs: Vec::new(), since })),
+            );
+        }
+        Ok(())
+    }
+
+    /// The newest registry version the peer announced
+    /// ([`ANNOUNCE_UNKNOWN`] when it can no longer announce).
+    pub fn announced(&self) -> u64 {
+        self.announced.load(Ordering::Acquire)
+    }
+
+    /// Queues a control-plane job ahead of queued data tasks (a refresh, a
+    /// borrow): it waits for at most one task per connection.
+    pub fn submit_first(&self, job: PeerJob<J>) {
+        self.push(job, true);
+    }
+
+    /// Queues a job. Never runs it inline (callers may hold engine locks).
+    pub fn submit(&self, job: PeerJob<J>) {
+        self.push(job, false);
+    }
+
+    fn push(&self, job: PeerJob<J>, first: bool) {
+        let kick = {
+            let mut q = self.queue.lock();
+            if first {
+                q.jobs.push_front(job);
+            } else {
+                q.jobs.push_back(job);
+            }
+            q.hungry.pop()
+        };
+        if let Some(c) = kick {
+            self.drivers.kick(c);
+        }
+    }
+
+    /// The next queued job for connection `me`; with none, `me` is noted
+    /// as hungry (kicked by the next submit). Another hungry connection is
+    /// kicked when more jobs wait.
+    fn take(&self, me: ConnRef) -> Option<PeerJob<J>> {
+        let (job, kick) = {
+            let mut q = self.queue.lock();
+            match q.jobs.pop_front() {
+                Some(job) => {
+                    q.hungry.retain(|c| *c != me);
+                    let kick = if q.jobs.is_empty() { None } else { q.hungry.pop() };
+                    (Some(job), kick)
+                }
+                None => {
+                    if !q.hungry.contains(&me) {
+                        q.hungry.push(me);
+                    }
+                    (None, None)
+                }
+            }
+        };
+        if let Some(c) = kick {
+            self.drivers.kick(c);
+        }
+        job
+    }
+
+    /// True once the link closes and no job waits.
+    fn drained(&self) -> bool {
+        let q = self.queue.lock();
+        q.closing && q.jobs.is_empty()
+    }
+
+    /// True once the link closes.
+    fn closing(&self) -> bool {
+        self.queue.lock().closing
+    }
+
+    /// Why the peer is lost, if it is.
+    pub fn lost(&self) -> Option<String> {
+        self.queue.lock().lost.clone()
+    }
+
+    /// True once the peer is lost (one atomic load).
+    pub fn is_lost(&self) -> bool {
+        self.lost_flag.load(Ordering::Acquire)
+    }
+
+    /// The peer is lost: every connection of the link ends what it has
+    /// outstanding, and queued jobs fail unsent.
+    fn mark_lost(&self, why: &str) {
+        {
+            let mut q = self.queue.lock();
+            if q.lost.is_none() {
+                q.lost = Some(why.to_owned());
+            }
+            self.lost_flag.store(true, Ordering::Release);
+        }
+        self.kick_all();
+    }
+
+    fn kick_all(&self) {
+        let conns = self.conns.lock().clone();
+        for c in conns {
+            self.drivers.kick(c);
+        }
+    }
+
+    /// Closes the connections once the queue is empty, and waits for them
+    /// (except on a driver thread: the last owner of a link may be one of
+    /// its own jobs' completions, and the connections end on their own).
+    pub fn close(&self) {
+        self.queue.lock().closing = true;
+        self.kick_all();
+        if ON_DRIVER.with(Cell::get) {
+            return;
+        }
+        let mut conns = self.conns.lock();
+        while !conns.is_empty() {
+            self.gone.wait(&mut conns);
+        }
+    }
+
+    fn forget(&self, me: ConnRef) {
+        let mut conns = self.conns.lock();
+        conns.retain(|c| *c != me);
+        if conns.is_empty() {
+            self.gone.notify_all();
+        }
+        drop(conns);
+        self.queue.lock().hungry.retain(|c| *c != me);
+    }
+}
+
+/// Reads the first Changed frame of the subscription, within `patience`.
+fn read_first_changes(
+    fd: i32,
+    limits: &Limits,
+    epoch: u64,
+    patience: &Patience,
+) -> Result<Option<(u64, Delta)>, OpenError> {
+    let mut hb = [0u8; wire::HEADER_LEN];
+    if read_exact_within(fd, &mut hb, Some(patience)).is_err() {
+        return Ok(None);
+    }
+    let h = wire::decode_header(&hb, *limits).map_err(|e| OpenError::Protocol(e.to_string()))?;
+    let mut body = vec![0u8; h.body_len as usize];
+    read_exact_within(fd, &mut body, Some(patience)).map_err(|e| OpenError::Protocol(e.to_string()))?;
+    changes_of(&h, &body, epoch).map(Some).map_err(OpenError::Protocol)
+}
+
+/// Decodes one Changed frame of the subscription (request 1) for `epoch`.
+fn changes_of(h: &wire::Header, body: &[u8], epoch: u64) -> Result<(u64, Delta), String> {
+    if h.request != 1 || h.kind != Kind::Changed || h.data_len != 0 {
+        return Err(format!("unexpected {:?} on the watch connection", h.kind));
+    }
+    let (e, base, delta) = wire::decode_changed(body).map_err(|e| e.to_string())?;
+    let delta = Delta::decode(delta).map_err(|e| e.to_string())?;
+    if e != epoch {
+        return Err("changes of another epoch".into());
+    }
+    Ok((base, delta))
+}
+
+// --- the drivers ------------------------------------------------------------
+
+thread_local! {
+    /// Set on driver threads.
+    static ON_DRIVER: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Bytes one connection may move per turn before the others of its driver
+/// get theirs.
+const TURN_BYTES: usize = 8 << 20;
+
+/// epoll data of a driver's wake-up eventfd (connections count from 1).
+const WAKE: u64 = 0;
+
+/// Driver threads: one per core, at most 4.
+fn driver_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4)
+}
+
+/// What a connection carries.
+enum Role<J> {
+    /// Requests and their replies.
+    Data(Box<ClientConn<J>>),
+    /// The peer's pushed registry changes.
+    Watch(Box<Watch>),
+}
+
+/// The watch connection's reading state.
+struct Watch {
+    frame: FrameIn,
+    iovs: Vec<libc::iovec>,
+    /// The version the last applied push brought.
+    since: u64,
+}
+
+// SAFETY: the iovecs point into the frame's own buffers; only the driver
+// thread that holds the connection uses them.
+unsafe impl Send for Watch {}
+
+struct Conn<J> {
+    link: Arc<PeerLink<J>>,
+    stream: TcpStream,
+    role: Role<J>,
+    me: ConnRef,
+    /// False once the socket is shut down (the peer is lost): the
+    /// connection then only fails the link's queued jobs, until it closes.
+    open: bool,
+    /// When a byte last moved, or a wait began.
+    last_io: Instant,
+    /// When the request being sent must be out (minimum rate).
+    send_until: Option<Instant>,
+    /// Whether the oldest outstanding reply's bounds started (its request
+    /// is all out), and when it must be in (minimum rate).
+    reply_timed: bool,
+    reply_until: Option<Instant>,
+}
+
+/// What a connection needs after a turn.
+enum After {
+    /// Nothing until an event or a kick.
+    Wait,
+    /// Its turn ended with more to do.
+    Again,
+    /// It is done: remove it.
+    Close,
+}
+
+enum Command<J> {
+    Add(Box<Conn<J>>),
+    Kick(u64),
+    Stop,
+}
+
+/// One driver: its epoll set, its wake-up, and the commands other threads
+/// send it.
+struct Driver<J> {
+    epoll: OwnedFd,
+    wake: OwnedFd,
+    commands: Mutex<Vec<Command<J>>>,
+    /// Commands waiting (read without the lock while polling).
+    waiting: AtomicUsize,
+    /// Set while the thread blocks in epoll_wait (then a command writes
+    /// the eventfd).
+    sleeping: AtomicBool,
+    spin: Duration,
+}
+
+/// The engine's initiator threads: every link's connections, over a fixed
+/// set of drivers.
+pub(crate) struct Initiators<J> {
+    drivers: Vec<Arc<Driver<J>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    next_driver: AtomicUsize,
+    next_conn: AtomicU64,
+}
+
+impl<J: CopyJob> Initiators<J> {
+    /// Starts the driver threads; idle ones poll for `spin` before sleeping.
+    pub fn start(spin: Duration) -> io::Result<Arc<Self>> {
+        let mut drivers = Vec::new();
+        for _ in 0..driver_threads() {
+            // SAFETY: plain system calls creating descriptors.
+            let epoll = owned(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
+            // SAFETY: as above.
+            let wake = owned(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })?;
+            epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, wake.as_raw_fd(), (libc::EPOLLIN | libc::EPOLLET) as u32, WAKE)?;
+            drivers.push(Arc::new(Driver {
+                epoll,
+                wake,
+                commands: Mutex::new(Vec::new()),
+                waiting: AtomicUsize::new(0),
+                sleeping: AtomicBool::new(false),
+                spin,
+            }));
+        }
+        let me = Arc::new(Initiators {
+            drivers,
+            threads: Mutex::new(Vec::new()),
+            next_driver: AtomicUsize::new(0),
+            next_conn: AtomicU64::new(1),
+        });
+        for (i, d) in me.drivers.iter().enumerate() {
+            let d = d.clone();
+            match std::thread::Builder::new().name(format!("orbite-link-{i}")).spawn(move || d.run()) {
+                Ok(h) => me.threads.lock().push(h),
+                Err(e) => {
+                    me.shutdown();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(me)
+    }
+
+    /// Gives `stream` (non-blocking) to the next driver, as a connection
+    /// of `link`.
+    fn add(&self, link: &Arc<PeerLink<J>>, stream: TcpStream, role: Role<J>) {
+        let driver = self.next_driver.fetch_add(1, Ordering::Relaxed) % self.drivers.len();
+        let me = ConnRef { driver, id: self.next_conn.fetch_add(1, Ordering::Relaxed) };
+        link.conns.lock().push(me);
+        let conn = Conn {
+            link: link.clone(),
+            stream,
+            role,
+            me,
+            open: true,
+            last_io: Instant::now(),
+            send_until: None,
+            reply_timed: false,
+            reply_until: None,
+        };
+        self.drivers[driver].send(Command::Add(Box::new(conn)));
+    }
+
+    fn kick(&self, c: ConnRef) {
+        self.drivers[c.driver].send(Command::Kick(c.id));
+    }
+
+    /// Stops the drivers: what a connection still has outstanding fails as
+    /// with a lost peer. Joins them (unless called on one).
+    pub fn shutdown(&self) {
+        for d in &self.drivers {
+            d.send(Command::Stop);
+        }
+        if ON_DRIVER.with(Cell::get) {
+            return;
+        }
+        for t in std::mem::take(&mut *self.threads.lock()) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl<J> Drop for Initiators<J> {
+    fn drop(&mut self) {
+        for d in &self.drivers {
+            d.commands.lock().push(Command::Stop);
+            d.waiting.fetch_add(1, Ordering::SeqCst);
+            d.ring();
+        }
+    }
+}
+
+impl<J> Driver<J> {
+    fn send(&self, c: Command<J>) {
+        self.commands.lock().push(c);
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        if self.sleeping.load(Ordering::SeqCst) {
+            self.ring();
+        }
+    }
+
+    fn ring(&self) {
+        let one = 1u64;
+        // SAFETY: writes 8 bytes of a live local to our own eventfd.
+        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+}
+
+impl<J: CopyJob> Driver<J> {
+    fn run(&self) {
+        ON_DRIVER.with(|d| d.set(true));
+        let mut conns: HashMap<u64, Box<Conn<J>>> = HashMap::new();
+        let mut ready: Vec<u64> = Vec::new();
+        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        let mut next_deadline: Option<Instant> = None;
+        // Connections with a request outstanding: while there are any, the
+        // thread blocks in epoll_wait for their replies (the kernel wakes
+        // it); only a driver with none polls for new work.
+        let mut outstanding = 0usize;
+        loop {
+            // Commands first: new connections, kicks, the stop.
+            if self.waiting.load(Ordering::SeqCst) > 0 {
+                let cmds = std::mem::take(&mut *self.commands.lock());
+                self.waiting.fetch_sub(cmds.len(), Ordering::SeqCst);
+                for c in cmds {
+                    match c {
+                        Command::Add(mut conn) => {
+                            let id = conn.me.id;
+                            let events = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32;
+                            if epoll_ctl(&self.epoll, libc::EPOLL_CTL_ADD, conn.stream.as_raw_fd(), events, id).is_err()
+                            {
+                                conn.lose("connection lost: cannot watch the socket");
+                            }
+                            conns.insert(id, conn);
+                            ready.push(id);
+                        }
+                        Command::Kick(id) => ready.push(id),
+                        Command::Stop => return self.stop(conns),
+                    }
+                }
+            }
+            let worked = !ready.is_empty();
+            let mut again = Vec::new();
+            ready.sort_unstable();
+            ready.dedup();
+            for id in ready.drain(..) {
+                let Some(conn) = conns.get_mut(&id) else { continue };
+                let before = conn.outstanding();
+                let after = conn.turn();
+                outstanding -= before as usize;
+                match after {
+                    After::Wait => {}
+                    After::Again => again.push(id),
+                    After::Close => {
+                        if let Some(conn) = conns.remove(&id) {
+                            self.close(*conn);
+                        }
+                        continue;
+                    }
+                }
+                outstanding += conn.outstanding() as usize;
+                if let Some(d) = conn.deadline() {
+                    next_deadline = Some(next_deadline.map_or(d, |n| n.min(d)));
+                }
+            }
+            ready = again;
+            let now = Instant::now();
+            // Deadlines: a connection whose peer went silent, or is too slow.
+            if next_deadline.is_some_and(|d| now >= d) {
+                next_deadline = None;
+                for (id, conn) in conns.iter_mut() {
+                    if let Some(why) = conn.expired(now) {
+                        conn.lose(&why);
+                        ready.push(*id);
+                    } else if let Some(d) = conn.deadline() {
+                        next_deadline = Some(next_deadline.map_or(d, |n| n.min(d)));
+                    }
+                }
+                outstanding = conns.values().filter(|c| c.outstanding()).count();
+            }
+            // Idle after work: poll for the next job a while before sleeping.
+            if ready.is_empty() && worked && outstanding == 0 && !self.spin.is_zero() && poll(&self.waiting, self.spin)
+            {
+                continue;
+            }
+            let timeout = if !ready.is_empty() {
+                0
+            } else {
+                self.sleeping.store(true, Ordering::SeqCst);
+                if self.waiting.load(Ordering::SeqCst) > 0 {
+                    self.sleeping.store(false, Ordering::SeqCst);
+                    continue;
+                }
+                match next_deadline {
+                    None => -1,
+                    Some(d) => {
+                        let ms = d.saturating_duration_since(now).as_micros().div_ceil(1000);
+                        ms.min(i32::MAX as u128) as i32
+                    }
+                }
+            };
+            // SAFETY: a live epoll fd and a buffer of `events.len()` entries.
+            let n =
+                unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout) };
+            self.sleeping.store(false, Ordering::SeqCst);
+            if n < 0 {
+                continue; // EINTR
+            }
+            for ev in &events[..n as usize] {
+                match ev.u64 {
+                    WAKE => {
+                        let mut v = 0u64;
+                        // SAFETY: reads 8 bytes into a live local from our eventfd.
+                        unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+                    }
+                    id => ready.push(id),
+                }
+            }
+        }
+    }
+
+    fn close(&self, conn: Conn<J>) {
+        let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_DEL, conn.stream.as_raw_fd(), 0, conn.me.id);
+        let _ = conn.stream.shutdown(Shutdown::Both);
+        conn.link.forget(conn.me);
+        if let Role::Watch(_) = conn.role {
+            // Nothing more will be announced: lookups must ask the peer.
+            conn.link.announced.store(ANNOUNCE_UNKNOWN, Ordering::Release);
+        }
+    }
+
+    /// The engine stops: every connection ends as with a lost peer.
+    fn stop(&self, conns: HashMap<u64, Box<Conn<J>>>) {
+        for (_, mut conn) in conns {
+            conn.lose("connection lost: the engine closed");
+            conn.fail_queued();
+            self.close(*conn);
+        }
+    }
+}
+
+impl<J: CopyJob> Conn<J> {
+    /// True while a request of this connection is outstanding.
+    fn outstanding(&self) -> bool {
+        matches!(&self.role, Role::Data(m) if self.open && m.in_flight() > 0)
+    }
+
+    /// When this connection's peer is lost if nothing moves (`None`:
+    /// nothing is awaited).
+    fn deadline(&self) -> Option<Instant> {
+        let Role::Data(m) = &self.role else { return None };
+        if !self.open || m.in_flight() == 0 {
+            return None;
+        }
+        let stall = self.last_io.checked_add(self.link.opts.stall());
+        [stall, self.send_until, self.reply_until].into_iter().flatten().min()
+    }
+
+    /// Why the peer is lost at `now`, if a bound passed.
+    fn expired(&self, now: Instant) -> Option<String> {
+        let Role::Data(m) = &self.role else { return None };
+        if !self.open || m.in_flight() == 0 {
+            return None;
+        }
+        let stall = self.link.opts.stall();
+        if now.duration_since(self.last_io) >= stall {
+            return Some(format!("connection lost: no sign of life for {} ms", stall.as_millis()));
+        }
+        if self.send_until.into_iter().chain(self.reply_until).any(|u| now >= u) {
+            return Some("connection lost: slower than the minimum peer rate".into());
+        }
+        None
+    }
+
+    /// The connection failed (`why`): the peer is lost, what this
+    /// connection has outstanding ends, and its socket shuts down.
+    fn lose(&mut self, why: &str) {
+        self.link.mark_lost(why);
+        if let Role::Data(m) = &mut self.role {
+            for d in m.fail_all(why) {
+                d.deliver();
+            }
+        }
+        (self.send_until, self.reply_timed, self.reply_until) = (None, false, None);
+        if self.open {
+            self.open = false;
+            let _ = self.stream.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Fails every queued job of the link unsent.
+    fn fail_queued(&self) {
+        let why = self.link.lost().unwrap_or_else(|| "connection lost".into());
+        while let Some(job) = self.link.take(self.me) {
+            unsent(job, why.clone()).deliver();
+        }
+    }
+
+    /// One turn: moves bytes until the socket would block, the turn is
+    /// used up, or there is nothing to do.
+    fn turn(&mut self) -> After {
+        if !self.open || self.link.is_lost() {
+            if self.open {
+                let why = self.link.lost().unwrap_or_default();
+                self.lose(&why);
+            }
+            if let Role::Data(_) = self.role {
+                self.fail_queued();
+            }
+            return if self.link.drained() || matches!(self.role, Role::Watch(_)) { After::Close } else { After::Wait };
+        }
+        let after = match self.role {
+            Role::Data(_) => self.data_turn(),
+            Role::Watch(_) => self.watch_turn(),
+        };
+        if let After::Wait = after {
+            let done = match &self.role {
+                Role::Data(m) => m.in_flight() == 0 && self.link.drained(),
+                Role::Watch(_) => self.link.closing(),
+            };
+            if done {
+                return After::Close;
+            }
+        }
+        after
+    }
+
+    fn data_turn(&mut self) -> After {
+        let fd = self.stream.as_raw_fd();
+        let mut moved = 0usize;
+        loop {
+            let Role::Data(m) = &mut self.role else { return After::Wait };
+            // Fill the pipeline from the link's queue.
+            while m.can_start() {
+                let Some(job) = self.link.take(self.me) else { break };
+                let id = self.link.next_request.fetch_add(1, Ordering::Relaxed);
+                m.start(job, id);
+                let now = Instant::now();
+                if m.in_flight() == 1 {
+                    self.last_io = now; // a wait begins
+                }
+                self.send_until = self.link.opts.until(now, m.send_len());
+            }
+            let mut progressed = false;
+            if let Some(out) = m.send_buf() {
+                // SAFETY: the machine's iovecs address its own buffers or the
+                // job's spans, kept valid by its range loans (CopyJob contract).
+                let r = unsafe { libc::writev(fd, out.as_ptr(), out.len().min(1024) as i32) };
+                if r > 0 {
+                    m.sent(r as usize);
+                    moved += r as usize;
+                    progressed = true;
+                    self.last_io = Instant::now();
+                    if m.send_buf().is_none() {
+                        self.send_until = None;
+                    }
+                } else {
+                    match failure() {
+                        Failed::Retry => progressed = true,
+                        Failed::Block => {}
+                        Failed::Lost(why) => {
+                            self.lose(&why);
+                            return self.turn();
+                        }
+                    }
+                }
+            }
+            let Role::Data(m) = &mut self.role else { return After::Wait };
+            // The oldest reply's rate bound starts once its request is out.
+            let front_out = m.in_flight() >= 2 || (m.in_flight() == 1 && m.send_buf().is_none());
+            if front_out && !self.reply_timed {
+                self.reply_timed = true;
+                self.reply_until = self.link.opts.until(Instant::now(), m.reply_bytes());
+            }
+            if let Some(into) = m.recv_buf() {
+                // SAFETY: the machine's iovecs address its own buffers or the
+                // READ's local spans, valid and retained (CopyJob contract),
+                // which nothing else writes during the task.
+                let r = unsafe { libc::readv(fd, into.as_ptr(), into.len().min(1024) as i32) };
+                if r > 0 {
+                    moved += r as usize;
+                    progressed = true;
+                    self.last_io = Instant::now();
+                    let mut done = None;
+                    let result = m.received(r as usize, &mut done);
+                    if done.is_some() {
+                        self.reply_timed = false;
+                        self.reply_until = None;
+                    }
+                    if let Err(why) = result {
+                        self.link.mark_lost(&why);
+                        if let Some(d) = done {
+                            d.deliver();
+                        }
+                        self.lose(&why);
+                        return self.turn();
+                    }
+                    if let Some(d) = done {
+                        d.deliver();
+                    }
+                } else if r == 0 {
+                    self.lose("connection lost: peer closed the connection");
+                    return self.turn();
+                } else {
+                    match failure() {
+                        Failed::Retry => progressed = true,
+                        Failed::Block => {}
+                        Failed::Lost(why) => {
+                            self.lose(&why);
+                            return self.turn();
+                        }
+                    }
+                }
+            }
+            if !progressed {
+                return After::Wait;
+            }
+            if moved >= TURN_BYTES {
+                return After::Again;
+            }
+        }
+    }
+
+    fn watch_turn(&mut self) -> After {
+        let fd = self.stream.as_raw_fd();
+        let limits = self.link.opts.limits;
+        let epoch = self.link.descriptor.epoch;
+        let mut moved = 0usize;
+        let Role::Watch(w) = &mut self.role else { return After::Wait };
+        loop {
+            w.frame.target(&mut w.iovs);
+            // SAFETY: the iovec addresses the frame's own buffer.
+            let r = unsafe { libc::readv(fd, w.iovs.as_ptr(), w.iovs.len() as i32) };
+            if r == 0 {
+                return After::Close;
+            }
+            if r < 0 {
+                match failure() {
+                    Failed::Retry => continue,
+                    Failed::Block => return After::Wait,
+                    Failed::Lost(_) => return After::Close,
+                }
+            }
+            moved += r as usize;
+            let h = match w.frame.received(r as usize, limits) {
+                Ok(Some(h)) => h,
+                Ok(None) => continue,
+                Err(_) => return After::Close,
+            };
+            let Ok((base, delta)) = changes_of(&h, &w.frame.body, epoch) else { return After::Close };
+            if delta.version <= base {
+                return After::Close; // a push that moves nothing is not one this subscription sends
+            }
+            let (version, more) = (delta.version, delta.more);
+            // Pushes continue each other; one that does not (or does not
+            // apply) leaves the view behind, and lookups ask for the rest.
+            let applied = base == w.since && self.link.sink.get().is_some_and(|sink| sink(base, delta));
+            let announce = if applied && !more { version } else { version.saturating_add(1) };
+            self.link.announced.fetch_max(announce, Ordering::AcqRel);
+            w.since = version;
+            if moved >= TURN_BYTES {
+                return After::Again;
+            }
+        }
+    }
+}
+
+/// What a `readv`/`writev` that returned `r` < 0 means.
+enum Failed {
+    /// Interrupted: call again.
+    Retry,
+    /// The socket would block: wait for its edge.
+    Block,
+    /// The connection failed.
+    Lost(String),
+}
+
+fn failure() -> Failed {
+    let e = io::Error::last_os_error();
+    match e.kind() {
+        io::ErrorKind::Interrupted => Failed::Retry,
+        io::ErrorKind::WouldBlock => Failed::Block,
+        _ => Failed::Lost(format!("connection lost: {e}")),
+    }
+}
