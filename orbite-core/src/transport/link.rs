@@ -286,18 +286,26 @@ impl<J: CopyJob> PeerLink<J> {
             match q.jobs.pop_front() {
                 Some(job) => {
                     q.hungry.retain(|c| *c != me);
-                    let kick = if q.jobs.is_empty() { None } else { q.hungry.pop() };
+                    let kick = if !q.jobs.is_empty() {
+                        q.hungry.pop().into_iter().collect()
+                    } else if q.closing {
+                        // The last job of a closing link: the idle
+                        // connections can close now.
+                        std::mem::take(&mut q.hungry)
+                    } else {
+                        Vec::new()
+                    };
                     (Some(job), kick)
                 }
                 None => {
-                    if !q.hungry.contains(&me) {
+                    if !q.closing && !q.hungry.contains(&me) {
                         q.hungry.push(me);
                     }
-                    (None, None)
+                    (None, Vec::new())
                 }
             }
         };
-        if let Some(c) = kick {
+        for c in kick {
             self.drivers.kick(c);
         }
         job
