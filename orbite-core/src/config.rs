@@ -47,6 +47,16 @@ pub struct EngineConfig {
     /// Bytes of notification payloads queued at once (used by peer
     /// notifications). Default 16 MiB.
     pub notification_queue_bytes: u64,
+    /// Notifications queued at once (each also charged to
+    /// `notification_queue_bytes` with its sender endpoint and a fixed
+    /// record size). Default 65 536.
+    pub notification_queue_len: u64,
+    /// Borrows one peer connection may hold at this target (a one-sided
+    /// route's initiator holds one per prepared transfer). Default 4 096.
+    pub max_borrows_per_connection: u64,
+    /// Registrations one borrow may keep alive (each counted once).
+    /// Default 1 024.
+    pub max_registrations_per_borrow: u64,
     /// Run the optional progress worker, which drives admission and
     /// deadlines for callers that do not poll. Default false.
     pub progress_worker: bool,
@@ -128,6 +138,9 @@ impl Default for EngineConfig {
             admission_queue_len: 1_024,
             anti_starvation_after: 16,
             notification_queue_bytes: 16 * MIB,
+            notification_queue_len: 65_536,
+            max_borrows_per_connection: 4_096,
+            max_registrations_per_borrow: 1_024,
             progress_worker: false,
             progress_interval_us: 1_000,
             local_route_workers: 0,
@@ -171,6 +184,9 @@ impl EngineConfig {
             ("max_tasks_in_flight", self.max_tasks_in_flight),
             ("task_bytes", self.task_bytes),
             ("admission_queue_len", self.admission_queue_len),
+            ("notification_queue_len", self.notification_queue_len),
+            ("max_borrows_per_connection", self.max_borrows_per_connection),
+            ("max_registrations_per_borrow", self.max_registrations_per_borrow),
         ];
         for (field, value) in positive {
             if value == 0 {

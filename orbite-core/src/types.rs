@@ -160,6 +160,8 @@ pub enum Resource {
     TransferBytes,
     /// Queued notification bytes (`notification_queue_bytes`).
     NotificationBytes,
+    /// Queued notifications (`notification_queue_len`).
+    NotificationQueue,
     /// Handles held by a binding such as the C ABI (`max_binding_handles`).
     BindingHandles,
 }
@@ -176,6 +178,7 @@ impl std::fmt::Display for Resource {
             Resource::DescriptorsPerTransfer => "descriptors per transfer",
             Resource::TransferBytes => "bytes per transfer",
             Resource::NotificationBytes => "notification queue bytes",
+            Resource::NotificationQueue => "queued notifications",
             Resource::BindingHandles => "binding handles",
         };
         f.write_str(name)

@@ -329,3 +329,126 @@ fn a_connection_closed_halfway_through_a_payload_gives_back_its_loans() {
     let mut again = connect(&t);
     describe_works(&mut again);
 }
+
+fn target_with(json: &str) -> Listener {
+    let e = engine(json);
+    let rw = region(&e, 65536, Permission::RemoteReadWrite);
+    let ro = region(&e, 4096, Permission::RemoteRead);
+    fill(&rw.mem, 1);
+    fill(&ro.mem, 2);
+    let guard_before = snapshot(&ro.mem);
+    Listener { e, rw, ro, guard_before }
+}
+
+fn borrow_frame(id: u64, epoch: u64, descs: &[RemoteDesc]) -> Vec<u8> {
+    let mut b = Vec::new();
+    wire::encode_borrow(&mut b, id, epoch, descs.iter().copied());
+    frame(Kind::Borrow, &b, &[], id)
+}
+
+fn wait_unfenced(e: &TransferEngine, what: &str) {
+    let start = std::time::Instant::now();
+    while e.stats().fenced_registrations != 0 {
+        assert!(start.elapsed() < WAIT, "{what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Attack: a Return sent on another connection ended a borrow its borrower
+/// still held, and a squatter could block a borrower's id. Borrows are
+/// now the borrowing connection's own.
+#[test]
+fn a_return_from_another_connection_does_not_end_a_borrow() {
+    let t = target();
+    let epoch = t.e.source_epoch();
+    let rw = RemoteDesc { registration: t.rw.id.to_raw(), offset: 0, len: 100 };
+    let ro = RemoteDesc { registration: t.ro.id.to_raw(), offset: 0, len: 100 };
+    let (mut owner, mut other) = (connect(&t), connect(&t));
+    owner.write_all(&borrow_frame(5, epoch, &[rw])).unwrap();
+    assert_eq!(reply(&mut owner).0.kind, Kind::BorrowAck);
+    t.e.deregister(t.rw.id).unwrap();
+    assert_eq!(t.e.stats().fenced_registrations, 1);
+    other.write_all(&frame(Kind::Return, &5u64.to_le_bytes(), &[], 1)).unwrap();
+    assert_eq!(reply(&mut other).0.kind, Kind::ReturnAck, "answered like any unknown id");
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(t.e.stats().fenced_registrations, 1, "another connection ended the borrow");
+    // A squatter's id does not block the borrower's.
+    other.write_all(&borrow_frame(7, epoch, &[ro])).unwrap();
+    assert_eq!(reply(&mut other).0.kind, Kind::BorrowAck);
+    owner.write_all(&borrow_frame(7, epoch, &[ro])).unwrap();
+    assert_eq!(reply(&mut owner).0.kind, Kind::BorrowAck, "a squatter blocked the borrower's id");
+    owner.write_all(&frame(Kind::Return, &5u64.to_le_bytes(), &[], 2)).unwrap();
+    assert_eq!(reply(&mut owner).0.kind, Kind::ReturnAck);
+    wait_unfenced(&t.e, "the owner's return did not end its borrow");
+    describe_works(&mut other);
+}
+
+/// Attack: one Borrow frame naming two registrations 43,690 times cost the
+/// target a loan per descriptor, and 65,536 borrows were allowed. A borrow
+/// now counts each registration once, and borrows per connection and
+/// registrations per borrow are capped; a closed connection gives back all.
+#[test]
+fn borrows_count_each_registration_once_and_are_capped() {
+    let t = target_with(
+        r#"{"listen": "127.0.0.1:0", "max_frame_body": 131072, "max_borrows_per_connection": 8,
+            "max_registrations_per_borrow": 1}"#,
+    );
+    let epoch = t.e.source_epoch();
+    let rw = RemoteDesc { registration: t.rw.id.to_raw(), offset: 0, len: 16 };
+    let ro = RemoteDesc { registration: t.ro.id.to_raw(), offset: 0, len: 16 };
+    let mut s = connect(&t);
+    // 5000 descriptors of two registrations: two registrations, over the cap.
+    let alternating: Vec<RemoteDesc> = (0..5000).map(|i| if i % 2 == 0 { rw } else { ro }).collect();
+    assert_eq!(refused(&mut s, &borrow_frame(1, epoch, &alternating)), RemoteStatus::ResourceExhausted);
+    // 5000 descriptors of one registration: one loan.
+    let same = vec![rw; 5000];
+    for id in 1..=8 {
+        s.write_all(&borrow_frame(id, epoch, &same)).unwrap();
+        assert_eq!(reply(&mut s).0.kind, Kind::BorrowAck, "borrow {id}");
+    }
+    assert_eq!(refused(&mut s, &borrow_frame(9, epoch, &[rw])), RemoteStatus::ResourceExhausted);
+    // Another connection has borrows of its own.
+    let mut other = connect(&t);
+    other.write_all(&borrow_frame(9, epoch, &[rw])).unwrap();
+    assert_eq!(reply(&mut other).0.kind, Kind::BorrowAck);
+    t.e.deregister(t.rw.id).unwrap();
+    drop(s);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(t.e.stats().fenced_registrations, 1, "the other connection's borrow keeps it");
+    drop(other);
+    wait_unfenced(&t.e, "closed connections kept their borrows");
+    let mut again = connect(&t);
+    describe_works(&mut again);
+}
+
+/// Attack: notifications with empty payloads and 60 KB sender endpoints
+/// were never charged, and the queue had no count limit. They are now
+/// charged whole, capped in count, and long endpoints are refused.
+#[test]
+fn notifications_are_charged_whole_and_capped_in_count() {
+    let t = target_with(r#"{"listen": "127.0.0.1:0", "max_frame_body": 131072, "notification_queue_len": 100}"#);
+    let base = t.e.stats();
+    let epoch = t.e.source_epoch();
+    let notify = |endpoint: &str, request: u64| {
+        let mut b = Vec::new();
+        let env =
+            wire::NotifyEnvelope { sender_endpoint: endpoint, sender_epoch: 9, target_epoch: epoch, payload: &[] };
+        wire::encode_notify(&mut b, &env);
+        frame(Kind::Notify, &b, &[], request)
+    };
+    let mut s = connect(&t);
+    let long = "h".repeat(60_000);
+    assert_eq!(refused(&mut s, &notify(&long, 1)), RemoteStatus::BadLength);
+    let endpoint = "e".repeat(200);
+    for i in 0..100 {
+        s.write_all(&notify(&endpoint, 10 + i)).unwrap();
+        assert_eq!(reply(&mut s).0.kind, Kind::NotifyAck, "notification {i}");
+    }
+    assert_eq!(t.e.stats().notification_bytes, base.notification_bytes + 100 * (200 + 128));
+    assert_eq!(refused(&mut s, &notify(&endpoint, 200)), RemoteStatus::ResourceExhausted, "the 101st");
+    let got = t.e.take_notifications();
+    assert_eq!(got.len(), 100);
+    assert!(got.iter().all(|n| n.sender_endpoint == endpoint && n.payload.is_empty()));
+    assert_eq!(t.e.stats(), base, "charges back to baseline");
+    describe_works(&mut s);
+}

@@ -28,6 +28,14 @@ pub struct Notification {
 
 pub(crate) type NotificationQueue = Mutex<VecDeque<(Notification, Charge)>>;
 
+/// Bytes a queued notification is charged besides its payload and sender
+/// endpoint (its record).
+pub(crate) const NOTIFICATION_RECORD: u64 = 128;
+
+/// Longest sender endpoint a notification may carry (a host name of 253
+/// bytes and a port fit; anything longer is refused).
+pub(crate) const MAX_SENDER_ENDPOINT: usize = 255;
+
 /// Received notifications, waiting to be taken, and the same-host inbox.
 #[derive(Default)]
 pub(crate) struct Notifications {
@@ -40,8 +48,11 @@ pub(crate) struct Notifications {
 impl EngineInner {
     /// Queues a received (or self-sent) notification, charged.
     pub(crate) fn enqueue_notification(&self, n: Notification) -> Result<(), Error> {
-        let charge = self.charge_notification(n.payload.len())?;
-        self.notifications.queue.lock().push_back((n, charge));
+        let mut q = self.notifications.queue.lock();
+        self.check_queue_len(q.len())?;
+        let charge = self.charge_notification(&n)?;
+        q.push_back((n, charge));
+        drop(q);
         self.notifications.arrived.notify_all();
         if let Some((_, inbox)) = self.notifications.inbox.get() {
             inbox.wake(); // waiters sleep on the inbox word when there is one
@@ -49,16 +60,32 @@ impl EngineInner {
         Ok(())
     }
 
-    /// Charges a queued notification's payload to `notification_queue_bytes`.
-    fn charge_notification(&self, len: usize) -> Result<Charge, Error> {
+    /// Charges a queued notification to `notification_queue_bytes`, whole:
+    /// payload, sender endpoint and its record.
+    fn charge_notification(&self, n: &Notification) -> Result<Charge, Error> {
+        let bytes =
+            (n.payload.len() as u64).saturating_add(n.sender_endpoint.len() as u64).saturating_add(NOTIFICATION_RECORD);
         Charge::limited(
             &self.counters,
             Counter::NotificationBytes,
-            len as u64,
+            bytes,
             Resource::NotificationBytes,
             self.config.notification_queue_bytes,
         )
         .map_err(Error::from)
+    }
+
+    /// Refuses one more notification when `queued` already fill the queue.
+    fn check_queue_len(&self, queued: usize) -> Result<(), Error> {
+        let limit = self.config.notification_queue_len;
+        if queued as u64 >= limit {
+            return Err(Error::ResourceExhausted {
+                resource: Resource::NotificationQueue,
+                limit,
+                requested: limit.saturating_add(1),
+            });
+        }
+        Ok(())
     }
 
     /// Moves notifications from the same-host inbox into the queue (the
@@ -80,13 +107,19 @@ impl EngineInner {
             if known.is_some_and(|e| e != env.sender_epoch) {
                 return true; // a stale sender identity: refused
             }
-            match self.charge_notification(env.payload.len()) {
+            if env.sender_endpoint.len() > MAX_SENDER_ENDPOINT {
+                return true; // malformed: refused
+            }
+            if self.check_queue_len(q.len()).is_err() {
+                return false; // the queue is full: it waits in the inbox
+            }
+            let n = Notification {
+                sender_endpoint: env.sender_endpoint,
+                sender_epoch: env.sender_epoch,
+                payload: env.payload,
+            };
+            match self.charge_notification(&n) {
                 Ok(charge) => {
-                    let n = Notification {
-                        sender_endpoint: env.sender_endpoint,
-                        sender_epoch: env.sender_epoch,
-                        payload: env.payload,
-                    };
                     q.push_back((n, charge));
                     true
                 }

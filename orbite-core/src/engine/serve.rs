@@ -10,7 +10,7 @@ use crate::engine::EngineInner;
 use crate::engine::notify::Notification;
 use crate::registry::Registration;
 use crate::segment::{Delta, ExportedRegistration, SegmentDescriptor};
-use crate::transport::proto::server::TargetSide;
+use crate::transport::proto::server::{BorrowLimits, TargetSide};
 use crate::transport::sock::iov;
 use crate::transport::tcp::{Server, Watchers};
 use crate::types::RegistrationId;
@@ -83,6 +83,10 @@ impl TargetSide for EngineInner {
         if env.payload.len() as u64 > self.config.max_notification_bytes {
             return Err((RemoteStatus::NotificationTooLarge, format!("limit {}", self.config.max_notification_bytes)));
         }
+        if env.sender_endpoint.len() > crate::engine::notify::MAX_SENDER_ENDPOINT {
+            let limit = crate::engine::notify::MAX_SENDER_ENDPOINT;
+            return Err((RemoteStatus::BadLength, format!("a sender endpoint may have {limit} bytes")));
+        }
         // A sender we know under another epoch is a stale (or future)
         // identity: refuse rather than attribute it wrongly.
         let known = self.peers.latest.lock().get(env.sender_endpoint).and_then(|w| w.upgrade()).map(|p| p.epoch);
@@ -101,6 +105,14 @@ impl TargetSide for EngineInner {
 
     fn limits(&self) -> Limits {
         self.frame_limits()
+    }
+
+    fn borrow_limits(&self) -> BorrowLimits {
+        let c = &self.config;
+        BorrowLimits {
+            per_connection: usize::try_from(c.max_borrows_per_connection).unwrap_or(usize::MAX),
+            registrations_per_borrow: usize::try_from(c.max_registrations_per_borrow).unwrap_or(usize::MAX),
+        }
     }
 
     fn remote_gate(&self) {

@@ -96,6 +96,11 @@ struct ConnRef {
 
 struct LinkQueue<J> {
     jobs: VecDeque<PeerJob<J>>,
+    /// Borrows and returns: they go on the link's first data connection,
+    /// since a target honours a return only from the borrowing connection.
+    pinned: VecDeque<PeerJob<J>>,
+    /// That connection.
+    control: Option<ConnRef>,
     lost: Option<String>,
     closing: bool,
     /// Connections that found no job while they had room for one.
@@ -205,7 +210,14 @@ impl<J: CopyJob> PeerLink<J> {
         let since = first.1.version;
         let link = Arc::new(PeerLink {
             descriptor,
-            queue: Mutex::new(LinkQueue { jobs: VecDeque::new(), lost: None, closing: false, hungry: Vec::new() }),
+            queue: Mutex::new(LinkQueue {
+                jobs: VecDeque::new(),
+                pinned: VecDeque::new(),
+                control: None,
+                lost: None,
+                closing: false,
+                hungry: Vec::new(),
+            }),
             opts,
             next_request: AtomicU64::new(2),
             lost_flag: AtomicBool::new(false),
@@ -219,7 +231,8 @@ impl<J: CopyJob> PeerLink<J> {
         });
         for s in streams {
             let m = ClientConn::new(link.descriptor.epoch, opts.limits);
-            drivers.add(&link, s, Role::Data(Box::new(m)));
+            let me = drivers.add(&link, s, Role::Data(Box::new(m)));
+            link.queue.lock().control.get_or_insert(me);
         }
         Ok(link)
     }
@@ -265,12 +278,19 @@ impl<J: CopyJob> PeerLink<J> {
     fn push(&self, job: PeerJob<J>, first: bool) {
         let kick = {
             let mut q = self.queue.lock();
-            if first {
-                q.jobs.push_front(job);
+            if matches!(&job, PeerJob::Control(c) if matches!(c.kind, Kind::Borrow | Kind::Return)) {
+                q.pinned.push_back(job);
+                let control = q.control;
+                q.hungry.retain(|c| Some(*c) != control);
+                control
             } else {
-                q.jobs.push_back(job);
+                if first {
+                    q.jobs.push_front(job);
+                } else {
+                    q.jobs.push_back(job);
+                }
+                q.hungry.pop()
             }
-            q.hungry.pop()
         };
         if let Some(c) = kick {
             self.drivers.kick(c);
@@ -283,12 +303,13 @@ impl<J: CopyJob> PeerLink<J> {
     fn take(&self, me: ConnRef) -> Option<PeerJob<J>> {
         let (job, kick) = {
             let mut q = self.queue.lock();
-            match q.jobs.pop_front() {
+            let pinned = if q.control == Some(me) { q.pinned.pop_front() } else { None };
+            match pinned.or_else(|| q.jobs.pop_front()) {
                 Some(job) => {
                     q.hungry.retain(|c| *c != me);
                     let kick = if !q.jobs.is_empty() {
                         q.hungry.pop().into_iter().collect()
-                    } else if q.closing {
+                    } else if q.closing && q.pinned.is_empty() {
                         // The last job of a closing link: the idle
                         // connections can close now.
                         std::mem::take(&mut q.hungry)
@@ -314,7 +335,7 @@ impl<J: CopyJob> PeerLink<J> {
     /// True once the link closes and no job waits.
     fn drained(&self) -> bool {
         let q = self.queue.lock();
-        q.closing && q.jobs.is_empty()
+        q.closing && q.jobs.is_empty() && q.pinned.is_empty()
     }
 
     /// True once the link closes.
@@ -544,7 +565,7 @@ impl<J: CopyJob> Initiators<J> {
 
     /// Gives `stream` (non-blocking) to the next driver, as a connection
     /// of `link`.
-    fn add(&self, link: &Arc<PeerLink<J>>, stream: TcpStream, role: Role<J>) {
+    fn add(&self, link: &Arc<PeerLink<J>>, stream: TcpStream, role: Role<J>) -> ConnRef {
         let driver = self.next_driver.fetch_add(1, Ordering::Relaxed) % self.drivers.len();
         let me = ConnRef { driver, id: self.next_conn.fetch_add(1, Ordering::Relaxed) };
         link.conns.lock().push(me);
@@ -560,6 +581,7 @@ impl<J: CopyJob> Initiators<J> {
             reply_until: None,
         };
         self.drivers[driver].send(Command::Add(Box::new(conn)));
+        me
     }
 
     fn kick(&self, c: ConnRef) {

@@ -24,7 +24,7 @@ use crate::segment::ExportedRegistration;
 use crate::transport::CopyKind;
 pub(crate) use crate::transport::link::{ANNOUNCE_UNKNOWN, Initiators, LinkOptions, OpenError, PeerLink};
 pub(crate) use crate::transport::proto::client::{ControlDone, ControlJob, PeerFailure, PeerJob};
-use crate::transport::proto::server::{BorrowTable, Event, ServerConn, TargetSide};
+use crate::transport::proto::server::{BorrowCount, Event, ServerConn, TargetSide};
 use crate::transport::route::{PeerReach, Reach, RouteImpl, Runs, Serves};
 use crate::transport::sock::{epoll_ctl, owned, tune};
 use crate::types::{Desc, Route};
@@ -185,7 +185,7 @@ struct ServerShared {
     side: Weak<dyn TargetSide>,
     conns: Mutex<std::collections::HashMap<u64, Arc<ServedConn>>>,
     next_conn: AtomicU64,
-    borrows: BorrowTable,
+    borrowed: BorrowCount,
     watchers: Arc<Watchers>,
 }
 
@@ -235,7 +235,7 @@ impl Server {
             side,
             conns: Mutex::new(std::collections::HashMap::new()),
             next_conn: AtomicU64::new(1),
-            borrows: Mutex::new(std::collections::HashMap::new()),
+            borrowed: BorrowCount::default(),
             watchers: watchers.clone(),
         });
         let server = Server { addr, shared: shared.clone(), threads: Mutex::new(Vec::new()), watchers };
@@ -315,7 +315,7 @@ impl ServerShared {
             }
             let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
             let fd = stream.as_raw_fd();
-            let conn = Arc::new(ServedConn { stream, machine: Mutex::new(ServerConn::new(id)) });
+            let conn = Arc::new(ServedConn { stream, machine: Mutex::new(ServerConn::new(self.borrowed.clone())) });
             self.conns.lock().insert(id, conn);
             let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
             if epoll_ctl(&self.epoll, libc::EPOLL_CTL_ADD, fd, oneshot, id).is_err() {
@@ -371,7 +371,7 @@ impl ServerShared {
                 }
             }
             moved += r as usize;
-            match m.received(r as usize, side.as_ref(), &self.borrows) {
+            match m.received(r as usize, side.as_ref()) {
                 Ok(None) => {}
                 Ok(Some(Event::Subscribe { epoch, request, budget, since })) => {
                     let Ok(stream) = conn.stream.try_clone() else { break 0 };
@@ -399,16 +399,8 @@ impl ServerShared {
         let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_DEL, conn.stream.as_raw_fd(), 0, id);
         let _ = conn.stream.shutdown(Shutdown::Both);
         self.watchers.forget(id);
-        // The borrower is gone with its connection: give back its loans
-        // (dropped outside the lock).
-        let mut ended = Vec::new();
-        self.borrows.lock().retain(|_, (c, loans)| {
-            if *c == id {
-                ended.push(std::mem::take(loans));
-            }
-            *c != id
-        });
-        drop(ended);
+        // The borrower is gone with its connection: its machine, and with
+        // it its borrows, go with the last reference.
         drop(conn);
     }
 }

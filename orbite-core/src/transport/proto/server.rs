@@ -15,9 +15,9 @@
 //! drained first, so the stream stays in sync. A malformed frame closes the
 //! connection ([`Close`]); other connections are not affected.
 
+use std::collections::HashMap;
 use std::sync::Arc;
-
-use parking_lot::Mutex;
+use std::sync::atomic::Ordering;
 
 use crate::registry::Registration;
 use crate::transport::proto::FrameIn;
@@ -51,13 +51,27 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
     /// Test hook: blocks while remote requests are held (after their loans
     /// were taken, before any byte moves).
     fn remote_gate(&self) {}
+    /// What borrowers may make this target hold.
+    fn borrow_limits(&self) -> BorrowLimits {
+        BorrowLimits { per_connection: 4096, registrations_per_borrow: 1024 }
+    }
 }
 
-/// Borrows held for initiators of one-sided routes: id to (connection,
-/// range loans). A connection's borrows end with it.
-pub(crate) type BorrowTable = Mutex<std::collections::HashMap<u64, (u64, Vec<Arc<Registration>>)>>;
+/// Bounds on what borrowers may make a target hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BorrowLimits {
+    /// Borrows one connection may hold (`max_borrows_per_connection`).
+    pub per_connection: usize,
+    /// Registrations one borrow may hold (`max_registrations_per_borrow`).
+    pub registrations_per_borrow: usize,
+}
 
-/// Most borrows one server holds at once.
+/// Borrows held by every connection of one server (each connection holds
+/// its own, keyed by id: only the borrower returns a borrow, and a
+/// connection's borrows end with it).
+pub(crate) type BorrowCount = Arc<std::sync::atomic::AtomicUsize>;
+
+/// Most borrows one server holds at once, all connections together.
 pub(crate) const MAX_BORROWS: usize = 65_536;
 
 /// Most bytes of changes pushed at once; a watcher further behind gets the
@@ -102,7 +116,6 @@ enum Input {
 
 /// One peer connection's target side.
 pub(crate) struct ServerConn {
-    conn: u64,
     input: Input,
     frame: FrameIn,
     discard: Vec<u8>,
@@ -118,6 +131,17 @@ pub(crate) struct ServerConn {
     /// A READ reply holds its loans until every byte is out.
     out_loans: Vec<Arc<Registration>>,
     scratch: Vec<u8>,
+    /// Borrows this connection holds: id to the registrations it keeps.
+    borrows: HashMap<u64, Vec<Arc<Registration>>>,
+    /// The server's count of borrows.
+    borrowed: BorrowCount,
+}
+
+impl Drop for ServerConn {
+    fn drop(&mut self) {
+        // The borrower is gone with its connection: its loans end.
+        self.borrowed.fetch_sub(self.borrows.len(), Ordering::AcqRel);
+    }
 }
 
 // SAFETY: the raw pointers in the iovecs point into buffers this value owns
@@ -130,9 +154,10 @@ const DISCARD_CHUNK: usize = 64 * 1024;
 
 impl ServerConn {
     /// A machine for connection `conn` (an id unique in the server).
-    pub fn new(conn: u64) -> Self {
+    pub fn new(borrowed: BorrowCount) -> Self {
         ServerConn {
-            conn,
+            borrows: HashMap::new(),
+            borrowed,
             input: Input::Frame,
             frame: FrameIn::new(),
             discard: Vec::new(),
@@ -167,10 +192,10 @@ impl ServerConn {
 
     /// `n` (> 0) bytes arrived into what [`ServerConn::recv_buf`] gave.
     /// Returns what the driver must do, or why the connection closes.
-    pub fn received(&mut self, n: usize, side: &dyn TargetSide, borrows: &BorrowTable) -> Result<Option<Event>, Close> {
+    pub fn received(&mut self, n: usize, side: &dyn TargetSide) -> Result<Option<Event>, Close> {
         match &mut self.input {
             Input::Frame => match self.frame.received(n, side.limits())? {
-                Some(h) => self.on_frame(h, side, borrows),
+                Some(h) => self.on_frame(h, side),
                 None => Ok(None),
             },
             Input::Payload { h, first } => {
@@ -233,7 +258,37 @@ impl ServerConn {
     }
 
     /// A whole frame (header and body) arrived.
-    fn on_frame(&mut self, h: Header, side: &dyn TargetSide, borrows: &BorrowTable) -> Result<Option<Event>, Close> {
+    /// Keeps the loans a Borrow resolved (in `self.loans`) as borrow `id`,
+    /// each registration once, within the limits; or says why not.
+    fn keep_borrow(&mut self, id: u64, limits: BorrowLimits) -> Option<(RemoteStatus, String)> {
+        let mut loans = std::mem::take(&mut self.loans);
+        loans.sort_unstable_by_key(|r| Arc::as_ptr(r) as usize);
+        loans.dedup_by(|a, b| Arc::ptr_eq(a, b));
+        if loans.len() > limits.registrations_per_borrow {
+            return Some((
+                RemoteStatus::ResourceExhausted,
+                format!("a borrow may hold {} registrations", limits.registrations_per_borrow),
+            ));
+        }
+        if self.borrows.contains_key(&id) {
+            return Some((RemoteStatus::Other, "borrow id in use".to_owned()));
+        }
+        if self.borrows.len() >= limits.per_connection {
+            return Some((
+                RemoteStatus::ResourceExhausted,
+                format!("a connection may hold {} borrows", limits.per_connection),
+            ));
+        }
+        if self.borrowed.fetch_add(1, Ordering::AcqRel) >= MAX_BORROWS {
+            self.borrowed.fetch_sub(1, Ordering::AcqRel);
+            return Some((RemoteStatus::ResourceExhausted, "too many borrows".to_owned()));
+        }
+        loans.shrink_to_fit();
+        self.borrows.insert(id, loans);
+        None
+    }
+
+    fn on_frame(&mut self, h: Header, side: &dyn TargetSide) -> Result<Option<Event>, Close> {
         self.input = Input::Frame;
         match h.kind {
             Kind::Watch => {
@@ -266,22 +321,7 @@ impl ServerConn {
                 } else {
                     side.resolve(&req, write, &mut iovs, &mut self.loans).err()
                 };
-                let refusal = refusal.or_else(|| {
-                    let mut table = borrows.lock();
-                    if table.len() >= MAX_BORROWS {
-                        Some((RemoteStatus::ResourceExhausted, "too many borrows".to_owned()))
-                    } else {
-                        match table.entry(borrow_id) {
-                            std::collections::hash_map::Entry::Occupied(_) => {
-                                Some((RemoteStatus::Other, "borrow id in use".to_owned()))
-                            }
-                            std::collections::hash_map::Entry::Vacant(v) => {
-                                v.insert((self.conn, std::mem::take(&mut self.loans)));
-                                None
-                            }
-                        }
-                    }
-                });
+                let refusal = refusal.or_else(|| self.keep_borrow(borrow_id, side.borrow_limits()));
                 self.loans.clear();
                 match refusal {
                     Some((status, detail)) => self.error(h.request, status, &detail),
@@ -290,8 +330,11 @@ impl ServerConn {
             }
             Kind::Return => {
                 let borrow_id = wire::decode_return(&self.frame.body)?;
-                let ended = borrows.lock().remove(&borrow_id);
-                drop(ended);
+                // Only this connection's own borrows: another connection
+                // cannot end them.
+                if self.borrows.remove(&borrow_id).is_some() {
+                    self.borrowed.fetch_sub(1, Ordering::AcqRel);
+                }
                 self.reply(Kind::ReturnAck, h.request, &[]);
             }
             Kind::DescribeSince => {
@@ -629,9 +672,8 @@ mod tests {
     /// Runs the stream through a machine, `cuts` sizing each piece moved.
     fn run(frames: &[Frame], cuts: &[usize]) -> (Vec<Expect>, [[u8; 256]; 2]) {
         let side = FakeSide { mem: UnsafeCell::new([[0u8; 256]; 2]) };
-        let borrows: BorrowTable = Mutex::new(Default::default());
         let input: Vec<u8> = frames.iter().enumerate().flat_map(|(i, f)| encode(f, i as u64 + 1)).collect();
-        let mut m = ServerConn::new(1);
+        let mut m = ServerConn::new(Default::default());
         let (mut pos, mut out, mut closed) = (0usize, Vec::new(), false);
         let mut cut = cuts.iter().cycle();
         loop {
@@ -646,7 +688,7 @@ mod tests {
             let end = (pos + *cut.next().unwrap()).min(input.len());
             let n = fill(iovs, &input[pos..end]);
             pos += n;
-            if m.received(n, &side, &borrows).is_err() {
+            if m.received(n, &side).is_err() {
                 closed = true;
                 break;
             }
