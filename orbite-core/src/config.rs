@@ -57,6 +57,20 @@ pub struct EngineConfig {
     /// Registrations one borrow may keep alive (each counted once).
     /// Default 1 024.
     pub max_registrations_per_borrow: u64,
+    /// Peer connections this engine's listener holds at once; one more is
+    /// closed at accept. Default 4 096.
+    pub max_connections: u64,
+    /// Peer connections from one address at once. Default 512.
+    pub max_connections_per_address: u64,
+    /// A request frame that started arriving (and a new connection's
+    /// first frame) must be in, and its reply taken, within this plus its
+    /// bytes at `peer_min_bytes_per_s`, in milliseconds; else the
+    /// connection is closed and what it held is given back. Default
+    /// 10 000.
+    pub server_frame_timeout_ms: u64,
+    /// A peer connection with no exchange for this long is closed, in
+    /// milliseconds; 0: never. Default 0.
+    pub server_idle_timeout_ms: u64,
     /// Run the optional progress worker, which drives admission and
     /// deadlines for callers that do not poll. Default false.
     pub progress_worker: bool,
@@ -141,6 +155,10 @@ impl Default for EngineConfig {
             notification_queue_len: 65_536,
             max_borrows_per_connection: 4_096,
             max_registrations_per_borrow: 1_024,
+            max_connections: 4_096,
+            max_connections_per_address: 512,
+            server_frame_timeout_ms: 10_000,
+            server_idle_timeout_ms: 0,
             progress_worker: false,
             progress_interval_us: 1_000,
             local_route_workers: 0,
@@ -187,6 +205,9 @@ impl EngineConfig {
             ("notification_queue_len", self.notification_queue_len),
             ("max_borrows_per_connection", self.max_borrows_per_connection),
             ("max_registrations_per_borrow", self.max_registrations_per_borrow),
+            ("max_connections", self.max_connections),
+            ("max_connections_per_address", self.max_connections_per_address),
+            ("server_frame_timeout_ms", self.server_frame_timeout_ms),
         ];
         for (field, value) in positive {
             if value == 0 {
@@ -231,6 +252,14 @@ impl EngineConfig {
         }
         if self.local_route_workers > 64 {
             return invalid("local_route_workers", "must be 0 (one per core) to 64");
+        }
+        for (field, value) in [
+            ("server_frame_timeout_ms", self.server_frame_timeout_ms),
+            ("server_idle_timeout_ms", self.server_idle_timeout_ms),
+        ] {
+            if value > 24 * 3_600_000 {
+                return invalid(field, "must be at most one day");
+            }
         }
         if self.peer_timeout_ms > 24 * 3_600_000 {
             return invalid("peer_timeout_ms", "must be at most one day");

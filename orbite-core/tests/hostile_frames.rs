@@ -452,3 +452,141 @@ fn notifications_are_charged_whole_and_capped_in_count() {
     assert_eq!(t.e.stats(), base, "charges back to baseline");
     describe_works(&mut s);
 }
+
+fn wait_closed(s: &mut TcpStream, within: Duration, what: &str) {
+    s.set_read_timeout(Some(within)).unwrap();
+    let start = std::time::Instant::now();
+    let mut b = [0u8; 4096];
+    loop {
+        match s.read(&mut b) {
+            Ok(0) => return,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => {
+                panic!("{what}: still open after {:?}", start.elapsed())
+            }
+            Err(_) => return, // reset: closed
+        }
+    }
+}
+
+const BOUNDED: &str = r#"{"listen": "127.0.0.1:0", "max_frame_body": 131072, "server_frame_timeout_ms": 300}"#;
+
+/// Attack: a WRITE stalled after 100 payload bytes kept a deregistered
+/// range alive for over 25 s. The frame deadline cuts it and its loans end.
+#[test]
+fn a_stalled_write_is_cut_at_the_frame_deadline_and_gives_back_its_loans() {
+    let t = target_with(BOUNDED);
+    let mut bystander = connect(&t);
+    describe_works(&mut bystander);
+    let mut s = connect(&t);
+    let len = 60_000u64;
+    let body = request(t.e.source_epoch(), &[RemoteDesc { registration: t.rw.id.to_raw(), offset: 0, len }]);
+    let mut f = wire::encode_header(&wire::header(Kind::Write, body.len(), len, 1)).to_vec();
+    f.extend_from_slice(&body);
+    f.extend_from_slice(&[0xAB; 100]);
+    s.write_all(&f).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    t.e.deregister(t.rw.id).unwrap();
+    assert_eq!(t.e.stats().fenced_registrations, 1, "the landing request holds its loan");
+    let start = std::time::Instant::now();
+    wait_closed(&mut s, Duration::from_secs(5), "a stalled WRITE");
+    wait_unfenced(&t.e, "the cut request kept its loan");
+    assert!(start.elapsed() < Duration::from_secs(3), "cut after {:?}", start.elapsed());
+    // The bystander, idle between frames meanwhile, is still served.
+    describe_works(&mut bystander);
+}
+
+/// A connection that never sends a frame, or sends one a byte at a time,
+/// is closed at the frame deadline; one idle between frames is kept.
+#[test]
+fn silent_and_trickling_connections_are_closed_and_idle_ones_kept() {
+    let t = target_with(BOUNDED);
+    let mut idle = connect(&t);
+    describe_works(&mut idle);
+    let mut silent = connect(&t);
+    wait_closed(&mut silent, Duration::from_secs(5), "a connection that never sent a frame");
+    let mut trickle = connect(&t);
+    let mut b = Vec::new();
+    wire::encode_describe(&mut b, 1, 0);
+    let f = frame(Kind::Describe, &b, &[], 5);
+    let start = std::time::Instant::now();
+    for byte in &f[..f.len() - 1] {
+        if trickle.write_all(std::slice::from_ref(byte)).is_err() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(40));
+        if start.elapsed() > Duration::from_secs(5) {
+            break;
+        }
+    }
+    wait_closed(&mut trickle, Duration::from_secs(5), "a trickling frame");
+    assert!(start.elapsed() < Duration::from_secs(3), "cut after {:?}", start.elapsed());
+    // Idle for several deadlines between frames: still served.
+    std::thread::sleep(Duration::from_millis(900));
+    describe_works(&mut idle);
+}
+
+/// Attack: 450 idle connections made 455 threads and exhausted the
+/// target's descriptors. Connections are capped, in total and per peer
+/// address, before any buffer is spent.
+#[test]
+fn connections_beyond_the_caps_are_closed_at_accept() {
+    let t = target_with(r#"{"listen": "127.0.0.1:0", "max_connections": 8, "max_connections_per_address": 3}"#);
+    let mut held: Vec<TcpStream> = (0..3).map(|_| connect(&t)).collect();
+    for s in &mut held {
+        describe_works(s);
+    }
+    let mut over = connect(&t);
+    wait_closed(&mut over, Duration::from_secs(5), "a connection beyond the per-address cap");
+    // One goes away: a new one is served again.
+    drop(held.pop());
+    let start = std::time::Instant::now();
+    loop {
+        let mut s = connect(&t);
+        let mut b = Vec::new();
+        wire::encode_describe(&mut b, 1, 0);
+        let served = s.write_all(&frame(Kind::Describe, &b, &[], 9)).is_ok() && !closed_or_replied(&mut s);
+        if served {
+            break;
+        }
+        assert!(start.elapsed() < WAIT, "a freed slot was never given to a new connection");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for s in &mut held {
+        describe_works(s);
+    }
+}
+
+/// True if the connection closed instead of answering.
+fn closed_or_replied(s: &mut TcpStream) -> bool {
+    let mut h = [0u8; wire::HEADER_LEN];
+    s.read_exact(&mut h).is_err()
+}
+
+/// Attack: a peer answering one byte a second made open_segment(2 s)
+/// return after 14 s. The whole exchange is bounded by the caller's timeout.
+#[test]
+fn open_segment_is_bounded_against_a_trickling_peer() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut b = [0u8; 256];
+        let _ = s.read(&mut b);
+        // A header, one byte every 100 ms.
+        let h = wire::encode_header(&wire::header(Kind::DescribeReply, 1000, 0, 1));
+        for byte in h.iter().chain([0u8; 1000].iter()) {
+            if s.write_all(std::slice::from_ref(byte)).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let e = engine("{}");
+    let start = std::time::Instant::now();
+    let r = e.open_segment(&addr, None, Duration::from_millis(1000));
+    assert!(r.is_err());
+    assert!(start.elapsed() < Duration::from_millis(1800), "open took {:?}", start.elapsed());
+    drop(e);
+    let _ = server.join();
+}

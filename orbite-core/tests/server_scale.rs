@@ -68,7 +68,8 @@ fn connected_peers_do_not_add_threads() {
 fn opened_peers_do_not_add_threads() {
     use orbite_core::*;
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-    let target = engine(r#"{"listen": "127.0.0.1:0"}"#);
+    // Every link comes from 127.0.0.1: allow them all.
+    let target = engine(r#"{"listen": "127.0.0.1:0", "max_connections_per_address": 4096}"#);
     let endpoint = target.endpoint().unwrap();
     let remote = region(&target, 1 << 16, Permission::RemoteReadWrite);
     let e = engine(r#"{"route": "tcp", "connections_per_peer": 2}"#);

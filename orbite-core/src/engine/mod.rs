@@ -624,8 +624,8 @@ impl TransferEngine {
         });
         if let Some(bind) = inner.config.listen.clone() {
             let side: Weak<dyn crate::transport::proto::server::TargetSide> = Arc::downgrade(&inner) as _;
-            let server =
-                Server::start(&bind, side).map_err(|e| Error::System(format!("cannot listen on {bind}: {e}")))?;
+            let server = Server::start(&bind, side, inner.server_limits())
+                .map_err(|e| Error::System(format!("cannot listen on {bind}: {e}")))?;
             let bound = server.local_addr();
             let _ = inner.listener.watchers.set(server.watchers());
             let _ = inner.listener.bound.set(bound);

@@ -3,6 +3,7 @@
 //! memory under loans, and where received notifications go.
 
 use std::sync::{Arc, OnceLock};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 
@@ -123,6 +124,19 @@ impl TargetSide for EngineInner {
 }
 
 impl EngineInner {
+    /// What the listener accepts, and how long it waits for a peer.
+    pub(crate) fn server_limits(&self) -> crate::transport::tcp::ServerLimits {
+        let c = &self.config;
+        let count = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+        crate::transport::tcp::ServerLimits {
+            max_connections: count(c.max_connections),
+            per_address: count(c.max_connections_per_address),
+            frame_timeout: Duration::from_millis(c.server_frame_timeout_ms),
+            idle_timeout: (c.server_idle_timeout_ms > 0).then(|| Duration::from_millis(c.server_idle_timeout_ms)),
+            min_rate: c.peer_min_bytes_per_s,
+        }
+    }
+
     pub(crate) fn segment_descriptor(&self) -> SegmentDescriptor {
         let (registrations, registry_version) = self.registry.lock().exported(ExportedRegistration::of);
         SegmentDescriptor {

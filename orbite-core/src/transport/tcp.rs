@@ -17,6 +17,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
@@ -78,9 +79,9 @@ struct Subscriber {
     /// Largest delta to push (what the watcher accepts, at most
     /// `PUSH_BUDGET`).
     budget: usize,
-    /// A duplicate of the connection's socket: writing to it stays safe
-    /// even after the serving thread closed its own.
-    stream: TcpStream,
+    /// The connection (its socket stays open while this holds it, even
+    /// after the server closed the connection: a push then fails).
+    served: Arc<ServedConn>,
     /// The registry version pushed so far. Its lock also keeps two pushes
     /// to this socket from interleaving; a push never blocks (a full
     /// socket skips it, and the next change sends everything since).
@@ -111,7 +112,7 @@ impl Subscriber {
         // SAFETY: a live buffer of `frame.len()` bytes.
         let n = unsafe {
             libc::send(
-                self.stream.as_raw_fd(),
+                self.served.stream.as_raw_fd(),
                 frame.as_ptr().cast(),
                 frame.len(),
                 libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
@@ -122,7 +123,7 @@ impl Subscriber {
         } else if n > 0 {
             // Half a frame would desynchronise the stream: the watcher
             // loses its connection (and falls back to asking).
-            let _ = self.stream.shutdown(Shutdown::Both);
+            let _ = self.served.stream.shutdown(Shutdown::Both);
         }
         // n < 0: the socket is full (the watcher is not reading); the next
         // change pushes everything since `pushed`.
@@ -175,10 +176,70 @@ pub(crate) struct Server {
     watchers: Arc<Watchers>,
 }
 
+/// What a server accepts, and how long it waits for a peer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ServerLimits {
+    /// Connections at once (`max_connections`).
+    pub max_connections: usize,
+    /// Connections at once from one peer address
+    /// (`max_connections_per_address`).
+    pub per_address: usize,
+    /// A frame that started (a new connection's first frame too) must be
+    /// in, and its reply out, within this plus its bytes at `min_rate`
+    /// (`server_frame_timeout_ms`).
+    pub frame_timeout: Duration,
+    /// A connection with no exchange for this long is closed
+    /// (`server_idle_timeout_ms`; `None`: never).
+    pub idle_timeout: Option<Duration>,
+    /// Slowest accepted peer, bytes per second (0: no rate bound).
+    pub min_rate: u64,
+}
+
+impl Default for ServerLimits {
+    fn default() -> Self {
+        ServerLimits {
+            max_connections: 4096,
+            per_address: 512,
+            frame_timeout: Duration::from_secs(10),
+            idle_timeout: None,
+            min_rate: 1 << 20,
+        }
+    }
+}
+
+impl ServerLimits {
+    /// How long an exchange moving `bytes` may take.
+    fn allowance(&self, bytes: u64) -> Duration {
+        match self.min_rate {
+            0 => self.frame_timeout,
+            rate => self.frame_timeout.saturating_add(Duration::from_secs_f64(bytes as f64 / rate as f64)),
+        }
+    }
+
+    /// How often the deadlines are checked.
+    fn sweep_interval(&self) -> Duration {
+        let shortest = self.idle_timeout.map_or(self.frame_timeout, |i| i.min(self.frame_timeout));
+        (shortest / 10).clamp(Duration::from_millis(5), Duration::from_millis(250))
+    }
+}
+
+/// How long the listener rests after accept ran out of descriptors (or
+/// memory), instead of spinning on the connection it cannot take.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
 struct ServerShared {
     /// Bytes one connection may move per turn.
     turn: usize,
+    limits: ServerLimits,
     epoll: OwnedFd,
+    /// The deadline sweep's timer (armed while there is something to
+    /// check: connections, or a resting listener).
+    timer: OwnedFd,
+    timer_armed: Mutex<bool>,
+    /// When a resting listener takes connections again.
+    accept_resume: Mutex<Option<Instant>>,
+    /// Connections per peer address.
+    addresses: Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
     /// Written once at shutdown; level-triggered, so every thread sees it.
     stop: OwnedFd,
     listener: TcpListener,
@@ -193,12 +254,27 @@ struct ServerShared {
 /// the epoll set, so one thread at a time serves it.
 struct ServedConn {
     stream: TcpStream,
-    machine: Mutex<ServerConn>,
+    peer: Option<std::net::IpAddr>,
+    machine: Mutex<Served>,
 }
 
-/// epoll data of the listener and of the stop event (connections count from 1).
+/// A connection's machine and its clock.
+struct Served {
+    m: ServerConn,
+    /// When the exchange in progress started (a new connection's first
+    /// frame counts from its accept); `None` between exchanges.
+    busy_since: Option<Instant>,
+    /// Frames the clock has seen.
+    frames_seen: u64,
+    /// When bytes last moved.
+    last: Instant,
+}
+
+/// epoll data of the listener, the stop event and the deadline timer
+/// (connections count from 1).
 const LISTENER: u64 = u64::MAX;
 const STOP: u64 = u64::MAX - 1;
+const TIMER: u64 = u64::MAX - 2;
 
 /// Bytes one connection may move per turn before others get theirs.
 const TURN_BYTES: usize = 8 << 20;
@@ -210,12 +286,12 @@ fn server_threads() -> usize {
 
 impl Server {
     /// Binds and starts serving. The server holds the target side weakly.
-    pub fn start(bind: &str, side: Weak<dyn TargetSide>) -> io::Result<Server> {
-        Self::start_with(bind, side, TURN_BYTES)
+    pub fn start(bind: &str, side: Weak<dyn TargetSide>, limits: ServerLimits) -> io::Result<Server> {
+        Self::start_with(bind, side, TURN_BYTES, limits)
     }
 
     /// [`Server::start`] with connections taking turns of `turn` bytes.
-    fn start_with(bind: &str, side: Weak<dyn TargetSide>, turn: usize) -> io::Result<Server> {
+    fn start_with(bind: &str, side: Weak<dyn TargetSide>, turn: usize, limits: ServerLimits) -> io::Result<Server> {
         let listener = TcpListener::bind(bind)?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
@@ -226,9 +302,18 @@ impl Server {
         epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, stop.as_raw_fd(), libc::EPOLLIN as u32, STOP)?;
         let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
         epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, listener.as_raw_fd(), oneshot, LISTENER)?;
+        // SAFETY: as above.
+        let timer =
+            owned(unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_CLOEXEC | libc::TFD_NONBLOCK) })?;
+        epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, timer.as_raw_fd(), oneshot, TIMER)?;
         let watchers = Arc::new(Watchers::new());
         let shared = Arc::new(ServerShared {
             turn: turn.max(1),
+            limits,
+            timer,
+            timer_armed: Mutex::new(false),
+            accept_resume: Mutex::new(None),
+            addresses: Mutex::new(std::collections::HashMap::new()),
             epoll,
             stop,
             listener,
@@ -295,35 +380,129 @@ impl ServerShared {
                 match ev.u64 {
                     STOP => return,
                     LISTENER => self.accept(),
+                    TIMER => self.sweep(),
                     id => self.serve(id),
                 }
             }
         }
     }
 
-    /// Accepts every waiting connection, then re-arms the listener.
+    /// Accepts every waiting connection within the caps, then re-arms the
+    /// listener; out of descriptors (or memory), the listener rests for
+    /// [`ACCEPT_BACKOFF`] instead of spinning on what it cannot take.
     fn accept(&self) {
         loop {
-            let stream = match self.listener.accept() {
-                Ok((s, _)) => s,
+            let (stream, from) = match self.listener.accept() {
+                Ok(x) => x,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(_) => break, // none waiting (or out of descriptors: try again on the next wake-up)
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(_) => {
+                    // EMFILE, ENFILE, ENOBUFS, ENOMEM: rest, then retry.
+                    *self.accept_resume.lock() = Instant::now().checked_add(ACCEPT_BACKOFF);
+                    self.arm_timer();
+                    return;
+                }
             };
-            tune(&stream);
-            if stream.set_nonblocking(true).is_err() {
+            // The caps come before any buffer or machine is spent: a
+            // connection beyond them is closed at once.
+            if self.conns.lock().len() >= self.limits.max_connections {
                 continue;
             }
+            let peer = Some(from.ip());
+            {
+                let mut a = self.addresses.lock();
+                let n = a.entry(from.ip()).or_insert(0);
+                if *n >= self.limits.per_address {
+                    continue;
+                }
+                *n += 1;
+            }
+            tune(&stream);
             let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
             let fd = stream.as_raw_fd();
-            let conn = Arc::new(ServedConn { stream, machine: Mutex::new(ServerConn::new(self.borrowed.clone())) });
-            self.conns.lock().insert(id, conn);
+            let now = Instant::now();
+            let served =
+                Served { m: ServerConn::new(self.borrowed.clone()), busy_since: Some(now), frames_seen: 0, last: now };
+            let conn = Arc::new(ServedConn { stream, peer, machine: Mutex::new(served) });
+            self.conns.lock().insert(id, conn.clone());
             let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
-            if epoll_ctl(&self.epoll, libc::EPOLL_CTL_ADD, fd, oneshot, id).is_err() {
-                self.conns.lock().remove(&id);
+            if conn.stream.set_nonblocking(true).is_err()
+                || epoll_ctl(&self.epoll, libc::EPOLL_CTL_ADD, fd, oneshot, id).is_err()
+            {
+                self.close(id);
+                continue;
             }
+            self.arm_timer();
         }
         let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
         let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_MOD, self.listener.as_raw_fd(), oneshot, LISTENER);
+    }
+
+    /// Arms the deadline sweep (periodic) if it is not armed.
+    fn arm_timer(&self) {
+        let mut armed = self.timer_armed.lock();
+        if !*armed {
+            *armed = true;
+            self.set_timer(Some(self.limits.sweep_interval()));
+        }
+    }
+
+    fn set_timer(&self, every: Option<Duration>) {
+        let ts = |d: Duration| libc::timespec { tv_sec: d.as_secs() as libc::time_t, tv_nsec: d.subsec_nanos() as _ };
+        let d = every.unwrap_or(Duration::ZERO);
+        let spec = libc::itimerspec { it_interval: ts(d), it_value: ts(d) };
+        // SAFETY: a live timerfd and a pointer to a live itimerspec.
+        unsafe { libc::timerfd_settime(self.timer.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
+    }
+
+    /// The deadline sweep: closes connections whose exchange took longer
+    /// than the frame bound allows (a stalled or trickling peer, or a new
+    /// connection that never sent a frame), or idle past the idle bound;
+    /// wakes a resting listener. A connection being served right now is
+    /// moving bytes: it is not checked.
+    fn sweep(&self) {
+        let mut v = 0u64;
+        // SAFETY: reads 8 bytes into a live local from our timerfd.
+        unsafe { libc::read(self.timer.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        let now = Instant::now();
+        let conns: Vec<(u64, Arc<ServedConn>)> = self.conns.lock().iter().map(|(i, c)| (*i, c.clone())).collect();
+        let mut expired = Vec::new();
+        for (id, conn) in &conns {
+            let Some(g) = conn.machine.try_lock() else { continue };
+            let late = match g.busy_since {
+                Some(since) => now.duration_since(since) > self.limits.allowance(g.m.work_bytes()),
+                None => self.limits.idle_timeout.is_some_and(|t| now.duration_since(g.last) > t),
+            };
+            if late {
+                expired.push(*id);
+            }
+        }
+        drop(conns);
+        for id in expired {
+            self.close(id);
+        }
+        let resume = {
+            let mut r = self.accept_resume.lock();
+            let due = r.is_some_and(|at| now >= at);
+            if due {
+                *r = None;
+            }
+            due
+        };
+        if resume {
+            let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
+            let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_MOD, self.listener.as_raw_fd(), oneshot, LISTENER);
+        }
+        {
+            // Nothing left to watch: the timer stops (idle means idle).
+            let mut armed = self.timer_armed.lock();
+            if self.conns.lock().is_empty() && self.accept_resume.lock().is_none() {
+                *armed = false;
+                self.set_timer(None);
+            }
+        }
+        let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
+        let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_MOD, self.timer.as_raw_fd(), oneshot, TIMER);
     }
 
     /// Serves connection `id` until its socket would block (then re-arms
@@ -331,7 +510,9 @@ impl ServerShared {
     fn serve(&self, id: u64) {
         let Some(conn) = self.conns.lock().get(&id).cloned() else { return };
         let fd = conn.stream.as_raw_fd();
-        let mut m = conn.machine.lock();
+        let mut g = conn.machine.lock();
+        let served = &mut *g;
+        let m = &mut served.m;
         let mut moved = 0usize;
         let wait = loop {
             if moved >= self.turn {
@@ -374,14 +555,29 @@ impl ServerShared {
             match m.received(r as usize, side.as_ref()) {
                 Ok(None) => {}
                 Ok(Some(Event::Subscribe { epoch, request, budget, since })) => {
-                    let Ok(stream) = conn.stream.try_clone() else { break 0 };
-                    let sub = Subscriber { conn: id, epoch, request, budget, stream, pushed: Mutex::new(since) };
+                    let served = conn.clone();
+                    let sub = Subscriber { conn: id, epoch, request, budget, served, pushed: Mutex::new(since) };
                     self.watchers.subscribe(sub, side.registry_version(), &|since, budget| side.changes(since, budget));
                 }
                 Err(_) => break 0, // malformed: close this connection only
             }
         };
-        drop(m);
+        // The clock: an exchange starts when a frame completes (or, for a
+        // new connection, at accept) and ends when the machine is idle.
+        let now = Instant::now();
+        if moved > 0 {
+            served.last = now;
+        }
+        if served.m.frames() != served.frames_seen {
+            served.frames_seen = served.m.frames();
+            served.busy_since = Some(now);
+        }
+        if served.m.is_idle() && served.m.frames() > 0 {
+            served.busy_since = None;
+        } else if served.busy_since.is_none() {
+            served.busy_since = Some(now);
+        }
+        drop(g);
         if wait == 0 {
             self.close(id);
             return;
@@ -396,6 +592,15 @@ impl ServerShared {
     /// progress), its subscription and its borrows end.
     fn close(&self, id: u64) {
         let Some(conn) = self.conns.lock().remove(&id) else { return };
+        if let Some(ip) = conn.peer {
+            let mut a = self.addresses.lock();
+            if let Some(n) = a.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    a.remove(&ip);
+                }
+            }
+        }
         let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_DEL, conn.stream.as_raw_fd(), 0, id);
         let _ = conn.stream.shutdown(Shutdown::Both);
         self.watchers.forget(id);
@@ -412,7 +617,6 @@ mod tests {
     use crate::transport::sock::iov;
     use crate::wire::{Limits, NotifyEnvelope, RemoteDesc, RemoteStatus, Request};
     use std::io::{Read, Write};
-    use std::time::Duration;
 
     const EPOCH: u64 = 0x5e;
     const LEN: usize = 1 << 20;
@@ -480,7 +684,7 @@ mod tests {
     fn a_turn_that_ends_with_a_reply_pending_still_sends_it() {
         let mem: &'static mut [u8] = Box::leak(vec![0u8; LEN].into_boxed_slice());
         let side: Arc<dyn TargetSide> = Arc::new(Side { base: mem.as_mut_ptr() as usize });
-        let server = Server::start_with("127.0.0.1:0", Arc::downgrade(&side), 1).unwrap();
+        let server = Server::start_with("127.0.0.1:0", Arc::downgrade(&side), 1, ServerLimits::default()).unwrap();
         let mut s = TcpStream::connect(server.local_addr()).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let payload = vec![7u8; 256 << 10];

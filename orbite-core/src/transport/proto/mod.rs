@@ -25,6 +25,11 @@ impl FrameIn {
         FrameIn { head: [0; wire::HEADER_LEN], have: 0, header: None, body: Vec::new() }
     }
 
+    /// True when no byte of a frame is in.
+    pub fn is_empty(&self) -> bool {
+        self.header.is_none() && self.have == 0
+    }
+
     /// Points `iovs` at the bytes the frame still needs.
     pub fn target(&mut self, iovs: &mut Vec<libc::iovec>) {
         let rest = match self.header {

@@ -133,6 +133,10 @@ pub(crate) struct ServerConn {
     scratch: Vec<u8>,
     /// Borrows this connection holds: id to the registrations it keeps.
     borrows: HashMap<u64, Vec<Arc<Registration>>>,
+    /// Frames received whole so far.
+    frames: u64,
+    /// Payload or reply bytes the exchange in progress moves.
+    work: u64,
     /// The server's count of borrows.
     borrowed: BorrowCount,
 }
@@ -157,6 +161,8 @@ impl ServerConn {
     pub fn new(borrowed: BorrowCount) -> Self {
         ServerConn {
             borrows: HashMap::new(),
+            frames: 0,
+            work: 0,
             borrowed,
             input: Input::Frame,
             frame: FrameIn::new(),
@@ -169,6 +175,22 @@ impl ServerConn {
             out_loans: Vec::new(),
             scratch: Vec::new(),
         }
+    }
+
+    /// True between exchanges: no frame partly in, no reply partly out.
+    pub fn is_idle(&self) -> bool {
+        matches!(self.input, Input::Frame) && self.frame.is_empty() && self.out_first >= self.out_iovs.len()
+    }
+
+    /// Frames received whole so far.
+    pub fn frames(&self) -> u64 {
+        self.frames
+    }
+
+    /// Payload or reply bytes of the exchange in progress (what the driver
+    /// sizes its rate bound by).
+    pub fn work_bytes(&self) -> u64 {
+        self.work
     }
 
     /// Where the next incoming bytes go; `None` while a reply waits to be
@@ -290,6 +312,8 @@ impl ServerConn {
 
     fn on_frame(&mut self, h: Header, side: &dyn TargetSide) -> Result<Option<Event>, Close> {
         self.input = Input::Frame;
+        self.frames += 1;
+        self.work = h.data_len as u64;
         match h.kind {
             Kind::Watch => {
                 let (epoch, since, max_reply) = wire::decode_watch(&self.frame.body)?;
@@ -365,6 +389,7 @@ impl ServerConn {
                 let write = h.kind == Kind::Write;
                 let req = Request::decode(&self.frame.body)?;
                 let total = req.total_len().ok_or(Close::Malformed)?;
+                self.work = total;
                 // A WRITE's payload length must match its descriptors, or the
                 // stream cannot be kept in sync: close. A READ carries none.
                 if (write && total != h.data_len as u64) || (!write && h.data_len != 0) {
