@@ -56,7 +56,14 @@ enum Source {
     Heap(Layout),
     /// A file under /dev/shm mapped shared, so that a peer on the same
     /// host can map the same pages.
-    Shm { map_len: usize, path: std::path::PathBuf, name: Arc<str> },
+    Shm {
+        map_len: usize,
+        path: std::path::PathBuf,
+        name: Arc<str>,
+        /// Held open with a shared lock for the allocation's life: the
+        /// owner's liveness proof, seen from any pid namespace.
+        _lock: std::fs::File,
+    },
 }
 
 struct HostAllocation {
@@ -109,12 +116,17 @@ impl std::fmt::Debug for HostMemory {
     }
 }
 
-/// Removes the /dev/shm files of engines whose process is gone (a crash or
-/// a kill leaves them behind; their names carry the owner's pid). A file
-/// already mapped elsewhere stays valid for that mapping; a process that is
-/// gone can serve no new peer. Files of live processes, and files this user
-/// may not remove, are left alone.
+/// Removes the /dev/shm files of engines whose process is provably gone (a
+/// crash or a kill leaves them behind). Proof is the owner's lock: every
+/// engine holds a shared `flock` on its files for as long as they live,
+/// and the kernel drops it when the process ends, in whatever pid
+/// namespace it ran. A file is removed only if nobody holds that lock and
+/// the pid its name carries does not exist here either. A file already
+/// mapped elsewhere stays valid for that mapping. Files this user may not
+/// open or remove, and symbolic links, are left alone.
 fn sweep_orphaned_shared_files() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
     let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
     for entry in dir.flatten() {
         let name = entry.file_name();
@@ -123,10 +135,22 @@ fn sweep_orphaned_shared_files() {
         };
         let Ok(pid) = pid.parse::<i32>() else { continue };
         // SAFETY: kill with signal 0 only checks whether the process exists.
-        let gone = pid > 0
+        let gone_here = pid > 0
             && unsafe { libc::kill(pid, 0) } == -1
             && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
-        if gone {
+        if !gone_here {
+            continue;
+        }
+        let Ok(file) = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
+            .open(entry.path())
+        else {
+            continue;
+        };
+        // SAFETY: flock on a descriptor this function owns.
+        let unlocked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
+        if unlocked && file.metadata().is_ok_and(|m| m.is_file()) {
             let _ = std::fs::remove_file(entry.path());
         }
     }
@@ -174,6 +198,11 @@ impl HostMemory {
             MemoryError::System(e)
         };
         file.set_len(map_len as u64).map_err(|e| cleanup(format!("cannot size {}: {e}", path.display())))?;
+        // The liveness proof the sweep of other processes honours.
+        // SAFETY: flock on the descriptor of the file just created.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } != 0 {
+            return Err(cleanup(format!("cannot lock {}: {}", path.display(), std::io::Error::last_os_error())));
+        }
         // SAFETY: a fresh shared mapping of a file we just sized; no other
         // mapping aliases it in this process.
         let raw = unsafe {
@@ -191,7 +220,12 @@ impl HostMemory {
         }
         let ptr = NonNull::new(raw.cast::<u8>()).ok_or_else(|| cleanup("mmap returned null".into()))?;
         Ok(HostMemory {
-            alloc: Arc::new(HostAllocation { ptr, len, source: Source::Shm { map_len, path, name }, _charge: charge }),
+            alloc: Arc::new(HostAllocation {
+                ptr,
+                len,
+                source: Source::Shm { map_len, path, name, _lock: file },
+                _charge: charge,
+            }),
         })
     }
 
@@ -359,20 +393,28 @@ mod tests {
         let mut child = std::process::Command::new("true").spawn().unwrap();
         let dead = child.id();
         child.wait().unwrap();
+        use std::os::fd::AsRawFd;
         let ours = format!("/dev/shm/orbite-{}-5eeb-test", std::process::id());
         let theirs = format!("/dev/shm/orbite-{dead}-5eeb-test");
         let other = format!("/dev/shm/not-orbite-{dead}-5eeb-test");
-        for p in [&ours, &theirs, &other] {
+        // A process of another pid namespace: its pid does not exist here,
+        // but it holds the lock on its file.
+        let hidden = format!("/dev/shm/orbite-{dead}-5eeb-hidden");
+        for p in [&ours, &theirs, &other, &hidden] {
             std::fs::write(p, b"x").unwrap();
         }
+        let held = std::fs::File::open(&hidden).unwrap();
+        // SAFETY: flock on a descriptor this test owns.
+        assert_eq!(unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_SH) }, 0);
         super::sweep_orphaned_shared_files();
         let exists = |p: &str| std::path::Path::new(p).exists();
-        let (kept_ours, kept_theirs, kept_other) = (exists(&ours), exists(&theirs), exists(&other));
-        for p in [&ours, &theirs, &other] {
+        let kept = [exists(&ours), exists(&theirs), exists(&other), exists(&hidden)];
+        for p in [&ours, &theirs, &other, &hidden] {
             let _ = std::fs::remove_file(p);
         }
-        assert!(kept_ours, "a live process's file is kept");
-        assert!(!kept_theirs, "a dead process's file is removed");
-        assert!(kept_other, "other files are not touched");
+        assert!(kept[0], "a live process's file is kept");
+        assert!(!kept[1], "a dead process's file is removed");
+        assert!(kept[2], "other files are not touched");
+        assert!(kept[3], "a file whose owner holds its lock is kept, whatever its pid says");
     }
 }

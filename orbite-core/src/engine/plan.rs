@@ -133,8 +133,14 @@ fn resolve(
                 requested: total,
             });
         }
-        // In bounds: offset + len <= registration length (checked).
-        out.push(Resolved { addr: reg.base + d.offset, reg: reg.wire_id, len: d.len });
+        // In bounds: offset + len <= registration length (checked); the
+        // base may come from a peer, so the address range is checked too.
+        let addr = reg
+            .base
+            .checked_add(d.offset)
+            .filter(|a| a.checked_add(d.len).is_some())
+            .ok_or_else(|| invalid(index, "address range overflows".into()))?;
+        out.push(Resolved { addr, reg: reg.wire_id, len: d.len });
     }
     Ok((out, total))
 }

@@ -213,10 +213,12 @@ impl Inbox {
             std::hint::spin_loop();
         }
         let (head, tail) = (h.head.load(Ordering::Acquire), h.tail.load(Ordering::Acquire));
-        if tail.wrapping_sub(head) + need > room {
+        // The positions come from a mapping others write: checked.
+        let used = tail.checked_sub(head).and_then(|u| u.checked_add(need));
+        let Some(new_tail) = tail.checked_add(need).filter(|_| used.is_some_and(|u| u <= room)) else {
             h.lock.store(0, Ordering::Release);
             return Err(AppendError::Full);
-        }
+        };
         let mut e = Vec::with_capacity(need as usize);
         e.extend_from_slice(&(need as u32).to_le_bytes());
         e.extend_from_slice(&env.sender_epoch.to_le_bytes());
@@ -227,7 +229,7 @@ impl Inbox {
         e.extend_from_slice(&env.payload);
         e.resize(need as usize, 0);
         self.copy_in(tail, &e);
-        h.tail.store(tail + need, Ordering::Release);
+        h.tail.store(new_tail, Ordering::Release);
         h.lock.store(0, Ordering::Release);
         self.wake();
         Ok(())
@@ -251,7 +253,7 @@ impl Inbox {
             let mut len = [0u8; 4];
             self.copy_out(head, &mut len);
             let len = u32::from_le_bytes(len) as u64;
-            let sane = len >= 32 && len % 8 == 0 && len <= cap / 2 && head + len <= tail;
+            let sane = len >= 32 && len % 8 == 0 && len <= cap / 2 && head.checked_add(len).is_some_and(|e| e <= tail);
             let env = sane.then(|| {
                 let mut e = vec![0u8; len as usize];
                 self.copy_out(head, &mut e);
@@ -336,6 +338,25 @@ mod tests {
         });
         assert_eq!(count, n);
         assert!(!owner.has_entries());
+    }
+
+    #[test]
+    fn hostile_positions_never_wrap_the_arithmetic() {
+        let len = HEADER + 4096;
+        let (_keep, base) = mapping(len);
+        // SAFETY: as in the test above.
+        let owner = unsafe { Inbox::create(base, len, 1, 1 << 20, 1 << 20) };
+        let env = Envelope { sender_epoch: 1, target_epoch: 1, sender_endpoint: "x".into(), payload: vec![9; 10] };
+        let h = owner.header();
+        // Head ahead of tail, tail at the top of the range, both: an append
+        // is refused and a drain reads nothing (debug builds would panic on
+        // an overflow, release builds would wrap).
+        for (head, tail) in [(100, 50), (0, u64::MAX - 8), (u64::MAX - 8, u64::MAX - 8), (u64::MAX, 5)] {
+            h.head.store(head, Ordering::Release);
+            h.tail.store(tail, Ordering::Release);
+            assert!(owner.append(&env).is_err(), "append with head {head} tail {tail}");
+            owner.drain(1 << 20, |_| panic!("an envelope out of hostile positions"));
+        }
     }
 
     #[test]
