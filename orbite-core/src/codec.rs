@@ -69,6 +69,7 @@ impl<'a> Reader<'a> {
     }
 
     /// The next `n` bytes.
+    #[inline]
     pub fn take(&mut self, n: usize) -> Result<&'a [u8], Short> {
         let (head, tail) = self.rest.split_at_checked(n).ok_or(Short)?;
         self.rest = tail;
@@ -76,6 +77,7 @@ impl<'a> Reader<'a> {
     }
 
     /// The next `N` bytes, as an array.
+    #[inline]
     pub fn array<const N: usize>(&mut self) -> Result<[u8; N], Short> {
         let (head, tail) = self.rest.split_first_chunk::<N>().ok_or(Short)?;
         self.rest = tail;
@@ -83,42 +85,50 @@ impl<'a> Reader<'a> {
     }
 
     /// The next byte.
+    #[inline]
     pub fn u8(&mut self) -> Result<u8, Short> {
         self.array::<1>().map(|[b]| b)
     }
 
     /// The next little-endian `u16`.
+    #[inline]
     pub fn u16(&mut self) -> Result<u16, Short> {
         self.array().map(u16::from_le_bytes)
     }
 
     /// The next little-endian `u32`.
+    #[inline]
     pub fn u32(&mut self) -> Result<u32, Short> {
         self.array().map(u32::from_le_bytes)
     }
 
     /// The next little-endian `u64`.
+    #[inline]
     pub fn u64(&mut self) -> Result<u64, Short> {
         self.array().map(u64::from_le_bytes)
     }
 
     /// Every byte left (the reader is then empty).
+    #[inline]
     pub fn rest(&mut self) -> &'a [u8] {
         std::mem::take(&mut self.rest)
     }
 }
 
 /// Appends `v`, little endian.
+#[inline]
 pub fn put_u16(out: &mut Vec<u8>, v: u16) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 
 /// Appends `v`, little endian.
+#[inline]
 pub fn put_u32(out: &mut Vec<u8>, v: u32) {
     out.extend_from_slice(&v.to_le_bytes());
 }
 
 /// Appends `v`, little endian.
+#[inline]
 pub fn put_u64(out: &mut Vec<u8>, v: u64) {
     out.extend_from_slice(&v.to_le_bytes());
 }
