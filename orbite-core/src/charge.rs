@@ -49,7 +49,8 @@ macro_rules! counters {
         }
 
         /// What the engine holds right now. Every field returns to its baseline
-        /// once all work has drained and all handles are released.
+        /// once all work has drained and all handles are released, except
+        /// `auth_failures`, a count.
         #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
         pub struct Stats {
             $($(#[doc = $doc])+ pub $field: u64,)+
@@ -96,6 +97,9 @@ counters! {
     binding_handles: BindingHandles,
     /// Ranges held by [`crate::RangePin`]s (KV sessions pin their KV).
     pinned_ranges: PinnedRanges,
+    /// Peer connections that failed authentication, either way (a count:
+    /// the one field that only grows).
+    auth_failures: AuthFailures,
 }
 
 impl Counters {

@@ -13,6 +13,15 @@ const KIB: u64 = 1024;
 const MIB: u64 = 1024 * KIB;
 const GIB: u64 = 1024 * MIB;
 
+/// Peer authentication settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AuthConfig {
+    /// A file holding the shared secret (at least 16 bytes; trailing
+    /// white space is ignored). Keep it readable by the engine's user only.
+    pub secret_file: String,
+}
+
 /// Limits and switches of one [`crate::TransferEngine`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -112,6 +121,12 @@ pub struct EngineConfig {
     /// the source address of the default route (see
     /// [`crate::endpoint::advertise`]).
     pub advertise: Option<String>,
+    /// Mutual authentication of every peer connection, both directions:
+    /// `{"secret_file": PATH}`, a file of at least 16 bytes both engines
+    /// share. Default null: no authentication (anyone who can reach the
+    /// listener can read and write registered memory; the engine says so
+    /// at start).
+    pub auth: Option<AuthConfig>,
     /// Connections per opened peer segment (1 to 16), besides its watch
     /// connection. Default 4 (across hosts more parallel streams move
     /// more: measured with test/nixl/multihost.py --bench).
@@ -168,6 +183,7 @@ impl Default for EngineConfig {
             close_drain_timeout_ms: 5_000,
             listen: None,
             advertise: None,
+            auth: None,
             connections_per_peer: 4,
             peer_timeout_ms: 10_000,
             peer_min_bytes_per_s: MIB,

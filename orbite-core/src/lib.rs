@@ -64,7 +64,7 @@ pub use batch::{
     TransferResult, TransferStatus,
 };
 pub use charge::Stats;
-pub use config::{ConfigError, EngineConfig};
+pub use config::{AuthConfig, ConfigError, EngineConfig};
 pub use engine::{
     BindingCharge, CloseReport, Notification, RangePin, ReleaseRefused, RemoteSegment, Target, Transfer,
     TransferEngine, TransferSpec, UnquiescedExecution,

@@ -71,6 +71,15 @@ pub enum Kind {
     Watch = 16,
     /// The target's registry version passed the watched one.
     Changed = 17,
+    /// Authentication, first frame of a connection (initiator): its nonce
+    /// and epoch.
+    AuthHello = 18,
+    /// The target's nonce and epoch, and its proof of the secret.
+    AuthChallenge = 19,
+    /// The initiator's proof of the secret.
+    AuthProof = 20,
+    /// The connection is authenticated.
+    AuthOk = 21,
 }
 
 impl Kind {
@@ -93,6 +102,10 @@ impl Kind {
             15 => Kind::DescribeDelta,
             16 => Kind::Watch,
             17 => Kind::Changed,
+            18 => Kind::AuthHello,
+            19 => Kind::AuthChallenge,
+            20 => Kind::AuthProof,
+            21 => Kind::AuthOk,
             _ => return None,
         })
     }
@@ -341,6 +354,8 @@ pub enum RemoteStatus {
     NotificationTooLarge = 8,
     /// The target is closing.
     Closing = 9,
+    /// The connection did not authenticate (or the target cannot).
+    Unauthenticated = 10,
     /// Anything else.
     Other = 99,
 }
@@ -358,6 +373,7 @@ impl RemoteStatus {
             7 => RemoteStatus::ResourceExhausted,
             8 => RemoteStatus::NotificationTooLarge,
             9 => RemoteStatus::Closing,
+            10 => RemoteStatus::Unauthenticated,
             _ => RemoteStatus::Other,
         }
     }
@@ -485,6 +501,58 @@ pub fn decode_notify(body: &[u8]) -> Result<NotifyEnvelope<'_>, WireError> {
     })?;
     let sender_endpoint = std::str::from_utf8(ep).map_err(|_| WireError::Malformed("notify"))?;
     Ok(NotifyEnvelope { sender_endpoint, sender_epoch, target_epoch, payload })
+}
+
+/// Bytes of an authentication nonce.
+pub const AUTH_NONCE: usize = 32;
+/// Bytes of an authentication proof (HMAC-SHA256).
+pub const AUTH_MAC: usize = 32;
+/// Largest body a connection may send before it authenticated.
+pub const AUTH_MAX_BODY: u32 = 128;
+
+/// AuthHello body: the initiator's nonce and epoch.
+pub fn encode_auth_hello(out: &mut Vec<u8>, nonce: &[u8; AUTH_NONCE], epoch: u64) {
+    out.clear();
+    out.extend_from_slice(nonce);
+    codec::put_u64(out, epoch);
+}
+
+/// Decodes an AuthHello body.
+pub fn decode_auth_hello(body: &[u8]) -> Result<([u8; AUTH_NONCE], u64), WireError> {
+    let mut r = Reader::new(body);
+    let short = |_| WireError::Malformed("auth hello");
+    let nonce = r.array::<AUTH_NONCE>().map_err(short)?;
+    let epoch = r.u64().map_err(short)?;
+    if !r.is_empty() {
+        return Err(WireError::Malformed("auth hello"));
+    }
+    Ok((nonce, epoch))
+}
+
+/// AuthChallenge body: the target's nonce, epoch and proof.
+pub fn encode_auth_challenge(out: &mut Vec<u8>, nonce: &[u8; AUTH_NONCE], epoch: u64, mac: &[u8; AUTH_MAC]) {
+    out.clear();
+    out.extend_from_slice(nonce);
+    codec::put_u64(out, epoch);
+    out.extend_from_slice(mac);
+}
+
+/// Decodes an AuthChallenge body.
+pub fn decode_auth_challenge(body: &[u8]) -> Result<([u8; AUTH_NONCE], u64, [u8; AUTH_MAC]), WireError> {
+    let mut r = Reader::new(body);
+    let short = |_| WireError::Malformed("auth challenge");
+    let nonce = r.array::<AUTH_NONCE>().map_err(short)?;
+    let epoch = r.u64().map_err(short)?;
+    let mac = r.array::<AUTH_MAC>().map_err(short)?;
+    if !r.is_empty() {
+        return Err(WireError::Malformed("auth challenge"));
+    }
+    Ok((nonce, epoch, mac))
+}
+
+/// Decodes an AuthProof body.
+pub fn decode_auth_proof(body: &[u8]) -> Result<[u8; AUTH_MAC], WireError> {
+    body.try_into().map_err(|_| WireError::Malformed("auth proof"))
 }
 
 #[cfg(test)]

@@ -158,6 +158,7 @@ impl World {
             notification_bytes: 0,
             binding_handles: 0,
             pinned_ranges: 0,
+            auth_failures: 0,
         }
     }
 

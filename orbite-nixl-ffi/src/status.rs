@@ -118,10 +118,11 @@ impl From<Error> for Failure {
                     RemoteStatus::OutOfBounds | RemoteStatus::BadLength | RemoteStatus::NotificationTooLarge => {
                         OrbiteStatus::OutOfRange
                     }
-                    RemoteStatus::PermissionDenied => OrbiteStatus::NotAllowed,
+                    RemoteStatus::PermissionDenied | RemoteStatus::Unauthenticated => OrbiteStatus::NotAllowed,
                     RemoteStatus::ResourceExhausted => OrbiteStatus::ResourceExhausted,
                     RemoteStatus::Closing | RemoteStatus::Other => OrbiteStatus::RemoteDisconnect,
                 },
+                PeerError::Unauthenticated(_) => OrbiteStatus::NotAllowed,
                 PeerError::Connect(_)
                 | PeerError::Timeout(_)
                 | PeerError::Protocol(_)

@@ -591,6 +591,12 @@ impl TransferEngine {
     /// progress worker).
     pub fn new(config: EngineConfig) -> Result<Self, Error> {
         config.validate()?;
+        let secret = match &config.auth {
+            Some(a) => Some(Arc::new(crate::transport::auth::Secret::load(&a.secret_file).map_err(|reason| {
+                Error::Config(crate::config::ConfigError::Invalid { field: "auth.secret_file", reason })
+            })?)),
+            None => None,
+        };
         let hooks = hooks();
         let route = LocalRoute::start(config.route_workers(), config.spin(), hooks.clone())
             .map_err(|e| Error::System(e.to_string()))?;
@@ -616,7 +622,7 @@ impl TransferEngine {
             next_transfer: AtomicU64::new(1),
             epoch: new_epoch(),
             boot_id: crate::segment::local_boot_id(),
-            listener: serve::Listener::default(),
+            listener: serve::Listener { secret, ..serve::Listener::default() },
             peers: Peers { next_borrow: AtomicU64::new(1), ..Peers::default() },
             notifications: notify::Notifications::default(),
             hooks,
@@ -624,9 +630,16 @@ impl TransferEngine {
         });
         if let Some(bind) = inner.config.listen.clone() {
             let side: Weak<dyn crate::transport::proto::server::TargetSide> = Arc::downgrade(&inner) as _;
-            let server = Server::start(&bind, side, inner.server_limits())
+            let server = Server::start(&bind, side, inner.server_limits(), inner.listener.secret.clone())
                 .map_err(|e| Error::System(format!("cannot listen on {bind}: {e}")))?;
             let bound = server.local_addr();
+            if inner.listener.secret.is_none() {
+                eprintln!(
+                    "orbite: engine {:#x} listens on {bound} without authentication: anyone who can reach it can \
+                     read and write registered memory (set auth.secret_file)",
+                    inner.epoch
+                );
+            }
             let _ = inner.listener.watchers.set(server.watchers());
             let _ = inner.listener.bound.set(bound);
             let _ = inner.listener.endpoint.set(crate::endpoint::advertise(bound, inner.config.advertise.as_deref()));

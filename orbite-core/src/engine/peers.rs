@@ -41,12 +41,18 @@ impl EngineInner {
         };
         use crate::transport::tcp::OpenError;
         let drivers = self.initiators().map_err(|e| PeerError::Connect(format!("initiator threads: {e}")))?;
-        let link =
-            PeerLink::open(&drivers, endpoint, expected_epoch, timeout, self.epoch, opts).map_err(|e| match e {
+        let secret = self.listener.secret.as_deref();
+        let link = PeerLink::open(&drivers, endpoint, expected_epoch, timeout, self.epoch, opts, secret).map_err(
+            |e| match e {
                 OpenError::Connect(m) => PeerError::Connect(m),
                 OpenError::Protocol(m) => PeerError::Protocol(m),
                 OpenError::EpochMismatch { expected, found } => PeerError::EpochMismatch { expected, found },
-            })?;
+                OpenError::Unauthenticated(m) => {
+                    self.note_auth_failure(endpoint, &format!("failed authentication: {m}"));
+                    PeerError::Unauthenticated(m)
+                }
+            },
+        )?;
         let same_host = self.same_host(&link.descriptor);
         let mut maps = HashMap::new();
         if same_host.is_ok() {

@@ -27,7 +27,14 @@ pub(crate) struct Listener {
     pub server: Mutex<Option<Server>>,
     /// Peers watching this engine's registrations.
     pub watchers: OnceLock<Arc<Watchers>>,
+    /// The shared secret every peer connection proves (`auth`).
+    pub secret: Option<Arc<crate::transport::auth::Secret>>,
+    /// Peers whose failed authentication was logged (once each).
+    pub auth_logged: Mutex<std::collections::HashSet<String>>,
 }
+
+/// Most peers remembered as logged for failed authentication.
+const MAX_AUTH_LOGGED: usize = 1024;
 
 impl TargetSide for EngineInner {
     fn epoch(&self) -> u64 {
@@ -108,6 +115,10 @@ impl TargetSide for EngineInner {
         self.frame_limits()
     }
 
+    fn auth_failed(&self, from: &str) {
+        self.note_auth_failure(from, "did not authenticate");
+    }
+
     fn borrow_limits(&self) -> BorrowLimits {
         let c = &self.config;
         BorrowLimits {
@@ -124,6 +135,16 @@ impl TargetSide for EngineInner {
 }
 
 impl EngineInner {
+    /// Counts a failed authentication with peer `who`, and logs it once
+    /// per peer.
+    pub(crate) fn note_auth_failure(&self, who: &str, what: &str) {
+        self.counters.auth_failures.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        let mut logged = self.listener.auth_logged.lock();
+        if logged.len() < MAX_AUTH_LOGGED && logged.insert(who.to_owned()) {
+            eprintln!("orbite: engine {:#x}: peer {who} {what} (logged once per peer)", self.epoch);
+        }
+    }
+
     /// What the listener accepts, and how long it waits for a peer.
     pub(crate) fn server_limits(&self) -> crate::transport::tcp::ServerLimits {
         let c = &self.config;

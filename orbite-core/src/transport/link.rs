@@ -32,6 +32,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::segment::{Delta, SegmentDescriptor};
 use crate::transport::CopyJob;
+use crate::transport::auth::{Handshake, Secret};
 use crate::transport::proto::FrameIn;
 use crate::transport::proto::client::{ClientConn, PeerJob, unsent};
 use crate::transport::sock::{Patience, epoll_ctl, iov, owned, read_exact_within, tune, writev_within};
@@ -78,7 +79,54 @@ impl LinkOptions {
 pub(crate) enum OpenError {
     Connect(String),
     Protocol(String),
-    EpochMismatch { expected: u64, found: u64 },
+    EpochMismatch {
+        expected: u64,
+        found: u64,
+    },
+    /// The handshake failed: the peer refused this engine's proof (or
+    /// wants one it does not have), or could not prove the secret.
+    Unauthenticated(String),
+}
+
+/// Runs the initiator's side of the authentication exchange on a fresh,
+/// blocking connection: the target's epoch it proved.
+fn authenticate(fd: i32, secret: &Secret, my_epoch: u64, patience: &Patience) -> Result<u64, OpenError> {
+    let io = |e: io::Error| OpenError::Connect(e.to_string());
+    let limits = Limits { max_body: wire::AUTH_MAX_BODY, max_data: 0 };
+    let send = |kind: Kind, body: &[u8]| -> Result<(), OpenError> {
+        let hb = wire::encode_header(&wire::header(kind, body.len(), 0, 1));
+        let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
+        // SAFETY: both entries borrow live local buffers for the call.
+        unsafe { writev_within(fd, &mut v, Some(patience)) }.map_err(io)
+    };
+    let recv = |want: Kind| -> Result<Vec<u8>, OpenError> {
+        let mut hb = [0u8; wire::HEADER_LEN];
+        read_exact_within(fd, &mut hb, Some(patience)).map_err(io)?;
+        let h = wire::decode_header(&hb, limits).map_err(|e| OpenError::Protocol(format!("authentication: {e}")))?;
+        let mut body = vec![0u8; h.body_len as usize];
+        read_exact_within(fd, &mut body, Some(patience)).map_err(io)?;
+        match h.kind {
+            k if k == want && h.data_len == 0 => Ok(body),
+            Kind::Error => {
+                let detail = wire::decode_error(&body).map(|(_, d)| d).unwrap_or_default();
+                Err(OpenError::Unauthenticated(format!("the peer refused: {detail}")))
+            }
+            k => Err(OpenError::Protocol(format!("unexpected {k:?} during authentication"))),
+        }
+    };
+    let nonce_i = crate::transport::auth::nonce();
+    let mut body = Vec::new();
+    wire::encode_auth_hello(&mut body, &nonce_i, my_epoch);
+    send(Kind::AuthHello, &body)?;
+    let (nonce_t, epoch_t, mac) = wire::decode_auth_challenge(&recv(Kind::AuthChallenge)?)
+        .map_err(|e| OpenError::Protocol(format!("authentication: {e}")))?;
+    let hs = Handshake { nonce_i, nonce_t, epoch_i: my_epoch, epoch_t };
+    if !secret.check_target(&hs, &mac) {
+        return Err(OpenError::Unauthenticated("the peer could not prove the shared secret".into()));
+    }
+    send(Kind::AuthProof, &secret.initiator_proof(&hs))?;
+    recv(Kind::AuthOk)?;
+    Ok(epoch_t)
 }
 
 /// Applies changes a peer pushed (`base`: the version they start after).
@@ -142,6 +190,7 @@ impl<J: CopyJob> PeerLink<J> {
         timeout: Duration,
         my_epoch: u64,
         opts: LinkOptions,
+        secret: Option<&Secret>,
     ) -> Result<Arc<Self>, OpenError> {
         let deadline = crate::time::deadline_after(timeout);
         let addr = endpoint
@@ -150,6 +199,12 @@ impl<J: CopyJob> PeerLink<J> {
             .next()
             .ok_or_else(|| OpenError::Connect(format!("{endpoint}: no address")))?;
         let tick = opts.tick();
+        // The whole exchange is bounded by the caller's timeout, however
+        // slowly the peer answers.
+        let open_patience = Patience { stall: opts.stall().min(timeout), until: Some(deadline) };
+        // The epoch the first connection's handshake proved: every later
+        // connection must reach the same target.
+        let proven = std::cell::Cell::new(None::<u64>);
         let connect = || -> Result<TcpStream, OpenError> {
             let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
             let s =
@@ -159,11 +214,17 @@ impl<J: CopyJob> PeerLink<J> {
             // bounds; the drivers make the sockets non-blocking after.
             s.set_read_timeout(Some(tick)).map_err(|e| OpenError::Connect(e.to_string()))?;
             s.set_write_timeout(Some(tick)).map_err(|e| OpenError::Connect(e.to_string()))?;
+            if let Some(secret) = secret {
+                let epoch = authenticate(s.as_raw_fd(), secret, my_epoch, &open_patience)?;
+                match proven.get() {
+                    Some(p) if p != epoch => {
+                        return Err(OpenError::Protocol("the peer's connections proved different epochs".into()));
+                    }
+                    _ => proven.set(Some(epoch)),
+                }
+            }
             Ok(s)
         };
-        // The whole exchange is bounded by the caller's timeout, however
-        // slowly the peer answers.
-        let open_patience = Patience { stall: opts.stall().min(timeout), until: Some(deadline) };
         let first = connect()?;
         let fd = first.as_raw_fd();
         let mut body = Vec::new();
@@ -175,6 +236,17 @@ impl<J: CopyJob> PeerLink<J> {
         let mut hb = [0u8; wire::HEADER_LEN];
         read_exact_within(fd, &mut hb, Some(&open_patience)).map_err(|e| OpenError::Connect(e.to_string()))?;
         let h = wire::decode_header(&hb, opts.limits).map_err(|e| OpenError::Protocol(e.to_string()))?;
+        if h.kind == Kind::Error {
+            body.resize(h.body_len as usize, 0);
+            read_exact_within(fd, &mut body, Some(&open_patience)).map_err(|e| OpenError::Connect(e.to_string()))?;
+            return Err(match wire::decode_error(&body) {
+                Ok((wire::RemoteStatus::Unauthenticated, d)) => {
+                    OpenError::Unauthenticated(format!("the peer requires authentication (auth.secret_file): {d}"))
+                }
+                Ok((status, d)) => OpenError::Protocol(format!("describe refused: {status:?}: {d}")),
+                Err(e) => OpenError::Protocol(e.to_string()),
+            });
+        }
         if h.kind != Kind::DescribeReply || h.data_len != 0 || h.request != 1 {
             return Err(OpenError::Protocol(format!("unexpected {:?} reply to describe", h.kind)));
         }
@@ -186,6 +258,9 @@ impl<J: CopyJob> PeerLink<J> {
             if expected != descriptor.epoch {
                 return Err(OpenError::EpochMismatch { expected, found: descriptor.epoch });
             }
+        }
+        if proven.get().is_some_and(|p| p != descriptor.epoch) {
+            return Err(OpenError::Protocol("the peer described another epoch than it proved".into()));
         }
         let mut streams = vec![first];
         for _ in 1..opts.connections.max(1) {

@@ -1,6 +1,7 @@
 //! Routes: the workers that move bytes. A route knows spans and completions,
 //! never policy: admission, lifecycle and accounting live above it.
 
+pub(crate) mod auth;
 pub(crate) mod cma;
 pub(crate) mod file;
 pub(crate) mod inbox;
@@ -193,6 +194,11 @@ pub enum PeerError {
         /// Bytes.
         len: u64,
     },
+    /// The connection did not authenticate: the peer requires a secret
+    /// this engine does not have (or another one), or this engine requires
+    /// one the peer cannot prove.
+    #[error("authentication failed: {0}")]
+    Unauthenticated(String),
     /// A control exchange with the peer got no answer in time.
     #[error("peer did not answer: {0}")]
     Timeout(String),

@@ -23,9 +23,10 @@ use parking_lot::Mutex;
 
 use crate::segment::ExportedRegistration;
 use crate::transport::CopyKind;
+use crate::transport::auth::Secret;
 pub(crate) use crate::transport::link::{ANNOUNCE_UNKNOWN, Initiators, LinkOptions, OpenError, PeerLink};
 pub(crate) use crate::transport::proto::client::{ControlDone, ControlJob, PeerFailure, PeerJob};
-use crate::transport::proto::server::{BorrowCount, Event, ServerConn, TargetSide};
+use crate::transport::proto::server::{BorrowCount, Close, Event, ServerConn, TargetSide};
 use crate::transport::route::{PeerReach, Reach, RouteImpl, Runs, Serves};
 use crate::transport::sock::{epoll_ctl, owned, tune};
 use crate::types::{Desc, Route};
@@ -231,6 +232,8 @@ struct ServerShared {
     /// Bytes one connection may move per turn.
     turn: usize,
     limits: ServerLimits,
+    /// With a secret, every connection authenticates first.
+    secret: Option<Arc<Secret>>,
     epoll: OwnedFd,
     /// The deadline sweep's timer (armed while there is something to
     /// check: connections, or a resting listener).
@@ -286,12 +289,23 @@ fn server_threads() -> usize {
 
 impl Server {
     /// Binds and starts serving. The server holds the target side weakly.
-    pub fn start(bind: &str, side: Weak<dyn TargetSide>, limits: ServerLimits) -> io::Result<Server> {
-        Self::start_with(bind, side, TURN_BYTES, limits)
+    pub fn start(
+        bind: &str,
+        side: Weak<dyn TargetSide>,
+        limits: ServerLimits,
+        secret: Option<Arc<Secret>>,
+    ) -> io::Result<Server> {
+        Self::start_with(bind, side, TURN_BYTES, limits, secret)
     }
 
     /// [`Server::start`] with connections taking turns of `turn` bytes.
-    fn start_with(bind: &str, side: Weak<dyn TargetSide>, turn: usize, limits: ServerLimits) -> io::Result<Server> {
+    fn start_with(
+        bind: &str,
+        side: Weak<dyn TargetSide>,
+        turn: usize,
+        limits: ServerLimits,
+        secret: Option<Arc<Secret>>,
+    ) -> io::Result<Server> {
         let listener = TcpListener::bind(bind)?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
@@ -310,6 +324,7 @@ impl Server {
         let shared = Arc::new(ServerShared {
             turn: turn.max(1),
             limits,
+            secret,
             timer,
             timer_armed: Mutex::new(false),
             accept_resume: Mutex::new(None),
@@ -421,8 +436,12 @@ impl ServerShared {
             let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
             let fd = stream.as_raw_fd();
             let now = Instant::now();
-            let served =
-                Served { m: ServerConn::new(self.borrowed.clone()), busy_since: Some(now), frames_seen: 0, last: now };
+            let served = Served {
+                m: ServerConn::new(self.borrowed.clone(), self.secret.clone()),
+                busy_since: Some(now),
+                frames_seen: 0,
+                last: now,
+            };
             let conn = Arc::new(ServedConn { stream, peer, machine: Mutex::new(served) });
             self.conns.lock().insert(id, conn.clone());
             let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
@@ -559,7 +578,17 @@ impl ServerShared {
                     let sub = Subscriber { conn: id, epoch, request, budget, served, pushed: Mutex::new(since) };
                     self.watchers.subscribe(sub, side.registry_version(), &|since, budget| side.changes(since, budget));
                 }
-                Err(_) => break 0, // malformed: close this connection only
+                Err(Close::Unauthenticated) => {
+                    // Say why (what fits the socket now), then close.
+                    if let Some(out) = m.send_buf() {
+                        // SAFETY: the machine's iovecs address its own buffers.
+                        unsafe { libc::writev(fd, out.as_ptr(), out.len().min(1024) as i32) };
+                    }
+                    let from = conn.peer.map_or_else(|| "an unknown address".to_owned(), |ip| ip.to_string());
+                    side.auth_failed(&from);
+                    break 0;
+                }
+                Err(Close::Malformed) => break 0, // malformed: close this connection only
             }
         };
         // The clock: an exchange starts when a frame completes (or, for a
@@ -684,7 +713,8 @@ mod tests {
     fn a_turn_that_ends_with_a_reply_pending_still_sends_it() {
         let mem: &'static mut [u8] = Box::leak(vec![0u8; LEN].into_boxed_slice());
         let side: Arc<dyn TargetSide> = Arc::new(Side { base: mem.as_mut_ptr() as usize });
-        let server = Server::start_with("127.0.0.1:0", Arc::downgrade(&side), 1, ServerLimits::default()).unwrap();
+        let server =
+            Server::start_with("127.0.0.1:0", Arc::downgrade(&side), 1, ServerLimits::default(), None).unwrap();
         let mut s = TcpStream::connect(server.local_addr()).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let payload = vec![7u8; 256 << 10];

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use crate::registry::Registration;
+use crate::transport::auth::{Handshake, Secret};
 use crate::transport::proto::FrameIn;
 use crate::transport::sock::{advance, iov};
 use crate::wire::{self, Header, Kind, Limits, NotifyEnvelope, RemoteStatus, Request, WireError};
@@ -51,6 +52,8 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
     /// Test hook: blocks while remote requests are held (after their loans
     /// were taken, before any byte moves).
     fn remote_gate(&self) {}
+    /// A connection from `from` did not authenticate (it was refused).
+    fn auth_failed(&self, _from: &str) {}
     /// What borrowers may make this target hold.
     fn borrow_limits(&self) -> BorrowLimits {
         BorrowLimits { per_connection: 4096, registrations_per_borrow: 1024 }
@@ -86,6 +89,21 @@ pub(crate) const CHANGED_OVERHEAD: usize = 16;
 pub(crate) enum Close {
     /// The peer broke the protocol.
     Malformed,
+    /// The peer did not authenticate: an error reply is queued (the driver
+    /// sends what it can at once), then the connection closes.
+    Unauthenticated,
+}
+
+/// Where a connection stands with authentication.
+enum Auth {
+    /// This engine has no secret: no authentication.
+    Open,
+    /// The first frame must be an AuthHello.
+    Hello(Arc<Secret>),
+    /// The challenge went out; the next frame must be the AuthProof.
+    Proof(Arc<Secret>, Handshake),
+    /// Authenticated.
+    Done,
 }
 
 impl From<WireError> for Close {
@@ -137,6 +155,7 @@ pub(crate) struct ServerConn {
     frames: u64,
     /// Payload or reply bytes the exchange in progress moves.
     work: u64,
+    auth: Auth,
     /// The server's count of borrows.
     borrowed: BorrowCount,
 }
@@ -158,8 +177,11 @@ const DISCARD_CHUNK: usize = 64 * 1024;
 
 impl ServerConn {
     /// A machine for connection `conn` (an id unique in the server).
-    pub fn new(borrowed: BorrowCount) -> Self {
+    /// With a `secret`, the connection must authenticate before anything
+    /// else (and until it has, its frames are bounded to a few bytes).
+    pub fn new(borrowed: BorrowCount, secret: Option<Arc<Secret>>) -> Self {
         ServerConn {
+            auth: secret.map_or(Auth::Open, Auth::Hello),
             borrows: HashMap::new(),
             frames: 0,
             work: 0,
@@ -216,7 +238,7 @@ impl ServerConn {
     /// Returns what the driver must do, or why the connection closes.
     pub fn received(&mut self, n: usize, side: &dyn TargetSide) -> Result<Option<Event>, Close> {
         match &mut self.input {
-            Input::Frame => match self.frame.received(n, side.limits())? {
+            Input::Frame => match self.frame.received(n, self.frame_limits(side))? {
                 Some(h) => self.on_frame(h, side),
                 None => Ok(None),
             },
@@ -310,10 +332,72 @@ impl ServerConn {
         None
     }
 
+    /// What a frame may carry: a few bytes until the connection
+    /// authenticated, so an unauthenticated peer costs one bounded frame.
+    fn frame_limits(&self, side: &dyn TargetSide) -> Limits {
+        match self.auth {
+            Auth::Hello(_) | Auth::Proof(..) => Limits { max_body: wire::AUTH_MAX_BODY, max_data: 0 },
+            Auth::Open | Auth::Done => side.limits(),
+        }
+    }
+
+    /// The authentication exchange: `Ok(true)` when the frame was part of
+    /// it (answered), `Ok(false)` when the connection is authenticated (or
+    /// needs none) and the frame is a request.
+    fn authenticate(&mut self, h: Header, side: &dyn TargetSide) -> Result<bool, Close> {
+        match std::mem::replace(&mut self.auth, Auth::Done) {
+            Auth::Open => {
+                self.auth = Auth::Open;
+                if h.kind == Kind::AuthHello {
+                    self.error(h.request, RemoteStatus::Unauthenticated, "this engine has no secret");
+                    return Ok(true);
+                }
+                Ok(false)
+            }
+            Auth::Done => Ok(false),
+            Auth::Hello(secret) => {
+                let hello = if h.kind == Kind::AuthHello && h.data_len == 0 {
+                    wire::decode_auth_hello(&self.frame.body)
+                } else {
+                    Err(WireError::Malformed("auth hello"))
+                };
+                let Ok((nonce_i, epoch_i)) = hello else {
+                    self.error(h.request, RemoteStatus::Unauthenticated, "authenticate first");
+                    return Err(Close::Unauthenticated);
+                };
+                let hs =
+                    Handshake { nonce_i, nonce_t: crate::transport::auth::nonce(), epoch_i, epoch_t: side.epoch() };
+                let mut body = Vec::new();
+                wire::encode_auth_challenge(&mut body, &hs.nonce_t, hs.epoch_t, &secret.target_proof(&hs));
+                self.reply(Kind::AuthChallenge, h.request, &body);
+                self.auth = Auth::Proof(secret, hs);
+                Ok(true)
+            }
+            Auth::Proof(secret, hs) => {
+                let proven = h.kind == Kind::AuthProof
+                    && h.data_len == 0
+                    && wire::decode_auth_proof(&self.frame.body).is_ok_and(|mac| secret.check_initiator(&hs, &mac));
+                if !proven {
+                    self.error(
+                        h.request,
+                        RemoteStatus::Unauthenticated,
+                        "the proof does not match this engine's secret",
+                    );
+                    return Err(Close::Unauthenticated);
+                }
+                self.reply(Kind::AuthOk, h.request, &[]);
+                Ok(true)
+            }
+        }
+    }
+
     fn on_frame(&mut self, h: Header, side: &dyn TargetSide) -> Result<Option<Event>, Close> {
         self.input = Input::Frame;
         self.frames += 1;
         self.work = h.data_len as u64;
+        if self.authenticate(h, side)? {
+            return Ok(None);
+        }
         match h.kind {
             Kind::Watch => {
                 let (epoch, since, max_reply) = wire::decode_watch(&self.frame.body)?;
@@ -464,7 +548,13 @@ impl ServerConn {
             | Kind::BorrowAck
             | Kind::ReturnAck
             | Kind::DescribeDelta
-            | Kind::Changed => return Err(Close::Malformed),
+            | Kind::Changed
+            | Kind::AuthChallenge
+            | Kind::AuthOk
+            // Authenticated already (or no secret): a second handshake is
+            // not part of the protocol.
+            | Kind::AuthHello
+            | Kind::AuthProof => return Err(Close::Malformed),
         }
         Ok(None)
     }
@@ -698,7 +788,7 @@ mod tests {
     fn run(frames: &[Frame], cuts: &[usize]) -> (Vec<Expect>, [[u8; 256]; 2]) {
         let side = FakeSide { mem: UnsafeCell::new([[0u8; 256]; 2]) };
         let input: Vec<u8> = frames.iter().enumerate().flat_map(|(i, f)| encode(f, i as u64 + 1)).collect();
-        let mut m = ServerConn::new(Default::default());
+        let mut m = ServerConn::new(Default::default(), None);
         let (mut pos, mut out, mut closed) = (0usize, Vec::new(), false);
         let mut cut = cuts.iter().cycle();
         loop {
