@@ -71,8 +71,8 @@ pub struct EngineConfig {
     pub max_connections: u64,
     /// Peer connections from one address at once. Default 512.
     pub max_connections_per_address: u64,
-    /// A request frame that started arriving (and a new connection's
-    /// first frame) must be in, and its reply taken, within this plus its
+    /// A request frame that started arriving (and, with `auth`, a new
+    /// connection's handshake) must be in, and its reply taken, within this plus its
     /// bytes at `peer_min_bytes_per_s`, in milliseconds; else the
     /// connection is closed and what it held is given back. Default
     /// 10 000.

@@ -145,6 +145,30 @@ fn an_unauthenticated_connection_costs_one_bounded_frame() {
 }
 
 #[test]
+fn a_connection_that_owes_its_handshake_is_closed_at_the_frame_deadline() {
+    let good = secret_file("good4", "a shared secret of enough bytes");
+    let t = engine(&format!(
+        r#"{{"listen": "127.0.0.1:0", "server_frame_timeout_ms": 300, "auth": {{"secret_file": "{good}"}}}}"#
+    ));
+    let mut s = TcpStream::connect(t.endpoint().unwrap()).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let start = std::time::Instant::now();
+    let mut b = [0u8; 1];
+    assert!(matches!(s.read(&mut b), Ok(0) | Err(_)));
+    assert!(start.elapsed() < Duration::from_secs(3), "closed after {:?}", start.elapsed());
+    // An authenticated link idle longer than that is kept.
+    let e = initiator(Some(&good));
+    let seg = e.open_segment(&t.endpoint().unwrap(), None, WAIT).unwrap();
+    let remote = region(&t, 4096, Permission::RemoteReadWrite);
+    let local = region(&e, 4096, Permission::RemoteReadWrite);
+    std::thread::sleep(Duration::from_millis(900));
+    let (l, r) = ([Desc::new(local.id, 0, 4096)], [Desc::new(remote.id, 0, 4096)]);
+    let x = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+    x.post().unwrap();
+    assert!(wait_retired(&x).outcome.is_success());
+}
+
+#[test]
 fn a_short_or_missing_secret_file_is_a_configuration_error() {
     let short = secret_file("short", "too short\n");
     let e = TransferEngine::from_json(&format!(r#"{{"auth": {{"secret_file": "{short}"}}}}"#));

@@ -185,9 +185,9 @@ pub(crate) struct ServerLimits {
     /// Connections at once from one peer address
     /// (`max_connections_per_address`).
     pub per_address: usize,
-    /// A frame that started (a new connection's first frame too) must be
-    /// in, and its reply out, within this plus its bytes at `min_rate`
-    /// (`server_frame_timeout_ms`).
+    /// A frame that started (and an authenticating connection's
+    /// handshake, from accept) must be in, and its reply out, within this
+    /// plus its bytes at `min_rate` (`server_frame_timeout_ms`).
     pub frame_timeout: Duration,
     /// A connection with no exchange for this long is closed
     /// (`server_idle_timeout_ms`; `None`: never).
@@ -436,9 +436,13 @@ impl ServerShared {
             let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
             let fd = stream.as_raw_fd();
             let now = Instant::now();
+            // A connection that must authenticate owes its handshake at
+            // once (the initiator sends it on connect); without a secret a
+            // fresh connection is just idle (a link's data connections
+            // stay silent until they have work).
             let served = Served {
                 m: ServerConn::new(self.borrowed.clone(), self.secret.clone()),
-                busy_since: Some(now),
+                busy_since: self.secret.is_some().then_some(now),
                 frames_seen: 0,
                 last: now,
             };
@@ -475,8 +479,8 @@ impl ServerShared {
     }
 
     /// The deadline sweep: closes connections whose exchange took longer
-    /// than the frame bound allows (a stalled or trickling peer, or a new
-    /// connection that never sent a frame), or idle past the idle bound;
+    /// than the frame bound allows (a stalled or trickling peer, or a
+    /// connection that owes its handshake), or idle past the idle bound;
     /// wakes a resting listener. A connection being served right now is
     /// moving bytes: it is not checked.
     fn sweep(&self) {
@@ -601,7 +605,8 @@ impl ServerShared {
             served.frames_seen = served.m.frames();
             served.busy_since = Some(now);
         }
-        if served.m.is_idle() && served.m.frames() > 0 {
+        let owes_handshake = self.secret.is_some() && served.m.frames() == 0;
+        if served.m.is_idle() && !owes_handshake {
             served.busy_since = None;
         } else if served.busy_since.is_none() {
             served.busy_since = Some(now);
