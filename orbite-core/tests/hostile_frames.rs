@@ -592,3 +592,76 @@ fn open_segment_is_bounded_against_a_trickling_peer() {
     drop(e);
     let _ = server.join();
 }
+
+/// Attack: a fake peer's Describe claimed this process's pid, this boot id
+/// and a "registration" at the address of an unregistered buffer; the
+/// engine chose cma and overwrote the buffer. A peer naming this process
+/// under another epoch is never same-host: tcp is used, with the reason.
+#[test]
+fn a_peer_claiming_this_process_under_another_epoch_gets_no_one_sided_route() {
+    use orbite_core::segment::{Delta, ExportedRegistration, SegmentDescriptor};
+    let victim = vec![0x5Au8; 65536];
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let fake = SegmentDescriptor {
+        endpoint: addr.clone(),
+        epoch: 0xfa4e,
+        registry_version: 1,
+        pid: std::process::id(),
+        boot_id: orbite_core::segment::local_boot_id(),
+        inbox: String::new(),
+        registrations: vec![ExportedRegistration {
+            id: RegistrationId::from_raw(1 | (1 << 32)),
+            len: victim.len() as u64,
+            permission: Permission::RemoteReadWrite,
+            addr: victim.as_ptr() as u64,
+            shm: None,
+        }],
+    };
+    let server = std::thread::spawn(move || {
+        // Answer the Describe and the Watch of one link (a data and a
+        // watch connection), then hold them until the initiator goes away.
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            let Ok((mut s, _)) = l.accept() else { return };
+            s.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+            let mut h = [0u8; wire::HEADER_LEN];
+            if s.read_exact(&mut h).is_ok() {
+                let h = wire::decode_header(&h, wire::Limits { max_body: 1 << 20, max_data: 1 << 30 }).unwrap();
+                let mut body = vec![0u8; h.body_len as usize];
+                s.read_exact(&mut body).unwrap();
+                let reply = match h.kind {
+                    Kind::Describe => frame(Kind::DescribeReply, &fake.to_bytes(), &[], h.request),
+                    Kind::Watch => {
+                        let d = Delta { version: 1, reset: false, more: false, removed: vec![], added: vec![] };
+                        let mut b = Vec::new();
+                        wire::encode_changed(&mut b, fake.epoch, 1, &d.to_bytes());
+                        frame(Kind::Changed, &b, &[], h.request)
+                    }
+                    _ => Vec::new(),
+                };
+                s.write_all(&reply).unwrap();
+            }
+            held.push(s);
+        }
+        for mut s in held {
+            s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            let mut b = [0u8; 4096];
+            while matches!(s.read(&mut b), Ok(n) if n > 0) {}
+        }
+    });
+    let e = engine(r#"{"connections_per_peer": 1}"#);
+    let seg = e.open_segment(&addr, None, WAIT).unwrap();
+    let local = region(&e, 65536, Permission::RemoteReadWrite);
+    fill(&local.mem, 3);
+    let (l, r) = ([Desc::new(local.id, 0, 65536)], [Desc::new(RegistrationId::from_raw(1 | (1 << 32)), 0, 65536)]);
+    let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+    let choice = t.route();
+    assert_eq!(choice.route, Route::Tcp, "{choice:?}");
+    assert!(choice.reason.contains("pid"), "the reason says why: {choice:?}");
+    drop(t);
+    drop(seg);
+    drop(e);
+    assert!(victim.iter().all(|b| *b == 0x5A), "the unregistered buffer was written");
+    let _ = server.join();
+}

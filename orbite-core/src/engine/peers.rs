@@ -117,6 +117,12 @@ impl EngineInner {
         if !d.same_boot(&self.boot_id) {
             return Err("peer is not on this boot".into());
         }
+        // A peer that names this process but is not this engine's epoch
+        // would have one-sided copies land in this process's own memory:
+        // never believed.
+        if d.pid == std::process::id() && d.epoch != self.epoch {
+            return Err("the peer claims this process's pid under another epoch".into());
+        }
         let probe_at = d.registrations.iter().find(|r| r.permission.remote_read() && r.len > 0).map(|r| r.addr);
         let cma = match probe_at {
             Some(addr) => crate::transport::cma::probe(d.pid as i32, addr),
