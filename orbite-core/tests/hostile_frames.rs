@@ -314,9 +314,10 @@ fn a_connection_closed_halfway_through_a_payload_gives_back_its_loans() {
     f.extend_from_slice(&body);
     f.extend_from_slice(&vec![0xAB; (len / 3) as usize]);
     s.write_all(&f).unwrap();
-    // The request was validated and its loan taken: deregistering fences
-    // the range, and the landing request keeps it alive.
-    std::thread::sleep(Duration::from_millis(50));
+    // Once the sent third has landed, the request was validated and its
+    // loan taken: deregistering fences the range, and the landing request
+    // keeps it alive.
+    wait_landed(&t.rw.mem, (len / 3) as usize);
     t.e.deregister(t.rw.id).unwrap();
     assert_eq!(t.e.stats().fenced_registrations, 1);
     drop(s); // the initiator goes away mid-payload
@@ -344,6 +345,24 @@ fn borrow_frame(id: u64, epoch: u64, descs: &[RemoteDesc]) -> Vec<u8> {
     let mut b = Vec::new();
     wire::encode_borrow(&mut b, id, epoch, descs.iter().copied());
     frame(Kind::Borrow, &b, &[], id)
+}
+
+/// Waits until a WRITE's payload bytes (0xAB) have landed up to `end`, so
+/// the server has validated the request and taken its loan. (Waiting on the
+/// bytes, not a fixed time: under valgrind the server is slow.)
+fn wait_landed(mem: &orbite_core::HostMemory, end: usize) {
+    let start = std::time::Instant::now();
+    loop {
+        let mut tail = [0u8; 8];
+        // SAFETY: the server writes these bytes once; a torn read only
+        // delays the loop.
+        unsafe { mem.read(end - 8, &mut tail) };
+        if tail == [0xAB; 8] {
+            return;
+        }
+        assert!(start.elapsed() < WAIT, "the payload's first bytes never landed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 fn wait_unfenced(e: &TransferEngine, what: &str) {
@@ -485,7 +504,7 @@ fn a_stalled_write_is_cut_at_the_frame_deadline_and_gives_back_its_loans() {
     f.extend_from_slice(&body);
     f.extend_from_slice(&[0xAB; 100]);
     s.write_all(&f).unwrap();
-    std::thread::sleep(Duration::from_millis(50));
+    wait_landed(&t.rw.mem, 100);
     t.e.deregister(t.rw.id).unwrap();
     assert_eq!(t.e.stats().fenced_registrations, 1, "the landing request holds its loan");
     let start = std::time::Instant::now();

@@ -97,7 +97,7 @@ fn target_deregistration_waits_for_remote_borrowers() {
     let t2 = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
     assert_eq!(p.ask("hold on"), "OK");
     t.post().unwrap();
-    std::thread::sleep(Duration::from_millis(100)); // the request reaches the target and is held
+    assert_eq!(p.ask("wait_held 1"), "OK"); // the request reaches the target and is held
     assert_eq!(p.ask("dereg"), "OK");
     assert_eq!(p.ask("drop_region"), "OK");
     // Fenced (1), still registered (4: read-only, alias, shared, the fenced
@@ -182,7 +182,7 @@ fn kill_mid_transfer(op: Op) {
     let t = e.prepare(&TransferSpec::new(op, &l, &r, Target::Peer(&seg))).unwrap();
     assert_eq!(p.ask("hold on"), "OK");
     t.post().unwrap();
-    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(p.ask("wait_held 1"), "OK");
     let killed = Instant::now();
     p.kill();
     let res = wait_retired(&t);

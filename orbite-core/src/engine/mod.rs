@@ -1033,6 +1033,12 @@ impl TransferEngine {
         self.fault_control().hold_remote(on);
     }
 
+    /// Test-only: waits until `n` peer requests wait in the hold of
+    /// [`Self::hold_remote_requests`]; false if `timeout` passed first.
+    pub fn wait_remote_requests_held(&self, n: usize, timeout: Duration) -> bool {
+        self.fault_control().wait_remote_held(n, timeout)
+    }
+
     /// Test-only: the CMA probe of segments opened from now on reports a
     /// denial, as a kernel that forbids cross-memory access would.
     pub fn deny_cma_for_tests(&self, on: bool) {

@@ -33,7 +33,8 @@ struct Inner<J> {
 pub(crate) struct FaultState<J> {
     inner: Mutex<Inner<J>>,
     changed: Condvar,
-    remote_hold: (Mutex<bool>, Condvar),
+    /// Whether peer requests are held, and how many wait in the hold now.
+    remote_hold: (Mutex<(bool, usize)>, Condvar),
     deny_cma: AtomicBool,
 }
 
@@ -42,7 +43,7 @@ impl<J> Default for FaultState<J> {
         FaultState {
             inner: Mutex::new(Inner { script: VecDeque::new(), hold_all: false, held: Vec::new(), next_ticket: 1 }),
             changed: Condvar::new(),
-            remote_hold: (Mutex::new(false), Condvar::new()),
+            remote_hold: (Mutex::new((false, 0)), Condvar::new()),
             deny_cma: AtomicBool::new(false),
         }
     }
@@ -68,10 +69,17 @@ impl<J: Send + 'static> Hooks<J> for FaultState<J> {
     }
 
     fn before_remote_bytes(&self) {
-        let mut held = self.remote_hold.0.lock();
-        while *held {
-            self.remote_hold.1.wait(&mut held);
+        let (m, cv) = &self.remote_hold;
+        let mut held = m.lock();
+        if !held.0 {
+            return;
         }
+        held.1 += 1;
+        cv.notify_all();
+        while held.0 {
+            cv.wait(&mut held);
+        }
+        held.1 -= 1;
     }
 
     fn cma_probe(&self, probe: Result<(), String>) -> Result<(), String> {
@@ -95,6 +103,7 @@ pub(crate) trait FaultControl: Send + Sync {
     fn release(&self, ticket: u64, d: FaultDirective) -> bool;
     fn wait_held(&self, n: usize, timeout: Duration) -> bool;
     fn hold_remote(&self, on: bool);
+    fn wait_remote_held(&self, n: usize, timeout: Duration) -> bool;
     fn deny_cma(&self, on: bool);
 }
 
@@ -133,8 +142,19 @@ impl<J: Send + 'static> FaultControl for FaultState<J> {
     }
     fn hold_remote(&self, on: bool) {
         let (m, cv) = &self.remote_hold;
-        *m.lock() = on;
+        m.lock().0 = on;
         cv.notify_all();
+    }
+    fn wait_remote_held(&self, n: usize, timeout: Duration) -> bool {
+        let deadline = crate::time::deadline_after(timeout);
+        let (m, cv) = &self.remote_hold;
+        let mut held = m.lock();
+        while held.1 < n {
+            if cv.wait_until(&mut held, deadline).timed_out() {
+                return held.1 >= n;
+            }
+        }
+        true
     }
     fn deny_cma(&self, on: bool) {
         self.deny_cma.store(on, Ordering::Release);

@@ -85,6 +85,10 @@ pub fn entry() {
                 e.hold_remote_requests(*on == "on");
                 say("OK".into());
             }
+            ["wait_held", n] => {
+                let held = e.wait_remote_requests_held(n.parse().unwrap(), Duration::from_secs(30));
+                say(if held { "OK".into() } else { "ERR not held".into() });
+            }
             ["dereg"] => {
                 let id = regions.as_ref().unwrap().id;
                 e.deregister(id).unwrap();
