@@ -40,10 +40,11 @@ pub enum MemoryKind {
     /// Ordinary host DRAM (engine-allocated or borrowed): private to this
     /// process; a same-host peer may reach it only through CMA.
     Host,
-    /// A range of a shared allocation: peers on the same boot can map the
-    /// file `name` under /dev/shm and copy at `offset` in it.
+    /// A range of a shared allocation: a same-host peer proven over the
+    /// local socket is handed the allocation (a sealed memfd) by `name`,
+    /// maps it and copies at `offset` in it.
     Shm {
-        /// File name under /dev/shm.
+        /// The allocation's name (unique in this process).
         name: Arc<str>,
         /// Offset of the registration in that file.
         offset: u64,
@@ -54,16 +55,11 @@ pub enum MemoryKind {
 enum Source {
     /// The process heap.
     Heap(Layout),
-    /// A file under /dev/shm mapped shared, so that a peer on the same
-    /// host can map the same pages.
-    Shm {
-        map_len: usize,
-        path: std::path::PathBuf,
-        name: Arc<str>,
-        /// Held open with a shared lock for the allocation's life: the
-        /// owner's liveness proof, seen from any pid namespace.
-        _lock: std::fs::File,
-    },
+    /// A memfd mapped shared, so that a peer on the same host can map the
+    /// same pages. Sealed against shrinking and growing: no one, this
+    /// process included, can truncate it under a peer's mapping (which
+    /// would fault the peer on its next access).
+    Shm { map_len: usize, name: Arc<str>, fd: std::os::fd::OwnedFd },
 }
 
 struct HostAllocation {
@@ -85,12 +81,11 @@ impl Drop for HostAllocation {
             // SAFETY: `ptr` came from `alloc_zeroed(layout)` and is freed
             // only here; Drop runs once, after the last Arc reference.
             Source::Heap(layout) => unsafe { std::alloc::dealloc(self.ptr.as_ptr(), *layout) },
-            Source::Shm { map_len, path, .. } => {
+            Source::Shm { map_len, .. } => {
                 // SAFETY: `ptr`/`map_len` are the mapping made in
                 // `allocate_shared`, unmapped only here. Peers that mapped
-                // the file keep their own mapping of the same pages.
+                // the memfd keep their own mapping of the same pages.
                 unsafe { libc::munmap(self.ptr.as_ptr().cast(), *map_len) };
-                let _ = std::fs::remove_file(path);
             }
         }
     }
@@ -116,58 +111,17 @@ impl std::fmt::Debug for HostMemory {
     }
 }
 
-/// Removes the /dev/shm files of engines whose process is provably gone (a
-/// crash or a kill leaves them behind). Proof is the owner's lock: every
-/// engine holds a shared `flock` on its files for as long as they live,
-/// and the kernel drops it when the process ends, in whatever pid
-/// namespace it ran. A file is removed only if nobody holds that lock and
-/// the pid its name carries does not exist here either. A file already
-/// mapped elsewhere stays valid for that mapping. Files this user may not
-/// open or remove, and symbolic links, are left alone.
-fn sweep_orphaned_shared_files() {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::OpenOptionsExt;
-    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return };
-    for entry in dir.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|n| n.strip_prefix("orbite-")).and_then(|n| n.split('-').next()) else {
-            continue;
-        };
-        let Ok(pid) = pid.parse::<i32>() else { continue };
-        // SAFETY: kill with signal 0 only checks whether the process exists.
-        let gone_here = pid > 0
-            && unsafe { libc::kill(pid, 0) } == -1
-            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
-        if !gone_here {
-            continue;
-        }
-        let Ok(file) = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
-            .open(entry.path())
-        else {
-            continue;
-        };
-        // SAFETY: flock on a descriptor this function owns.
-        let unlocked = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0;
-        if unlocked && file.metadata().is_ok_and(|m| m.is_file()) {
-            let _ = std::fs::remove_file(entry.path());
-        }
-    }
-}
-
 impl HostMemory {
-    /// A shared allocation: a new file under /dev/shm, mapped shared. Only
-    /// this process creates it (exclusive create, mode 0600); it is
-    /// unlinked when the allocation is freed.
+    /// A shared allocation: a memfd sealed at its size, mapped shared.
+    /// Nothing is left behind in any file system: the pages go with the
+    /// last mapping and the last descriptor, also when the process dies.
     pub(crate) fn allocate_shared(
         counters: &Arc<Counters>,
         len: usize,
         limit: u64,
         tag: u64,
     ) -> Result<Self, MemoryError> {
-        use std::os::fd::AsRawFd;
-        use std::os::unix::fs::OpenOptionsExt;
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
         if len == 0 {
             return Err(MemoryError::InvalidRange("shared memory of zero bytes".into()));
         }
@@ -180,56 +134,60 @@ impl HostMemory {
                 (Counter::HostMemoryBytes, len as u64, Some((Resource::HostMemoryBytes, limit))),
             ],
         )?;
-        static SWEEP: std::sync::Once = std::sync::Once::new();
-        SWEEP.call_once(sweep_orphaned_shared_files);
         let seq = SHM_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let name: Arc<str> = format!("orbite-{}-{tag:x}-{seq}", std::process::id()).into();
-        let path = std::path::Path::new("/dev/shm").join(&*name);
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(libc::O_CLOEXEC)
-            .open(&path)
-            .map_err(|e| MemoryError::System(format!("cannot create {}: {e}", path.display())))?;
-        let cleanup = |e: String| {
-            let _ = std::fs::remove_file(&path);
-            MemoryError::System(e)
+        let name: Arc<str> = format!("orbite-{tag:x}-{seq}").into();
+        let sys = |what: &str| {
+            MemoryError::System(format!("{what} of shared memory {name}: {}", std::io::Error::last_os_error()))
         };
-        file.set_len(map_len as u64).map_err(|e| cleanup(format!("cannot size {}: {e}", path.display())))?;
-        // The liveness proof the sweep of other processes honours.
-        // SAFETY: flock on the descriptor of the file just created.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } != 0 {
-            return Err(cleanup(format!("cannot lock {}: {}", path.display(), std::io::Error::last_os_error())));
+        let cname = std::ffi::CString::new(&*name).map_err(|_| MemoryError::InvalidRange(name.to_string()))?;
+        // SAFETY: memfd_create with a valid C string.
+        let raw = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        if raw < 0 {
+            return Err(sys("memfd_create"));
         }
-        // SAFETY: a fresh shared mapping of a file we just sized; no other
-        // mapping aliases it in this process.
+        // SAFETY: a fresh descriptor this function now owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(raw) };
+        // SAFETY: plain system calls on the descriptor just created.
+        if unsafe { libc::ftruncate(fd.as_raw_fd(), map_len as libc::off_t) } != 0 {
+            return Err(sys("sizing"));
+        }
+        let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+        // SAFETY: as above.
+        if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) } != 0 {
+            return Err(sys("sealing"));
+        }
+        // SAFETY: a fresh shared mapping of a memfd of exactly this size; no
+        // other mapping aliases it in this process.
         let raw = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 map_len,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_SHARED,
-                file.as_raw_fd(),
+                fd.as_raw_fd(),
                 0,
             )
         };
         if raw == libc::MAP_FAILED {
-            return Err(cleanup(format!("cannot map {}: {}", path.display(), std::io::Error::last_os_error())));
+            return Err(sys("mapping"));
         }
-        let ptr = NonNull::new(raw.cast::<u8>()).ok_or_else(|| cleanup("mmap returned null".into()))?;
+        let ptr = NonNull::new(raw.cast::<u8>()).ok_or_else(|| MemoryError::System("mmap returned null".into()))?;
         Ok(HostMemory {
-            alloc: Arc::new(HostAllocation {
-                ptr,
-                len,
-                source: Source::Shm { map_len, path, name, _lock: file },
-                _charge: charge,
-            }),
+            alloc: Arc::new(HostAllocation { ptr, len, source: Source::Shm { map_len, name, fd }, _charge: charge }),
         })
     }
 
-    /// The name peers open under /dev/shm, for a shared allocation.
+    /// The descriptor of a shared allocation (handed to proven same-host
+    /// peers over the local socket).
+    pub(crate) fn shared_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        match &self.alloc.source {
+            Source::Shm { fd, .. } => Some(fd.as_fd()),
+            Source::Heap(_) => None,
+        }
+    }
+
+    /// The name a shared allocation is known by to same-host peers.
     pub fn shared_name(&self) -> Option<&str> {
         match &self.alloc.source {
             Source::Shm { name, .. } => Some(name),
@@ -383,38 +341,5 @@ impl MemoryRange {
             *slot = Some(release);
         }
         self
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn orphaned_shared_files_of_dead_processes_are_removed() {
-        let mut child = std::process::Command::new("true").spawn().unwrap();
-        let dead = child.id();
-        child.wait().unwrap();
-        use std::os::fd::AsRawFd;
-        let ours = format!("/dev/shm/orbite-{}-5eeb-test", std::process::id());
-        let theirs = format!("/dev/shm/orbite-{dead}-5eeb-test");
-        let other = format!("/dev/shm/not-orbite-{dead}-5eeb-test");
-        // A process of another pid namespace: its pid does not exist here,
-        // but it holds the lock on its file.
-        let hidden = format!("/dev/shm/orbite-{dead}-5eeb-hidden");
-        for p in [&ours, &theirs, &other, &hidden] {
-            std::fs::write(p, b"x").unwrap();
-        }
-        let held = std::fs::File::open(&hidden).unwrap();
-        // SAFETY: flock on a descriptor this test owns.
-        assert_eq!(unsafe { libc::flock(held.as_raw_fd(), libc::LOCK_SH) }, 0);
-        super::sweep_orphaned_shared_files();
-        let exists = |p: &str| std::path::Path::new(p).exists();
-        let kept = [exists(&ours), exists(&theirs), exists(&other), exists(&hidden)];
-        for p in [&ours, &theirs, &other, &hidden] {
-            let _ = std::fs::remove_file(p);
-        }
-        assert!(kept[0], "a live process's file is kept");
-        assert!(!kept[1], "a dead process's file is removed");
-        assert!(kept[2], "other files are not touched");
-        assert!(kept[3], "a file whose owner holds its lock is kept, whatever its pid says");
     }
 }

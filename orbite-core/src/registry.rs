@@ -122,6 +122,18 @@ impl Table {
         self.get(id).ok().filter(|r| r.permission.remote_read()).map(|r| export(r))
     }
 
+    /// A duplicate of the descriptor of the shared allocation `name`, if a
+    /// registration peers may target lies in it (nothing else is handed
+    /// out).
+    pub fn shared_fd(&self, name: &str) -> Option<std::os::fd::OwnedFd> {
+        self.slots.iter().filter_map(|s| s.registration.as_deref()).filter(|r| r.permission.remote_read()).find_map(
+            |r| match &r.backing {
+                Backing::Host(m) if m.shared_name() == Some(name) => m.shared_fd()?.try_clone_to_owned().ok(),
+                _ => None,
+            },
+        )
+    }
+
     /// Registrations peers may target (remote-readable), exported by
     /// `export`, with the version.
     pub fn exported<T>(&self, export: impl Fn(&Registration) -> T) -> (Vec<T>, u64) {

@@ -21,7 +21,7 @@ use crate::types::{Permission, RegistrationId};
 use crate::wire::WireError;
 
 /// Version of the descriptor encoding.
-pub const DESCRIPTOR_VERSION: u16 = 4;
+pub const DESCRIPTOR_VERSION: u16 = 5;
 const ENTRY_FIXED: usize = 40;
 const HEADER_FIXED: usize = 2 + 2 + 4 + 8 + 8 + 16 + 2;
 
@@ -36,7 +36,7 @@ pub struct ExportedRegistration {
     pub permission: Permission,
     /// Its address in the exporting process (for CMA on the same host).
     pub addr: u64,
-    /// For a range of a shared allocation: the file name under /dev/shm and
+    /// For a range of a shared allocation: the allocation's name and
     /// the range's offset in it.
     pub shm: Option<(String, u64)>,
 }
@@ -72,8 +72,13 @@ pub struct SegmentDescriptor {
     /// The kernel's boot id (all zero if unknown): same-host routes need
     /// both sides to report the same nonzero one.
     pub boot_id: [u8; 16],
-    /// The engine's notification inbox under /dev/shm (empty: none).
+    /// The name of the engine's notification inbox, a shared allocation
+    /// (empty: none).
     pub inbox: String,
+    /// The engine's local socket (an abstract Unix socket name; empty:
+    /// none): a peer on the same host proves over it which process it
+    /// reaches (`transport::unix`).
+    pub local_socket: String,
     /// Registrations peers may target.
     pub registrations: Vec<ExportedRegistration>,
 }
@@ -379,6 +384,8 @@ impl SegmentDescriptor {
         out.extend_from_slice(ep);
         out.extend_from_slice(&(self.inbox.len() as u16).to_le_bytes());
         out.extend_from_slice(self.inbox.as_bytes());
+        out.extend_from_slice(&(self.local_socket.len() as u16).to_le_bytes());
+        out.extend_from_slice(self.local_socket.as_bytes());
         out.extend_from_slice(&(self.registrations.len() as u32).to_le_bytes());
         for r in &self.registrations {
             encode_entry(&mut out, r);
@@ -409,12 +416,14 @@ impl SegmentDescriptor {
         if inbox.contains('/') || inbox.starts_with('.') {
             return Err(bad);
         }
+        let local_len = r.u16().map_err(short)? as usize;
+        let local_socket = read_str(&mut r, local_len)?.to_owned();
         let count = r.u32().map_err(short)? as usize;
         let registrations = read_entries(&mut r, count)?;
         if !r.is_empty() {
             return Err(bad);
         }
-        Ok(SegmentDescriptor { endpoint, epoch, registry_version, pid, boot_id, inbox, registrations })
+        Ok(SegmentDescriptor { endpoint, epoch, registry_version, pid, boot_id, inbox, local_socket, registrations })
     }
 
     /// True if both descriptors come from one boot of one machine.
@@ -435,6 +444,7 @@ mod tests {
             pid: 42,
             boot_id: [7; 16],
             inbox: "orbite-inbox-1".into(),
+            local_socket: "orbite-00000000deadbeef".into(),
             registrations: vec![
                 ExportedRegistration {
                     id: RegistrationId::from_raw(7 | (3 << 32)),
@@ -464,7 +474,7 @@ mod tests {
         longer.push(0);
         assert!(SegmentDescriptor::decode(&longer, 1 << 20).is_err());
         assert!(matches!(SegmentDescriptor::decode(&b, 10), Err(WireError::TooLong { .. })));
-        // A shared-memory name that could escape /dev/shm is refused.
+        // A shared-memory name that looks like a path is refused.
         let mut evil = d.clone();
         evil.registrations[0].shm = Some(("../etc/passwd".into(), 0));
         assert!(SegmentDescriptor::decode(&evil.to_bytes(), 1 << 20).is_err());

@@ -80,6 +80,12 @@ pub enum Kind {
     AuthProof = 20,
     /// The connection is authenticated.
     AuthOk = 21,
+    /// Initiator, on the local socket only: hand over the shared
+    /// allocations named (sealed memfds).
+    ShareFds = 22,
+    /// Per name whether its descriptor is attached (`SCM_RIGHTS`, with the
+    /// reply's first byte, in the order of the names that have one).
+    ShareFdsReply = 23,
 }
 
 impl Kind {
@@ -106,6 +112,8 @@ impl Kind {
             19 => Kind::AuthChallenge,
             20 => Kind::AuthProof,
             21 => Kind::AuthOk,
+            22 => Kind::ShareFds,
+            23 => Kind::ShareFdsReply,
             _ => return None,
         })
     }
@@ -555,10 +563,70 @@ pub fn decode_auth_proof(body: &[u8]) -> Result<[u8; AUTH_MAC], WireError> {
     body.try_into().map_err(|_| WireError::Malformed("auth proof"))
 }
 
+/// Most shared allocations one ShareFds names (under the kernel's
+/// `SCM_MAX_FD` of 253 descriptors per message).
+pub const MAX_SHARED_FDS: usize = 64;
+
+/// Longest name of a shared allocation.
+pub const MAX_SHARED_NAME: usize = 255;
+
+/// ShareFds body: a count (2), then per name its length (2) and bytes.
+pub fn encode_share_fds<'a>(out: &mut Vec<u8>, names: impl ExactSizeIterator<Item = &'a str>) {
+    out.clear();
+    codec::put_u16(out, names.len() as u16);
+    for n in names {
+        codec::put_u16(out, n.len() as u16);
+        out.extend_from_slice(n.as_bytes());
+    }
+}
+
+/// Decodes a ShareFds body: at most [`MAX_SHARED_FDS`] names, each
+/// non-empty UTF-8 of at most [`MAX_SHARED_NAME`] bytes.
+pub fn decode_share_fds(body: &[u8]) -> Result<Vec<&str>, WireError> {
+    let bad = WireError::Malformed("share fds");
+    let mut r = Reader::new(body);
+    let count = r.u16().map_err(|_| bad.clone())? as usize;
+    if count > MAX_SHARED_FDS {
+        return Err(WireError::TooLong {
+            what: "shared allocations named",
+            len: count as u64,
+            limit: MAX_SHARED_FDS as u64,
+        });
+    }
+    let mut names = Vec::with_capacity(count);
+    for _ in 0..count {
+        let len = r.u16().map_err(|_| bad.clone())? as usize;
+        if len == 0 || len > MAX_SHARED_NAME {
+            return Err(bad);
+        }
+        let name = std::str::from_utf8(r.take(len).map_err(|_| bad.clone())?).map_err(|_| bad.clone())?;
+        names.push(name);
+    }
+    if !r.is_empty() {
+        return Err(bad);
+    }
+    Ok(names)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn share_fds_round_trip_and_bounds() {
+        let mut b = Vec::new();
+        encode_share_fds(&mut b, ["orbite-1-0", "orbite-1-1"].into_iter());
+        assert_eq!(decode_share_fds(&b).unwrap(), vec!["orbite-1-0", "orbite-1-1"]);
+        assert!(decode_share_fds(&b[..b.len() - 1]).is_err());
+        let mut long = b.clone();
+        long.push(0);
+        assert!(decode_share_fds(&long).is_err());
+        let many: Vec<String> = (0..=MAX_SHARED_FDS).map(|i| format!("n{i}")).collect();
+        encode_share_fds(&mut b, many.iter().map(String::as_str));
+        assert!(decode_share_fds(&b).is_err());
+        assert!(decode_share_fds(&[1, 0, 0, 0]).is_err(), "an empty name");
+    }
 
     const LIMITS: Limits = Limits { max_body: 1 << 20, max_data: 16 << 20 };
 

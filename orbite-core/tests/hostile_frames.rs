@@ -614,10 +614,23 @@ fn open_segment_is_bounded_against_a_trickling_peer() {
 
 /// Attack: a fake peer's Describe claimed this process's pid, this boot id
 /// and a "registration" at the address of an unregistered buffer; the
-/// engine chose cma and overwrote the buffer. A peer naming this process
-/// under another epoch is never same-host: tcp is used, with the reason.
+/// engine chose cma and overwrote the buffer. Same host is now proven over
+/// the peer's local socket, never taken from the network: a peer that
+/// names no local socket, this engine's own, or one nobody serves is
+/// remote. Tcp is used, with the reason.
 #[test]
 fn a_peer_claiming_this_process_under_another_epoch_gets_no_one_sided_route() {
+    let e = engine(r#"{"connections_per_peer": 1, "listen": "127.0.0.1:0"}"#);
+    let own = e.segment_descriptor().local_socket;
+    assert!(!own.is_empty(), "a listening engine serves a local socket");
+    for (claim, why) in
+        [("", "no local socket"), (own.as_str(), "epoch"), ("orbite-00000000000fa4e0", "nothing listens")]
+    {
+        claiming(&e, claim, why);
+    }
+}
+
+fn claiming(e: &TransferEngine, local_socket: &str, why: &str) {
     use orbite_core::segment::{Delta, ExportedRegistration, SegmentDescriptor};
     let victim = vec![0x5Au8; 65536];
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -629,6 +642,7 @@ fn a_peer_claiming_this_process_under_another_epoch_gets_no_one_sided_route() {
         pid: std::process::id(),
         boot_id: orbite_core::segment::local_boot_id(),
         inbox: String::new(),
+        local_socket: local_socket.to_owned(),
         registrations: vec![ExportedRegistration {
             id: RegistrationId::from_raw(1 | (1 << 32)),
             len: victim.len() as u64,
@@ -669,18 +683,17 @@ fn a_peer_claiming_this_process_under_another_epoch_gets_no_one_sided_route() {
             while matches!(s.read(&mut b), Ok(n) if n > 0) {}
         }
     });
-    let e = engine(r#"{"connections_per_peer": 1}"#);
     let seg = e.open_segment(&addr, None, WAIT).unwrap();
-    let local = region(&e, 65536, Permission::RemoteReadWrite);
+    let local = region(e, 65536, Permission::RemoteReadWrite);
     fill(&local.mem, 3);
     let (l, r) = ([Desc::new(local.id, 0, 65536)], [Desc::new(RegistrationId::from_raw(1 | (1 << 32)), 0, 65536)]);
     let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
     let choice = t.route();
     assert_eq!(choice.route, Route::Tcp, "{choice:?}");
-    assert!(choice.reason.contains("pid"), "the reason says why: {choice:?}");
+    assert!(choice.reason.contains(why), "the reason says why ({why}): {choice:?}");
     drop(t);
     drop(seg);
-    drop(e);
+    drop(local);
     assert!(victim.iter().all(|b| *b == 0x5A), "the unregistered buffer was written");
     let _ = server.join();
 }

@@ -58,6 +58,7 @@ fn descriptor(endpoint: &str) -> Vec<u8> {
         pid: 1,
         boot_id: [0; 16], // never the same host
         inbox: String::new(),
+        local_socket: String::new(),
         registrations: vec![ExportedRegistration {
             id: RegistrationId::from_raw(7),
             len: REG_LEN,

@@ -286,9 +286,43 @@ fn real_cma_denial_falls_back_to_tcp() {
         .lines()
         .find(|l| l.starts_with("DENIED "))
         .unwrap_or_else(|| panic!("no result: {text} {}", String::from_utf8_lossy(&out.stderr)));
+    // The peer's local socket belongs to another user: not proven same
+    // host, so neither one-sided route applies.
     assert!(line.starts_with("DENIED Tcp ok=true"), "{line}");
-    assert!(line.contains("not cma: process_vm_readv denied"), "the fallback says why: {line}");
-    assert!(line.contains("forced=process_vm_readv denied"), "{line}");
+    assert!(line.contains("belongs to uid 0, not this user (65534)"), "the fallback says why: {line}");
+    assert!(line.contains("forced=the local socket"), "{line}");
+}
+
+/// Attack: a peer truncated the shared file this engine had mapped, and the
+/// next notification or one-sided copy faulted (SIGBUS). Shared memory is
+/// now a memfd sealed against shrinking, handed over the local socket:
+/// its owner itself cannot shrink it, and copies and notifications go on.
+#[test]
+fn a_peer_cannot_shrink_shared_memory_under_its_mappers() {
+    let mut p = PeerProcess::spawn();
+    let e = initiator();
+    let seg = p.open(&e);
+    let local = region(&e, 1 << 20, Permission::RemoteReadWrite);
+    let (l, r) = ([Desc::new(local.id, 0, 65536)], [Desc::new(p.shm, 0, 65536)]);
+    let t = e.prepare(&spec(Op::Write, &l, &r, &seg)).unwrap();
+    assert_eq!(t.route().route, Route::Shm, "{}", t.route().reason);
+    fill(&local.mem, 31);
+    t.post().unwrap();
+    assert!(wait_retired(&t).outcome.is_success());
+    let answer = p.ask("struncate");
+    let w: Vec<usize> = answer.split_whitespace().skip(1).map(|n| n.parse().unwrap()).collect();
+    assert!(w[0] >= 2, "the inbox and the shared allocation are memfds: {answer}");
+    assert_eq!(w[1], 0, "a shared allocation was shrunk: {answer}");
+    fill(&local.mem, 32);
+    t.post().unwrap();
+    assert!(wait_retired(&t).outcome.is_success());
+    assert_eq!(p.shm_hash(0, 65536), fnv(&snapshot(&local.mem)[..65536]));
+    e.notify(&seg, b"still here").unwrap();
+    assert_eq!(
+        p.ask("notifs"),
+        format!("NOTIFS 1 {}", b"still here".iter().map(|b| format!("{b:02x}")).collect::<String>())
+    );
+    t.release().unwrap();
 }
 
 /// Any deregistration on the target makes a one-sided borrower ask again

@@ -573,8 +573,8 @@ pub unsafe extern "C" fn orbite_engine_export_peer(
     })
 }
 
-/// Allocates `len` bytes of memory peers on this host can map (a file under
-/// /dev/shm). Ranges of it registered with `orbite_mem_register` may take
+/// Allocates `len` bytes of memory peers on this host can map (a sealed
+/// memfd, handed to proven same-host peers over the local socket). Ranges of it registered with `orbite_mem_register` may take
 /// the shm route. The memory lives until the handle is released and every
 /// registration inside it is gone.
 ///

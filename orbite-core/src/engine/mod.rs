@@ -630,7 +630,8 @@ impl TransferEngine {
         });
         if let Some(bind) = inner.config.listen.clone() {
             let side: Weak<dyn crate::transport::proto::server::TargetSide> = Arc::downgrade(&inner) as _;
-            let server = Server::start(&bind, side, inner.server_limits(), inner.listener.secret.clone())
+            let local = crate::transport::unix::socket_name(inner.epoch);
+            let server = Server::start(&bind, Some(&local), side, inner.server_limits(), inner.listener.secret.clone())
                 .map_err(|e| Error::System(format!("cannot listen on {bind}: {e}")))?;
             let bound = server.local_addr();
             if inner.listener.secret.is_none() {
@@ -642,6 +643,9 @@ impl TransferEngine {
             }
             let _ = inner.listener.watchers.set(server.watchers());
             let _ = inner.listener.bound.set(bound);
+            if let Some(name) = server.local_socket() {
+                let _ = inner.listener.local_socket.set(name.to_owned());
+            }
             let _ = inner.listener.endpoint.set(crate::endpoint::advertise(bound, inner.config.advertise.as_deref()));
             *inner.listener.server.lock() = Some(server);
             use crate::transport::inbox::{CAPACITY, HEADER, Inbox};
@@ -696,9 +700,10 @@ impl TransferEngine {
     }
 
     /// Allocates page-aligned, zeroed memory that same-host peers can map
-    /// (a file under /dev/shm, removed when the memory is freed). Register
-    /// ranges of it like host memory; peers on this boot then copy into it
-    /// one-sided over the shm route.
+    /// (a memfd sealed at its size: nothing is left in any file system, and
+    /// no one can shrink it under a peer's mapping). Register ranges of it
+    /// like host memory; peers proven to run on this host are handed it
+    /// over the local socket and copy into it one-sided over the shm route.
     pub fn allocate_shm_memory(&self, len: usize) -> Result<HostMemory, Error> {
         let inner = self.inner();
         if inner.is_closed() {
@@ -795,6 +800,9 @@ impl TransferEngine {
                 if unknown || seg.peer.view_is_behind() {
                     let _ = inner.refresh(&seg.peer);
                 }
+                // Shared allocations the peer added are mapped here, on the
+                // caller's thread.
+                seg.peer.map_pending();
                 PlanTarget::Peer(seg.peer.clone())
             }
             crate::Target::File(entry) => {

@@ -1,7 +1,6 @@
 //! Peers: segments opened on other engines, the target side this engine
 //! offers them, and notifications.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -9,9 +8,9 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard};
 
 use crate::error::PeerError;
-use crate::segment::{Delta, ExportedRegistration, SegmentView};
+use crate::segment::{Delta, SegmentView};
 use crate::transport::CopyJob;
-use crate::transport::mapping::{SharedMaps, ShmMapping, map_new_shared};
+use crate::transport::mapping::{SharedMaps, ShmMapping, map_fd, unmapped};
 use crate::transport::route::{PeerReach, SameHost};
 use crate::transport::tcp::{ANNOUNCE_UNKNOWN, ControlJob, PeerJob, PeerLink};
 use crate::wire::Kind;
@@ -48,6 +47,11 @@ pub(crate) struct Peer<J: CopyJob> {
     pub liveness: Option<crate::transport::liveness::PeerLiveness>,
     /// For a same-host peer: its notification inbox, mapped here.
     pub inbox: Option<(Arc<ShmMapping>, crate::transport::inbox::Inbox)>,
+    /// Shared allocations the peer added that are not mapped yet (mapped
+    /// on a caller's thread, by [`Peer::map_pending`]: never on a driver).
+    pending: Mutex<Vec<String>>,
+    has_pending: std::sync::atomic::AtomicBool,
+    map_lock: Mutex<()>,
     state: Mutex<PeerState>,
     /// Set by `close_segment`: no new work.
     fenced: std::sync::atomic::AtomicBool,
@@ -73,10 +77,15 @@ impl<J: CopyJob> Peer<J> {
             inbox,
             endpoint: endpoint.to_owned(),
             epoch: link.descriptor.epoch,
-            pid: link.descriptor.pid as i32,
+            // The kernel's word for a proven same-host peer; otherwise no
+            // process of this host (0: never used by a route).
+            pid: same_host.as_ref().map_or(0, |h| h.pid),
             same_host,
             link,
             view: RwLock::new(view),
+            pending: Mutex::new(Vec::new()),
+            has_pending: std::sync::atomic::AtomicBool::new(false),
+            map_lock: Mutex::new(()),
             refresh_lock: Mutex::new(0),
             state: Mutex::new(PeerState { close: None }),
             fenced: std::sync::atomic::AtomicBool::new(false),
@@ -163,32 +172,47 @@ impl<J: CopyJob> Peer<J> {
         self.view.read()
     }
 
-    /// Applies changes computed after registry version `base` to the view
-    /// (mapping the peer's new shared allocations first, with no lock
-    /// held); false if they leave a gap or are malformed.
+    /// Applies changes computed after registry version `base` to the view;
+    /// false if they leave a gap or are malformed. Shared allocations they
+    /// bring are noted, and mapped by the next [`Peer::map_pending`].
     pub fn apply(&self, base: u64, delta: Delta) -> bool {
-        let mut maps = HashMap::new();
-        if self.same_host.is_ok() {
-            let fresh: Vec<&ExportedRegistration> = {
-                let known = self.view();
-                delta
-                    .added
-                    .iter()
-                    .filter(|r| r.shm.as_ref().is_some_and(|(n, _)| !known.maps.contains_key(n)))
-                    .collect()
-            };
-            map_new_shared(&mut maps, fresh);
-        }
         // Old news (a pull already brought the view past it) takes no
         // write lock.
-        if maps.is_empty() && !delta.reset && delta.version <= self.view().segment.version {
+        if !delta.reset && delta.version <= self.view().segment.version {
             return true;
         }
+        if self.same_host.is_ok() {
+            let fresh = unmapped(&self.view().maps, &delta.added);
+            if !fresh.is_empty() {
+                let mut p = self.pending.lock();
+                for n in fresh {
+                    if !p.contains(&n) {
+                        p.push(n);
+                    }
+                }
+                self.has_pending.store(true, Ordering::Release);
+            }
+        }
+        self.view.write().segment.apply_from(base, delta).is_ok()
+    }
+
+    /// Maps the shared allocations the peer added since the last call (on
+    /// the caller's thread: it asks the peer over its local socket, within
+    /// the peer timeout). Concurrent callers wait for one another.
+    pub fn map_pending(&self) {
+        if !self.has_pending.load(Ordering::Acquire) {
+            return;
+        }
+        let _one = self.map_lock.lock();
+        if !self.has_pending.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let names = std::mem::take(&mut *self.pending.lock());
+        let mapped = map_shared(&self.link, &names);
         let mut v = self.view.write();
-        for (name, m) in maps {
+        for (name, m) in mapped {
             v.maps.entry(name).or_insert(m);
         }
-        v.segment.apply_from(base, delta).is_ok()
     }
 
     /// True when the peer announced registry changes this view has not
@@ -205,6 +229,22 @@ impl<J: CopyJob> Drop for Peer<J> {
         if self.state.lock().close.is_none() {
             self.link.close();
         }
+    }
+}
+
+/// Maps a proven same-host peer's shared allocations `names`: each mapping,
+/// or why not.
+pub(crate) fn map_shared<J: CopyJob>(
+    link: &PeerLink<J>,
+    names: &[String],
+) -> Vec<(String, Result<Arc<ShmMapping>, String>)> {
+    if names.is_empty() {
+        return Vec::new();
+    }
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    match link.fetch_shared(&refs) {
+        Ok(fds) => names.iter().cloned().zip(fds.into_iter().map(|fd| fd.and_then(map_fd).map(Arc::new))).collect(),
+        Err(why) => names.iter().map(|n| (n.clone(), Err(why.clone()))).collect(),
     }
 }
 

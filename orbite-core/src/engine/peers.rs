@@ -13,8 +13,8 @@ use crate::engine::peer::PeerView;
 use crate::engine::transfer::{Peer, RemoteLoan, RouteTask};
 use crate::engine::{EngineInner, RemoteSegment};
 use crate::error::{Error, PeerError};
-use crate::segment::{Delta, ExportedRegistration, SegmentDescriptor, SegmentView};
-use crate::transport::mapping::{map_new_shared, map_shared};
+use crate::segment::{Delta, ExportedRegistration, SegmentView};
+use crate::transport::mapping::unmapped;
 use crate::transport::route::SameHost;
 use crate::transport::tcp::{ControlDone, ControlJob, Initiators, PeerFailure, PeerJob, PeerLink};
 use crate::wire::{Kind, NotifyEnvelope};
@@ -38,10 +38,11 @@ impl EngineInner {
             min_rate: c.peer_min_bytes_per_s,
             limits: self.frame_limits(),
             max_descriptor: c.max_frame_body as usize,
+            boot_id: self.boot_id,
         };
         use crate::transport::tcp::OpenError;
         let drivers = self.initiators().map_err(|e| PeerError::Connect(format!("initiator threads: {e}")))?;
-        let secret = self.listener.secret.as_deref();
+        let secret = self.listener.secret.clone();
         let link = PeerLink::open(&drivers, endpoint, expected_epoch, timeout, self.epoch, opts, secret).map_err(
             |e| match e {
                 OpenError::Connect(m) => PeerError::Connect(m),
@@ -53,26 +54,36 @@ impl EngineInner {
                 }
             },
         )?;
-        let same_host = self.same_host(&link.descriptor);
+        let same_host = self.same_host(&link);
+        // A proven same-host peer hands over its shared allocations and its
+        // inbox (sealed memfds) over its local socket.
         let mut maps = HashMap::new();
+        let mut inbox = None;
         if same_host.is_ok() {
-            map_new_shared(&mut maps, &link.descriptor.registrations);
+            let mut names = unmapped(&maps, &link.descriptor.registrations);
+            let inbox_name = link.descriptor.inbox.clone();
+            if !inbox_name.is_empty() && !names.contains(&inbox_name) {
+                names.push(inbox_name.clone());
+            }
+            for (name, m) in crate::engine::peer::map_shared(&link, &names) {
+                if name == inbox_name {
+                    inbox = m.ok().and_then(|m| {
+                        // SAFETY: a live shared mapping of the peer's inbox,
+                        // kept alive by the Arc stored next to the view.
+                        let view =
+                            unsafe { crate::transport::inbox::Inbox::open(m.ptr, m.len, link.descriptor.epoch) }?;
+                        Some((m, view))
+                    });
+                } else {
+                    maps.insert(name, m);
+                }
+            }
         }
         // A peer's view holds at most as many registrations as this engine
         // would itself.
         let bound = usize::try_from(c.max_registrations).unwrap_or(usize::MAX);
         let view = PeerView { segment: SegmentView::bounded(&link.descriptor, bound), maps };
-        let liveness =
-            same_host.is_ok().then(|| crate::transport::liveness::PeerLiveness::watch(link.descriptor.pid as i32));
-        let inbox = match (&same_host, link.descriptor.inbox.as_str()) {
-            (Ok(_), name) if !name.is_empty() => map_shared(name).ok().and_then(|m| {
-                // SAFETY: a live shared mapping of the peer's inbox file,
-                // kept alive by the Arc stored next to the view.
-                let view = unsafe { crate::transport::inbox::Inbox::open(m.ptr, m.len, link.descriptor.epoch) }?;
-                Some((Arc::new(m), view))
-            }),
-            _ => None,
-        };
+        let liveness = same_host.as_ref().ok().map(|h| crate::transport::liveness::PeerLiveness::watch(h.pid));
         let peer = Arc::new(Peer::new(link, endpoint, view, same_host, liveness, inbox));
         // What changed between the Describe and the subscription, then
         // every change the peer pushes from now on, as it happens.
@@ -83,6 +94,7 @@ impl EngineInner {
                 return Err(PeerError::Protocol("the peer's first changes do not apply".into()).into());
             }
         }
+        peer.map_pending();
         let weak = Arc::downgrade(&peer);
         peer.link
             .start_watch(since, Box::new(move |base, delta| weak.upgrade().is_some_and(|p| p.apply(base, delta))))
@@ -112,27 +124,22 @@ impl EngineInner {
         Ok(i)
     }
 
-    /// Probes CMA on a same-boot peer.
-    fn same_host(&self, d: &SegmentDescriptor) -> Result<SameHost, String> {
-        if !d.same_boot(&self.boot_id) {
-            return Err("peer is not on this boot".into());
-        }
-        // A peer that names this process but is not this engine's epoch
-        // would have one-sided copies land in this process's own memory:
-        // never believed.
-        if d.pid == std::process::id() && d.epoch != self.epoch {
-            return Err("the peer claims this process's pid under another epoch".into());
-        }
+    /// What this engine may do with a peer proven to run on this host
+    /// (the link's local proof): CMA only toward the pid the kernel
+    /// reported, probed there.
+    fn same_host(&self, link: &PeerLink<RouteTask>) -> Result<SameHost, String> {
+        let cred = link.local.as_ref().map_err(Clone::clone)?;
+        let d = &link.descriptor;
         let probe_at = d.registrations.iter().find(|r| r.permission.remote_read() && r.len > 0).map(|r| r.addr);
         let cma = match probe_at {
-            Some(addr) => crate::transport::cma::probe(d.pid as i32, addr),
+            Some(addr) => crate::transport::cma::probe(cred.pid, addr),
             None => Err("the peer exports no readable registration to probe".into()),
         };
         let cma = match &self.hooks {
             Some(h) => h.cma_probe(cma),
             None => cma,
         };
-        Ok(SameHost { cma })
+        Ok(SameHost { cma, pid: cred.pid })
     }
 
     /// Brings `peer`'s view up to date: asks what changed after the

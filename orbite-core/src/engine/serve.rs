@@ -24,6 +24,8 @@ pub(crate) struct Listener {
     pub endpoint: OnceLock<crate::endpoint::Advertised>,
     /// Where the listener is bound.
     pub bound: OnceLock<std::net::SocketAddr>,
+    /// The local socket same-host peers prove this engine over, if bound.
+    pub local_socket: OnceLock<String>,
     pub server: Mutex<Option<Server>>,
     /// Peers watching this engine's registrations.
     pub watchers: OnceLock<Arc<Watchers>>,
@@ -119,6 +121,15 @@ impl TargetSide for EngineInner {
         self.note_auth_failure(from, "did not authenticate");
     }
 
+    fn shared_fd(&self, name: &str) -> Option<std::os::fd::OwnedFd> {
+        if let Some((inbox, _)) = self.notifications.inbox.get() {
+            if inbox.shared_name() == Some(name) {
+                return inbox.shared_fd()?.try_clone_to_owned().ok();
+            }
+        }
+        self.registry.lock().shared_fd(name)
+    }
+
     fn borrow_limits(&self) -> BorrowLimits {
         let c = &self.config;
         BorrowLimits {
@@ -167,6 +178,7 @@ impl EngineInner {
             pid: std::process::id(),
             boot_id: self.boot_id,
             inbox: self.notifications.inbox.get().and_then(|(m, _)| m.shared_name()).unwrap_or_default().to_owned(),
+            local_socket: self.listener.local_socket.get().cloned().unwrap_or_default(),
             registrations,
         }
     }

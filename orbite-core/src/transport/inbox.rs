@@ -1,8 +1,9 @@
 //! The same-host notification inbox: a ring of notification envelopes in a
 //! shared mapping, with a futex word to sleep on.
 //!
-//! Each listening engine owns one inbox (a /dev/shm file named in its
-//! segment descriptor). Same-host senders map it and append envelopes
+//! Each listening engine owns one inbox (a shared allocation, a sealed
+//! memfd, named in its segment descriptor). Proven same-host senders are
+//! handed it over the local socket, map it and append envelopes
 //! under a spin lock held for one copy; the owner is the only consumer.
 //! Positions grow monotonically; an entry may wrap around the ring's end.
 //! The consumer treats the ring as untrusted input: an entry that does not

@@ -21,7 +21,7 @@
 use std::cell::Cell;
 use std::collections::{HashMap, VecDeque};
 use std::io;
-use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::net::{TcpStream, ToSocketAddrs};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -35,8 +35,9 @@ use crate::transport::CopyJob;
 use crate::transport::auth::{Handshake, Secret};
 use crate::transport::proto::FrameIn;
 use crate::transport::proto::client::{ClientConn, PeerJob, unsent};
-use crate::transport::sock::{Patience, epoll_ctl, iov, owned, read_exact_within, tune, writev_within};
+use crate::transport::sock::{Patience, Stream, epoll_ctl, iov, owned, read_exact_within, tune, writev_within};
 use crate::transport::spin::poll;
+use crate::transport::unix::Credentials;
 use crate::wire::{self, Kind, Limits};
 
 /// Options of a link.
@@ -49,6 +50,9 @@ pub(crate) struct LinkOptions {
     pub min_rate: u64,
     pub limits: Limits,
     pub max_descriptor: usize,
+    /// This machine's boot id: a peer that reports it is asked to prove
+    /// itself over its local socket.
+    pub boot_id: [u8; 16],
 }
 
 impl LinkOptions {
@@ -129,6 +133,117 @@ fn authenticate(fd: i32, secret: &Secret, my_epoch: u64, patience: &Patience) ->
     Ok(epoch_t)
 }
 
+/// Runs the Describe exchange on a fresh, blocking connection (after its
+/// handshake, if any): the target's descriptor.
+fn describe(
+    fd: i32,
+    my_epoch: u64,
+    expected_epoch: Option<u64>,
+    opts: &LinkOptions,
+    patience: &Patience,
+) -> Result<SegmentDescriptor, OpenError> {
+    let mut body = Vec::new();
+    wire::encode_describe(&mut body, my_epoch, expected_epoch.unwrap_or(0));
+    let hb = wire::encode_header(&wire::header(Kind::Describe, body.len(), 0, 1));
+    let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
+    // SAFETY: both entries borrow live local buffers for the call.
+    unsafe { writev_within(fd, &mut v, Some(patience)) }.map_err(|e| OpenError::Connect(e.to_string()))?;
+    let mut hb = [0u8; wire::HEADER_LEN];
+    read_exact_within(fd, &mut hb, Some(patience)).map_err(|e| OpenError::Connect(e.to_string()))?;
+    let h = wire::decode_header(&hb, opts.limits).map_err(|e| OpenError::Protocol(e.to_string()))?;
+    if h.kind == Kind::Error {
+        body.resize(h.body_len as usize, 0);
+        read_exact_within(fd, &mut body, Some(patience)).map_err(|e| OpenError::Connect(e.to_string()))?;
+        return Err(match wire::decode_error(&body) {
+            Ok((wire::RemoteStatus::Unauthenticated, d)) => {
+                OpenError::Unauthenticated(format!("the peer requires authentication (auth.secret_file): {d}"))
+            }
+            Ok((status, d)) => OpenError::Protocol(format!("describe refused: {status:?}: {d}")),
+            Err(e) => OpenError::Protocol(e.to_string()),
+        });
+    }
+    if h.kind != Kind::DescribeReply || h.data_len != 0 || h.request != 1 {
+        return Err(OpenError::Protocol(format!("unexpected {:?} reply to describe", h.kind)));
+    }
+    body.resize(h.body_len as usize, 0);
+    read_exact_within(fd, &mut body, Some(patience)).map_err(|e| OpenError::Connect(e.to_string()))?;
+    let descriptor =
+        SegmentDescriptor::decode(&body, opts.max_descriptor).map_err(|e| OpenError::Protocol(e.to_string()))?;
+    if let Some(expected) = expected_epoch {
+        if expected != descriptor.epoch {
+            return Err(OpenError::EpochMismatch { expected, found: descriptor.epoch });
+        }
+    }
+    Ok(descriptor)
+}
+
+/// What an [`OpenError`] says, for a reason string.
+fn said(e: OpenError) -> String {
+    match e {
+        OpenError::Connect(m) | OpenError::Protocol(m) | OpenError::Unauthenticated(m) => m,
+        OpenError::EpochMismatch { expected, found } => format!("epoch {found:#x} where {expected:#x} was expected"),
+    }
+}
+
+/// A peer proven to run on this host: the kernel's word on its process,
+/// and what that process itself described.
+pub(crate) struct LocalProof {
+    /// The credentials of the process behind the peer's local socket (its
+    /// pid as seen from this pid namespace: the one one-sided routes use).
+    pub cred: Credentials,
+    /// The control connection, over the local socket.
+    stream: Stream,
+    /// The descriptor that process gave over it.
+    descriptor: SegmentDescriptor,
+}
+
+/// Connects to the local socket `name` and, with a secret, authenticates:
+/// the connection and its listener's credentials.
+fn connect_local(
+    name: &str,
+    epoch: u64,
+    my_epoch: u64,
+    secret: Option<&Secret>,
+    opts: &LinkOptions,
+    patience: &Patience,
+) -> Result<(Stream, Credentials), String> {
+    let (s, cred) = crate::transport::unix::connect(name, opts.tick())?;
+    if let Some(secret) = secret {
+        let proved = authenticate(s.as_raw_fd(), secret, my_epoch, patience).map_err(said)?;
+        if proved != epoch {
+            return Err(format!("the process behind the local socket proved epoch {proved:#x}, not {epoch:#x}"));
+        }
+    }
+    Ok((s.into(), cred))
+}
+
+/// Proves that the peer the network described (`claimed`) runs on this
+/// host: its local socket is reachable from here (same network
+/// namespace), a process of this user listens on it, and that process is
+/// the engine of the claimed epoch (it describes itself over that socket).
+/// `Err(why)` when any of it fails: the peer is then remote.
+fn prove_local(
+    claimed: &SegmentDescriptor,
+    my_epoch: u64,
+    secret: Option<&Secret>,
+    opts: &LinkOptions,
+    patience: &Patience,
+) -> Result<LocalProof, String> {
+    if !claimed.same_boot(&opts.boot_id) {
+        return Err("peer is not on this boot".into());
+    }
+    if claimed.local_socket.is_empty() {
+        return Err("the peer offers no local socket to prove it runs on this host".into());
+    }
+    let (stream, cred) = connect_local(&claimed.local_socket, claimed.epoch, my_epoch, secret, opts, patience)?;
+    let descriptor = describe(stream.as_raw_fd(), my_epoch, Some(claimed.epoch), opts, patience)
+        .map_err(|e| format!("the process behind the local socket: {}", said(e)))?;
+    if cred.pid as u32 == std::process::id() && descriptor.epoch != my_epoch {
+        return Err("the local socket leads to this process under another epoch".into());
+    }
+    Ok(LocalProof { cred, stream, descriptor })
+}
+
 /// Applies changes a peer pushed (`base`: the version they start after).
 pub(crate) type ChangeSink = Box<dyn Fn(u64, Delta) -> bool + Send + Sync>;
 
@@ -149,16 +264,33 @@ struct LinkQueue<J> {
     pinned: VecDeque<PeerJob<J>>,
     /// That connection.
     control: Option<ConnRef>,
+    /// True when it is a same-host peer's local control connection: then
+    /// every control job goes on it, and no data task.
+    control_only: bool,
     lost: Option<String>,
     closing: bool,
     /// Connections that found no job while they had room for one.
     hungry: Vec<ConnRef>,
 }
 
+impl<J> LinkQueue<J> {
+    /// A hungry connection that takes data tasks (the most recent one).
+    fn pop_hungry(&mut self) -> Option<ConnRef> {
+        let skip = self.control.filter(|_| self.control_only);
+        let i = self.hungry.iter().rposition(|c| Some(*c) != skip)?;
+        Some(self.hungry.remove(i))
+    }
+}
+
 /// The initiator's link to one peer epoch: a few connections, driven by
 /// the engine's [`Initiators`], that take its queued jobs.
 pub(crate) struct PeerLink<J> {
+    /// The peer's description: for a peer proven local, the one its
+    /// process gave over the local socket.
     pub descriptor: SegmentDescriptor,
+    /// The kernel's word on a same-host peer's process, or why the peer
+    /// is not one (then only the tcp route reaches it).
+    pub local: Result<Credentials, String>,
     queue: Mutex<LinkQueue<J>>,
     opts: LinkOptions,
     next_request: AtomicU64,
@@ -168,7 +300,10 @@ pub(crate) struct PeerLink<J> {
     /// announced any more, so every lookup must ask).
     announced: AtomicU64,
     /// The watch connection, until its driver takes it.
-    watch: Mutex<Option<TcpStream>>,
+    watch: Mutex<Option<Stream>>,
+    /// This engine's epoch and secret (for later local connections).
+    my_epoch: u64,
+    secret: Option<Arc<Secret>>,
     /// Where pushed changes go (set by the engine once its view exists):
     /// applies them from a base version; false if they do not apply.
     sink: OnceLock<ChangeSink>,
@@ -190,8 +325,9 @@ impl<J: CopyJob> PeerLink<J> {
         timeout: Duration,
         my_epoch: u64,
         opts: LinkOptions,
-        secret: Option<&Secret>,
+        shared_secret: Option<Arc<Secret>>,
     ) -> Result<Arc<Self>, OpenError> {
+        let secret = shared_secret.as_deref();
         let deadline = crate::time::deadline_after(timeout);
         let addr = endpoint
             .to_socket_addrs()
@@ -226,50 +362,37 @@ impl<J: CopyJob> PeerLink<J> {
             Ok(s)
         };
         let first = connect()?;
-        let fd = first.as_raw_fd();
-        let mut body = Vec::new();
-        wire::encode_describe(&mut body, my_epoch, expected_epoch.unwrap_or(0));
-        let hb = wire::encode_header(&wire::header(Kind::Describe, body.len(), 0, 1));
-        let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
-        // SAFETY: both entries borrow live local buffers for the call.
-        unsafe { writev_within(fd, &mut v, Some(&open_patience)) }.map_err(|e| OpenError::Connect(e.to_string()))?;
-        let mut hb = [0u8; wire::HEADER_LEN];
-        read_exact_within(fd, &mut hb, Some(&open_patience)).map_err(|e| OpenError::Connect(e.to_string()))?;
-        let h = wire::decode_header(&hb, opts.limits).map_err(|e| OpenError::Protocol(e.to_string()))?;
-        if h.kind == Kind::Error {
-            body.resize(h.body_len as usize, 0);
-            read_exact_within(fd, &mut body, Some(&open_patience)).map_err(|e| OpenError::Connect(e.to_string()))?;
-            return Err(match wire::decode_error(&body) {
-                Ok((wire::RemoteStatus::Unauthenticated, d)) => {
-                    OpenError::Unauthenticated(format!("the peer requires authentication (auth.secret_file): {d}"))
-                }
-                Ok((status, d)) => OpenError::Protocol(format!("describe refused: {status:?}: {d}")),
-                Err(e) => OpenError::Protocol(e.to_string()),
-            });
-        }
-        if h.kind != Kind::DescribeReply || h.data_len != 0 || h.request != 1 {
-            return Err(OpenError::Protocol(format!("unexpected {:?} reply to describe", h.kind)));
-        }
-        body.resize(h.body_len as usize, 0);
-        read_exact_within(fd, &mut body, Some(&open_patience)).map_err(|e| OpenError::Connect(e.to_string()))?;
-        let descriptor =
-            SegmentDescriptor::decode(&body, opts.max_descriptor).map_err(|e| OpenError::Protocol(e.to_string()))?;
-        if let Some(expected) = expected_epoch {
-            if expected != descriptor.epoch {
-                return Err(OpenError::EpochMismatch { expected, found: descriptor.epoch });
-            }
-        }
-        if proven.get().is_some_and(|p| p != descriptor.epoch) {
+        let claimed = describe(first.as_raw_fd(), my_epoch, expected_epoch, &opts, &open_patience)?;
+        if proven.get().is_some_and(|p| p != claimed.epoch) {
             return Err(OpenError::Protocol("the peer described another epoch than it proved".into()));
         }
-        let mut streams = vec![first];
+        // Same host only on proof; then the view, the watch and every
+        // control exchange (borrows included) go over the local socket, to
+        // the process the kernel named.
+        let (descriptor, local, control) = match prove_local(&claimed, my_epoch, secret, &opts, &open_patience) {
+            Ok(p) => (p.descriptor, Ok(p.cred), Some(p.stream)),
+            Err(why) => (claimed, Err(why), None),
+        };
+        let mut streams: Vec<Stream> = vec![first.into()];
         for _ in 1..opts.connections.max(1) {
-            streams.push(connect()?);
+            streams.push(connect()?.into());
         }
         // The watch connection: subscribed now, so that every change the
         // peer makes after this open returns is pushed. Its first answer
         // has what changed since the Describe.
-        let watch = connect()?;
+        let watch: Stream = match &local {
+            Ok(cred) => {
+                let (s, again) =
+                    connect_local(&descriptor.local_socket, descriptor.epoch, my_epoch, secret, &opts, &open_patience)
+                        .map_err(OpenError::Connect)?;
+                if again.pid != cred.pid {
+                    return Err(OpenError::Protocol("the peer's local socket changed hands".into()));
+                }
+                s
+            }
+            Err(_) => connect()?.into(),
+        };
+        let mut body = Vec::new();
         wire::encode_watch(&mut body, descriptor.epoch, descriptor.registry_version, opts.limits.max_body as u64);
         let hb = wire::encode_header(&wire::header(Kind::Watch, body.len(), 0, 1));
         let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
@@ -279,16 +402,20 @@ impl<J: CopyJob> PeerLink<J> {
         let first = read_first_changes(wfd, &opts.limits, descriptor.epoch, &open_patience)?
             .filter(|(base, d)| *base == descriptor.registry_version && d.version >= *base)
             .ok_or_else(|| OpenError::Protocol("no answer to the watch".into()))?;
-        for s in streams.iter().chain([&watch]) {
-            s.set_nonblocking(true).map_err(|e| OpenError::Connect(e.to_string()))?;
+        for s in streams.iter().chain([&watch]).chain(control.as_ref()) {
+            s.set_nonblocking().map_err(|e| OpenError::Connect(e.to_string()))?;
         }
         let since = first.1.version;
         let link = Arc::new(PeerLink {
             descriptor,
+            local,
+            my_epoch,
+            secret: shared_secret.clone(),
             queue: Mutex::new(LinkQueue {
                 jobs: VecDeque::new(),
                 pinned: VecDeque::new(),
                 control: None,
+                control_only: false,
                 lost: None,
                 closing: false,
                 hungry: Vec::new(),
@@ -304,12 +431,86 @@ impl<J: CopyJob> PeerLink<J> {
             conns: Mutex::new(Vec::new()),
             gone: Condvar::new(),
         });
+        if let Some(s) = control {
+            // The local control connection takes control jobs only: data
+            // tasks of the tcp route stay on TCP.
+            let m = ClientConn::new(link.descriptor.epoch, opts.limits);
+            let me = drivers.add(&link, s, Role::Data(Box::new(m)));
+            let mut q = link.queue.lock();
+            q.control = Some(me);
+            q.control_only = true;
+        }
         for s in streams {
             let m = ClientConn::new(link.descriptor.epoch, opts.limits);
             let me = drivers.add(&link, s, Role::Data(Box::new(m)));
             link.queue.lock().control.get_or_insert(me);
         }
         Ok(link)
+    }
+
+    /// Asks a peer proven local for the descriptors of its shared
+    /// allocations `names` (sealed memfds, over a fresh connection to its
+    /// local socket, which must lead to the same process): per name, the
+    /// descriptor or why not. Bounded by the peer timeout.
+    pub fn fetch_shared(&self, names: &[&str]) -> Result<Vec<Result<OwnedFd, String>>, String> {
+        let cred = self.local.as_ref().map_err(Clone::clone)?;
+        let d = &self.descriptor;
+        let patience =
+            Patience { stall: self.opts.stall(), until: Some(crate::time::deadline_after(self.opts.io_timeout)) };
+        let mut out = Vec::with_capacity(names.len());
+        for chunk in names.chunks(wire::MAX_SHARED_FDS) {
+            let (s, again) =
+                connect_local(&d.local_socket, d.epoch, self.my_epoch, self.secret.as_deref(), &self.opts, &patience)?;
+            if again.pid != cred.pid {
+                return Err("the peer's local socket changed hands".into());
+            }
+            let fd = s.as_raw_fd();
+            let mut body = Vec::new();
+            wire::encode_share_fds(&mut body, chunk.iter().copied());
+            let hb = wire::encode_header(&wire::header(Kind::ShareFds, body.len(), 0, 1));
+            let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
+            // SAFETY: both entries borrow live local buffers for the call.
+            unsafe { writev_within(fd, &mut v, Some(&patience)) }.map_err(|e| e.to_string())?;
+            // The descriptors come with the reply's first byte.
+            let mut fds = Vec::new();
+            let mut hb = [0u8; wire::HEADER_LEN];
+            let mut got = 0;
+            while got < hb.len() {
+                match crate::transport::unix::recv_with_fds(fd, &mut hb[got..], chunk.len(), &mut fds) {
+                    Ok(0) => return Err("the peer closed its local socket".into()),
+                    Ok(n) => got += n,
+                    Err(e) if matches!(e.kind(), io::ErrorKind::Interrupted) => {}
+                    Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                        if Instant::now() >= patience.until.unwrap_or_else(Instant::now) {
+                            return Err("the peer did not hand over its shared memory in time".into());
+                        }
+                    }
+                    Err(e) => return Err(format!("shared memory: {e}")),
+                }
+            }
+            let limits = Limits { max_body: (2 + wire::MAX_SHARED_FDS) as u32, max_data: 0 };
+            let h = wire::decode_header(&hb, limits).map_err(|e| e.to_string())?;
+            let mut body = vec![0u8; h.body_len as usize];
+            read_exact_within(fd, &mut body, Some(&patience)).map_err(|e| e.to_string())?;
+            if h.kind != Kind::ShareFdsReply || h.data_len != 0 || body.len() != 2 + chunk.len() {
+                return Err(format!("unexpected {:?} reply to a request for shared memory", h.kind));
+            }
+            if u16::from_le_bytes([body[0], body[1]]) as usize != chunk.len() {
+                return Err("the peer answered for other shared memory".into());
+            }
+            let attached = body[2..].iter().filter(|b| **b == 1).count();
+            if attached != fds.len() || body[2..].iter().any(|b| *b > 1) {
+                return Err("the peer's answer does not match the descriptors it sent".into());
+            }
+            let mut fds = fds.into_iter();
+            for (name, has) in chunk.iter().zip(&body[2..]) {
+                out.push(match has {
+                    1 => fds.next().ok_or_else(|| "missing descriptor".to_owned()),
+                    _ => Err(format!("the peer has no shared allocation {name:?} to hand over")),
+                });
+            }
+        }
+        Ok(out)
     }
 
     /// The changes the peer pushed when the link subscribed (what changed
@@ -353,7 +554,11 @@ impl<J: CopyJob> PeerLink<J> {
     fn push(&self, job: PeerJob<J>, first: bool) {
         let kick = {
             let mut q = self.queue.lock();
-            if matches!(&job, PeerJob::Control(c) if matches!(c.kind, Kind::Borrow | Kind::Return)) {
+            let pinned = match &job {
+                PeerJob::Control(c) => q.control_only || matches!(c.kind, Kind::Borrow | Kind::Return),
+                _ => false,
+            };
+            if pinned {
                 q.pinned.push_back(job);
                 let control = q.control;
                 q.hungry.retain(|c| Some(*c) != control);
@@ -364,7 +569,7 @@ impl<J: CopyJob> PeerLink<J> {
                 } else {
                     q.jobs.push_back(job);
                 }
-                q.hungry.pop()
+                q.pop_hungry()
             }
         };
         if let Some(c) = kick {
@@ -378,12 +583,18 @@ impl<J: CopyJob> PeerLink<J> {
     fn take(&self, me: ConnRef) -> Option<PeerJob<J>> {
         let (job, kick) = {
             let mut q = self.queue.lock();
-            let pinned = if q.control == Some(me) { q.pinned.pop_front() } else { None };
-            match pinned.or_else(|| q.jobs.pop_front()) {
+            let is_control = q.control == Some(me);
+            let pinned = if is_control { q.pinned.pop_front() } else { None };
+            let job = match pinned {
+                Some(j) => Some(j),
+                None if is_control && q.control_only => None,
+                None => q.jobs.pop_front(),
+            };
+            match job {
                 Some(job) => {
                     q.hungry.retain(|c| *c != me);
                     let kick = if !q.jobs.is_empty() {
-                        q.hungry.pop().into_iter().collect()
+                        q.pop_hungry().into_iter().collect()
                     } else if q.closing && q.pinned.is_empty() {
                         // The last job of a closing link: the idle
                         // connections can close now.
@@ -545,7 +756,7 @@ unsafe impl Send for Watch {}
 
 struct Conn<J> {
     link: Arc<PeerLink<J>>,
-    stream: TcpStream,
+    stream: Stream,
     role: Role<J>,
     me: ConnRef,
     /// False once the socket is shut down (the peer is lost): the
@@ -640,7 +851,7 @@ impl<J: CopyJob> Initiators<J> {
 
     /// Gives `stream` (non-blocking) to the next driver, as a connection
     /// of `link`.
-    fn add(&self, link: &Arc<PeerLink<J>>, stream: TcpStream, role: Role<J>) -> ConnRef {
+    fn add(&self, link: &Arc<PeerLink<J>>, stream: Stream, role: Role<J>) -> ConnRef {
         let driver = self.next_driver.fetch_add(1, Ordering::Relaxed) % self.drivers.len();
         let me = ConnRef { driver, id: self.next_conn.fetch_add(1, Ordering::Relaxed) };
         link.conns.lock().push(me);
@@ -819,7 +1030,7 @@ impl<J: CopyJob> Driver<J> {
 
     fn close(&self, conn: Conn<J>) {
         let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_DEL, conn.stream.as_raw_fd(), 0, conn.me.id);
-        let _ = conn.stream.shutdown(Shutdown::Both);
+        conn.stream.shutdown();
         conn.link.forget(conn.me);
         if let Role::Watch(_) = conn.role {
             // Nothing more will be announced: lookups must ask the peer.
@@ -882,7 +1093,7 @@ impl<J: CopyJob> Conn<J> {
         (self.send_until, self.reply_timed, self.reply_until) = (None, false, None);
         if self.open {
             self.open = false;
-            let _ = self.stream.shutdown(Shutdown::Both);
+            self.stream.shutdown();
         }
     }
 

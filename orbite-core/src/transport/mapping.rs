@@ -1,5 +1,6 @@
-//! A same-host peer's shared allocations (/dev/shm files), mapped into this
-//! process once per peer and unmapped when the last user is gone.
+//! A same-host peer's shared allocations (sealed memfds it handed over its
+//! local socket), mapped into this process once per peer and unmapped when
+//! the last user is gone.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -29,55 +30,50 @@ impl Drop for ShmMapping {
 /// A peer's shared allocations mapped here, by name (or why not).
 pub(crate) type SharedMaps = HashMap<String, Result<Arc<ShmMapping>, String>>;
 
-/// Maps a peer's shared allocation `/dev/shm/<name>`.
-pub(crate) fn map_shared(name: &str) -> Result<ShmMapping, String> {
+/// Maps a shared allocation a same-host peer handed over (a descriptor
+/// received over its local socket). It must be sealed against shrinking:
+/// then nobody, its owner included, can truncate it under this mapping,
+/// which would fault this process on its next access.
+pub(crate) fn map_fd(fd: std::os::fd::OwnedFd) -> Result<ShmMapping, String> {
     use std::os::fd::AsRawFd;
-    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-    // The name comes from a peer: one plain file name of an engine's
-    // shared allocation under /dev/shm, nothing else (no path, no
-    // traversal, no link), owned by this user.
-    let plain = name.starts_with("orbite-")
-        && name.len() <= 255
-        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
-        && !name.contains("..");
-    if !plain {
-        return Err(format!("{name:?} is not the name of a shared allocation"));
+    // SAFETY: fcntl on a descriptor this function owns.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+        return Err("the peer's shared memory is not sealed against shrinking".into());
     }
-    let path = std::path::Path::new("/dev/shm").join(name);
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC | libc::O_NONBLOCK)
-        .open(&path)
-        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
-    let meta = file.metadata().map_err(|e| e.to_string())?;
-    // SAFETY: geteuid has no preconditions.
-    let me = unsafe { libc::geteuid() };
-    if !meta.is_file() || meta.uid() != me {
-        return Err(format!("{} is not a regular file of this user", path.display()));
+    // SAFETY: stat is plain data; fstat fills it.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat on an owned descriptor into a live stat.
+    if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 || st.st_mode & libc::S_IFMT != libc::S_IFREG {
+        return Err("the peer's shared memory is not a memory file".into());
     }
-    let len = meta.len() as usize;
+    let len = usize::try_from(st.st_size).unwrap_or(0);
     if len == 0 {
-        return Err(format!("{} is empty", path.display()));
+        return Err("the peer's shared memory is empty".into());
     }
-    // SAFETY: a fresh shared mapping of the whole file; nothing in this
-    // process aliases it yet.
+    // SAFETY: a fresh shared mapping of the whole (sealed) file; nothing in
+    // this process aliases it yet.
     let raw = unsafe {
-        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, file.as_raw_fd(), 0)
+        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0)
     };
     if raw == libc::MAP_FAILED {
-        return Err(format!("cannot map {}: {}", path.display(), std::io::Error::last_os_error()));
+        return Err(format!("cannot map the peer's shared memory: {}", std::io::Error::last_os_error()));
     }
     Ok(ShmMapping { ptr: raw.cast(), len })
 }
 
-/// Maps every shared allocation `regs` name that `maps` lacks.
-pub(crate) fn map_new_shared<'a>(maps: &mut SharedMaps, regs: impl IntoIterator<Item = &'a ExportedRegistration>) {
+/// The names of the shared allocations `regs` lie in that `maps` lacks,
+/// once each.
+pub(crate) fn unmapped<'a>(maps: &SharedMaps, regs: impl IntoIterator<Item = &'a ExportedRegistration>) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
     for r in regs {
         if let Some((name, _)) = &r.shm {
-            maps.entry(name.clone()).or_insert_with(|| map_shared(name).map(Arc::new));
+            if !maps.contains_key(name) && !out.contains(name) {
+                out.push(name.clone());
+            }
         }
     }
+    out
 }
 
 /// Where a shared registration of the peer is mapped in this process.
@@ -89,39 +85,33 @@ pub(crate) fn mapped_base(maps: &SharedMaps, r: &ExportedRegistration) -> Option
 
 #[cfg(test)]
 mod tests {
-    use super::map_shared;
+    use super::map_fd;
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    fn memfd(seal: bool) -> OwnedFd {
+        // SAFETY: memfd_create with a valid C string.
+        let fd = unsafe { libc::memfd_create(c"orbite-test".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh descriptor this test owns.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: plain system calls on it.
+        unsafe {
+            assert_eq!(libc::ftruncate(fd.as_raw_fd(), 8192), 0);
+            if seal {
+                assert_eq!(libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK), 0);
+            }
+        }
+        fd
+    }
 
     #[test]
-    fn only_plain_shared_allocation_files_of_this_user_are_mapped() {
-        for bad in ["/etc/hosts", "../etc/hosts", "orbite-../../etc/hosts", "orbite-a/b", "hosts", "", "orbite-\u{0}"] {
-            assert!(map_shared(bad).is_err(), "{bad:?} was mapped");
-        }
-        let dir = std::path::Path::new("/dev/shm");
-        let id = std::process::id();
-        // A link planted under an allocation's name.
-        let link = format!("orbite-{id}-test-link");
-        let _ = std::fs::remove_file(dir.join(&link));
-        std::os::unix::fs::symlink("/etc/hosts", dir.join(&link)).unwrap();
-        let linked = map_shared(&link);
-        let _ = std::fs::remove_file(dir.join(&link));
-        assert!(linked.is_err(), "a symbolic link was followed");
-        // A file of another user.
-        let foreign = format!("orbite-{id}-test-foreign");
-        std::fs::write(dir.join(&foreign), [0u8; 4096]).unwrap();
-        // SAFETY: chown of a file this test created (the tests run as root;
-        // elsewhere the call fails and the check below is skipped).
-        let path = std::ffi::CString::new(format!("/dev/shm/{foreign}")).unwrap();
-        let chowned = unsafe { libc::chown(path.as_ptr(), 65534, 65534) } == 0;
-        let mapped = map_shared(&foreign);
-        let _ = std::fs::remove_file(dir.join(&foreign));
-        if chowned {
-            assert!(mapped.is_err(), "another user's file was mapped");
-        }
-        // A plain one of this user maps.
-        let ok = format!("orbite-{id}-test-plain");
-        std::fs::write(dir.join(&ok), [0u8; 4096]).unwrap();
-        let mapped = map_shared(&ok);
-        let _ = std::fs::remove_file(dir.join(&ok));
-        assert!(mapped.is_ok(), "{:?}", mapped.err());
+    fn only_memory_sealed_against_shrinking_is_mapped() {
+        let m = map_fd(memfd(true)).unwrap();
+        assert_eq!(m.len, 8192);
+        assert!(map_fd(memfd(false)).err().is_some_and(|e| e.contains("sealed")));
+        let file: OwnedFd = std::fs::File::open("/proc/self/stat").unwrap().into();
+        assert!(map_fd(file).is_err(), "a file that is not a sealed memfd");
+        let dir: OwnedFd = std::fs::File::open("/").unwrap().into();
+        assert!(map_fd(dir).is_err());
     }
 }

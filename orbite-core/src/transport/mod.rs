@@ -17,6 +17,7 @@ pub(crate) mod shm;
 pub(crate) mod sock;
 pub(crate) mod spin;
 pub(crate) mod tcp;
+pub(crate) mod unix;
 
 #[cfg(feature = "fault-injection")]
 pub mod fault;

@@ -16,6 +16,9 @@ use crate::types::{Desc, Route};
 pub(crate) struct SameHost {
     /// Whether the kernel lets this process use CMA on the peer.
     pub cma: Result<(), String>,
+    /// The peer's pid in this pid namespace, as the kernel reported it
+    /// (never the one the peer named).
+    pub pid: i32,
 }
 
 /// What a route sees of a peer at prepare.

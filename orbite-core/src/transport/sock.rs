@@ -204,3 +204,46 @@ pub(crate) fn tune(stream: &TcpStream) {
         }
     }
 }
+
+/// A connected stream socket, TCP or Unix-domain: what the drivers read
+/// and write (raw `readv`/`writev` on its descriptor).
+pub(crate) struct Stream(OwnedFd);
+
+impl Stream {
+    /// Shuts both directions down (the peer sees the end at once, even
+    /// while another thread still holds the descriptor).
+    pub fn shutdown(&self) {
+        // SAFETY: shutdown on a descriptor this value owns.
+        unsafe { libc::shutdown(self.0.as_raw_fd(), libc::SHUT_RDWR) };
+    }
+
+    /// Makes the socket non-blocking.
+    pub fn set_nonblocking(&self) -> io::Result<()> {
+        let fd = self.0.as_raw_fd();
+        // SAFETY: fcntl on a descriptor this value owns.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        // SAFETY: as above.
+        if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+}
+
+impl AsRawFd for Stream {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+impl From<TcpStream> for Stream {
+    fn from(s: TcpStream) -> Self {
+        Stream(s.into())
+    }
+}
+
+impl From<std::os::unix::net::UnixStream> for Stream {
+    fn from(s: std::os::unix::net::UnixStream) -> Self {
+        Stream(s.into())
+    }
+}

@@ -12,8 +12,9 @@
 //! usable; a malformed frame closes that connection only.
 
 use std::io;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::UnixListener;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::thread::JoinHandle;
@@ -28,7 +29,7 @@ pub(crate) use crate::transport::link::{ANNOUNCE_UNKNOWN, Initiators, LinkOption
 pub(crate) use crate::transport::proto::client::{ControlDone, ControlJob, PeerFailure, PeerJob};
 use crate::transport::proto::server::{BorrowCount, Close, Event, ServerConn, TargetSide};
 use crate::transport::route::{PeerReach, Reach, RouteImpl, Runs, Serves};
-use crate::transport::sock::{epoll_ctl, owned, tune};
+use crate::transport::sock::{Stream, epoll_ctl, owned, tune};
 use crate::types::{Desc, Route};
 use crate::wire::{self, Kind};
 
@@ -124,7 +125,7 @@ impl Subscriber {
         } else if n > 0 {
             // Half a frame would desynchronise the stream: the watcher
             // loses its connection (and falls back to asking).
-            let _ = self.served.stream.shutdown(Shutdown::Both);
+            self.served.stream.shutdown();
         }
         // n < 0: the socket is full (the watcher is not reading); the next
         // change pushes everything since `pushed`.
@@ -172,6 +173,7 @@ impl Watchers {
 /// not grow with connections.
 pub(crate) struct Server {
     addr: SocketAddr,
+    local: Option<String>,
     shared: Arc<ServerShared>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     watchers: Arc<Watchers>,
@@ -246,6 +248,8 @@ struct ServerShared {
     /// Written once at shutdown; level-triggered, so every thread sees it.
     stop: OwnedFd,
     listener: TcpListener,
+    /// The local socket (same-host peers prove who they reach over it).
+    local: Option<UnixListener>,
     side: Weak<dyn TargetSide>,
     conns: Mutex<std::collections::HashMap<u64, Arc<ServedConn>>>,
     next_conn: AtomicU64,
@@ -256,7 +260,9 @@ struct ServerShared {
 /// One accepted connection: its socket and its machine. Armed one-shot in
 /// the epoll set, so one thread at a time serves it.
 struct ServedConn {
-    stream: TcpStream,
+    stream: Stream,
+    /// The peer's address (`None`: the local socket, where only this
+    /// user's processes are accepted).
     peer: Option<std::net::IpAddr>,
     machine: Mutex<Served>,
 }
@@ -278,6 +284,7 @@ struct Served {
 const LISTENER: u64 = u64::MAX;
 const STOP: u64 = u64::MAX - 1;
 const TIMER: u64 = u64::MAX - 2;
+const LOCAL: u64 = u64::MAX - 3;
 
 /// Bytes one connection may move per turn before others get theirs.
 const TURN_BYTES: usize = 8 << 20;
@@ -289,18 +296,23 @@ fn server_threads() -> usize {
 
 impl Server {
     /// Binds and starts serving. The server holds the target side weakly.
+    /// With `local`, it also serves on that local socket (an abstract
+    /// Unix socket: see `transport::unix`); a local socket that cannot be
+    /// bound is left out (`Server::local_socket` is then `None`).
     pub fn start(
         bind: &str,
+        local: Option<&str>,
         side: Weak<dyn TargetSide>,
         limits: ServerLimits,
         secret: Option<Arc<Secret>>,
     ) -> io::Result<Server> {
-        Self::start_with(bind, side, TURN_BYTES, limits, secret)
+        Self::start_with(bind, local, side, TURN_BYTES, limits, secret)
     }
 
     /// [`Server::start`] with connections taking turns of `turn` bytes.
     fn start_with(
         bind: &str,
+        local: Option<&str>,
         side: Weak<dyn TargetSide>,
         turn: usize,
         limits: ServerLimits,
@@ -316,6 +328,13 @@ impl Server {
         epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, stop.as_raw_fd(), libc::EPOLLIN as u32, STOP)?;
         let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
         epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, listener.as_raw_fd(), oneshot, LISTENER)?;
+        let (local, local_name) = match local.and_then(|n| crate::transport::unix::bind(n).ok().map(|l| (l, n))) {
+            Some((l, n)) => {
+                epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, l.as_raw_fd(), oneshot, LOCAL)?;
+                (Some(l), Some(n.to_owned()))
+            }
+            None => (None, None),
+        };
         // SAFETY: as above.
         let timer =
             owned(unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_CLOEXEC | libc::TFD_NONBLOCK) })?;
@@ -332,13 +351,15 @@ impl Server {
             epoll,
             stop,
             listener,
+            local,
             side,
             conns: Mutex::new(std::collections::HashMap::new()),
             next_conn: AtomicU64::new(1),
             borrowed: BorrowCount::default(),
             watchers: watchers.clone(),
         });
-        let server = Server { addr, shared: shared.clone(), threads: Mutex::new(Vec::new()), watchers };
+        let server =
+            Server { addr, local: local_name, shared: shared.clone(), threads: Mutex::new(Vec::new()), watchers };
         for i in 0..server_threads() {
             let shared = shared.clone();
             let spawned = std::thread::Builder::new().name(format!("orbite-serve-{i}")).spawn(move || shared.run());
@@ -361,6 +382,11 @@ impl Server {
     /// The bound address.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The local socket's name, if it serves one.
+    pub fn local_socket(&self) -> Option<&str> {
+        self.local.as_deref()
     }
 
     /// Stops serving, closes every connection and joins the threads.
@@ -395,6 +421,7 @@ impl ServerShared {
                 match ev.u64 {
                     STOP => return,
                     LISTENER => self.accept(),
+                    LOCAL => self.accept_local(),
                     TIMER => self.sweep(),
                     id => self.serve(id),
                 }
@@ -433,32 +460,64 @@ impl ServerShared {
                 *n += 1;
             }
             tune(&stream);
-            let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
-            let fd = stream.as_raw_fd();
-            let now = Instant::now();
-            // A connection that must authenticate owes its handshake at
-            // once (the initiator sends it on connect); without a secret a
-            // fresh connection is just idle (a link's data connections
-            // stay silent until they have work).
-            let served = Served {
-                m: ServerConn::new(self.borrowed.clone(), self.secret.clone()),
-                busy_since: self.secret.is_some().then_some(now),
-                frames_seen: 0,
-                last: now,
-            };
-            let conn = Arc::new(ServedConn { stream, peer, machine: Mutex::new(served) });
-            self.conns.lock().insert(id, conn.clone());
-            let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
-            if conn.stream.set_nonblocking(true).is_err()
-                || epoll_ctl(&self.epoll, libc::EPOLL_CTL_ADD, fd, oneshot, id).is_err()
-            {
-                self.close(id);
-                continue;
-            }
-            self.arm_timer();
+            self.admit(stream.into(), peer);
         }
         let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
         let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_MOD, self.listener.as_raw_fd(), oneshot, LISTENER);
+    }
+
+    /// [`Self::accept`] for the local socket: only processes of this user
+    /// are served (the kernel says who connected); the others are closed
+    /// at once.
+    fn accept_local(&self) {
+        let Some(local) = &self.local else { return };
+        loop {
+            let stream = match local.accept() {
+                Ok((s, _)) => s,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(_) => {
+                    *self.accept_resume.lock() = Instant::now().checked_add(ACCEPT_BACKOFF);
+                    self.arm_timer();
+                    return;
+                }
+            };
+            let mine = crate::transport::unix::peer_credentials(stream.as_raw_fd())
+                .is_ok_and(|c| c.uid == crate::transport::unix::my_uid());
+            if !mine || self.conns.lock().len() >= self.limits.max_connections {
+                continue;
+            }
+            self.admit(stream.into(), None);
+        }
+        let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
+        let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_MOD, local.as_raw_fd(), oneshot, LOCAL);
+    }
+
+    /// Serves an accepted connection (within the caps, already counted).
+    fn admit(&self, stream: Stream, peer: Option<std::net::IpAddr>) {
+        let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        let fd = stream.as_raw_fd();
+        let now = Instant::now();
+        // A connection that must authenticate owes its handshake at
+        // once (the initiator sends it on connect); without a secret a
+        // fresh connection is just idle (a link's data connections
+        // stay silent until they have work).
+        let served = Served {
+            m: ServerConn::new(self.borrowed.clone(), self.secret.clone(), peer.is_none()),
+            busy_since: self.secret.is_some().then_some(now),
+            frames_seen: 0,
+            last: now,
+        };
+        let conn = Arc::new(ServedConn { stream, peer, machine: Mutex::new(served) });
+        self.conns.lock().insert(id, conn.clone());
+        let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
+        if conn.stream.set_nonblocking().is_err()
+            || epoll_ctl(&self.epoll, libc::EPOLL_CTL_ADD, fd, oneshot, id).is_err()
+        {
+            self.close(id);
+            return;
+        }
+        self.arm_timer();
     }
 
     /// Arms the deadline sweep (periodic) if it is not armed.
@@ -543,10 +602,17 @@ impl ServerShared {
                 // reply half sent needs the socket writable, not readable.
                 break if m.send_buf().is_some() { libc::EPOLLOUT } else { libc::EPOLLIN };
             }
+            let fds: Vec<i32> = m.send_fds().iter().map(AsRawFd::as_raw_fd).collect();
             if let Some(out) = m.send_buf() {
-                // SAFETY: the machine's iovecs address its own buffers or
-                // registered memory its loans keep alive.
-                let r = unsafe { libc::writev(fd, out.as_ptr(), out.len().min(1024) as i32) };
+                let r = if fds.is_empty() {
+                    // SAFETY: the machine's iovecs address its own buffers or
+                    // registered memory its loans keep alive.
+                    unsafe { libc::writev(fd, out.as_ptr(), out.len().min(1024) as i32) }
+                } else {
+                    // SAFETY: as above; the descriptors are live (the
+                    // machine owns them until they are sent).
+                    unsafe { crate::transport::unix::send_with_fds(fd, out, &fds) }
+                };
                 if r >= 0 {
                     m.sent(r as usize);
                     moved += r as usize;
@@ -588,7 +654,7 @@ impl ServerShared {
                         // SAFETY: the machine's iovecs address its own buffers.
                         unsafe { libc::writev(fd, out.as_ptr(), out.len().min(1024) as i32) };
                     }
-                    let from = conn.peer.map_or_else(|| "an unknown address".to_owned(), |ip| ip.to_string());
+                    let from = conn.peer.map_or_else(|| "the local socket".to_owned(), |ip| ip.to_string());
                     side.auth_failed(&from);
                     break 0;
                 }
@@ -636,7 +702,7 @@ impl ServerShared {
             }
         }
         let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_DEL, conn.stream.as_raw_fd(), 0, id);
-        let _ = conn.stream.shutdown(Shutdown::Both);
+        conn.stream.shutdown();
         self.watchers.forget(id);
         // The borrower is gone with its connection: its machine, and with
         // it its borrows, go with the last reference.
@@ -651,6 +717,7 @@ mod tests {
     use crate::transport::sock::iov;
     use crate::wire::{Limits, NotifyEnvelope, RemoteDesc, RemoteStatus, Request};
     use std::io::{Read, Write};
+    use std::net::TcpStream;
 
     const EPOCH: u64 = 0x5e;
     const LEN: usize = 1 << 20;
@@ -719,7 +786,7 @@ mod tests {
         let mem: &'static mut [u8] = Box::leak(vec![0u8; LEN].into_boxed_slice());
         let side: Arc<dyn TargetSide> = Arc::new(Side { base: mem.as_mut_ptr() as usize });
         let server =
-            Server::start_with("127.0.0.1:0", Arc::downgrade(&side), 1, ServerLimits::default(), None).unwrap();
+            Server::start_with("127.0.0.1:0", None, Arc::downgrade(&side), 1, ServerLimits::default(), None).unwrap();
         let mut s = TcpStream::connect(server.local_addr()).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let payload = vec![7u8; 256 << 10];

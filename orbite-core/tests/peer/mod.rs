@@ -69,6 +69,24 @@ pub fn entry() {
                 let (o, l): (usize, usize) = (off.parse().unwrap(), len.parse().unwrap());
                 say(format!("HASH {}", fnv(&bytes[o..o + l])));
             }
+            ["struncate"] => {
+                // The owner tries to shrink its own shared allocation under
+                // its peers' mappings (every memfd of this process).
+                let mut tried = 0;
+                let mut shrunk = 0;
+                for f in std::fs::read_dir("/proc/self/fd").unwrap().flatten() {
+                    let target = std::fs::read_link(f.path()).unwrap_or_default();
+                    if target.to_string_lossy().starts_with("/memfd:orbite-") {
+                        let fd: i32 = f.file_name().to_string_lossy().parse().unwrap();
+                        tried += 1;
+                        // SAFETY: ftruncate on a descriptor of this process.
+                        if unsafe { libc::ftruncate(fd, 0) } == 0 {
+                            shrunk += 1;
+                        }
+                    }
+                }
+                say(format!("OK {tried} {shrunk}"));
+            }
             ["sdereg"] => {
                 e.deregister(shm.as_ref().unwrap().1).unwrap();
                 say("OK".into());
@@ -139,8 +157,23 @@ impl PeerProcess {
     // below); clippy cannot see through the struct.
     #[allow(clippy::zombie_processes)]
     pub fn spawn_on(listen: &str) -> PeerProcess {
+        Self::spawn_wrapped(&[], listen)
+    }
+
+    /// [`Self::spawn_on`] under a wrapper command (`wrapper` then the test
+    /// binary and its arguments): `ip netns exec NS`, `unshare --pid`.
+    #[allow(clippy::zombie_processes)]
+    pub fn spawn_wrapped(wrapper: &[&str], listen: &str) -> PeerProcess {
         let exe = std::env::current_exe().unwrap();
-        let mut child = Command::new(exe)
+        let mut cmd = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
+        let mut child = cmd
             .args(["peer_process_entry", "--exact", "--nocapture", "--test-threads=1", "-q"])
             .env(PEER_ENV, "1")
             .env("ORBITE_TEST_LISTEN", listen)
@@ -214,13 +247,6 @@ impl PeerProcess {
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        // A killed engine cannot unlink its shared files: do it for it.
-        let prefix = format!("orbite-{}-", self.child.id());
-        for f in std::fs::read_dir("/dev/shm").into_iter().flatten().flatten() {
-            if f.file_name().to_string_lossy().starts_with(&prefix) {
-                let _ = std::fs::remove_file(f.path());
-            }
-        }
     }
 
     pub fn open(&self, e: &TransferEngine) -> RemoteSegment {

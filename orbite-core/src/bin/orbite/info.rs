@@ -85,8 +85,8 @@ pub(crate) fn run(args: InfoArgs) -> Result<(), String> {
     let shm_why = match (&shm, boot_known) {
         _ if !allows("shm") => format!("route policy {route}"),
         (_, false) => "the boot id is unknown, so no peer can be proven local".to_owned(),
-        (Ok(()), true) => "shared allocations under /dev/shm work".to_owned(),
-        (Err(e), true) => format!("cannot allocate under /dev/shm: {e}"),
+        (Ok(()), true) => "shared allocations (sealed memfds) work".to_owned(),
+        (Err(e), true) => format!("cannot allocate shared memory: {e}"),
     };
     let (cma, cma_why) = if allows("cma") { (cma, cma_why) } else { (false, format!("route policy {route}")) };
     engine.close();

@@ -58,6 +58,12 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
     fn borrow_limits(&self) -> BorrowLimits {
         BorrowLimits { per_connection: 4096, registrations_per_borrow: 1024 }
     }
+    /// A duplicate of the descriptor of shared allocation `name` (its
+    /// notification inbox, or one a registration peers may target lies
+    /// in), for a same-host peer on the local socket.
+    fn shared_fd(&self, _name: &str) -> Option<std::os::fd::OwnedFd> {
+        None
+    }
 }
 
 /// Bounds on what borrowers may make a target hold.
@@ -158,6 +164,10 @@ pub(crate) struct ServerConn {
     auth: Auth,
     /// The server's count of borrows.
     borrowed: BorrowCount,
+    /// True on the local socket (only this user's processes reach it).
+    local: bool,
+    /// Descriptors to attach to the reply's first byte (`SCM_RIGHTS`).
+    out_fds: Vec<std::os::fd::OwnedFd>,
 }
 
 impl Drop for ServerConn {
@@ -179,8 +189,11 @@ impl ServerConn {
     /// A machine for connection `conn` (an id unique in the server).
     /// With a `secret`, the connection must authenticate before anything
     /// else (and until it has, its frames are bounded to a few bytes).
-    pub fn new(borrowed: BorrowCount, secret: Option<Arc<Secret>>) -> Self {
+    /// `local`: the connection came over the local socket.
+    pub fn new(borrowed: BorrowCount, secret: Option<Arc<Secret>>, local: bool) -> Self {
         ServerConn {
+            local,
+            out_fds: Vec::new(),
             auth: secret.map_or(Auth::Open, Auth::Hello),
             borrows: HashMap::new(),
             frames: 0,
@@ -271,8 +284,16 @@ impl ServerConn {
         (self.out_first < self.out_iovs.len()).then(|| &mut self.out_iovs[self.out_first..])
     }
 
+    /// Descriptors the next send must attach (with its first byte).
+    pub fn send_fds(&self) -> &[std::os::fd::OwnedFd] {
+        &self.out_fds
+    }
+
     /// `n` bytes of [`ServerConn::send_buf`] went out.
     pub fn sent(&mut self, n: usize) {
+        if n > 0 {
+            self.out_fds.clear(); // they went with the first byte
+        }
         advance(&mut self.out_iovs, &mut self.out_first, n);
         if self.out_first >= self.out_iovs.len() {
             self.out_loans.clear(); // a READ's bytes are out: its loans end
@@ -461,6 +482,22 @@ impl ServerConn {
                     self.reply(Kind::DescribeDelta, h.request, &delta);
                 }
             }
+            Kind::ShareFds => {
+                let names = wire::decode_share_fds(&self.frame.body)?;
+                if h.data_len != 0 {
+                    return Err(Close::Malformed);
+                }
+                if !self.local {
+                    self.error(h.request, RemoteStatus::Other, "shared memory is handed over on the local socket only");
+                    return Ok(None);
+                }
+                let fds: Vec<Option<std::os::fd::OwnedFd>> = names.iter().map(|n| side.shared_fd(n)).collect();
+                let mut body = Vec::with_capacity(2 + fds.len());
+                body.extend_from_slice(&(fds.len() as u16).to_le_bytes());
+                body.extend(fds.iter().map(|f| u8::from(f.is_some())));
+                self.reply(Kind::ShareFdsReply, h.request, &body);
+                self.out_fds = fds.into_iter().flatten().collect();
+            }
             Kind::Describe => {
                 wire::decode_describe(&self.frame.body)?;
                 if h.data_len != 0 {
@@ -551,6 +588,7 @@ impl ServerConn {
             | Kind::Changed
             | Kind::AuthChallenge
             | Kind::AuthOk
+            | Kind::ShareFdsReply
             // Authenticated already (or no secret): a second handshake is
             // not part of the protocol.
             | Kind::AuthHello
@@ -788,7 +826,7 @@ mod tests {
     fn run(frames: &[Frame], cuts: &[usize]) -> (Vec<Expect>, [[u8; 256]; 2]) {
         let side = FakeSide { mem: UnsafeCell::new([[0u8; 256]; 2]) };
         let input: Vec<u8> = frames.iter().enumerate().flat_map(|(i, f)| encode(f, i as u64 + 1)).collect();
-        let mut m = ServerConn::new(Default::default(), None);
+        let mut m = ServerConn::new(Default::default(), None, false);
         let (mut pos, mut out, mut closed) = (0usize, Vec::new(), false);
         let mut cut = cuts.iter().cycle();
         loop {
