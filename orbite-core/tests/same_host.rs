@@ -346,3 +346,65 @@ fn one_sided_repost_after_an_unrelated_deregistration_asks_again_and_lands() {
     assert_eq!(p.hash(0, 65536), fnv(&snapshot(&local.mem)[..65536]), "the repost landed");
     t.release().unwrap();
 }
+
+/// Attack: a fake peer describes itself with another process's epoch and
+/// local socket, and "registrations" at addresses of its choosing in that
+/// process. The proof reaches the true process, whose own description is
+/// the one used: the bytes land in its registered range, nothing else of
+/// it changes, and the fake's addresses are never touched.
+#[test]
+fn a_peer_naming_another_process_reaches_only_that_process_registered_ranges() {
+    use orbite_core::segment::SegmentDescriptor;
+    use orbite_core::wire::{self, Kind};
+    use std::io::{Read, Write};
+    let mut victim = PeerProcess::spawn();
+    let e = initiator();
+    let honest = victim.open(&e).descriptor().clone();
+    let real = honest.registrations.iter().find(|r| r.id == victim.region).unwrap().clone();
+    // The same id, but 1 MiB further into the victim's address space.
+    let mut fake = SegmentDescriptor { endpoint: String::new(), ..honest.clone() };
+    for r in &mut fake.registrations {
+        r.addr += 1 << 20;
+    }
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    fake.endpoint = addr.clone();
+    let frame = |kind: Kind, body: &[u8], request: u64| {
+        let mut f = wire::encode_header(&wire::header(kind, body.len(), 0, request)).to_vec();
+        f.extend_from_slice(body);
+        f
+    };
+    let server = std::thread::spawn(move || {
+        // Answers the Describe, then holds the connection (the watch and the
+        // control exchanges go to the process it named).
+        let Ok((mut s, _)) = l.accept() else { return };
+        let mut h = [0u8; wire::HEADER_LEN];
+        s.read_exact(&mut h).unwrap();
+        let h = wire::decode_header(&h, wire::Limits { max_body: 1 << 20, max_data: 0 }).unwrap();
+        let mut body = vec![0u8; h.body_len as usize];
+        s.read_exact(&mut body).unwrap();
+        s.write_all(&frame(Kind::DescribeReply, &fake.to_bytes(), h.request)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut b = [0u8; 4096];
+        while matches!(s.read(&mut b), Ok(n) if n > 0) {}
+    });
+    let e2 = engine(r#"{"connections_per_peer": 1, "peer_timeout_ms": 3000}"#);
+    let seg = e2.open_segment(&addr, None, WAIT).unwrap();
+    assert_eq!(seg.descriptor().registrations.iter().find(|r| r.id == victim.region).unwrap().addr, real.addr);
+    let len = 65536;
+    let local = region(&e2, len, Permission::RemoteReadWrite);
+    fill(&local.mem, 41);
+    let guard = victim.hash(len, REGION - len);
+    let (l, r) = ([Desc::new(local.id, 0, len as u64)], [Desc::new(victim.region, 0, len as u64)]);
+    let t = e2.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+    assert_eq!(t.route().route, Route::Cma, "{:?}", t.route());
+    t.post().unwrap();
+    assert!(wait_retired(&t).outcome.is_success());
+    assert_eq!(victim.hash(0, len), fnv(&snapshot(&local.mem)), "the bytes are in the registered range");
+    assert_eq!(victim.hash(len, REGION - len), guard, "nothing after it changed (the fake's addresses lie there)");
+    drop(t);
+    drop(seg);
+    drop(e2);
+    drop(e);
+    let _ = server.join();
+}
