@@ -18,7 +18,7 @@
  ABI minor: additive changes (new entry points, new feature bits, new
  record versions negotiated by size).
  */
-#define ORBITE_ABI_MINOR 1
+#define ORBITE_ABI_MINOR 2
 
 #if defined(ORBITE_TEST_HOOKS)
 /*
@@ -626,6 +626,15 @@ typedef struct OrbiteStats {
    Handles of this library on the engine's objects.
    */
   uint64_t binding_handles;
+  /*
+   Ranges held by range pins (KV sessions pin their KV).
+   */
+  uint64_t pinned_ranges;
+  /*
+   Peer connections that failed authentication, either way (a count:
+   the one field that only grows).
+   */
+  uint64_t auth_failures;
 } OrbiteStats;
 
 /*
@@ -1132,6 +1141,9 @@ OrbiteStatus orbite_engine_release(struct OrbiteEngine engine);
  `out` is null or points to an `OrbiteStats` whose `size` and `version` the
  caller set, readable for those two fields and, when they match this
  library's, writable for the whole record.
+
+ A caller built against ABI 1.1 passes the record of that version (112
+ bytes, without `pinned_ranges` and `auth_failures`): it gets that prefix.
 
  Checked: a null or misaligned `out`, its size and version; the handle may
  be any value: it is checked.

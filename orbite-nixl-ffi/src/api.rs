@@ -229,9 +229,8 @@ fn permission_code(p: Permission) -> u32 {
     }
 }
 
-/// The record of `Stats`: every counter but `pinned_ranges` and
-/// `auth_failures` (not yet in the C record), by name, in
-/// the order of `Stats::FIELDS` (checked by the test below and by
+/// The record of `Stats`: every counter, by name, in the order of
+/// `Stats::FIELDS` (checked by the test below and by
 /// `tests/layout.rs`).
 fn stats_record(s: Stats) -> OrbiteStats {
     OrbiteStats {
@@ -250,6 +249,8 @@ fn stats_record(s: Stats) -> OrbiteStats {
         unquiesced_owners: s.unquiesced_owners,
         notification_bytes: s.notification_bytes,
         binding_handles: s.binding_handles,
+        pinned_ranges: s.pinned_ranges,
+        auth_failures: s.auth_failures,
     }
 }
 
@@ -535,19 +536,41 @@ pub extern "C" fn orbite_engine_release(engine: OrbiteEngine) -> OrbiteStatus {
 /// caller set, readable for those two fields and, when they match this
 /// library's, writable for the whole record.
 ///
+/// A caller built against ABI 1.1 passes the record of that version (112
+/// bytes, without `pinned_ranges` and `auth_failures`): it gets that prefix.
+///
 /// Checked: a null or misaligned `out`, its size and version; the handle may
 /// be any value: it is checked.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn orbite_engine_stats(engine: OrbiteEngine, out: *mut OrbiteStats) -> OrbiteStatus {
     entry("orbite_engine_stats", || {
         let e = engine_of(engine)?;
-        // SAFETY: caller's contract: a writable OrbiteStats.
-        unsafe { output_check(out)? };
+        check_pointer(out, OrbiteStats::NAME)?;
+        // SAFETY: caller's contract: `out` is readable for its header.
+        let [size, version] = unsafe { std::ptr::read(out.cast::<[u32; 2]>()) };
+        let mut record = stats_record(e.engine.stats());
+        if size as usize == STATS_1_1_SIZE && version == ORBITE_RECORD_VERSION {
+            record.size = size;
+            // SAFETY: caller's contract: a writable record of `size` bytes,
+            // a prefix of this one (the same fields, in the same places).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (&record as *const OrbiteStats).cast::<u8>(),
+                    out.cast::<u8>(),
+                    STATS_1_1_SIZE,
+                )
+            };
+            return Ok(());
+        }
+        check_header::<OrbiteStats>(size, version)?;
         // SAFETY: checked above.
-        unsafe { put(out, stats_record(e.engine.stats())) };
+        unsafe { put(out, record) };
         Ok(())
     })
 }
+
+/// `sizeof(OrbiteStats)` in ABI 1.1 (before `pinned_ranges`).
+const STATS_1_1_SIZE: usize = std::mem::offset_of!(OrbiteStats, pinned_ranges);
 
 /// Writes the engine's peer information (endpoint and epoch) for another
 /// process's `orbite_peer_open`, or for this engine's own self peer.
@@ -1723,7 +1746,7 @@ mod tests {
 
     /// Counters of `Stats` the C record does not carry: adding one changes
     /// the C ABI (a new record version).
-    const NOT_IN_THE_RECORD: &[&str] = &["pinned_ranges", "auth_failures"];
+    const NOT_IN_THE_RECORD: &[&str] = &[];
 
     /// Every field of a record and its value, in declaration order (read
     /// from its `Debug`: `OrbiteStats { size: 120, version: 1, .. }`).

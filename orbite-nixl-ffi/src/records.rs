@@ -453,6 +453,11 @@ pub struct OrbiteStats {
     pub notification_bytes: u64,
     /// Handles of this library on the engine's objects.
     pub binding_handles: u64,
+    /// Ranges held by range pins (KV sessions pin their KV).
+    pub pinned_ranges: u64,
+    /// Peer connections that failed authentication, either way (a count:
+    /// the one field that only grows).
+    pub auth_failures: u64,
 }
 
 /// Output of `orbite_notifs_drain`.

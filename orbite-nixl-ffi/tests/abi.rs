@@ -734,3 +734,26 @@ fn deployment_engines_listen_on_all_interfaces_and_say_what_they_advertise() {
     o.flags = 0x100;
     assert_eq!(unsafe { orbite_engine_create(&o, &mut e) }, OrbiteStatus::InvalidArgument);
 }
+
+/// A caller built against ABI 1.1 passes the 112-byte stats record of that
+/// version: it gets the fields it knows, and nothing after them is written.
+#[test]
+fn a_stats_record_of_abi_1_1_gets_its_prefix() {
+    let e = engine("{}");
+    let mut raw = [0xEEu8; 128];
+    raw[..4].copy_from_slice(&112u32.to_le_bytes());
+    raw[4..8].copy_from_slice(&1u32.to_le_bytes());
+    let mut aligned = [0u64; 16];
+    // SAFETY: both are 128 plain bytes.
+    unsafe { std::ptr::copy_nonoverlapping(raw.as_ptr(), aligned.as_mut_ptr().cast::<u8>(), 128) };
+    ok(unsafe { orbite_engine_stats(e, aligned.as_mut_ptr().cast::<OrbiteStats>()) });
+    // SAFETY: as above.
+    unsafe { std::ptr::copy_nonoverlapping(aligned.as_ptr().cast::<u8>(), raw.as_mut_ptr(), 128) };
+    assert_eq!(u32::from_le_bytes(raw[..4].try_into().unwrap()), 112);
+    assert!(raw[112..].iter().all(|b| *b == 0xEE), "written past the caller's record");
+    let full = stats(e);
+    assert_eq!(u64::from_le_bytes(raw[8..16].try_into().unwrap()), full.registrations);
+    let mut odd = OrbiteStats { size: 120, version: 1, ..Default::default() };
+    assert_eq!(unsafe { orbite_engine_stats(e, &mut odd) }, OrbiteStatus::VersionMismatch);
+    close_and_release(e);
+}

@@ -120,7 +120,7 @@ _Static_assert(sizeof(OrbiteStatus) == 4, "OrbiteStatus is 32 bits");
     F(OrbiteCloseReport, drained, 8)              \
     F(OrbiteCloseReport, reserved, 12)            \
     F(OrbiteCloseReport, unquiesced, 16)          \
-    S(OrbiteStats, 112)                           \
+    S(OrbiteStats, 128)                           \
     F(OrbiteStats, size, 0)                       \
     F(OrbiteStats, version, 4)                    \
     F(OrbiteStats, registrations, 8)              \
@@ -136,6 +136,8 @@ _Static_assert(sizeof(OrbiteStatus) == 4, "OrbiteStatus is 32 bits");
     F(OrbiteStats, unquiesced_owners, 88)         \
     F(OrbiteStats, notification_bytes, 96)        \
     F(OrbiteStats, binding_handles, 104)          \
+    F(OrbiteStats, pinned_ranges, 112)            \
+    F(OrbiteStats, auth_failures, 120)            \
     S(OrbiteDrainResult, 32)                      \
     F(OrbiteDrainResult, size, 0)                 \
     F(OrbiteDrainResult, version, 4)              \
