@@ -69,6 +69,9 @@ pub(crate) fn run(args: InfoArgs) -> Result<(), String> {
     let boot = orbite_core::segment::local_boot_id();
     let boot_known = boot != [0u8; 16];
     let shm = engine.allocate_shm_memory(4096).map(drop);
+    // Same-host peers prove themselves over the local socket: without one,
+    // no peer can be proven local.
+    let local_socket = engine.segment_descriptor().local_socket;
     let (cma, cma_why) = cma_policy();
     let origin = match &doc.origin {
         ConfigOrigin::Explicit => "--config".to_owned(),
@@ -81,20 +84,26 @@ pub(crate) fn run(args: InfoArgs) -> Result<(), String> {
     let route = serde_json::to_value(config.route).map_err(|e| e.to_string())?;
     let route = route.as_str().unwrap_or("auto").to_owned();
     let allows = |r: &str| route == "auto" || route == r;
-    let shm_ok = boot_known && shm.is_ok() && allows("shm");
+    let local = !local_socket.is_empty();
+    let shm_ok = boot_known && local && shm.is_ok() && allows("shm");
     let shm_why = match (&shm, boot_known) {
         _ if !allows("shm") => format!("route policy {route}"),
+        _ if !local => "no local socket could be bound, so no peer can be proven local".to_owned(),
         (_, false) => "the boot id is unknown, so no peer can be proven local".to_owned(),
         (Ok(()), true) => "shared allocations (sealed memfds) work".to_owned(),
         (Err(e), true) => format!("cannot allocate shared memory: {e}"),
     };
-    let (cma, cma_why) = if allows("cma") { (cma, cma_why) } else { (false, format!("route policy {route}")) };
+    let (cma, cma_why) = match () {
+        _ if !allows("cma") => (false, format!("route policy {route}")),
+        _ if !local => (false, "no local socket could be bound, so no peer can be proven local".to_owned()),
+        _ => (cma, cma_why),
+    };
     engine.close();
     if args.json {
         println!(
             "{{\"config_origin\":{},\"listen\":{},\"bound\":{},\"advertise\":{},\"advertise_source\":{},\
              \"other_hosts_can_connect\":{},\"warning\":{},\"route_policy\":{},\"same_host\":{{\"shm\":{},\
-             \"shm_reason\":{},\"cma\":{},\"cma_reason\":{}}},\"tcp\":true}}",
+             \"shm_reason\":{},\"cma\":{},\"cma_reason\":{},\"local_socket\":{}}},\"tcp\":true}}",
             json_str(&origin),
             json_str(configured_listen.as_deref().unwrap_or(ALL_INTERFACES)),
             json_str(&bound),
@@ -107,6 +116,7 @@ pub(crate) fn run(args: InfoArgs) -> Result<(), String> {
             json_str(&shm_why),
             cma && boot_known,
             json_str(&cma_why),
+            json_str(&local_socket),
         );
         return Ok(());
     }
@@ -122,6 +132,10 @@ pub(crate) fn run(args: InfoArgs) -> Result<(), String> {
         println!("warning:         {w}");
     }
     println!("route policy:    {route} (peers on other hosts: tcp)");
+    println!(
+        "local socket:    {} (same-host peers in this network namespace prove themselves over it)",
+        if local { local_socket.as_str() } else { "none" }
+    );
     println!("same-host shm:   {} ({shm_why})", if shm_ok { "offered" } else { "not offered" });
     println!("same-host cma:   {} ({cma_why})", if cma && boot_known { "offered" } else { "not offered" });
     Ok(())
