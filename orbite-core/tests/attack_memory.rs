@@ -11,7 +11,7 @@
 mod common;
 mod peer;
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::time::Duration;
 
@@ -44,13 +44,9 @@ fn frame(kind: Kind, body: &[u8], request: u64) -> Vec<u8> {
     f
 }
 
+/// Reads one reply: its header and body.
 fn reply(s: &mut TcpStream) -> (wire::Header, Vec<u8>) {
-    let mut h = [0u8; wire::HEADER_LEN];
-    s.read_exact(&mut h).unwrap();
-    let h = wire::decode_header(&h, wire::Limits { max_body: 1 << 20, max_data: 1 << 30 }).unwrap();
-    let mut body = vec![0u8; h.body_len as usize];
-    s.read_exact(&mut body).unwrap();
-    (h, body)
+    read_frame(s)
 }
 
 fn status_of(h: &wire::Header, body: &[u8]) -> Option<RemoteStatus> {

@@ -50,12 +50,7 @@ fn request(epoch: u64, descs: &[RemoteDesc]) -> Vec<u8> {
 
 /// Reads one reply: its header and body.
 fn reply(s: &mut TcpStream) -> (wire::Header, Vec<u8>) {
-    let mut h = [0u8; wire::HEADER_LEN];
-    s.read_exact(&mut h).unwrap();
-    let h = wire::decode_header(&h, wire::Limits { max_body: 1 << 20, max_data: 1 << 30 }).unwrap();
-    let mut body = vec![0u8; h.body_len as usize];
-    s.read_exact(&mut body).unwrap();
-    (h, body)
+    read_frame(s)
 }
 
 fn closed(s: &mut TcpStream) -> bool {

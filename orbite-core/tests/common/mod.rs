@@ -148,3 +148,14 @@ pub fn fnv(bytes: &[u8]) -> u64 {
     }
     h
 }
+
+/// Reads one frame from a raw peer connection: its header and body.
+pub fn read_frame(s: &mut std::net::TcpStream) -> (wire::Header, Vec<u8>) {
+    use std::io::Read;
+    let mut h = [0u8; wire::HEADER_LEN];
+    s.read_exact(&mut h).unwrap();
+    let h = wire::decode_header(&h, wire::Limits { max_body: 1 << 20, max_data: 1 << 30 }).unwrap();
+    let mut body = vec![0u8; h.body_len as usize];
+    s.read_exact(&mut body).unwrap();
+    (h, body)
+}
