@@ -47,6 +47,14 @@ pub(crate) fn map_fd(fd: std::os::fd::OwnedFd) -> Result<ShmMapping, String> {
     if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 || st.st_mode & libc::S_IFMT != libc::S_IFREG {
         return Err("the peer's shared memory is not a memory file".into());
     }
+    // Huge pages fault (SIGBUS) when the pool runs dry: only ordinary
+    // shared memory is mapped.
+    // SAFETY: statfs is plain data; fstatfs fills it.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs on an owned descriptor into a live statfs.
+    if unsafe { libc::fstatfs(fd.as_raw_fd(), &mut fs) } != 0 || fs.f_type == libc::HUGETLBFS_MAGIC {
+        return Err("the peer's shared memory is not ordinary shared memory".into());
+    }
     let len = usize::try_from(st.st_size).unwrap_or(0);
     if len == 0 {
         return Err("the peer's shared memory is empty".into());
