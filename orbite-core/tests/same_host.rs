@@ -408,3 +408,28 @@ fn a_peer_naming_another_process_reaches_only_that_process_registered_ranges() {
     drop(e);
     let _ = server.join();
 }
+
+/// Two engines in one process (two NIXL agents of one framework process):
+/// the local socket proves the other engine, whose registrations are its
+/// own, so shm and cma apply between them, and the bytes land.
+#[test]
+fn two_engines_of_one_process_are_same_host() {
+    let b = engine(r#"{"listen": "127.0.0.1:0"}"#);
+    let plain = region(&b, 1 << 20, Permission::RemoteReadWrite);
+    let shared = b.allocate_shm_memory(1 << 20).unwrap();
+    let shared_id = b
+        .register_memory_ranges(vec![MemoryRange::host(&shared, 0, 1 << 20, Permission::RemoteReadWrite).unwrap()])
+        .unwrap()[0];
+    let a = initiator();
+    let seg = a.open_segment(&b.endpoint().unwrap(), Some(b.source_epoch()), WAIT).unwrap();
+    let local = region(&a, 1 << 16, Permission::RemoteReadWrite);
+    fill(&local.mem, 51);
+    for (target, mem, want) in [(plain.id, &plain.mem, Route::Cma), (shared_id, &shared, Route::Shm)] {
+        let (l, r) = ([Desc::new(local.id, 0, 1 << 16)], [Desc::new(target, 0, 1 << 16)]);
+        let t = a.prepare(&spec(Op::Write, &l, &r, &seg)).unwrap();
+        assert_eq!(t.route().route, want, "{:?}", t.route());
+        t.post().unwrap();
+        assert!(wait_retired(&t).outcome.is_success());
+        assert_eq!(&snapshot(mem)[..1 << 16], &snapshot(&local.mem)[..]);
+    }
+}
