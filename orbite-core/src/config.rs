@@ -197,7 +197,13 @@ impl Default for EngineConfig {
 impl EngineConfig {
     /// Parses and validates a JSON document. Unknown fields are errors.
     pub fn from_json(json: &str) -> Result<Self, ConfigError> {
-        let config: EngineConfig = serde_json::from_str(json)?;
+        // An object, and nothing else: serde would also take an array,
+        // filling the fields by position with no names to check.
+        let value: serde_json::Value = serde_json::from_str(json)?;
+        if !value.is_object() {
+            return Err(ConfigError::Invalid { field: "(document)", reason: "must be a JSON object".into() });
+        }
+        let config: EngineConfig = serde_json::from_value(value)?;
         config.validate()?;
         Ok(config)
     }
@@ -316,7 +322,7 @@ impl EngineConfig {
     pub fn request_deadline(&self, bytes: u64) -> Option<Duration> {
         match self.peer_min_bytes_per_s {
             0 => None,
-            rate => Some(self.peer_timeout() + Duration::from_secs_f64(bytes as f64 / rate as f64)),
+            rate => Some(self.peer_timeout().saturating_add(crate::time::at_rate(bytes, rate))),
         }
     }
 
@@ -442,6 +448,17 @@ pub enum ConfigError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by the `config` fuzz target: an array filled the fields by
+    /// position; a valid configuration made `request_deadline` panic.
+    #[test]
+    fn only_objects_configure_and_huge_deadlines_saturate() {
+        assert!(EngineConfig::from_json("[1, 2]").is_err());
+        assert!(EngineConfig::from_json("7").is_err());
+        let c = EngineConfig::from_json(r#"{"max_transfer_bytes": 18446744073709551615, "peer_min_bytes_per_s": 1}"#)
+            .unwrap();
+        assert_eq!(c.request_deadline(u64::MAX), Some(Duration::MAX));
+    }
 
     #[test]
     fn empty_document_gives_defaults() {

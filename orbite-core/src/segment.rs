@@ -12,7 +12,7 @@
 //! in pages that fit one frame. A [`SegmentView`] is an initiator's current
 //! picture of a peer: by id, and by address for range lookups.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use crate::codec::{Reader, Short};
 use crate::memory::MemoryKind;
@@ -266,19 +266,35 @@ const NEAREST_CANDIDATES: usize = 64;
 impl SegmentView {
     /// The view of a descriptor.
     pub fn of(d: &SegmentDescriptor) -> Self {
-        Self::bounded(d, 0)
-    }
-
-    /// The view of a descriptor that never holds more than `limit`
-    /// registrations (0: no bound); changes that would exceed it are
-    /// refused.
-    pub fn bounded(d: &SegmentDescriptor, limit: usize) -> Self {
-        let mut v = SegmentView { version: d.registry_version, limit, ..SegmentView::default() };
+        let mut v = SegmentView { version: d.registry_version, ..SegmentView::default() };
         v.regs.reserve(d.registrations.len());
         for r in &d.registrations {
             v.insert(r.clone());
         }
         v
+    }
+
+    /// The view of a descriptor that never holds more than `limit`
+    /// registrations (0: no bound); a descriptor with more is refused, and
+    /// so are changes that would exceed it.
+    pub fn bounded(d: &SegmentDescriptor, limit: usize) -> Result<Self, WireError> {
+        let mut v = Self::of(d);
+        if limit > 0 && v.len() > limit {
+            return Err(WireError::TooLong { what: "peer registrations", len: v.len() as u64, limit: limit as u64 });
+        }
+        v.limit = limit;
+        Ok(v)
+    }
+
+    /// How many registrations this view would hold after `d` (applied as
+    /// `apply_from` does: removals, then additions, ids counted once).
+    fn len_after(&self, d: &Delta) -> usize {
+        let held = |raw: &u64| !d.reset && self.regs.contains_key(raw);
+        let gone: HashSet<u64> = d.removed.iter().copied().filter(held).collect();
+        let kept = if d.reset { 0 } else { self.len() - gone.len() };
+        let fresh: HashSet<u64> =
+            d.added.iter().map(|r| r.id.to_raw()).filter(|raw| !held(raw) || gone.contains(raw)).collect();
+        kept + fresh.len()
     }
 
     /// Applies one page of changes computed from this view's version.
@@ -296,19 +312,26 @@ impl SegmentView {
             if d.version < self.version {
                 return Ok(false);
             }
-            self.regs.clear();
-            self.by_addr.clear();
         } else if base > self.version {
             return Err(WireError::Malformed("segment delta does not continue the view"));
         } else if d.version < self.version {
             return Ok(false);
         }
-        if self.limit > 0 && self.len().saturating_add(d.added.len()).saturating_sub(d.removed.len()) > self.limit {
-            return Err(WireError::TooLong {
-                what: "peer registrations",
-                len: (self.len() + d.added.len()) as u64,
-                limit: self.limit as u64,
-            });
+        // Checked before anything changes: a refused page leaves the view
+        // as it was. Removals of ids the view does not hold make no room.
+        if self.limit > 0 {
+            let after = self.len_after(&d);
+            if after > self.limit {
+                return Err(WireError::TooLong {
+                    what: "peer registrations",
+                    len: after as u64,
+                    limit: self.limit as u64,
+                });
+            }
+        }
+        if d.reset {
+            self.regs.clear();
+            self.by_addr.clear();
         }
         for raw in d.removed {
             if let Some(old) = self.regs.remove(&raw) {
@@ -511,16 +534,29 @@ mod tests {
         assert_eq!(view.version, 19);
         let gap = Delta { version: 25, ..Delta::default() };
         assert!(view.apply_from(20, gap).is_err(), "a gap is refused");
-        let mut small = SegmentView::bounded(&d, 3);
+        let mut small = SegmentView::bounded(&d, 3).unwrap();
         let two = Delta {
             version: 30,
             added: vec![added.clone(), ExportedRegistration { id: RegistrationId::from_raw(99), ..added.clone() }],
             ..Delta::default()
         };
         assert!(
-            matches!(small.apply(two), Err(WireError::TooLong { .. })),
+            matches!(small.apply(two.clone()), Err(WireError::TooLong { .. })),
             "a bounded view refuses to grow past its limit"
         );
+        // Found by the `segment` fuzz target: removals of ids the view
+        // never held made room; a refused reset page emptied the view; a
+        // descriptor beyond the bound was taken whole.
+        let phantom = Delta { removed: vec![1234, 5678], ..two.clone() };
+        assert!(matches!(small.apply(phantom), Err(WireError::TooLong { .. })), "phantom removals make no room");
+        assert_eq!(small.len(), d.registrations.len(), "refused pages change nothing");
+        let three: Vec<ExportedRegistration> =
+            (0..3).map(|i| ExportedRegistration { id: RegistrationId::from_raw(500 + i), ..added.clone() }).collect();
+        let mut one = SegmentView::bounded(&d, 2).unwrap();
+        let kept = one.len();
+        assert!(one.apply(Delta { version: 40, reset: true, added: three, ..Delta::default() }).is_err());
+        assert_eq!(one.len(), kept, "a refused reset leaves the view as it was");
+        assert!(SegmentView::bounded(&d, 1).is_err(), "a descriptor beyond the bound");
         view.apply(Delta { version: 30, reset: true, ..Delta::default() }).unwrap();
         assert!(view.is_empty());
     }

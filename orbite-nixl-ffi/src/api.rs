@@ -765,7 +765,15 @@ unsafe impl Send for SendPtr {}
 pub extern "C" fn orbite_mem_deregister(registration: OrbiteRegistration) -> OrbiteStatus {
     entry("orbite_mem_deregister", || {
         let r = reg_of(registration)?;
-        r.child.engine.engine.deregister(r.id)?;
+        match r.child.engine.engine.deregister(r.id) {
+            Ok(()) => {}
+            // Only this library deregisters what it registered: a
+            // registration the core no longer has went with the engine's
+            // close. The handle names nothing any more and goes too (kept,
+            // it would keep the engine handle from being released).
+            Err(orbite_core::Error::Registry(_)) => {}
+            Err(e) => return Err(e.into()),
+        }
         let _ = handles::remove(registration.raw, Kind::Registration);
         Ok(())
     })

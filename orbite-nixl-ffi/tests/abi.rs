@@ -757,3 +757,19 @@ fn a_stats_record_of_abi_1_1_gets_its_prefix() {
     assert_eq!(unsafe { orbite_engine_stats(e, &mut odd) }, OrbiteStatus::VersionMismatch);
     close_and_release(e);
 }
+
+/// Found by the `abi` fuzz target: after `orbite_engine_close`, deregistering
+/// a registration answered STALE_HANDLE and kept its handle, so the engine
+/// handle could never be released. The handle now goes with it.
+#[test]
+fn deregistering_after_close_lets_the_engine_be_released() {
+    let e = engine("{}");
+    let mut buf = vec![0u8; 23];
+    let r = register(e, &mut buf);
+    let mut report =
+        OrbiteCloseReport { size: size_of::<OrbiteCloseReport>() as u32, version: 1, ..Default::default() };
+    ok(unsafe { orbite_engine_close(e, 5000, &mut report) });
+    ok(orbite_mem_deregister(r));
+    assert_eq!(orbite_mem_deregister(r), OrbiteStatus::StaleHandle, "a second time: the handle is gone");
+    ok(orbite_engine_release(e));
+}

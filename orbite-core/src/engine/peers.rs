@@ -82,7 +82,9 @@ impl EngineInner {
         // A peer's view holds at most as many registrations as this engine
         // would itself.
         let bound = usize::try_from(c.max_registrations).unwrap_or(usize::MAX);
-        let view = PeerView { segment: SegmentView::bounded(&link.descriptor, bound), maps };
+        let segment = SegmentView::bounded(&link.descriptor, bound)
+            .map_err(|e| PeerError::Protocol(format!("the peer's description: {e}")))?;
+        let view = PeerView { segment, maps };
         let liveness = same_host.as_ref().ok().map(|h| crate::transport::liveness::PeerLiveness::watch(h.pid));
         let peer = Arc::new(Peer::new(link, endpoint, view, same_host, liveness, inbox));
         // What changed between the Describe and the subscription, then

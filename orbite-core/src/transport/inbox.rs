@@ -250,6 +250,13 @@ impl Inbox {
         let mut head = h.head.load(Ordering::Acquire);
         let tail = h.tail.load(Ordering::Acquire);
         let cap = self.capacity();
+        // A ring never holds more than its capacity: a tail beyond that (or
+        // behind the head) is a sender's corruption, and what lies between
+        // would be old entries read again. Drop it all.
+        if tail < head || tail - head > cap {
+            h.head.store(tail, Ordering::Release);
+            return;
+        }
         while head < tail {
             let mut len = [0u8; 4];
             self.copy_out(head, &mut len);
@@ -358,6 +365,36 @@ mod tests {
             assert!(owner.append(&env).is_err(), "append with head {head} tail {tail}");
             owner.drain(1 << 20, |_| panic!("an envelope out of hostile positions"));
         }
+    }
+
+    /// Found by the `inbox` fuzz target: a tail rewritten far past the head
+    /// made the owner read the ring's old entries again, about 2^30 times.
+    #[test]
+    fn a_tail_beyond_the_capacity_replays_nothing() {
+        let len = HEADER + 4096;
+        let (_keep, base) = mapping(len);
+        // SAFETY: as in the test above.
+        let owner = unsafe { Inbox::create(base, len, 1, 1 << 20, 1 << 20) };
+        let env = Envelope { sender_epoch: 1, target_epoch: 1, sender_endpoint: "x".into(), payload: vec![3; 900] };
+        while owner.append(&env).is_ok() {}
+        let mut taken = 0;
+        owner.drain(1 << 20, |_| {
+            taken += 1;
+            true
+        });
+        assert!(taken >= 3);
+        let h = owner.header();
+        let head = h.head.load(Ordering::Acquire);
+        h.tail.store(head + (1 << 40), Ordering::Release);
+        owner.drain(1 << 20, |_| panic!("an envelope taken already came back"));
+        assert!(!owner.has_entries());
+        owner.append(&env).unwrap();
+        let mut again = 0;
+        owner.drain(1 << 20, |_| {
+            again += 1;
+            true
+        });
+        assert_eq!(again, 1, "the inbox works again");
     }
 
     #[test]

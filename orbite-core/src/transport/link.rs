@@ -73,7 +73,7 @@ impl LinkOptions {
     fn until(&self, now: Instant, bytes: u64) -> Option<Instant> {
         match self.min_rate {
             0 => None,
-            rate => now.checked_add(self.stall() + Duration::from_secs_f64(bytes as f64 / rate as f64)),
+            rate => now.checked_add(self.stall().saturating_add(crate::time::at_rate(bytes, rate))),
         }
     }
 }

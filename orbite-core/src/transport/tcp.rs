@@ -215,7 +215,7 @@ impl ServerLimits {
     fn allowance(&self, bytes: u64) -> Duration {
         match self.min_rate {
             0 => self.frame_timeout,
-            rate => self.frame_timeout.saturating_add(Duration::from_secs_f64(bytes as f64 / rate as f64)),
+            rate => self.frame_timeout.saturating_add(crate::time::at_rate(bytes, rate)),
         }
     }
 
