@@ -691,6 +691,7 @@ fn file_open(w: &mut World, input: &mut Input<'_>) {
         // SAFETY: `p` is readable for its length, `out` a live local.
         unsafe { orbite_file_open(engine, p.as_ptr(), p.len(), mode, flags, &mut out) }
     };
+    crate::trace(format_args!("file open or adopt -> {s:?}"));
     if s == OrbiteStatus::Ok {
         w.files.push(Held { raw: out.raw, alive: true });
     }
@@ -903,7 +904,7 @@ pub fn seeds() -> Vec<Vec<u8>> {
     op(&mut s, 11).u8(0).u8(1).u8(0).u8(1).u8(0).u8(0);
     s.u8(1).u8(0).u16(0).u16(64);
     s.u8(1).u8(0).u16(4096).u16(64);
-    s.u8(2).bytes(b"notification");
+    s.u8(3).bytes(b"notification");
     s.u8(0);
     op(&mut s, 13).u8(0);
     op(&mut s, 18).u16(512);
@@ -916,14 +917,16 @@ pub fn seeds() -> Vec<Vec<u8>> {
     op(&mut s, 1).u8(0).u16(0).u16(2048).u8(2).u8(0);
     op(&mut s, 19).u8(2).u8(0).u8(0).u8(0);
     op(&mut s, 24).u8(0).u16(0).u8(1).u8(1);
-    op(&mut s, 12).u8(1).u8(0).u8(0).u8(0).u8(0).u8(0).u8(0);
+    // WRITE into the file: no peer, file 0.
+    op(&mut s, 12).u8(1).u8(0).u8(0).u8(0).u8(0).u8(1).u8(0);
     s.u8(1).u8(0).u16(0).u16(1024);
     s.u8(1).u8(0).u16(0).u16(1024);
     s.u8(0).u8(0);
     op(&mut s, 13).u8(0);
     op(&mut s, 16).u8(0);
-    op(&mut s, 23).u8(0).u8(0).u8(1).u8(0);
-    op(&mut s, 23).u8(0).u8(1);
+    // Close (with a report, 0 ms), then try to release.
+    op(&mut s, 23).u8(0).u8(1).u8(0).u8(0);
+    op(&mut s, 23).u8(0).u8(0);
     seeds.push(s.done());
     // Broken records and made-up handles.
     let mut s = Seed::new();

@@ -19,6 +19,7 @@ use orbite_core::fuzzing::{INBOX_HEADER, InboxBuffer, InboxEnvelope};
 use crate::input::{Input, Seed};
 
 const EPOCH: u64 = 7;
+
 /// Bytes an entry takes: length, epochs, endpoint, payload, padding.
 fn need(e: &InboxEnvelope) -> u64 {
     (4 + 8 + 8 + 2 + e.sender_endpoint.len() + 4 + e.payload.len()).next_multiple_of(8) as u64
