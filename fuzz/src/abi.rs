@@ -440,6 +440,13 @@ fn step(w: &mut World, input: &mut Input<'_>) {
         23 => {
             let (raw, c) = w.pick(input, &[w.engine]);
             if input.bool() {
+                // Until abi-deregister-after-close is fixed, a close with a
+                // live registration leaks the engine for good (its handles
+                // can never be released), on every such input: more than a
+                // long run can afford. Strict runs close anyway.
+                if w.regs.iter().any(|r| r.held.alive) && !crate::strict("abi-deregister-after-close") {
+                    return;
+                }
                 let mut report = OrbiteCloseReport::default();
                 (report.size, report.version) = record_header::<OrbiteCloseReport>();
                 let report_ptr = if input.bool() { std::ptr::null_mut() } else { &mut report as *mut _ };

@@ -34,13 +34,16 @@ use std::sync::OnceLock;
 /// green until the engine is fixed; the fix's change turns the check back
 /// into an assertion.
 pub fn known_issue(name: &str, what: &str) {
-    static STRICT: OnceLock<Option<String>> = OnceLock::new();
-    let strict = STRICT.get_or_init(|| std::env::var("ORBITE_FUZZ_STRICT").ok());
-    if let Some(names) = strict
-        && (names == "1" || names == "all" || names.split(',').any(|n| n.trim() == name))
-    {
+    if strict(name) {
         panic!("known issue {name} (fuzz/artifacts-found/{name}*): {what}");
     }
+}
+
+/// True when `ORBITE_FUZZ_STRICT` names the known issue `name`.
+pub fn strict(name: &str) -> bool {
+    static STRICT: OnceLock<Option<String>> = OnceLock::new();
+    let names = STRICT.get_or_init(|| std::env::var("ORBITE_FUZZ_STRICT").ok());
+    names.as_deref().is_some_and(|n| n == "1" || n == "all" || n.split(',').any(|n| n.trim() == name))
 }
 
 /// Prints what a target does, with `ORBITE_FUZZ_TRACE` set (replaying a
