@@ -50,6 +50,8 @@ pub mod endpoint;
 mod engine;
 pub mod error;
 pub mod file;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod memory;
 mod registry;
 pub mod segment;

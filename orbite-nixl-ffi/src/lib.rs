@@ -29,6 +29,8 @@
 #![warn(missing_docs)]
 
 mod api;
+#[doc(hidden)]
+pub mod fuzzing;
 mod handles;
 mod objects;
 mod records;
