@@ -153,8 +153,6 @@ struct World {
     undrained_close: bool,
     /// The engine was closed.
     closed: bool,
-    /// A handle could not be released (a known issue): the engine stays.
-    stuck: bool,
 }
 
 impl World {
@@ -259,7 +257,6 @@ pub fn run(data: &[u8]) {
         self_info,
         undrained_close: false,
         closed: false,
-        stuck: false,
     };
     let mut steps = 0;
     while !input.is_empty() && steps < 64 {
@@ -440,13 +437,6 @@ fn step(w: &mut World, input: &mut Input<'_>) {
         23 => {
             let (raw, c) = w.pick(input, &[w.engine]);
             if input.bool() {
-                // Until abi-deregister-after-close is fixed, a close with a
-                // live registration leaks the engine for good (its handles
-                // can never be released), on every such input: more than a
-                // long run can afford. Strict runs close anyway.
-                if w.regs.iter().any(|r| r.held.alive) && !crate::strict("abi-deregister-after-close") {
-                    return;
-                }
                 let mut report = OrbiteCloseReport::default();
                 (report.size, report.version) = record_header::<OrbiteCloseReport>();
                 let report_ptr = if input.bool() { std::ptr::null_mut() } else { &mut report as *mut _ };
@@ -815,23 +805,14 @@ fn teardown(w: &mut World) {
     }
     for r in w.regs.iter_mut().filter(|r| r.held.alive) {
         let s = orbite_mem_deregister(OrbiteRegistration { raw: r.held.raw });
-        if s == OrbiteStatus::StaleHandle && w.closed {
-            crate::known_issue(
-                "abi-deregister-after-close",
-                "after orbite_engine_close, orbite_mem_deregister answers STALE_HANDLE and keeps the handle, \
-                 so orbite_engine_release is refused for good",
-            );
-            w.stuck = true;
-            continue;
-        }
-        assert_eq!(s, OrbiteStatus::Ok, "a live registration deregisters");
+        assert_eq!(s, OrbiteStatus::Ok, "a live registration deregisters (also after close)");
         r.held.alive = false;
     }
     for s in w.shms.iter_mut().filter(|s| s.0.alive) {
         assert_eq!(orbite_shm_release(OrbiteShm { raw: s.0.raw }), OrbiteStatus::Ok, "a shared allocation releases");
         s.0.alive = false;
     }
-    if w.engine.alive && !w.stuck {
+    if w.engine.alive {
         let mut st = OrbiteStats::default();
         (st.size, st.version) = record_header::<OrbiteStats>();
         // SAFETY: `st` is a live local with its size and version set.
@@ -856,13 +837,6 @@ fn teardown(w: &mut World) {
         }
         assert_eq!(orbite_engine_release(engine), OrbiteStatus::Ok, "an engine with no handles releases");
         w.engine.alive = false;
-    }
-    if w.stuck {
-        // The engine keeps the registrations, and their release callbacks
-        // may run whenever it goes: the counters must outlive it.
-        std::mem::forget(std::mem::take(&mut w.callbacks));
-        std::mem::forget(std::mem::take(&mut w.arenas));
-        return;
     }
     for (counter, registered) in &w.callbacks {
         let n = counter.load(Ordering::Acquire);

@@ -28,24 +28,6 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::io::Write;
 use std::sync::OnceLock;
 
-/// A check that a known, reported bug fails (see fuzz/artifacts-found/
-/// and its README). It fails the run only when `ORBITE_FUZZ_STRICT` names
-/// it (a comma-separated list of names, or `1` for all), so that CI stays
-/// green until the engine is fixed; the fix's change turns the check back
-/// into an assertion.
-pub fn known_issue(name: &str, what: &str) {
-    if strict(name) {
-        panic!("known issue {name} (fuzz/artifacts-found/{name}*): {what}");
-    }
-}
-
-/// True when `ORBITE_FUZZ_STRICT` names the known issue `name`.
-pub fn strict(name: &str) -> bool {
-    static STRICT: OnceLock<Option<String>> = OnceLock::new();
-    let names = STRICT.get_or_init(|| std::env::var("ORBITE_FUZZ_STRICT").ok());
-    names.as_deref().is_some_and(|n| n == "1" || n == "all" || n.split(',').any(|n| n.trim() == name))
-}
-
 /// Prints what a target does, with `ORBITE_FUZZ_TRACE` set (replaying a
 /// finding with the replay example or the fuzz binary).
 pub fn trace(what: std::fmt::Arguments<'_>) {

@@ -35,19 +35,19 @@ impl Model {
         } else if d.version < self.version {
             return Ok(false);
         }
-        let len = if d.reset { 0 } else { self.regs.len() };
-        if self.limit > 0 && len.saturating_add(d.added.len()).saturating_sub(d.removed.len()) > self.limit {
-            return Err(());
-        }
-        if d.reset {
-            self.regs.clear();
-        }
+        // The page as a whole: refused (changing nothing) when what it
+        // leaves is over the bound.
+        let mut next = if d.reset { HashMap::new() } else { self.regs.clone() };
         for raw in &d.removed {
-            self.regs.remove(raw);
+            next.remove(raw);
         }
         for r in &d.added {
-            self.regs.insert(r.id.to_raw(), r.clone());
+            next.insert(r.id.to_raw(), r.clone());
         }
+        if self.limit > 0 && next.len() > self.limit {
+            return Err(());
+        }
+        self.regs = next;
         self.version = d.version;
         Ok(true)
     }
@@ -60,19 +60,21 @@ pub fn run(data: &[u8]) {
     crate::wire::check_descriptor(desc);
     let (mut view, mut model) = match SegmentDescriptor::decode(desc, 1 << 20) {
         Ok(d) => {
-            let view = SegmentView::bounded(&d, limit);
             let mut regs = HashMap::new();
             for r in &d.registrations {
                 regs.insert(r.id.to_raw(), r.clone());
             }
-            assert_eq!(view.version, d.registry_version);
-            if limit > 0 && view.len() > limit {
-                crate::known_issue(
-                    "segment-view-bound-descriptor",
-                    "SegmentView::bounded holds more registrations than its bound (from the descriptor)",
-                );
+            match SegmentView::bounded(&d, limit) {
+                Ok(view) => {
+                    assert_eq!(view.version, d.registry_version);
+                    assert!(limit == 0 || view.len() <= limit, "a view holds no more than its bound");
+                    (view, Model { version: d.registry_version, regs, limit })
+                }
+                Err(_) => {
+                    assert!(limit > 0 && regs.len() > limit, "a descriptor within the bound is refused");
+                    (SegmentView::default(), Model { version: 0, regs: HashMap::new(), limit: 0 })
+                }
             }
-            (view, Model { version: d.registry_version, regs, limit })
         }
         Err(_) => (SegmentView::default(), Model { version: 0, regs: HashMap::new(), limit: 0 }),
     };
@@ -87,8 +89,10 @@ pub fn run(data: &[u8]) {
                 let bytes = input.chunk(usize::MAX);
                 crate::wire::check_delta(bytes);
                 let Ok(d) = Delta::decode(bytes) else { continue };
-                let within = limit == 0 || view.len() <= limit;
-                let reset = d.reset;
+                // The bound the view was made with (none when the
+                // descriptor did not decode or was refused).
+                let bound = model.limit;
+                let within = bound == 0 || view.len() <= bound;
                 let expected = model.apply_from(base, &d);
                 crate::trace(format_args!(
                     "apply base {base} version {} reset {} removed {} added {} to a view of {} at {} (limit {limit})",
@@ -106,18 +110,9 @@ pub fn run(data: &[u8]) {
                     assert_eq!(g, e, "apply_from applies what its rules apply");
                 }
                 assert_eq!(view.version, model.version, "the view's version");
-                if got.is_err() && reset && view.registrations() != &model.regs {
-                    crate::known_issue(
-                        "segment-refused-reset-clears",
-                        "SegmentView::apply_from empties the view for a reset page it then refuses (over the bound)",
-                    );
-                    model.regs = view.registrations().clone();
-                }
-                if within && limit > 0 && view.len() > limit {
-                    crate::known_issue(
-                        "segment-view-bound-removals",
-                        "SegmentView::apply_from lets a view grow past its bound (removals of ids it does not hold count)",
-                    );
+                assert_eq!(view.registrations(), &model.regs, "a refused page changes nothing");
+                if within && bound > 0 {
+                    assert!(view.len() <= bound, "a view never grows past its bound");
                 }
             }
             1 => {

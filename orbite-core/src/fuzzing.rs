@@ -263,7 +263,7 @@ impl Server {
             })
             .collect();
         Server {
-            conn: ServerConn::new(Default::default(), secret.clone()),
+            conn: ServerConn::new(Default::default(), secret.clone(), false),
             side: FakeTarget { mem, notifications: Default::default() },
             secret,
         }
