@@ -32,7 +32,6 @@ pub(crate) struct Peer<J: CopyJob> {
     pub link: Arc<PeerLink<J>>,
     pub endpoint: String,
     pub epoch: u64,
-    pub pid: i32,
     /// The peer's registrations as this engine knows them. Prepare holds
     /// the read lock while it resolves descriptors; a refresh takes the
     /// write lock only to apply what the peer sent.
@@ -41,7 +40,7 @@ pub(crate) struct Peer<J: CopyJob> {
     /// refreshes done, so that callers who waited for one can look again
     /// before asking once more.
     pub(crate) refresh_lock: Mutex<u64>,
-    /// `Err(why)` when the peer is not on this boot.
+    /// `Err(why)` when the peer is not proven to run on this host.
     pub same_host: Result<SameHost, String>,
     /// For a same-host peer: whether its process still runs.
     pub liveness: Option<crate::transport::liveness::PeerLiveness>,
@@ -77,9 +76,6 @@ impl<J: CopyJob> Peer<J> {
             inbox,
             endpoint: endpoint.to_owned(),
             epoch: link.descriptor.epoch,
-            // The kernel's word for a proven same-host peer; otherwise no
-            // process of this host (0: never used by a route).
-            pid: same_host.as_ref().map_or(0, |h| h.pid),
             same_host,
             link,
             view: RwLock::new(view),
@@ -162,7 +158,6 @@ impl<J: CopyJob> Peer<J> {
             segment: &view.segment,
             maps: &view.maps,
             same_host: self.same_host.as_ref().map_err(String::as_str),
-            pid: self.pid,
             alive: self.liveness.as_ref(),
         }
     }

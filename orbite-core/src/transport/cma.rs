@@ -39,7 +39,10 @@ impl RouteImpl for Cma {
 
     fn copy_kind(&self, target: &Reach<'_>) -> CopyKind {
         match target {
-            Reach::Peer(p) => CopyKind::Cma { pid: p.pid, peer_alive: p.alive.map(|l| l.handle()) },
+            // The pid the kernel reported for the proven peer.
+            Reach::Peer(PeerReach { same_host: Ok(h), alive, .. }) => {
+                CopyKind::Cma { pid: h.pid, peer_alive: alive.map(|l| l.handle()) }
+            }
             // `reaches` refused every other target at prepare.
             _ => CopyKind::Frames,
         }

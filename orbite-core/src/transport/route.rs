@@ -12,7 +12,7 @@ use crate::transport::liveness::PeerLiveness;
 use crate::transport::mapping::SharedMaps;
 use crate::types::{Desc, Route};
 
-/// What this engine learnt at open about a peer on the same boot.
+/// What this engine learnt at open about a peer proven to run on this host.
 pub(crate) struct SameHost {
     /// Whether the kernel lets this process use CMA on the peer.
     pub cma: Result<(), String>,
@@ -27,9 +27,8 @@ pub(crate) struct PeerReach<'a> {
     pub segment: &'a SegmentView,
     /// Its shared allocations mapped here.
     pub maps: &'a SharedMaps,
-    /// `Err(why)` when the peer is not on this boot.
+    /// `Err(why)` when the peer is not proven to run on this host.
     pub same_host: Result<&'a SameHost, &'a str>,
-    pub pid: i32,
     /// For a same-host peer: whether its process still runs.
     pub alive: Option<&'a PeerLiveness>,
 }
