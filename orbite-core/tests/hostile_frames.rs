@@ -261,11 +261,7 @@ fn borrow_and_return_frames_are_validated() {
     assert_eq!(t.e.stats().fenced_registrations, 1);
     s.write_all(&frame(Kind::Return, &5u64.to_le_bytes(), &[], 6)).unwrap();
     assert_eq!(reply(&mut s).0.kind, Kind::ReturnAck);
-    let start = std::time::Instant::now();
-    while t.e.stats().fenced_registrations != 0 {
-        assert!(start.elapsed() < WAIT, "the returned borrow kept its loan");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_unfenced(&t.e, "the returned borrow kept its loan");
     // Returning an unknown id is harmless; a malformed return closes.
     s.write_all(&frame(Kind::Return, &99u64.to_le_bytes(), &[], 7)).unwrap();
     assert_eq!(reply(&mut s).0.kind, Kind::ReturnAck);
@@ -290,11 +286,7 @@ fn a_closed_connection_gives_back_its_borrows() {
     t.e.deregister(t.rw.id).unwrap();
     assert_eq!(t.e.stats().fenced_registrations, 1);
     drop(s); // the borrower goes away without returning
-    let start = std::time::Instant::now();
-    while t.e.stats().fenced_registrations != 0 {
-        assert!(start.elapsed() < WAIT, "a dead borrower's loans were kept");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_unfenced(&t.e, "a dead borrower's loans were kept");
 }
 
 #[test]
@@ -316,11 +308,7 @@ fn a_connection_closed_halfway_through_a_payload_gives_back_its_loans() {
     t.e.deregister(t.rw.id).unwrap();
     assert_eq!(t.e.stats().fenced_registrations, 1);
     drop(s); // the initiator goes away mid-payload
-    let start = std::time::Instant::now();
-    while t.e.stats().fenced_registrations != 0 {
-        assert!(start.elapsed() < WAIT, "a half-landed request's loans were kept");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_unfenced(&t.e, "a half-landed request's loans were kept");
     // Other connections are still served.
     let mut again = connect(&t);
     describe_works(&mut again);
