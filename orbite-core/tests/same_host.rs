@@ -432,4 +432,16 @@ fn two_engines_of_one_process_are_same_host() {
         assert!(wait_retired(&t).outcome.is_success());
         assert_eq!(&snapshot(mem)[..1 << 16], &snapshot(&local.mem)[..]);
     }
+    // A shared allocation registered after the open is handed over and
+    // mapped at the next prepare.
+    let later = b.allocate_shm_memory(1 << 16).unwrap();
+    let later_id = b
+        .register_memory_ranges(vec![MemoryRange::host(&later, 0, 1 << 16, Permission::RemoteReadWrite).unwrap()])
+        .unwrap()[0];
+    let (l, r) = ([Desc::new(local.id, 0, 1 << 16)], [Desc::new(later_id, 0, 1 << 16)]);
+    let t = a.prepare(&spec(Op::Write, &l, &r, &seg)).unwrap();
+    assert_eq!(t.route().route, Route::Shm, "{:?}", t.route());
+    t.post().unwrap();
+    assert!(wait_retired(&t).outcome.is_success());
+    assert_eq!(snapshot(&later), snapshot(&local.mem));
 }

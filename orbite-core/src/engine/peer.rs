@@ -48,7 +48,7 @@ pub(crate) struct Peer<J: CopyJob> {
     pub inbox: Option<(Arc<ShmMapping>, crate::transport::inbox::Inbox)>,
     /// Shared allocations the peer added that are not mapped yet (mapped
     /// on a caller's thread, by [`Peer::map_pending`]: never on a driver).
-    pending: Mutex<Vec<String>>,
+    pending: Mutex<std::collections::HashSet<String>>,
     has_pending: std::sync::atomic::AtomicBool,
     map_lock: Mutex<()>,
     state: Mutex<PeerState>,
@@ -79,7 +79,7 @@ impl<J: CopyJob> Peer<J> {
             same_host,
             link,
             view: RwLock::new(view),
-            pending: Mutex::new(Vec::new()),
+            pending: Mutex::new(std::collections::HashSet::new()),
             has_pending: std::sync::atomic::AtomicBool::new(false),
             map_lock: Mutex::new(()),
             refresh_lock: Mutex::new(0),
@@ -176,19 +176,14 @@ impl<J: CopyJob> Peer<J> {
         if !delta.reset && delta.version <= self.view().segment.version {
             return true;
         }
-        if self.same_host.is_ok() {
-            let fresh = unmapped(&self.view().maps, &delta.added);
-            if !fresh.is_empty() {
-                let mut p = self.pending.lock();
-                for n in fresh {
-                    if !p.contains(&n) {
-                        p.push(n);
-                    }
-                }
-                self.has_pending.store(true, Ordering::Release);
-            }
+        let fresh = if self.same_host.is_ok() { unmapped(&self.view().maps, &delta.added) } else { Vec::new() };
+        let applied = self.view.write().segment.apply_from(base, delta).is_ok();
+        // Only what the view took is mapped later.
+        if applied && !fresh.is_empty() {
+            self.pending.lock().extend(fresh);
+            self.has_pending.store(true, Ordering::Release);
         }
-        self.view.write().segment.apply_from(base, delta).is_ok()
+        applied
     }
 
     /// Maps the shared allocations the peer added since the last call (on
@@ -202,7 +197,7 @@ impl<J: CopyJob> Peer<J> {
         if !self.has_pending.swap(false, Ordering::AcqRel) {
             return;
         }
-        let names = std::mem::take(&mut *self.pending.lock());
+        let names: Vec<String> = self.pending.lock().drain().collect();
         let mapped = map_shared(&self.link, &names);
         let mut v = self.view.write();
         for (name, m) in mapped {

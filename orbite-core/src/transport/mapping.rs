@@ -73,10 +73,11 @@ pub(crate) fn map_fd(fd: std::os::fd::OwnedFd) -> Result<ShmMapping, String> {
 /// The names of the shared allocations `regs` lie in that `maps` lacks,
 /// once each.
 pub(crate) fn unmapped<'a>(maps: &SharedMaps, regs: impl IntoIterator<Item = &'a ExportedRegistration>) -> Vec<String> {
-    let mut out: Vec<String> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Vec::new();
     for r in regs {
         if let Some((name, _)) = &r.shm {
-            if !maps.contains_key(name) && !out.contains(name) {
+            if !maps.contains_key(name) && seen.insert(name.as_str()) {
                 out.push(name.clone());
             }
         }
