@@ -608,6 +608,29 @@ pub fn decode_share_fds(body: &[u8]) -> Result<Vec<&str>, WireError> {
     Ok(names)
 }
 
+/// ShareFdsReply body: a count (2), then per name asked 1 if its
+/// descriptor is attached, 0 if not.
+pub fn encode_share_fds_reply(out: &mut Vec<u8>, attached: impl ExactSizeIterator<Item = bool>) {
+    out.clear();
+    codec::put_u16(out, attached.len() as u16);
+    out.extend(attached.map(u8::from));
+}
+
+/// Decodes a ShareFdsReply body for `asked` names: per name whether its
+/// descriptor is attached.
+pub fn decode_share_fds_reply(body: &[u8], asked: usize) -> Result<Vec<bool>, WireError> {
+    let bad = WireError::Malformed("share fds reply");
+    let mut r = Reader::new(body);
+    if r.u16().map_err(|_| bad.clone())? as usize != asked {
+        return Err(bad);
+    }
+    let flags = r.rest();
+    if flags.len() != asked || flags.iter().any(|b| *b > 1) {
+        return Err(bad);
+    }
+    Ok(flags.iter().map(|b| *b == 1).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -626,6 +649,10 @@ mod tests {
         encode_share_fds(&mut b, many.iter().map(String::as_str));
         assert!(decode_share_fds(&b).is_err());
         assert!(decode_share_fds(&[1, 0, 0, 0]).is_err(), "an empty name");
+        encode_share_fds_reply(&mut b, [true, false].into_iter());
+        assert_eq!(decode_share_fds_reply(&b, 2).unwrap(), vec![true, false]);
+        assert!(decode_share_fds_reply(&b, 3).is_err(), "an answer for other names");
+        assert!(decode_share_fds_reply(&[1, 0, 2], 1).is_err());
     }
 
     const LIMITS: Limits = Limits { max_body: 1 << 20, max_data: 16 << 20 };

@@ -492,21 +492,18 @@ impl<J: CopyJob> PeerLink<J> {
             let h = wire::decode_header(&hb, limits).map_err(|e| e.to_string())?;
             let mut body = vec![0u8; h.body_len as usize];
             read_exact_within(fd, &mut body, Some(&patience)).map_err(|e| e.to_string())?;
-            if h.kind != Kind::ShareFdsReply || h.data_len != 0 || body.len() != 2 + chunk.len() {
+            if h.kind != Kind::ShareFdsReply || h.data_len != 0 {
                 return Err(format!("unexpected {:?} reply to a request for shared memory", h.kind));
             }
-            if u16::from_le_bytes([body[0], body[1]]) as usize != chunk.len() {
-                return Err("the peer answered for other shared memory".into());
-            }
-            let attached = body[2..].iter().filter(|b| **b == 1).count();
-            if attached != fds.len() || body[2..].iter().any(|b| *b > 1) {
+            let attached = wire::decode_share_fds_reply(&body, chunk.len()).map_err(|e| e.to_string())?;
+            if attached.iter().filter(|a| **a).count() != fds.len() {
                 return Err("the peer's answer does not match the descriptors it sent".into());
             }
             let mut fds = fds.into_iter();
-            for (name, has) in chunk.iter().zip(&body[2..]) {
+            for (name, has) in chunk.iter().zip(attached) {
                 out.push(match has {
-                    1 => fds.next().ok_or_else(|| "missing descriptor".to_owned()),
-                    _ => Err(format!("the peer has no shared allocation {name:?} to hand over")),
+                    true => fds.next().ok_or_else(|| "missing descriptor".to_owned()),
+                    false => Err(format!("the peer has no shared allocation {name:?} to hand over")),
                 });
             }
         }

@@ -492,9 +492,8 @@ impl ServerConn {
                     return Ok(None);
                 }
                 let fds: Vec<Option<std::os::fd::OwnedFd>> = names.iter().map(|n| side.shared_fd(n)).collect();
-                let mut body = Vec::with_capacity(2 + fds.len());
-                body.extend_from_slice(&(fds.len() as u16).to_le_bytes());
-                body.extend(fds.iter().map(|f| u8::from(f.is_some())));
+                let mut body = Vec::new();
+                wire::encode_share_fds_reply(&mut body, fds.iter().map(Option::is_some));
                 self.reply(Kind::ShareFdsReply, h.request, &body);
                 self.out_fds = fds.into_iter().flatten().collect();
             }
