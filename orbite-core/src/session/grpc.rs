@@ -246,9 +246,10 @@ impl KvGrpcService {
         listener: tokio::net::TcpListener,
         shutdown: impl Future<Output = ()> + Send,
     ) -> Result<(), tonic::transport::Error> {
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        // Nodelay on every accepted socket: with Nagle a response's
+        // trailers wait for the ACK of its data (delayed ACK: ~40 ms).
+        let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         tonic::transport::Server::builder()
-            .tcp_nodelay(true)
             .add_routes(self.routes())
             .serve_with_incoming_shutdown(incoming, shutdown)
             .await
@@ -345,11 +346,21 @@ impl proto::open_engine_kv_server::OpenEngineKv for KvGrpcService {
         request: Request<proto::AllocateKvSessionRequest>,
     ) -> Result<Response<proto::KvSession>, Status> {
         let r = request.into_inner();
+        // The library's order (docs/api.md): the text fields first, then
+        // the style and disposition (converted here), then the lease and
+        // the metadata (an absent `meta` is refused as `meta`).
+        let layout = r.meta.as_ref().map_or("", |m| m.layout.as_str());
+        self.service.check_allocate_fields(&r.request_id, &r.model, &r.idempotency_key, layout).map_err(refuse)?;
+        let absent_meta = r.meta.is_none();
         let req = (|| {
             Ok::<_, KvError>(AllocateRequest {
                 style: style_in(r.style)?,
                 disposition: disposition_in(r.disposition)?,
-                meta: meta_in(r.meta)?,
+                meta: r.meta.map_or_else(KvTransferMeta::default, |m| KvTransferMeta {
+                    layout: m.layout,
+                    block_bytes: m.block_bytes,
+                    blocks: m.blocks,
+                }),
                 request_id: r.request_id,
                 model: r.model,
                 idempotency_key: r.idempotency_key,
@@ -357,7 +368,11 @@ impl proto::open_engine_kv_server::OpenEngineKv for KvGrpcService {
             })
         })()
         .map_err(refuse)?;
-        self.reply(self.service.allocate(&req))
+        let result = self.service.allocate(&req).map_err(|e| match e {
+            KvError::MissingField("meta.layout") if absent_meta => KvError::MissingField("meta"),
+            e => e,
+        });
+        self.reply(result)
     }
 
     async fn get_kv_session(

@@ -137,25 +137,37 @@ impl SessionMachine {
         &self.info
     }
 
-    /// Allocates a session, or returns the one an identical earlier request
-    /// with the same idempotency key created.
-    pub fn allocate(&mut self, req: &AllocateRequest, now: u64) -> Result<KvSession, KvError> {
-        for (name, value) in
-            [("request_id", &req.request_id), ("model", &req.model), ("idempotency_key", &req.idempotency_key)]
-        {
+    /// The first checks of [`Self::allocate`], in its order: `request_id`,
+    /// `model` and `idempotency_key` present, then every text field (the
+    /// layout too) within `max_field_bytes`.
+    pub fn check_allocate_fields(
+        &self,
+        request_id: &str,
+        model: &str,
+        idempotency_key: &str,
+        layout: &str,
+    ) -> Result<(), KvError> {
+        for (name, value) in [("request_id", request_id), ("model", model), ("idempotency_key", idempotency_key)] {
             if value.is_empty() {
                 return Err(KvError::MissingField(name));
             }
         }
         let max = self.info.max_field_bytes;
         for (name, value) in [
-            ("request_id", &req.request_id),
-            ("model", &req.model),
-            ("idempotency_key", &req.idempotency_key),
-            ("meta.layout", &req.meta.layout),
+            ("request_id", request_id),
+            ("model", model),
+            ("idempotency_key", idempotency_key),
+            ("meta.layout", layout),
         ] {
             bounded(name, value, max)?;
         }
+        Ok(())
+    }
+
+    /// Allocates a session, or returns the one an identical earlier request
+    /// with the same idempotency key created.
+    pub fn allocate(&mut self, req: &AllocateRequest, now: u64) -> Result<KvSession, KvError> {
+        self.check_allocate_fields(&req.request_id, &req.model, &req.idempotency_key, &req.meta.layout)?;
         let effective_style = match req.style {
             KvScheduleStyle::Unspecified => self.info.default_style,
             s if self.info.supported_styles.contains(&s) => s,
@@ -429,7 +441,7 @@ impl SessionMachine {
         let e = self.entries.get_mut(&id).expect("caller checked");
         debug_assert!(!e.session.state.is_terminal());
         e.session.state = state;
-        e.session.reason = reason.map(str::to_owned);
+        e.session.reason = reason.filter(|r| !r.is_empty()).map(str::to_owned);
         e.session.consumer_queued = false;
         e.ended_at = now;
         let session = e.session.clone();

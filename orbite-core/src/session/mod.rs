@@ -154,7 +154,7 @@ pub struct KvRendezvous {
 }
 
 /// The shape of the KV both sides must agree on.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct KvTransferMeta {
     /// Layout name (model, dtype, block geometry), compared exactly.
     pub layout: String,

@@ -47,6 +47,8 @@ enum Workload {
     Refresh,
     /// 64 initiator processes writing into one target, against one.
     FanIn,
+    /// The KV session service over gRPC against an echo RPC (feature grpc).
+    Rpc,
 }
 
 /// Parsed `orbite bench` options.
@@ -75,6 +77,9 @@ impl BenchArgs {
             quick: false,
             json: false,
         };
+        if cfg!(feature = "grpc") {
+            out.workloads.push(Workload::Rpc);
+        }
         let mut it = args.iter();
         while let Some(a) = it.next() {
             match a.as_str() {
@@ -119,9 +124,10 @@ impl BenchArgs {
                             "sessions" => Ok(Workload::Sessions),
                             "refresh" => Ok(Workload::Refresh),
                             "fan-in" | "fanin" => Ok(Workload::FanIn),
-                            other => {
-                                Err(format!("unknown workload `{other}` (W1, W2, W3, idle, sessions, refresh, fan-in)"))
-                            }
+                            "rpc" => Ok(Workload::Rpc),
+                            other => Err(format!(
+                                "unknown workload `{other}` (W1, W2, W3, idle, sessions, refresh, fan-in, rpc)"
+                            )),
                         })
                         .collect::<Result<_, _>>()?;
                 }
@@ -152,8 +158,10 @@ fn progress(msg: &str) {
 pub fn run(args: BenchArgs) -> Result<(), String> {
     let mut report = Report { json: args.json, rows: Vec::new() };
     let started = Instant::now();
-    let route_work =
-        args.workloads.iter().any(|w| !matches!(w, Workload::Sessions | Workload::Refresh | Workload::FanIn));
+    let route_work = args
+        .workloads
+        .iter()
+        .any(|w| !matches!(w, Workload::Sessions | Workload::Refresh | Workload::FanIn | Workload::Rpc));
     for &route in args.routes.iter().filter(|_| route_work) {
         let config = args.config.clone();
         let mut rig = match route.policy() {
@@ -176,7 +184,7 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
                     w3(&mut rig, Op::Read, args.quick, &mut report)?;
                 }
                 Workload::Idle => idle(&mut rig, args.quick, &mut report)?,
-                Workload::Sessions | Workload::Refresh | Workload::FanIn => {}
+                Workload::Sessions | Workload::Refresh | Workload::FanIn | Workload::Rpc => {}
             }
         }
     }
@@ -186,6 +194,21 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
         for row in crate::sessions::reaper_scaling(args.quick)? {
             report.emit(row);
         }
+        progress("sessions: S3 the built-in reaper thread with 100 000 and 1 000 live sessions");
+        for row in crate::sessions::reaper_threads(args.quick)? {
+            report.emit(row);
+        }
+    }
+    if args.workloads.contains(&Workload::Rpc) {
+        #[cfg(feature = "grpc")]
+        {
+            progress("rpc: KV session lives over gRPC against an echo RPC, one client and 16");
+            for row in crate::rpc::run(args.quick)? {
+                report.emit(row);
+            }
+        }
+        #[cfg(not(feature = "grpc"))]
+        progress("rpc: SKIP (this orbite was built without the grpc feature: cargo run --release --features grpc)");
     }
     if args.workloads.contains(&Workload::Refresh) {
         progress("refresh: importing 1 000 registrations made after the exchange, 10 000 at open");
@@ -536,6 +559,10 @@ fn print_table(rows: &[Map<String, Value>]) {
     println!("(ref: one loopback TCP stream for tcp; memcpy of the same blocks for every other route)");
     for r in rows.iter().filter(|r| get(r, "system") == json!("orbite")) {
         let workload = s(get(r, "workload"));
+        if let Some(Value::String(line)) = r.get("summary") {
+            println!("{:<7} {:<18} {line}", s(get(r, "route")), workload);
+            continue;
+        }
         if workload == "S2-reaper" {
             println!(
                 "{:<7} {:<18} {} live, {} renewals/tick: {} expired, {} leases visited; tick {} ns with none \

@@ -12,6 +12,8 @@ mod measure;
 mod refresh;
 mod rig;
 #[cfg(feature = "grpc")]
+mod rpc;
+#[cfg(feature = "grpc")]
 mod serve;
 mod sessions;
 
@@ -26,7 +28,8 @@ commands:
                                 local,shm,cma,tcp); peer routes spawn their
                                 target as a child process on loopback
           --workload LIST       comma list of W1,W2,W3,idle,sessions,refresh,
-                                fan-in (default: all)
+                                fan-in,rpc (default: all; rpc needs a build
+                                with --features grpc)
           --quick               short run (under 30 s)
           --config JSON         engine configuration fields to use (both sides)
           --json                print only JSON lines on stdout
