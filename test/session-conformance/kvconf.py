@@ -54,6 +54,7 @@ def generate_stubs(proto_root, out_dir=None):
     global pb, pb_grpc, status_pb2, error_details_pb2, rpc_status
     if out_dir is None:
         out_dir = tempfile.mkdtemp(prefix="kv-conformance-stubs-")
+    os.makedirs(out_dir, exist_ok=True)
     if not os.path.exists(os.path.join(out_dir, "orbite/kv/v1/kv_session_pb2.py")):
         import grpc_tools
         wkt = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
@@ -225,6 +226,7 @@ class Client:
         self.kv = pb_grpc.OpenEngineKvStub(self.channel)
         self.diag = pb_grpc.OrbiteDiagnosticsStub(self.channel)
         self.tracker = tracker
+        self.style = 1  # what allocate_req asks for unless told
 
     def close(self):
         self.channel.close()
@@ -242,11 +244,12 @@ class Client:
         return call(payload, timeout=timeout)
 
     # -- requests
-    def allocate_req(self, key, request_id=None, model="conformance-model", style=1,
+    def allocate_req(self, key, request_id=None, model="conformance-model", style=None,
                      disposition=1, lease_ms=ABSENT, meta=None, no_meta=False):
         req = pb.AllocateKvSessionRequest(
             request_id=request_id if request_id is not None else f"req-{key}",
-            model=model, idempotency_key=key, style=style, disposition=disposition)
+            model=model, idempotency_key=key, style=self.style if style is None else style,
+            disposition=disposition)
         if lease_ms is not ABSENT:
             req.lease_ms = lease_ms
         if not no_meta:
