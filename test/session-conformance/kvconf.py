@@ -320,8 +320,8 @@ class Client:
             req.timeout_ms = timeout_ms
         return self.kv.DrainKvSessions(req, timeout=rpc_timeout)
 
-    def info(self):
-        return self.kv.GetKvConnectorInfo(pb.GetKvConnectorInfoRequest(), timeout=RPC_TIMEOUT)
+    def info(self, timeout=RPC_TIMEOUT):
+        return self.kv.GetKvConnectorInfo(pb.GetKvConnectorInfoRequest(), timeout=timeout)
 
     def stats(self):
         return self.kv.GetKvSessionStats(pb.GetKvSessionStatsRequest(), timeout=RPC_TIMEOUT)
@@ -461,8 +461,12 @@ class Server:
             raise Failure(f"{' '.join(cmd)} printed no 'listening on HOST:PORT' within {startup}s "
                           f"(exit {self.proc.poll()}); output: {self.out.text()[-800:]!r}")
         # Further services print their lines right after the first.
-        time.sleep(0.1)
-        for line in self.out.text().splitlines():
+        time.sleep(0.2)
+        lines = self.out.text().splitlines()
+        self.startup_lines = list(lines)
+        # The gRPC service's line first (a line that names it), then the rest.
+        lines.sort(key=lambda l: 0 if re.search(r"grpc|kv|session", l, re.I) else 1)
+        for line in lines:
             m = LISTEN_RE.search(line)
             if m and m.group(1) not in self.addrs:
                 self.addrs.append(m.group(1))
@@ -472,7 +476,7 @@ class Server:
         for a in self.addrs:
             c = Client(a)
             try:
-                c.info()
+                c.info(timeout=3)
                 return a
             except grpc.RpcError:
                 pass
