@@ -63,6 +63,11 @@ fn peers_sharing_the_secret_move_bytes_and_others_are_refused() {
     let err = plain.open_segment(&endpoint, None, WAIT).unwrap_err();
     assert!(matches!(err, Error::Peer(PeerError::Unauthenticated(_))), "{err}");
     assert!(err.to_string().contains("requires authentication"), "{err}");
+    // The refusal goes out before the target counts it.
+    let start = std::time::Instant::now();
+    while t.stats().auth_failures < 1 && start.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
     assert_eq!(t.stats().auth_failures, 1);
 
     // Another secret: the initiator finds the target cannot prove its.

@@ -167,7 +167,7 @@ enum Got {
 
 fn got(r: Result<KvSession, KvError>) -> Got {
     match r {
-        Ok(s) => Got::Session(s.session_id, s.state),
+        Ok(s) => Got::Session(s.session_id.seq, s.state),
         Err(KvError::IncompatibleMetadata(_)) => Got::Incompatible,
         Err(e) => Got::Err(e),
     }
@@ -175,6 +175,8 @@ fn got(r: Result<KvSession, KvError>) -> Got {
 
 #[derive(Default)]
 struct Model {
+    /// The service's incarnation.
+    inc: u64,
     now: u64,
     next_id: u64,
     sessions: BTreeMap<u64, MSession>,
@@ -187,6 +189,10 @@ struct Model {
 }
 
 impl Model {
+    fn sid(&self, seq: u64) -> SessionId {
+        SessionId { incarnation: self.inc, seq }
+    }
+
     fn entry(&self, id: u64) -> Option<&MSession> {
         self.sessions
             .get(&id)
@@ -196,13 +202,13 @@ impl Model {
     /// The checks of a transition on a live session. A lease that ran out
     /// ends the session first, whether or not the timer came by.
     fn live(&mut self, id: u64) -> Result<&MSession, KvError> {
-        let s = self.entry(id).ok_or(KvError::NotFound(id))?;
+        let s = self.entry(id).ok_or(KvError::NotFound(self.sid(id)))?;
         if !s.state.is_terminal() && s.expires <= self.now {
             self.end(id, Expired);
         }
         let s = &self.sessions[&id];
         if s.state.is_terminal() {
-            return Err(KvError::Terminal { session: id, state: s.state });
+            return Err(KvError::Terminal { session: self.sid(id), state: s.state });
         }
         Ok(s)
     }
@@ -250,7 +256,7 @@ impl Model {
             return if &s.req == req {
                 Got::Session(id, s.state)
             } else {
-                Got::Err(KvError::IdempotencyConflict { key: req.idempotency_key.clone(), session: id })
+                Got::Err(KvError::IdempotencyConflict { key: req.idempotency_key.clone(), session: self.sid(id) })
             };
         }
         if self.draining {
@@ -292,7 +298,8 @@ impl Model {
             Err(e) => return Got::Err(e),
         };
         if s.state != Allocated {
-            return Got::Err(KvError::WrongState { session: id, state: s.state, op: "mark_ready" });
+            let state = s.state;
+            return Got::Err(KvError::WrongState { session: self.sid(id), state, op: "mark_ready" });
         }
         if bad != 0 {
             return Got::Incompatible;
@@ -324,7 +331,7 @@ impl Model {
                     s.queued = true;
                     Got::Queued(id)
                 }
-                _ => Got::Err(KvError::NotReady(id)),
+                _ => Got::Err(KvError::NotReady(self.sid(id))),
             },
             other => unreachable!("live state {other:?}"),
         }
@@ -346,17 +353,22 @@ impl Model {
 
     /// complete, bypass, reject, fail.
     fn transition(&mut self, id: u64, to: KvSessionState) -> Got {
+        let inc = self.inc;
         let s = match self.live(id) {
             Ok(s) => s,
             Err(e) => return Got::Err(e),
         };
         match to {
-            Complete if s.state != Attached => {
-                Got::Err(KvError::WrongState { session: id, state: s.state, op: "complete" })
-            }
-            Bypassed if s.req.disposition != KvTransferDisposition::Bypass => {
-                Got::Err(KvError::WrongState { session: id, state: s.state, op: "bypass" })
-            }
+            Complete if s.state != Attached => Got::Err(KvError::WrongState {
+                session: SessionId { incarnation: inc, seq: id },
+                state: s.state,
+                op: "complete",
+            }),
+            Bypassed if s.req.disposition != KvTransferDisposition::Bypass => Got::Err(KvError::WrongState {
+                session: SessionId { incarnation: inc, seq: id },
+                state: s.state,
+                op: "bypass",
+            }),
             _ => self.end(id, to),
         }
     }
@@ -365,7 +377,7 @@ impl Model {
     fn stop(&mut self, id: u64, to: KvSessionState) -> Got {
         let _ = self.live(id); // a due lease ends it as Expired first
         match self.entry(id) {
-            None => Got::Err(KvError::NotFound(id)),
+            None => Got::Err(KvError::NotFound(self.sid(id))),
             Some(s) if s.state.is_terminal() => Got::Session(id, s.state),
             Some(_) => self.end(id, to),
         }
@@ -485,6 +497,7 @@ impl World {
         let dst = region(&e, 16384, Permission::RemoteReadWrite);
         let clock = Arc::new(ManualClock::default());
         let svc = KvSessionService::new(e.clone(), info(), clock.clone());
+        let inc = svc.incarnation();
         World {
             e,
             base,
@@ -492,7 +505,7 @@ impl World {
             dst,
             clock,
             svc,
-            model: Model::default(),
+            model: Model { inc, ..Model::default() },
             orphans: Vec::new(),
             terminal: HashMap::new(),
             posted: 0,
@@ -569,7 +582,7 @@ impl World {
                 let id = self.id(slot);
                 let (ranges, meta) = self.ranges(bad);
                 let want = self.model.mark_ready(id, bad);
-                let have = self.svc.mark_ready(id, &ranges, &meta);
+                let have = self.svc.mark_ready(self.model.sid(id), &ranges, &meta);
                 if let Ok(s) = &have {
                     prop_assert_eq!(s.rendezvous.ranges.len() as u64, RANGES);
                 }
@@ -579,15 +592,15 @@ impl World {
                 let id = self.id(slot);
                 let meta = if valid { meta() } else { KvTransferMeta { blocks: 5, ..meta() } };
                 let want = self.model.attach(id, valid);
-                let have = match self.svc.attach(id, &meta) {
+                let have = match self.svc.attach(self.model.sid(id), &meta) {
                     Ok(AttachOutcome::Attached(s)) => {
                         self.check_session(&s)?;
-                        Got::Session(s.session_id, s.state)
+                        Got::Session(s.session_id.seq, s.state)
                     }
                     Ok(AttachOutcome::Queued(s)) => {
                         self.check_session(&s)?;
                         prop_assert!(s.consumer_queued && s.state == Allocated, "{:?}", s);
-                        Got::Queued(s.session_id)
+                        Got::Queued(s.session_id.seq)
                     }
                     Err(e) => got(Err(e)),
                 };
@@ -596,7 +609,7 @@ impl World {
             Step::Renew(slot, lease) => {
                 let id = self.id(slot);
                 let want = self.model.renew(id, lease);
-                let have = self.svc.renew(id, lease);
+                let have = self.svc.renew(self.model.sid(id), lease);
                 if let Ok(s) = &have {
                     self.check_session(s)?;
                 }
@@ -605,10 +618,10 @@ impl World {
             Step::Complete(slot) | Step::Bypass(slot) | Step::Reject(slot) | Step::Fail(slot) => {
                 let id = self.id(slot);
                 let (to, have) = match *step {
-                    Step::Complete(_) => (Complete, self.svc.complete(id)),
-                    Step::Bypass(_) => (Bypassed, self.svc.bypass(id)),
-                    Step::Reject(_) => (Rejected, self.svc.reject(id, "rejected")),
-                    _ => (Failed, self.svc.fail(id, "failed")),
+                    Step::Complete(_) => (Complete, self.svc.complete(self.model.sid(id))),
+                    Step::Bypass(_) => (Bypassed, self.svc.bypass(self.model.sid(id))),
+                    Step::Reject(_) => (Rejected, self.svc.reject(self.model.sid(id), "rejected")),
+                    _ => (Failed, self.svc.fail(self.model.sid(id), "failed")),
                 };
                 let want = self.model.transition(id, to);
                 prop_assert_eq!(got(have), want, "{:?} {}", to, id);
@@ -616,8 +629,8 @@ impl World {
             Step::Abort(slot) | Step::Release(slot) => {
                 let id = self.id(slot);
                 let (to, have) = match *step {
-                    Step::Abort(_) => (Cancelled, self.svc.abort(id)),
-                    _ => (Released, self.svc.release(id)),
+                    Step::Abort(_) => (Cancelled, self.svc.abort(self.model.sid(id))),
+                    _ => (Released, self.svc.release(self.model.sid(id))),
                 };
                 let want = self.model.stop(id, to);
                 prop_assert_eq!(got(have), want, "{:?} {}", to, id);
@@ -626,7 +639,7 @@ impl World {
                 let id = self.id(slot);
                 let t = self.transfer(work)?;
                 let want = self.model.track(id, work);
-                match (self.svc.track_transfer(id, t), want) {
+                match (self.svc.track_transfer(self.model.sid(id), t), want) {
                     (Ok(_), Ok(())) => {}
                     (Err((t, e)), Err(w)) => {
                         prop_assert_eq!(e, w);
@@ -672,7 +685,8 @@ impl World {
 
     /// A session the service returned agrees with the model.
     fn check_session(&self, s: &KvSession) -> Result<(), TestCaseError> {
-        let id = s.session_id;
+        prop_assert_eq!(s.session_id.incarnation, self.model.inc);
+        let id = s.session_id.seq;
         let Some(m) = self.model.sessions.get(&id) else {
             return Err(TestCaseError::fail(format!("unknown session {s:?}")));
         };
@@ -716,10 +730,10 @@ impl World {
         // Every session and tombstone reads back as the model says; a
         // terminal state never changes; a forgotten tombstone is NotFound.
         for id in 1..=self.model.next_id + 1 {
-            let have = self.svc.get(id);
+            let have = self.svc.get(self.model.sid(id));
             match (&have, self.model.entry(id)) {
                 (Ok(s), Some(_)) => self.check_session(s)?,
-                (Err(KvError::NotFound(n)), None) if *n == id => {}
+                (Err(KvError::NotFound(n)), None) if *n == self.model.sid(id) => {}
                 (have, want) => {
                     return Err(TestCaseError::fail(format!("get {id}: service {have:?}, model {want:?}")));
                 }
@@ -746,7 +760,7 @@ impl World {
         self.model.draining = true;
         for id in 1..=self.model.next_id {
             let want = self.model.stop(id, Released);
-            prop_assert_eq!(got(self.svc.release(id)), want, "final release {}", id);
+            prop_assert_eq!(got(self.svc.release(self.model.sid(id))), want, "final release {}", id);
         }
         self.apply(&Step::ReleaseHeld { fail: false })?;
         self.apply(&Step::Poll)?;

@@ -89,6 +89,11 @@ impl Fixture {
         Fixture { e, clock, svc, base, kv, dst, kv_registered: true }
     }
 
+    /// The id of this service's `seq`th session.
+    fn sid(&self, seq: u64) -> SessionId {
+        SessionId { incarnation: self.svc.incarnation(), seq }
+    }
+
     /// The producer's KV of one session.
     fn kv_ranges(&self) -> Vec<Desc> {
         vec![Desc::new(self.kv.id, 0, 8192), Desc::new(self.kv.id, 16384, 8192)]
@@ -107,25 +112,25 @@ impl Fixture {
         [&kv[0..8192], &kv[16384..24576]].concat()
     }
 
-    fn allocate(&self, req: &AllocateRequest) -> u64 {
+    fn allocate(&self, req: &AllocateRequest) -> SessionId {
         self.svc.allocate(req).unwrap().session_id
     }
 
     /// A session whose producer pinned its KV.
-    fn ready(&self, req: &AllocateRequest) -> u64 {
+    fn ready(&self, req: &AllocateRequest) -> SessionId {
         let id = self.allocate(req);
         assert_eq!(self.svc.mark_ready(id, &self.kv_ranges(), &meta()).unwrap().state, Ready);
         id
     }
 
-    fn attach(&self, id: u64) -> KvSession {
+    fn attach(&self, id: SessionId) -> KvSession {
         match self.svc.attach(id, &meta()).unwrap() {
             AttachOutcome::Attached(s) => s,
             other => panic!("not attached: {other:?}"),
         }
     }
 
-    fn state(&self, id: u64) -> KvSessionState {
+    fn state(&self, id: SessionId) -> KvSessionState {
         self.svc.get(id).unwrap().state
     }
 
@@ -143,7 +148,7 @@ impl Fixture {
         t
     }
 
-    fn track(&self, id: u64, t: Transfer) {
+    fn track(&self, id: SessionId, t: Transfer) {
         if let Err((_, e)) = self.svc.track_transfer(id, t) {
             panic!("track_transfer({id}) refused: {e}");
         }
@@ -754,8 +759,8 @@ fn validation_request_id_model_and_idempotency_key_are_required() {
     }
     assert_eq!((f.svc.live_count(), f.e.stats()), (0, before));
     // Nothing was allocated, not even an id; the key is still free.
-    assert_eq!(f.allocate(&base), 1);
-    f.svc.release(1).unwrap();
+    assert_eq!(f.allocate(&base), f.sid(1));
+    f.svc.release(f.sid(1)).unwrap();
     f.finish();
 }
 
@@ -836,10 +841,10 @@ fn validation_unsupported_explicit_style_fails_before_allocation() {
     // Nothing was allocated: the first session gets the first id, and the
     // key is free for a supported style.
     let s = f.svc.allocate(&request("v-uns", Unspecified)).unwrap();
-    assert_eq!((s.session_id, s.effective_style), (1, ContextFirst));
-    assert_eq!(f.allocate(&request("v-uns-2", ContextFirst)), 2);
-    f.svc.release(1).unwrap();
-    f.svc.release(2).unwrap();
+    assert_eq!((s.session_id, s.effective_style), (f.sid(1), ContextFirst));
+    assert_eq!(f.allocate(&request("v-uns-2", ContextFirst)), f.sid(2));
+    f.svc.release(f.sid(1)).unwrap();
+    f.svc.release(f.sid(2)).unwrap();
     f.finish();
 }
 
@@ -969,20 +974,41 @@ fn validation_release_is_idempotent_and_tombstones_stay_queryable_for_their_rete
     assert_eq!(f.svc.mark_ready(id, &f.kv_ranges(), &meta()), Err(KvError::NotFound(id)));
     assert_eq!(f.pinned(), 0);
     for op in [
-        f.svc.get(0).map(|_| ()),
-        f.svc.renew(0, None).map(|_| ()),
-        f.svc.release(0).map(|_| ()),
-        f.svc.abort(0).map(|_| ()),
+        f.svc.get(f.sid(0)).map(|_| ()),
+        f.svc.renew(f.sid(0), None).map(|_| ()),
+        f.svc.release(f.sid(0)).map(|_| ()),
+        f.svc.abort(f.sid(0)).map(|_| ()),
     ] {
-        assert_eq!(op, Err(KvError::NotFound(0)), "session id 0 is never a session");
+        assert_eq!(op, Err(KvError::NotFound(f.sid(0))), "session id 0 is never a session");
     }
+    // An id of another incarnation (a restarted service) is never one of
+    // this service's sessions, whatever its sequence.
+    let live = f.allocate(&request("v-other-inc", ContextFirst));
+    let other = SessionId { incarnation: live.incarnation ^ 0x10, seq: live.seq };
+    for op in [
+        f.svc.get(other).map(|_| ()),
+        f.svc.renew(other, None).map(|_| ()),
+        f.svc.release(other).map(|_| ()),
+        f.svc.abort(other).map(|_| ()),
+        f.svc.attach(other, &meta()).map(|_| ()),
+        f.svc.mark_ready(other, &f.kv_ranges(), &meta()).map(|_| ()),
+    ] {
+        assert_eq!(
+            op,
+            Err(KvError::OtherIncarnation { session: other.to_string(), incarnation: live.incarnation }),
+            "another incarnation's id"
+        );
+    }
+    assert_eq!(f.state(live), Allocated);
+    assert_eq!(f.pinned(), 0);
+    f.svc.release(live).unwrap();
     f.finish();
 }
 
 #[test]
 fn validation_tombstones_are_bounded() {
     let f = Fixture::info(KvConnectorInfo { max_tombstones: 2, ..KvConnectorInfo::default() });
-    let ids: Vec<u64> = (0..4).map(|i| f.allocate(&request(&format!("v-bound-{i}"), ContextFirst))).collect();
+    let ids: Vec<SessionId> = (0..4).map(|i| f.allocate(&request(&format!("v-bound-{i}"), ContextFirst))).collect();
     for &id in &ids[..3] {
         f.svc.release(id).unwrap();
     }
@@ -1182,7 +1208,7 @@ fn validation_too_many_live_sessions() {
     // Ended sessions (tombstones, uncleaned ones too) do not count.
     f.svc.release(a).unwrap();
     let c = f.allocate(&rc);
-    assert_eq!(c, 3, "the refused allocation took no id");
+    assert_eq!(c, f.sid(3), "the refused allocation took no id");
     assert_eq!(f.svc.live_count(), 2);
     f.svc.release(b).unwrap();
     f.svc.release(c).unwrap();
@@ -1194,7 +1220,7 @@ fn validation_too_many_live_sessions() {
 /// revives it, and what it pinned is freed at once.
 #[test]
 fn a_due_lease_ends_the_session_at_any_transition_before_the_timer_runs() {
-    type Op<'a> = Box<dyn Fn(&Fixture, u64) -> Result<KvSessionState, KvError> + 'a>;
+    type Op<'a> = Box<dyn Fn(&Fixture, SessionId) -> Result<KvSessionState, KvError> + 'a>;
     let ops: Vec<(&str, bool, Op)> = vec![
         ("renew", true, Box::new(|f, id| f.svc.renew(id, Some(LEASE)).map(|s| s.state))),
         ("renew (invalid lease)", true, Box::new(|f, id| f.svc.renew(id, Some(0)).map(|s| s.state))),
@@ -1240,5 +1266,144 @@ fn a_due_lease_ends_the_session_at_any_transition_before_the_timer_runs() {
         assert_eq!((s.state, s.reason.as_deref()), (Expired, Some("lease expired")), "{name}");
         assert_eq!(f.svc.live_count(), 0, "{name}");
     }
+    f.finish();
+}
+
+#[test]
+fn text_fields_and_range_counts_above_the_limits_are_refused_before_anything_changes() {
+    let f = Fixture::info(KvConnectorInfo { max_field_bytes: 24, max_ranges: 1, ..KvConnectorInfo::default() });
+    let before = f.e.stats();
+    let long = "x".repeat(25);
+    let base = request("limits", ContextFirst);
+    for (field, req) in [
+        ("request_id", AllocateRequest { request_id: long.clone(), ..base.clone() }),
+        ("model", AllocateRequest { model: long.clone(), ..base.clone() }),
+        ("idempotency_key", AllocateRequest { idempotency_key: long.clone(), ..base.clone() }),
+        ("meta.layout", AllocateRequest { meta: KvTransferMeta { layout: long.clone(), ..meta() }, ..base.clone() }),
+    ] {
+        assert_eq!(f.svc.allocate(&req), Err(KvError::FieldTooLong { field, len: 25, max: 24 }));
+    }
+    assert_eq!((f.svc.live_count(), f.e.stats()), (0, before));
+    // Exactly at the limit is accepted.
+    let ok = AllocateRequest { request_id: "y".repeat(24), ..request("at-limit", ContextFirst) };
+    let id = f.allocate(&ok);
+    assert_eq!(id, f.sid(1), "the refused allocations took no id");
+    // Two ranges where one is allowed: nothing pinned, still Allocated.
+    assert_eq!(f.svc.mark_ready(id, &f.kv_ranges(), &meta()), Err(KvError::TooManyRanges { count: 2, max: 1 }));
+    assert_eq!((f.state(id), f.pinned()), (Allocated, 0));
+    // A reason above the limit: the session is unchanged.
+    assert_eq!(f.svc.reject(id, &long), Err(KvError::FieldTooLong { field: "reason", len: 25, max: 24 }));
+    assert_eq!(f.svc.fail(id, &long), Err(KvError::FieldTooLong { field: "reason", len: 25, max: 24 }));
+    assert_eq!(f.state(id), Allocated);
+    f.svc.release(id).unwrap();
+    f.finish();
+}
+
+#[test]
+fn session_ids_have_one_text_form_and_every_other_text_is_refused() {
+    let id = SessionId { incarnation: 0x00ab_cdef_0123_4567, seq: 42 };
+    assert_eq!(id.to_string(), "00abcdef01234567-42");
+    assert_eq!("00abcdef01234567-42".parse::<SessionId>(), Ok(id));
+    let max = SessionId { incarnation: u64::MAX, seq: u64::MAX };
+    assert_eq!(max.to_string().parse::<SessionId>(), Ok(max));
+    for bad in [
+        "",
+        "-",
+        "00abcdef01234567",
+        "00abcdef01234567-",
+        "00abcdef01234567-042",
+        "00abcdef01234567-+42",
+        "00abcdef01234567--42",
+        "00ABCDEF01234567-42",
+        "0abcdef01234567-42",
+        "000abcdef01234567-42",
+        "00abcdef01234567-18446744073709551616",
+        "00abcdef01234567-42 ",
+        " 00abcdef01234567-42",
+        "g0abcdef01234567-42",
+        "00abcdef01234567-4_2",
+    ] {
+        assert!(matches!(bad.parse::<SessionId>(), Err(KvError::InvalidValue { field: "session_id", .. })), "{bad:?}");
+    }
+}
+
+#[test]
+fn each_service_has_its_own_incarnation_so_ids_are_never_reused() {
+    let a = Fixture::new();
+    let b = Fixture::new();
+    assert_ne!(a.svc.incarnation(), b.svc.incarnation());
+    let ia = a.allocate(&request("inc", ContextFirst));
+    let ib = b.allocate(&request("inc", ContextFirst));
+    assert_eq!((ia.seq, ib.seq), (1, 1));
+    assert_ne!(ia, ib, "the same sequence in two incarnations is two ids");
+    assert!(matches!(b.svc.get(ia), Err(KvError::OtherIncarnation { .. })));
+    a.svc.release(ia).unwrap();
+    b.svc.release(ib).unwrap();
+    a.finish();
+    b.finish();
+}
+
+#[test]
+fn the_built_in_reaper_expires_leases_and_frees_pins_without_any_caller_polling() {
+    let e = engine("{}");
+    let base = e.stats();
+    let kv = region(&e, 32768, Permission::RemoteReadWrite);
+    let svc = Arc::new(KvSessionService::new(e.clone(), KvConnectorInfo::default(), Arc::new(SystemClock::default())));
+    let reaper = svc.start_reaper(Duration::from_millis(50)).unwrap();
+    let ranges = [Desc::new(kv.id, 0, 8192), Desc::new(kv.id, 16384, 8192)];
+    let short = AllocateRequest { lease_ms: Some(30), ..request("reaped", ContextFirst) };
+    let long = AllocateRequest { lease_ms: Some(600_000), ..request("kept", ContextFirst) };
+    let s = svc.allocate(&short).unwrap();
+    let k = svc.allocate(&long).unwrap();
+    svc.mark_ready(s.session_id, &ranges, &meta()).unwrap();
+    assert_eq!(e.stats().pinned_ranges, 2);
+    // Wall-clock expiry: the clock's anchor plus the monotonic expiry.
+    let unix_now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_millis() as i64;
+    let at = svc.unix_ms(s.lease_expires_at_ms);
+    assert!((at - 30 - unix_now).abs() < 1_000, "expiry {at} is not about now ({unix_now}) + 30 ms");
+    // Nobody calls poll: the reaper wakes at the expiry (before its 50 ms
+    // period), ends the session and drops the pin.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while svc.stats().pinned_ranges != 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let st = svc.stats();
+    assert_eq!(svc.get(s.session_id).unwrap().state, Expired);
+    assert_eq!(
+        (st.live_sessions, st.pinned_ranges, st.sessions_expired, st.awaiting_cleanup, st.tombstones),
+        (1, 0, 1, 0, 1)
+    );
+    assert!(st.reaper_ticks >= 1);
+    assert_eq!(svc.get(k.session_id).unwrap().state, Allocated, "an unexpired lease is untouched");
+    let (r, now) = svc.release_reporting(k.session_id).unwrap();
+    assert_eq!((r.state, now), (Released, true));
+    let (r, now) = svc.release_reporting(k.session_id).unwrap();
+    assert_eq!((r.state, now), (Released, false), "a retry says it did not end it");
+    assert!(!svc.release_reporting(s.session_id).unwrap().1, "an expired session was not released by this call");
+    // The reaper stops with its handle, and holds the service only weakly.
+    reaper.stop();
+    let weak = Arc::downgrade(&svc);
+    let _r2 = svc.start_reaper(Duration::from_millis(1)).unwrap();
+    drop(svc);
+    assert!(weak.upgrade().is_none(), "the reaper keeps the service alive");
+    drop(_r2);
+    e.deregister(kv.id).unwrap();
+    drop(kv);
+    assert_idle(&e);
+    assert_eq!(e.stats(), base);
+}
+
+#[test]
+fn abort_live_ends_every_live_session_and_leaves_ended_ones() {
+    let f = Fixture::new();
+    let a = f.ready(&request("al-a", ContextFirst));
+    let b = f.allocate(&request("al-b", GenerationFirst));
+    let c = f.allocate(&request("al-c", ContextFirst));
+    f.svc.complete(f.attach(a).session_id).unwrap();
+    f.svc.release(c).unwrap();
+    assert_eq!(f.svc.abort_live(), 1);
+    assert_eq!((f.state(a), f.state(b), f.state(c)), (Complete, Cancelled, Released));
+    let st = f.svc.stats();
+    assert_eq!((st.live_sessions, st.tombstones, st.pinned_ranges, st.tracked_transfers), (0, 3, 0, 0));
     f.finish();
 }

@@ -7,7 +7,7 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 
 use super::{
     AllocateRequest, KvConnectorInfo, KvError, KvRangeRef, KvRendezvous, KvScheduleStyle, KvSession, KvSessionState,
-    KvTransferDisposition, KvTransferMeta,
+    KvTransferDisposition, KvTransferMeta, SessionId,
 };
 
 /// What the runtime must do for a session.
@@ -15,10 +15,10 @@ use super::{
 pub enum Effect {
     /// The session ended while work may run: cancel its queued transfers
     /// and let running ones drain.
-    StopWork(u64),
+    StopWork(SessionId),
     /// The session ended and none of its work can run any more: free its
     /// pins and transfers. Emitted exactly once per session.
-    Cleanup(u64),
+    Cleanup(SessionId),
 }
 
 /// What an attach did.
@@ -44,18 +44,29 @@ pub struct SessionMachine {
     info: KvConnectorInfo,
     endpoint: String,
     epoch: u64,
-    next_id: u64,
-    entries: HashMap<u64, Entry>,
-    keys: HashMap<String, u64>,
+    incarnation: u64,
+    next_seq: u64,
+    entries: HashMap<SessionId, Entry>,
+    keys: HashMap<String, SessionId>,
     /// (expiry, session) of every live session: renewing moves the key, so
     /// the first key is always the next lease to run out.
-    leases: BTreeSet<(u64, u64)>,
+    leases: BTreeSet<(u64, SessionId)>,
     /// Terminal sessions, oldest end first.
-    tombstones: VecDeque<u64>,
+    tombstones: VecDeque<SessionId>,
     live: u64,
+    /// Ended sessions not yet cleaned up.
+    uncleaned: u64,
+    expired: u64,
     draining: bool,
     effects: Vec<Effect>,
     reaper_visits: u64,
+}
+
+fn bounded(field: &'static str, value: &str, max: u64) -> Result<(), KvError> {
+    if value.len() as u64 > max {
+        return Err(KvError::FieldTooLong { field, len: value.len() as u64, max });
+    }
+    Ok(())
 }
 
 fn positive_lease(info: &KvConnectorInfo, lease_ms: Option<i64>) -> Result<u64, KvError> {
@@ -98,18 +109,23 @@ fn same_meta(session: &KvSession, meta: &KvTransferMeta) -> Result<(), KvError> 
 }
 
 impl SessionMachine {
-    /// A machine advertising `info`, for the engine at `endpoint`/`epoch`.
-    pub fn new(info: KvConnectorInfo, endpoint: String, epoch: u64) -> Self {
+    /// A machine advertising `info`, for the engine at `endpoint`/`epoch`,
+    /// allocating ids of `incarnation` (pick a fresh random value at every
+    /// start: ids of other incarnations answer `OtherIncarnation`).
+    pub fn new(info: KvConnectorInfo, endpoint: String, epoch: u64, incarnation: u64) -> Self {
         SessionMachine {
             info,
             endpoint,
             epoch,
-            next_id: 1,
+            incarnation,
+            next_seq: 1,
             entries: HashMap::new(),
             keys: HashMap::new(),
             leases: BTreeSet::new(),
             tombstones: VecDeque::new(),
             live: 0,
+            uncleaned: 0,
+            expired: 0,
             draining: false,
             effects: Vec::new(),
             reaper_visits: 0,
@@ -130,6 +146,15 @@ impl SessionMachine {
             if value.is_empty() {
                 return Err(KvError::MissingField(name));
             }
+        }
+        let max = self.info.max_field_bytes;
+        for (name, value) in [
+            ("request_id", &req.request_id),
+            ("model", &req.model),
+            ("idempotency_key", &req.idempotency_key),
+            ("meta.layout", &req.meta.layout),
+        ] {
+            bounded(name, value, max)?;
         }
         let effective_style = match req.style {
             KvScheduleStyle::Unspecified => self.info.default_style,
@@ -161,8 +186,8 @@ impl SessionMachine {
         if self.live >= self.info.max_live_sessions {
             return Err(KvError::TooManySessions { limit: self.info.max_live_sessions });
         }
-        let id = self.next_id;
-        self.next_id += 1;
+        let id = SessionId { incarnation: self.incarnation, seq: self.next_seq };
+        self.next_seq += 1;
         let expires = now.saturating_add(lease);
         let session = KvSession {
             session_id: id,
@@ -194,7 +219,10 @@ impl SessionMachine {
         Ok(session)
     }
 
-    fn entry(&self, id: u64, now: u64) -> Result<&Entry, KvError> {
+    fn entry(&self, id: SessionId, now: u64) -> Result<&Entry, KvError> {
+        if id.incarnation != self.incarnation {
+            return Err(KvError::OtherIncarnation { session: id.to_string(), incarnation: self.incarnation });
+        }
         match self.entries.get(&id) {
             Some(e) if e.session.state.is_terminal() && self.retention_over(e, now) => Err(KvError::NotFound(id)),
             Some(e) => Ok(e),
@@ -209,7 +237,7 @@ impl SessionMachine {
     /// A live session, for a transition. A lease that ran out by `now`
     /// ends the session first (whether or not a tick came by), so nothing
     /// revives it.
-    fn live_entry(&mut self, id: u64, now: u64) -> Result<&mut Entry, KvError> {
+    fn live_entry(&mut self, id: SessionId, now: u64) -> Result<&mut Entry, KvError> {
         let e = self.entry(id, now)?;
         if !e.session.state.is_terminal() && e.session.lease_expires_at_ms <= now {
             self.end(id, KvSessionState::Expired, Some("lease expired"), now);
@@ -222,12 +250,12 @@ impl SessionMachine {
     }
 
     /// The session, live or a tombstone within its retention.
-    pub fn get(&self, id: u64, now: u64) -> Result<KvSession, KvError> {
+    pub fn get(&self, id: SessionId, now: u64) -> Result<KvSession, KvError> {
         Ok(self.entry(id, now)?.session.clone())
     }
 
     /// Extends the lease of a live session to `now + lease`.
-    pub fn renew(&mut self, id: u64, lease_ms: Option<i64>, now: u64) -> Result<KvSession, KvError> {
+    pub fn renew(&mut self, id: SessionId, lease_ms: Option<i64>, now: u64) -> Result<KvSession, KvError> {
         if !self.info.renewable_leases {
             let state = self.entry(id, now)?.session.state;
             return Err(KvError::WrongState { session: id, state, op: "renew" });
@@ -248,11 +276,14 @@ impl SessionMachine {
     /// runtime can pin ranges only for a call that will succeed).
     pub fn check_ready(
         &mut self,
-        id: u64,
+        id: SessionId,
         ranges: &[KvRangeRef],
         meta: &KvTransferMeta,
         now: u64,
     ) -> Result<(), KvError> {
+        if ranges.len() as u64 > self.info.max_ranges {
+            return Err(KvError::TooManyRanges { count: ranges.len() as u64, max: self.info.max_ranges });
+        }
         self.live_entry(id, now)?;
         let e = self.entry(id, now)?;
         let state = e.session.state;
@@ -279,7 +310,7 @@ impl SessionMachine {
     /// The producer filled the KV: `ranges` are pinned and ready.
     pub fn mark_ready(
         &mut self,
-        id: u64,
+        id: SessionId,
         ranges: &[KvRangeRef],
         meta: &KvTransferMeta,
         now: u64,
@@ -294,7 +325,7 @@ impl SessionMachine {
 
     /// The consumer attaches. Before the KV is ready it queues
     /// (generation-first, concurrent) or is told to retry (context-first).
-    pub fn attach(&mut self, id: u64, meta: &KvTransferMeta, now: u64) -> Result<AttachOutcome, KvError> {
+    pub fn attach(&mut self, id: SessionId, meta: &KvTransferMeta, now: u64) -> Result<AttachOutcome, KvError> {
         let e = self.live_entry(id, now)?;
         same_meta(&e.session, meta)?;
         match e.session.state {
@@ -315,7 +346,7 @@ impl SessionMachine {
     }
 
     /// The consumer has what it needs.
-    pub fn complete(&mut self, id: u64, now: u64) -> Result<KvSession, KvError> {
+    pub fn complete(&mut self, id: SessionId, now: u64) -> Result<KvSession, KvError> {
         let e = self.live_entry(id, now)?;
         if e.session.state != KvSessionState::Attached {
             return Err(KvError::WrongState { session: id, state: e.session.state, op: "complete" });
@@ -324,7 +355,7 @@ impl SessionMachine {
     }
 
     /// The consumer goes on without the transfer (disposition `Bypass`).
-    pub fn bypass(&mut self, id: u64, now: u64) -> Result<KvSession, KvError> {
+    pub fn bypass(&mut self, id: SessionId, now: u64) -> Result<KvSession, KvError> {
         let e = self.live_entry(id, now)?;
         if e.session.disposition != KvTransferDisposition::Bypass {
             return Err(KvError::WrongState { session: id, state: e.session.state, op: "bypass" });
@@ -333,20 +364,22 @@ impl SessionMachine {
     }
 
     /// A participant refuses the session (also after KV was pinned).
-    pub fn reject(&mut self, id: u64, reason: &str, now: u64) -> Result<KvSession, KvError> {
+    pub fn reject(&mut self, id: SessionId, reason: &str, now: u64) -> Result<KvSession, KvError> {
+        bounded("reason", reason, self.info.max_field_bytes)?;
         self.live_entry(id, now)?;
         Ok(self.end(id, KvSessionState::Rejected, Some(reason), now))
     }
 
     /// A transfer failed or a peer was lost.
-    pub fn fail(&mut self, id: u64, reason: &str, now: u64) -> Result<KvSession, KvError> {
+    pub fn fail(&mut self, id: SessionId, reason: &str, now: u64) -> Result<KvSession, KvError> {
+        bounded("reason", reason, self.info.max_field_bytes)?;
         self.live_entry(id, now)?;
         Ok(self.end(id, KvSessionState::Failed, Some(reason), now))
     }
 
     /// Stops the session: `Cancelled` if it was live; a terminal session is
     /// returned unchanged.
-    pub fn abort(&mut self, id: u64, now: u64) -> Result<KvSession, KvError> {
+    pub fn abort(&mut self, id: SessionId, now: u64) -> Result<KvSession, KvError> {
         let _ = self.live_entry(id, now); // a due lease ends it as Expired first
         let e = self.entry(id, now)?;
         if e.session.state.is_terminal() {
@@ -357,24 +390,30 @@ impl SessionMachine {
 
     /// Relinquishes the session: `Released` if it was live; a terminal
     /// session is returned unchanged (release is idempotent).
-    pub fn release(&mut self, id: u64, now: u64) -> Result<KvSession, KvError> {
+    pub fn release(&mut self, id: SessionId, now: u64) -> Result<KvSession, KvError> {
+        self.release_reporting(id, now).map(|(s, _)| s)
+    }
+
+    /// [`Self::release`], also saying whether this call ended the session
+    /// (false: it had ended before, or its lease had run out).
+    pub fn release_reporting(&mut self, id: SessionId, now: u64) -> Result<(KvSession, bool), KvError> {
         let _ = self.live_entry(id, now); // a due lease ends it as Expired first
         let e = self.entry(id, now)?;
         if e.session.state.is_terminal() {
-            return Ok(e.session.clone());
+            return Ok((e.session.clone(), false));
         }
-        Ok(self.end(id, KvSessionState::Released, None, now))
+        Ok((self.end(id, KvSessionState::Released, None, now), true))
     }
 
     /// The runtime started work (a transfer) for a live session: its
     /// cleanup now waits for [`Self::work_retired`].
-    pub fn work_started(&mut self, id: u64, now: u64) -> Result<(), KvError> {
+    pub fn work_started(&mut self, id: SessionId, now: u64) -> Result<(), KvError> {
         self.live_entry(id, now)?.work_active = true;
         Ok(())
     }
 
     /// The runtime proved that all of a session's work retired.
-    pub fn work_retired(&mut self, id: u64) {
+    pub fn work_retired(&mut self, id: SessionId) {
         if let Some(e) = self.entries.get_mut(&id) {
             e.work_active = false;
         }
@@ -382,11 +421,11 @@ impl SessionMachine {
     }
 
     /// Whether the session has work the runtime has not seen retire.
-    pub fn work_active(&self, id: u64) -> bool {
+    pub fn work_active(&self, id: SessionId) -> bool {
         self.entries.get(&id).is_some_and(|e| e.work_active)
     }
 
-    fn end(&mut self, id: u64, state: KvSessionState, reason: Option<&str>, now: u64) -> KvSession {
+    fn end(&mut self, id: SessionId, state: KvSessionState, reason: Option<&str>, now: u64) -> KvSession {
         let e = self.entries.get_mut(&id).expect("caller checked");
         debug_assert!(!e.session.state.is_terminal());
         e.session.state = state;
@@ -394,6 +433,10 @@ impl SessionMachine {
         e.session.consumer_queued = false;
         e.ended_at = now;
         let session = e.session.clone();
+        self.uncleaned += 1;
+        if state == KvSessionState::Expired {
+            self.expired += 1;
+        }
         if e.work_active {
             self.effects.push(Effect::StopWork(id));
         }
@@ -404,10 +447,11 @@ impl SessionMachine {
         session
     }
 
-    fn maybe_cleanup(&mut self, id: u64) {
+    fn maybe_cleanup(&mut self, id: SessionId) {
         if let Some(e) = self.entries.get_mut(&id) {
             if e.session.state.is_terminal() && !e.work_active && !e.cleaned {
                 e.cleaned = true;
+                self.uncleaned -= 1;
                 self.effects.push(Effect::Cleanup(id));
             }
         }
@@ -459,7 +503,39 @@ impl SessionMachine {
 
     /// Draining, nothing live and every ended session cleaned up.
     pub fn is_drained(&self) -> bool {
-        self.draining && self.live == 0 && self.entries.values().all(|e| e.cleaned)
+        self.draining && self.live == 0 && self.uncleaned == 0
+    }
+
+    /// Whether new allocations are refused.
+    pub fn is_draining(&self) -> bool {
+        self.draining
+    }
+
+    /// Ended sessions whose work has not retired yet (not cleaned up).
+    pub fn awaiting_cleanup(&self) -> u64 {
+        self.uncleaned
+    }
+
+    /// Sessions ended by lease expiry so far.
+    pub fn expired_count(&self) -> u64 {
+        self.expired
+    }
+
+    /// This machine's incarnation.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    /// The next lease to run out, on the caller's clock.
+    pub fn next_expiry(&self) -> Option<u64> {
+        self.leases.first().map(|&(t, _)| t)
+    }
+
+    /// Every live session, in id order.
+    pub fn live_ids(&self) -> Vec<SessionId> {
+        let mut ids: Vec<SessionId> = self.leases.iter().map(|&(_, id)| id).collect();
+        ids.sort_unstable();
+        ids
     }
 
     /// Whether a decode request may run without a session.

@@ -10,11 +10,54 @@
 //! the engine proved every transfer retired. docs/api.md describes the
 //! contract; docs/mappings.md relates it to vLLM, SGLang and TensorRT-LLM.
 
+#[cfg(feature = "grpc")]
+pub mod grpc;
 mod machine;
 mod service;
+pub mod status;
 
 pub use machine::{AttachOutcome, Effect, SessionMachine};
-pub use service::{Clock, KvSessionService, ManualClock, SystemClock};
+pub use service::{Clock, KvServiceStats, KvSessionService, ManualClock, Reaper, SystemClock};
+
+/// A session's identity: the service's incarnation (random, new at every
+/// start) and a sequence number within it. A restarted service never
+/// answers for an id of an earlier incarnation, so ids are never reused.
+/// The text form, which the gRPC service uses, is 16 lowercase hex digits
+/// of the incarnation, `-`, and the decimal sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+pub struct SessionId {
+    /// The service incarnation that allocated it.
+    pub incarnation: u64,
+    /// From 1 within the incarnation.
+    pub seq: u64,
+}
+
+impl std::fmt::Display for SessionId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:016x}-{}", self.incarnation, self.seq)
+    }
+}
+
+impl std::str::FromStr for SessionId {
+    type Err = KvError;
+
+    /// Only the canonical form: exactly 16 lowercase hex digits, `-`, and
+    /// a decimal sequence without sign or leading zero.
+    fn from_str(s: &str) -> Result<Self, KvError> {
+        let bad = || KvError::InvalidValue { field: "session_id", value: s.chars().take(64).collect() };
+        let (inc, seq) = s.split_once('-').ok_or_else(bad)?;
+        let hex = |c: u8| c.is_ascii_digit() || (b'a'..=b'f').contains(&c);
+        if inc.len() != 16 || !inc.bytes().all(hex) {
+            return Err(bad());
+        }
+        if seq.is_empty() || seq.len() > 20 || !seq.bytes().all(|c| c.is_ascii_digit()) || seq.starts_with('0') {
+            return Err(bad());
+        }
+        let incarnation = u64::from_str_radix(inc, 16).map_err(|_| bad())?;
+        let seq = seq.parse::<u64>().map_err(|_| bad())?;
+        Ok(SessionId { incarnation, seq })
+    }
+}
 
 /// How producer and consumer start (values fixed by the protocol).
 #[repr(i32)]
@@ -105,7 +148,7 @@ pub struct KvRendezvous {
     /// Its epoch (a restarted engine is another identity).
     pub epoch: u64,
     /// The session.
-    pub session_id: u64,
+    pub session_id: SessionId,
     /// The pinned KV ranges (empty until ready).
     pub ranges: Vec<KvRangeRef>,
 }
@@ -124,8 +167,8 @@ pub struct KvTransferMeta {
 /// A session as the service reports it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 pub struct KvSession {
-    /// Unique on this service.
-    pub session_id: u64,
+    /// Unique across every incarnation of the service.
+    pub session_id: SessionId,
     /// The serving system's request.
     pub request_id: String,
     /// The model.
@@ -155,6 +198,7 @@ pub struct KvSession {
 /// What a service supports, so that clients reject incompatible
 /// deployments before traffic.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct KvConnectorInfo {
     /// Styles a caller may ask for explicitly.
     pub supported_styles: Vec<KvScheduleStyle>,
@@ -182,6 +226,11 @@ pub struct KvConnectorInfo {
     pub tombstone_retention_ms: u64,
     /// Terminal sessions kept at most.
     pub max_tombstones: u64,
+    /// Longest `request_id`, `model`, `idempotency_key`, `meta.layout` or
+    /// reason, in bytes.
+    pub max_field_bytes: u64,
+    /// Most ranges one session may pin.
+    pub max_ranges: u64,
 }
 
 impl Default for KvConnectorInfo {
@@ -204,7 +253,42 @@ impl Default for KvConnectorInfo {
             max_lease_ms: 600_000,
             tombstone_retention_ms: 60_000,
             max_tombstones: 65_536,
+            max_field_bytes: 1024,
+            max_ranges: 4096,
         }
+    }
+}
+
+impl KvConnectorInfo {
+    /// Whether the advertised values make sense together: an explicit
+    /// default style that is supported, positive leases with the default
+    /// within the maximum, positive limits.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.default_style == KvScheduleStyle::Unspecified || !self.supported_styles.contains(&self.default_style) {
+            return Err(format!("default_style {:?} must be one of supported_styles", self.default_style));
+        }
+        if self.supported_styles.contains(&KvScheduleStyle::Unspecified) {
+            return Err("supported_styles lists explicit styles only".into());
+        }
+        if self.default_lease_ms == 0
+            || self.default_lease_ms > self.max_lease_ms
+            || self.max_lease_ms > i64::MAX as u64
+        {
+            return Err(format!(
+                "default_lease_ms ({}) must be positive and at most max_lease_ms ({})",
+                self.default_lease_ms, self.max_lease_ms
+            ));
+        }
+        for (name, v) in [
+            ("max_live_sessions", self.max_live_sessions),
+            ("max_field_bytes", self.max_field_bytes),
+            ("max_ranges", self.max_ranges),
+        ] {
+            if v == 0 {
+                return Err(format!("{name} must be at least 1"));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -234,13 +318,40 @@ pub enum KvError {
     /// A required field is empty.
     #[error("missing required field `{0}`")]
     MissingField(&'static str),
+    /// A text field above `max_field_bytes`.
+    #[error("field `{field}` has {len} bytes, more than the limit of {max}")]
+    FieldTooLong {
+        /// The field.
+        field: &'static str,
+        /// Its length.
+        len: u64,
+        /// The advertised limit.
+        max: u64,
+    },
+    /// A value that names nothing: an unknown enumeration value, a session
+    /// id not in the canonical form.
+    #[error("field `{field}` has no meaning for {value:?}")]
+    InvalidValue {
+        /// The field.
+        field: &'static str,
+        /// The value (at most 64 characters of it).
+        value: String,
+    },
+    /// More ranges than `max_ranges`.
+    #[error("{count} ranges, more than the limit of {max}")]
+    TooManyRanges {
+        /// Given.
+        count: u64,
+        /// The advertised limit.
+        max: u64,
+    },
     /// The same idempotency key with different fields.
     #[error("idempotency key {key:?} is in use by session {session} with other fields")]
     IdempotencyConflict {
         /// The key.
         key: String,
         /// The session holding it.
-        session: u64,
+        session: SessionId,
     },
     /// An explicit style this service does not support.
     #[error("schedule style {0:?} is not supported")]
@@ -261,12 +372,21 @@ pub enum KvError {
     },
     /// No such session (never existed, or its tombstone expired).
     #[error("no session {0}")]
-    NotFound(u64),
+    NotFound(SessionId),
+    /// A session id of another incarnation: the service restarted since
+    /// (or the id belongs to another service). Never another session.
+    #[error("session {session} belongs to another incarnation of the service (this one is {incarnation:016x})")]
+    OtherIncarnation {
+        /// The id as given.
+        session: String,
+        /// This service's incarnation.
+        incarnation: u64,
+    },
     /// The session ended; terminal states never change.
     #[error("session {session} is {state:?}")]
     Terminal {
         /// The session.
-        session: u64,
+        session: SessionId,
         /// Its terminal state.
         state: KvSessionState,
     },
@@ -274,7 +394,7 @@ pub enum KvError {
     #[error("session {session}: {op} is not allowed in state {state:?}")]
     WrongState {
         /// The session.
-        session: u64,
+        session: SessionId,
         /// Its state.
         state: KvSessionState,
         /// The operation.
@@ -282,7 +402,7 @@ pub enum KvError {
     },
     /// The KV is not ready yet and this style does not queue: retry.
     #[error("session {0} is not ready")]
-    NotReady(u64),
+    NotReady(SessionId),
     /// Transfer metadata that does not match the session's.
     #[error("incompatible transfer metadata: {0}")]
     IncompatibleMetadata(String),

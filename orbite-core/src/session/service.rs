@@ -1,38 +1,54 @@
 //! The runtime around [`SessionMachine`]: the clock, the engine's pins and
 //! transfers, and the effects.
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use super::machine::{AttachOutcome, Effect, SessionMachine};
-use super::{AllocateRequest, KvConnectorInfo, KvError, KvRangeRef, KvSession, KvTransferDisposition, KvTransferMeta};
+use super::{
+    AllocateRequest, KvConnectorInfo, KvError, KvRangeRef, KvSession, KvTransferDisposition, KvTransferMeta, SessionId,
+};
 use crate::{Desc, RangePin, Transfer, TransferEngine, TransferStatus};
 
-/// The service's time, in milliseconds.
+/// The service's time, in milliseconds. Monotonic: leases never jump with
+/// the wall clock.
 pub trait Clock: Send + Sync {
     /// Now.
     fn now_ms(&self) -> u64;
+
+    /// The wall-clock time (milliseconds since the Unix epoch) at which
+    /// this clock read zero, to report expiries as absolute times.
+    fn unix_anchor_ms(&self) -> i64 {
+        0
+    }
 }
 
-/// Monotonic time since the clock was made.
+/// Monotonic time since the clock was made, anchored to the wall clock of
+/// that moment.
 #[derive(Debug)]
 pub struct SystemClock {
     start: Instant,
+    anchor_ms: i64,
 }
 
 impl Default for SystemClock {
     fn default() -> Self {
-        SystemClock { start: Instant::now() }
+        let anchor_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
+        SystemClock { start: Instant::now(), anchor_ms }
     }
 }
 
 impl Clock for SystemClock {
     fn now_ms(&self) -> u64 {
         self.start.elapsed().as_millis() as u64
+    }
+
+    fn unix_anchor_ms(&self) -> i64 {
+        self.anchor_ms
     }
 }
 
@@ -63,16 +79,93 @@ struct Resources {
 
 struct Inner {
     machine: SessionMachine,
-    resources: HashMap<u64, Resources>,
+    resources: HashMap<SessionId, Resources>,
+    /// Sessions with tracked work not yet seen retired: all `poll` checks.
+    active: BTreeSet<SessionId>,
+    /// Tracked transfers not yet dropped.
+    tracked: u64,
+}
+
+/// What a service holds now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KvServiceStats {
+    /// The service's incarnation.
+    pub incarnation: u64,
+    /// New allocations are refused.
+    pub draining: bool,
+    /// Sessions not yet terminal.
+    pub live_sessions: u64,
+    /// Ended sessions kept (queryable, or waiting for cleanup).
+    pub tombstones: u64,
+    /// Ended sessions whose work has not retired yet.
+    pub awaiting_cleanup: u64,
+    /// Ranges pinned in the engine (`Stats::pinned_ranges`).
+    pub pinned_ranges: u64,
+    /// Tracked transfers not yet dropped.
+    pub tracked_transfers: u64,
+    /// The engine's executions not yet retired.
+    pub engine_executions: u64,
+    /// Sessions ended by lease expiry.
+    pub sessions_expired: u64,
+    /// Runs of the built-in reaper.
+    pub reaper_ticks: u64,
+    /// Time the built-in reaper spent in `poll`, in nanoseconds.
+    pub reaper_busy_ns: u64,
 }
 
 /// KV sessions over an engine. Every method is short and never waits for
-/// a transfer; call [`Self::poll`] periodically (the timer): it expires
-/// leases, notices retired transfers and frees what ended sessions held.
+/// a transfer. The timer, [`Self::poll`], expires leases, notices retired
+/// transfers and frees what ended sessions held: [`Self::start_reaper`]
+/// runs it on a thread of the service's own, or a caller calls it.
 pub struct KvSessionService {
     engine: TransferEngine,
     clock: Arc<dyn Clock>,
     inner: Mutex<Inner>,
+    reaper_ticks: AtomicU64,
+    reaper_busy_ns: AtomicU64,
+}
+
+/// The built-in reaper: a thread that runs [`KvSessionService::poll`] at
+/// least every period and at every lease's expiry. It holds the service
+/// weakly and stops when the service is dropped or this handle is.
+pub struct Reaper {
+    stop: Arc<(Mutex<bool>, Condvar)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Reaper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reaper").field("running", &self.thread.is_some()).finish()
+    }
+}
+
+impl Reaper {
+    /// Stops the thread and waits for it.
+    pub fn stop(mut self) {
+        self.halt();
+    }
+
+    fn halt(&mut self) {
+        *self.stop.0.lock() = true;
+        self.stop.1.notify_all();
+        if let Some(t) = self.thread.take() {
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+impl Drop for Reaper {
+    fn drop(&mut self) {
+        self.halt();
+    }
+}
+
+/// A fresh random, nonzero incarnation.
+fn new_incarnation() -> u64 {
+    let n = crate::transport::auth::nonce();
+    u64::from_le_bytes(n[..8].try_into().expect("a nonce has 8 bytes")) | 1
 }
 
 impl std::fmt::Debug for KvSessionService {
@@ -101,9 +194,102 @@ impl After {
 
 impl KvSessionService {
     /// A service for sessions whose KV lives in `engine`.
+    /// Its ids carry a fresh random incarnation.
     pub fn new(engine: TransferEngine, info: KvConnectorInfo, clock: Arc<dyn Clock>) -> Self {
-        let machine = SessionMachine::new(info, engine.endpoint().unwrap_or_default(), engine.source_epoch());
-        KvSessionService { engine, clock, inner: Mutex::new(Inner { machine, resources: HashMap::new() }) }
+        let machine =
+            SessionMachine::new(info, engine.endpoint().unwrap_or_default(), engine.source_epoch(), new_incarnation());
+        KvSessionService {
+            engine,
+            clock,
+            inner: Mutex::new(Inner { machine, resources: HashMap::new(), active: BTreeSet::new(), tracked: 0 }),
+            reaper_ticks: AtomicU64::new(0),
+            reaper_busy_ns: AtomicU64::new(0),
+        }
+    }
+
+    /// Starts the built-in reaper: `poll` on a thread of its own, at least
+    /// every `period` and as soon as the next lease runs out. Nobody needs
+    /// to call `poll` while it runs. Dropping the handle stops it.
+    pub fn start_reaper(self: &Arc<Self>, period: Duration) -> Result<Reaper, KvError> {
+        let stop = Arc::new((Mutex::new(false), Condvar::new()));
+        let weak: Weak<Self> = Arc::downgrade(self);
+        let flag = stop.clone();
+        let period = period.max(Duration::from_millis(1));
+        let thread = std::thread::Builder::new()
+            .name("orbite-reaper".into())
+            .spawn(move || {
+                loop {
+                    let Some(service) = weak.upgrade() else { return };
+                    let started = Instant::now();
+                    service.poll();
+                    service.reaper_busy_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    service.reaper_ticks.fetch_add(1, Ordering::Relaxed);
+                    let wait = service.next_wake(period);
+                    drop(service);
+                    let mut stopped = flag.0.lock();
+                    if !*stopped {
+                        flag.1.wait_for(&mut stopped, wait);
+                    }
+                    if *stopped {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| KvError::Engine(format!("cannot start the reaper thread: {e}")))?;
+        Ok(Reaper { stop, thread: Some(thread) })
+    }
+
+    /// How long the reaper may sleep: until the next lease runs out, at
+    /// most `period`.
+    fn next_wake(&self, period: Duration) -> Duration {
+        let now = self.clock.now_ms();
+        match self.inner.lock().machine.next_expiry() {
+            Some(t) => period.min(Duration::from_millis(t.saturating_sub(now))),
+            None => period,
+        }
+    }
+
+    /// This service's incarnation: the first part of every id it hands out.
+    pub fn incarnation(&self) -> u64 {
+        self.inner.lock().machine.incarnation()
+    }
+
+    /// Wall-clock milliseconds since the Unix epoch of a time on the
+    /// service's clock (such as `KvSession::lease_expires_at_ms`).
+    pub fn unix_ms(&self, clock_ms: u64) -> i64 {
+        self.clock.unix_anchor_ms().saturating_add(clock_ms.min(i64::MAX as u64) as i64)
+    }
+
+    /// What the service holds now.
+    pub fn stats(&self) -> KvServiceStats {
+        let (mut s, kept) = {
+            let inner = self.inner.lock();
+            let m = &inner.machine;
+            let s = KvServiceStats {
+                incarnation: m.incarnation(),
+                draining: m.is_draining(),
+                live_sessions: m.live_count(),
+                awaiting_cleanup: m.awaiting_cleanup(),
+                tracked_transfers: inner.tracked,
+                sessions_expired: m.expired_count(),
+                ..KvServiceStats::default()
+            };
+            (s, m.kept() as u64)
+        };
+        s.tombstones = kept - s.live_sessions;
+        let e = self.engine.stats();
+        s.pinned_ranges = e.pinned_ranges;
+        s.engine_executions = e.executions;
+        s.reaper_ticks = self.reaper_ticks.load(Ordering::Relaxed);
+        s.reaper_busy_ns = self.reaper_busy_ns.load(Ordering::Relaxed);
+        s
+    }
+
+    /// Aborts every live session (drain's last step); returns how many.
+    pub fn abort_live(&self) -> u64 {
+        let ids = self.inner.lock().machine.live_ids();
+        ids.into_iter().filter(|&id| self.abort(id).is_ok_and(|s| s.state == super::KvSessionState::Cancelled)).count()
+            as u64
     }
 
     /// What this service supports.
@@ -136,7 +322,13 @@ impl KvSessionService {
                         after.cancel.extend(r.transfers.iter().cloned());
                     }
                 }
-                Effect::Cleanup(id) => after.free.extend(inner.resources.remove(&id)),
+                Effect::Cleanup(id) => {
+                    inner.active.remove(&id);
+                    if let Some(r) = inner.resources.remove(&id) {
+                        inner.tracked -= r.transfers.len() as u64;
+                        after.free.push(r);
+                    }
+                }
             }
         }
         after
@@ -148,29 +340,34 @@ impl KvSessionService {
     }
 
     /// A session or its tombstone.
-    pub fn get(&self, id: u64) -> Result<KvSession, KvError> {
+    pub fn get(&self, id: SessionId) -> Result<KvSession, KvError> {
         self.run(|m, now| m.get(id, now))
     }
 
     /// Extends a live session's lease from now.
-    pub fn renew(&self, id: u64, lease_ms: Option<i64>) -> Result<KvSession, KvError> {
+    pub fn renew(&self, id: SessionId, lease_ms: Option<i64>) -> Result<KvSession, KvError> {
         self.run(|m, now| m.renew(id, lease_ms, now))
     }
 
     /// Relinquishes the session (idempotent).
-    pub fn release(&self, id: u64) -> Result<KvSession, KvError> {
+    pub fn release(&self, id: SessionId) -> Result<KvSession, KvError> {
         self.run(|m, now| m.release(id, now))
     }
 
+    /// [`Self::release`], also saying whether this call ended the session.
+    pub fn release_reporting(&self, id: SessionId) -> Result<(KvSession, bool), KvError> {
+        self.run(|m, now| m.release_reporting(id, now))
+    }
+
     /// Stops the session's work (idempotent on an ended session).
-    pub fn abort(&self, id: u64) -> Result<KvSession, KvError> {
+    pub fn abort(&self, id: SessionId) -> Result<KvSession, KvError> {
         self.run(|m, now| m.abort(id, now))
     }
 
     /// The producer's KV is filled: pins `ranges` (registrations of this
     /// engine) and marks the session ready. Nothing is pinned if the
     /// session refuses.
-    pub fn mark_ready(&self, id: u64, ranges: &[Desc], meta: &KvTransferMeta) -> Result<KvSession, KvError> {
+    pub fn mark_ready(&self, id: SessionId, ranges: &[Desc], meta: &KvTransferMeta) -> Result<KvSession, KvError> {
         let refs: Vec<KvRangeRef> = ranges
             .iter()
             .map(|d| KvRangeRef { registration: d.registration.to_raw(), offset: d.offset, len: d.len })
@@ -194,27 +391,27 @@ impl KvSessionService {
     }
 
     /// The consumer attaches (or queues, see [`AttachOutcome`]).
-    pub fn attach(&self, id: u64, meta: &KvTransferMeta) -> Result<AttachOutcome, KvError> {
+    pub fn attach(&self, id: SessionId, meta: &KvTransferMeta) -> Result<AttachOutcome, KvError> {
         self.run(|m, now| m.attach(id, meta, now))
     }
 
     /// The consumer is done.
-    pub fn complete(&self, id: u64) -> Result<KvSession, KvError> {
+    pub fn complete(&self, id: SessionId) -> Result<KvSession, KvError> {
         self.run(|m, now| m.complete(id, now))
     }
 
     /// The consumer goes on without the transfer.
-    pub fn bypass(&self, id: u64) -> Result<KvSession, KvError> {
+    pub fn bypass(&self, id: SessionId) -> Result<KvSession, KvError> {
         self.run(|m, now| m.bypass(id, now))
     }
 
     /// A participant refuses the session.
-    pub fn reject(&self, id: u64, reason: &str) -> Result<KvSession, KvError> {
+    pub fn reject(&self, id: SessionId, reason: &str) -> Result<KvSession, KvError> {
         self.run(|m, now| m.reject(id, reason, now))
     }
 
     /// A transfer failed or a peer was lost.
-    pub fn fail(&self, id: u64, reason: &str) -> Result<KvSession, KvError> {
+    pub fn fail(&self, id: SessionId, reason: &str) -> Result<KvSession, KvError> {
         self.run(|m, now| m.fail(id, reason, now))
     }
 
@@ -223,7 +420,7 @@ impl KvSessionService {
     /// A transfer that retires with a failure fails the session. Refused
     /// for an ended session (the transfer is handed back). Returns a shared
     /// handle to the transfer, to poll or wait on and to read its receipt.
-    pub fn track_transfer(&self, id: u64, transfer: Transfer) -> Result<Arc<Transfer>, (Transfer, KvError)> {
+    pub fn track_transfer(&self, id: SessionId, transfer: Transfer) -> Result<Arc<Transfer>, (Transfer, KvError)> {
         let now = self.clock.now_ms();
         let (result, after) = {
             let mut inner = self.inner.lock();
@@ -231,6 +428,8 @@ impl KvSessionService {
                 Ok(()) => {
                     let shared = Arc::new(transfer);
                     inner.resources.entry(id).or_default().transfers.push(shared.clone());
+                    inner.active.insert(id);
+                    inner.tracked += 1;
                     Ok(shared)
                 }
                 Err(e) => Err((transfer, e)),
@@ -248,14 +447,17 @@ impl KvSessionService {
         let now = self.clock.now_ms();
         let (live, after) = {
             let mut inner = self.inner.lock();
-            let Inner { machine, resources } = &mut *inner;
+            let Inner { machine, resources, active, .. } = &mut *inner;
             machine.tick(now);
-            // In session order, so that sessions ending in one poll end (and
-            // age as tombstones) in a deterministic order.
-            let mut ids: Vec<u64> = resources.keys().copied().filter(|id| machine.work_active(*id)).collect();
-            ids.sort_unstable();
+            // Only sessions with tracked work, in session order, so that
+            // sessions ending in one poll end (and age as tombstones) in a
+            // deterministic order.
+            let ids: Vec<SessionId> = active.iter().copied().collect();
             for id in ids {
-                let r = &resources[&id];
+                let Some(r) = resources.get(&id) else {
+                    active.remove(&id);
+                    continue;
+                };
                 let statuses: Vec<TransferStatus> = r.transfers.iter().map(|t| t.check()).collect();
                 if statuses.iter().any(|s| matches!(s, TransferStatus::InProgress { .. })) {
                     continue;
@@ -271,6 +473,7 @@ impl KvSessionService {
                         now,
                     );
                 }
+                active.remove(&id);
                 machine.work_retired(id);
             }
             (machine.live_count(), Self::effects(&mut inner))

@@ -11,6 +11,8 @@ mod info;
 mod measure;
 mod refresh;
 mod rig;
+#[cfg(feature = "grpc")]
+mod serve;
 mod sessions;
 
 use std::process::ExitCode;
@@ -33,6 +35,12 @@ commands:
           --config JSON|@FILE   the configuration (default: $ORBITE_CONFIG,
                                 a JSON object or @file; unset: defaults)
           --json                one JSON object instead of text
+  serve   run an engine and the KV session service over gRPC (built with
+          --features grpc): OpenEngineKv of proto/orbite/kv/v1
+          --listen HOST:PORT    where the gRPC service listens (port 0 picks one)
+          --config JSON|@FILE   {\"engine\": {..}, \"sessions\": {..}, \"kv_pool_bytes\",
+                                \"reaper_period_ms\", \"drain_timeout_ms\",
+                                \"max_message_bytes\"} (docs/api.md)
   copy    run one local transfer and print what moved and how fast
           --bytes N             bytes to move (default 268435456)
           --block N             descriptor size in bytes (default 1048576)
@@ -46,6 +54,12 @@ fn main() -> ExitCode {
         Some("copy") => copy(&args[1..]),
         Some("info") => info::InfoArgs::parse(&args[1..]).and_then(info::run),
         Some("bench-target") => rig::serve_target(),
+        #[cfg(feature = "grpc")]
+        Some("serve") => serve::ServeArgs::parse(&args[1..]).and_then(serve::run),
+        #[cfg(not(feature = "grpc"))]
+        Some("serve") => Err("this orbite was built without the KV session service: \
+                              cargo build --release --features grpc (needs protoc)"
+            .into()),
         Some("bench-fanin") => fanin::initiator(&args[1..]),
         Some("help" | "-h" | "--help") => {
             print!("{USAGE}");

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use orbite_core::session::{
     AllocateRequest, AttachOutcome, KvConnectorInfo, KvScheduleStyle, KvSessionService, KvTransferDisposition,
-    KvTransferMeta, SessionMachine, SystemClock,
+    KvTransferMeta, SessionId, SessionMachine, SystemClock,
 };
 use orbite_core::{Desc, EngineConfig, MemoryRange, Permission, TransferEngine};
 use serde_json::{Value, json};
@@ -101,7 +101,7 @@ fn reaper(live: u64, ticks: u64, renewals: u64) -> Result<(f64, u64, u64, f64), 
         max_tombstones: live * 2,
         ..KvConnectorInfo::default()
     };
-    let mut m = SessionMachine::new(info, String::new(), 1);
+    let mut m = SessionMachine::new(info, String::new(), 1, 1);
     let meta = meta();
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     // Leases spread over 100 s; the run covers the first `ticks` ms.
@@ -113,7 +113,7 @@ fn reaper(live: u64, ticks: u64, renewals: u64) -> Result<(f64, u64, u64, f64), 
     let visits_before = m.reaper_visits();
     for t in 1..=ticks {
         for _ in 0..renewals {
-            let id = 1 + rng.next() % live;
+            let id = SessionId { incarnation: 1, seq: 1 + rng.next() % live };
             let _ = m.renew(id, Some(1 + (rng.next() % 100_000) as i64), t); // ended ones refuse
         }
         let live_before = m.live_count();
