@@ -852,6 +852,10 @@ def validate_session_id(ctx):
             oid = f"{other}-{seq}"
             refused(ctx, lambda: fn(oid), SC.NOT_FOUND, "OTHER_INCARNATION",
                     {"session_id": oid, "incarnation": None}, [live], f"{op} {oid}")
+    with ctx.sub("a leading zero does not name the session"):
+        r = kvconf.refusal_of(lambda: c.get(f"{inc}-0{seq}"))
+        check(r is not None and r.code in (SC.INVALID_ARGUMENT, SC.NOT_FOUND),
+              f"get {inc}-0{seq}: {r.describe() if r else 'answered the session'}")
     c.release(live.session_id)
 
 
@@ -1524,6 +1528,13 @@ def wire_oversized_message(ctx):
         req = c.allocate_req(key, request_id="r" * (mx + 64))
         expect_err(lambda: c.allocate(req=req), codes, None, what=f"Allocate of {mx + 64} bytes")
     assert_unchanged(ctx, before, what="after oversized messages")
+    with ctx.sub("the limit itself"):
+        n = mx - 8
+        while pb.EchoRequest(payload=b"\x00" * n).ByteSize() < mx:
+            n += 1
+        check(pb.EchoRequest(payload=b"\x00" * n).ByteSize() == mx, "cannot size an Echo to the limit")
+        eq(len(c.echo(b"\x00" * n).payload), n, f"Echo request of exactly max_message_bytes ({mx})")
+        expect_err(lambda: c.echo(b"\x00" * (n + 1)), codes, None, what=f"Echo request of {mx + 1} bytes")
     with ctx.sub("still serving"):
         eq(c.echo(b"ping").payload, b"ping", "echo after oversized")
         if mx > 4096:
@@ -1568,6 +1579,75 @@ def limits_too_many_sessions(ctx):
         c.release(s.session_id)
     for sid in list(ctx.created):
         c.release(sid)
+
+
+@case("limits.concurrent_at_limit")
+def limits_concurrent_at_limit(ctx):
+    """Allocations racing at max_live_sessions: exactly the free slots are
+    granted, the rest fail TOO_MANY_SESSIONS."""
+    lim = ctx.limits.max_live_sessions
+    live = ctx.stats().live_sessions
+    free = lim - live
+    if free > 1024:
+        raise Skip(f"max_live_sessions {lim} is too large to fill (start the server with <= 1024 free)")
+    extra, nthreads = 40, 16
+    keys = [ctx.key(f"r{i}") for i in range(free + extra)]
+    got, refusals, errs = [], [], []
+    lock = threading.Lock()
+    barrier = threading.Barrier(nthreads)
+
+    def run(part):
+        cl = kvconf.Client(ctx.addr)
+        try:
+            barrier.wait(20)
+            for k in part:
+                try:
+                    s = cl.allocate(k, lease_ms=20_000)
+                    with lock:
+                        got.append(s.session_id)
+                        ctx.created.add(s.session_id)
+                except grpc.RpcError as e:
+                    r = kvconf.Refusal(e)
+                    with lock:
+                        (refusals if r.reason == "TOO_MANY_SESSIONS" else errs).append(r.describe())
+        finally:
+            cl.close()
+    ths = [threading.Thread(target=run, args=(keys[i::nthreads],)) for i in range(nthreads)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(60)
+    st = ctx.stats()
+    check(not errs, f"other refusals: {errs[:3]}")
+    eq(len(got), free, f"sessions granted to {free + extra} racing allocations with {free} free slots")
+    eq(len(refusals), extra, "TOO_MANY_SESSIONS refusals")
+    eq(st.live_sessions, lim, "live_sessions")
+    for sid in got:
+        ctx.admin.release(sid)
+
+
+@case("perf.no_transport_stalls")
+def perf_no_transport_stalls(ctx):
+    """Loopback unary calls take about a millisecond; a call that takes
+    ~40 ms is a Nagle/delayed-ACK stall (TCP_NODELAY not set on accepted
+    connections)."""
+    c = ctx.client()
+    s = c.allocate(ctx.key())
+    rows = []
+    for name, fn in (("Echo of 2000 bytes", lambda: c.echo(b"x" * 2000)),
+                     ("Echo of 16 bytes", lambda: c.echo(b"x" * 16)),
+                     ("GetKvSessionStats then GetKvSession", lambda: (c.stats(), c.get(s.session_id)))):
+        ds = []
+        for _ in range(15):
+            t0 = time.monotonic()
+            fn()
+            ds.append((time.monotonic() - t0) * 1000)
+        ds.sort()
+        rows.append((name, ds[len(ds) // 2], ds[-1], sum(d > 30 for d in ds)))
+    c.release(s.session_id)
+    ctx.note("; ".join(f"{n}: median {m:.1f} ms, max {x:.1f} ms, {k} over 30 ms" for n, m, x, k in rows))
+    bad = [f"{n}: median {m:.1f} ms ({k} of 15 calls over 30 ms)" for n, m, x, k in rows if m > 20 or k > 3]
+    check(not bad, "; ".join(bad))
 
 
 @case("drain.invalid_timeout")
@@ -1640,6 +1720,15 @@ def server_restricted_config(ctx):
         with ctx.sub("bypass"):
             expect_err(lambda: c.allocate(key(), disposition=BYPASS), SC.FAILED_PRECONDITION,
                        "BYPASS_NOT_SUPPORTED", None, "allocate BYPASS")
+        with ctx.sub("order: presence, style, disposition, lease"):
+            req = c.allocate_req(key(), style=CF)
+            req.idempotency_key = ""
+            expect_err(lambda: c.allocate(req=req), SC.INVALID_ARGUMENT, "MISSING_FIELD",
+                       {"field": "idempotency_key"}, "no key and an unsupported style")
+            expect_err(lambda: c.allocate(key(), style=CF, disposition=BYPASS), SC.FAILED_PRECONDITION,
+                       "UNSUPPORTED_STYLE", None, "an unsupported style and an unsupported bypass")
+            expect_err(lambda: c.allocate(key(), disposition=BYPASS, lease_ms=0), SC.FAILED_PRECONDITION,
+                       "BYPASS_NOT_SUPPORTED", None, "an unsupported bypass and a zero lease")
         with ctx.sub("renew"):
             s = c.allocate(key(), style=UNSPEC)
             sessions.append(s)
