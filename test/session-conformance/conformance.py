@@ -1788,6 +1788,54 @@ def server_restricted_config(ctx):
         srv.kill()
 
 
+@case("server.lazy_expiry", orbite=True)
+def server_lazy_expiry(ctx):
+    """With the reaper slowed to minutes, every call still checks the lease
+    itself (docs/api.md, Leases and the reaper) and a tombstone past its
+    retention answers NOT_FOUND before anything forgets it."""
+    srv = own_server(ctx, config={"reaper_period_ms": 600_000,
+                                  "sessions": {"tombstone_retention_ms": 300}})
+    try:
+        c = kvconf.Client(srv.addr)
+        reg = server_regions(c)[0]
+        rg = [pb.KvRange(registration=reg.registration, offset=reg.offset, len=kvconf.kv_size())]
+        s = c.allocate("lazy-1", lease_ms=200)
+        r = c.allocate("lazy-2", lease_ms=200)
+        c.ready(r.session_id, rg)
+        q = c.allocate("lazy-3", lease_ms=200)
+        exp0 = c.stats().sessions_expired
+        time.sleep(0.45)
+        st = c.stats()
+        ctx.note(f"lazy expiry: reaper_ticks {st.reaper_ticks}, sessions_expired {st.sessions_expired - exp0} "
+                 f"before any call (0 means the lazy path is what is tested)")
+        with ctx.sub("renew after the lease ran out"):
+            expect_err(lambda: c.renew(s.session_id, 5000), SC.FAILED_PRECONDITION, "SESSION_ENDED",
+                       ended_meta(s.session_id, S["EXPIRED"]), "renew of a lapsed lease")
+            g = c.get(s.session_id)
+            state_is(g, S["EXPIRED"], "after the late renew")
+            eq(g.reason, "lease expired", "reason")
+        with ctx.sub("attach after the lease ran out"):
+            expect_err(lambda: c.attach(r.session_id), SC.FAILED_PRECONDITION, "SESSION_ENDED",
+                       ended_meta(r.session_id, S["EXPIRED"]), "attach of a lapsed lease")
+            st = poll_until(lambda: (lambda x: x if x.pinned_ranges == 0 else None)(c.stats()), 2.0)
+            check(st, f"pinned_ranges {c.stats().pinned_ranges} after the lapsed session ended")
+        with ctx.sub("release after the lease ran out"):
+            rel = c.release(q.session_id)
+            eq((rel.released_now, rel.state), (False, S["EXPIRED"]), "release of a lapsed lease")
+        with ctx.sub("tombstone past retention without a reaper"):
+            t = c.allocate("lazy-4", lease_ms=5000)
+            c.release(t.session_id)
+            time.sleep(0.5)
+            expect_err(lambda: c.get(t.session_id), SC.NOT_FOUND, "SESSION_NOT_FOUND",
+                       {"session_id": t.session_id}, "get of a tombstone past retention")
+            n = c.allocate("lazy-4", lease_ms=5000)
+            check(n.session_id != t.session_id, "the key of a forgotten tombstone answered the old session")
+            c.release(n.session_id)
+        c.close()
+    finally:
+        srv.kill()
+
+
 @case("server.restart", orbite=True)
 def server_restart(ctx):
     srv = own_server(ctx)
