@@ -53,6 +53,12 @@ pub struct SessionMachine {
     leases: BTreeSet<(u64, SessionId)>,
     /// Terminal sessions, oldest end first.
     tombstones: VecDeque<SessionId>,
+    /// The first key of `leases` (`u64::MAX` for none): a tick with nothing
+    /// due reads this and not the set.
+    next_due: u64,
+    /// The earliest time the oldest tombstone may be forgotten (0: check at
+    /// every tick, `u64::MAX`: no tombstone).
+    tomb_check_at: u64,
     live: u64,
     /// Ended sessions not yet cleaned up.
     uncleaned: u64,
@@ -123,6 +129,8 @@ impl SessionMachine {
             keys: HashMap::new(),
             leases: BTreeSet::new(),
             tombstones: VecDeque::new(),
+            next_due: u64::MAX,
+            tomb_check_at: u64::MAX,
             live: 0,
             uncleaned: 0,
             expired: 0,
@@ -227,6 +235,7 @@ impl SessionMachine {
         );
         self.keys.insert(req.idempotency_key.clone(), id);
         self.leases.insert((expires, id));
+        self.next_due = self.next_due.min(expires);
         self.live += 1;
         Ok(session)
     }
@@ -281,6 +290,7 @@ impl SessionMachine {
         let session = e.session.clone();
         self.leases.remove(&(old, id));
         self.leases.insert((new, id));
+        self.refresh_due();
         Ok(session)
     }
 
@@ -452,9 +462,12 @@ impl SessionMachine {
         if e.work_active {
             self.effects.push(Effect::StopWork(id));
         }
-        self.leases.remove(&(session.lease_expires_at_ms, id));
+        if self.leases.remove(&(session.lease_expires_at_ms, id)) {
+            self.refresh_due();
+        }
         self.live -= 1;
         self.tombstones.push_back(id);
+        self.tomb_check_at = self.tomb_check_at.min(now.saturating_add(self.info.tombstone_retention_ms));
         self.maybe_cleanup(id);
         session
     }
@@ -473,14 +486,16 @@ impl SessionMachine {
     /// tombstones past their retention (or beyond the bound). Touches only
     /// the leases that expire.
     pub fn tick(&mut self, now: u64) {
-        while let Some(&(expires, id)) = self.leases.first() {
-            if expires > now {
-                break;
-            }
+        while self.next_due <= now {
+            let Some((_, id)) = self.leases.pop_first() else { break };
+            self.refresh_due();
             self.reaper_visits += 1;
-            self.leases.pop_first();
             self.end(id, KvSessionState::Expired, Some("lease expired"), now);
         }
+        if now < self.tomb_check_at && self.tombstones.len() as u64 <= self.info.max_tombstones {
+            return;
+        }
+        self.tomb_check_at = u64::MAX;
         while let Some(&id) = self.tombstones.front() {
             let Some(e) = self.entries.get(&id) else {
                 self.tombstones.pop_front(); // its key was reused after retention
@@ -488,6 +503,10 @@ impl SessionMachine {
             };
             let over_bound = self.tombstones.len() as u64 > self.info.max_tombstones;
             if !(e.cleaned && (over_bound || self.retention_over(e, now))) {
+                // Not yet: when it may be forgotten (if cleaned), or at
+                // every tick until its cleanup.
+                self.tomb_check_at =
+                    if e.cleaned { e.ended_at.saturating_add(self.info.tombstone_retention_ms) } else { 0 };
                 break;
             }
             self.tombstones.pop_front();
@@ -496,6 +515,10 @@ impl SessionMachine {
                 self.keys.remove(&e.session.idempotency_key);
             }
         }
+    }
+
+    fn refresh_due(&mut self) {
+        self.next_due = self.leases.first().map_or(u64::MAX, |&(t, _)| t);
     }
 
     /// What the runtime must do now.
@@ -540,7 +563,7 @@ impl SessionMachine {
 
     /// The next lease to run out, on the caller's clock.
     pub fn next_expiry(&self) -> Option<u64> {
-        self.leases.first().map(|&(t, _)| t)
+        (self.next_due != u64::MAX).then_some(self.next_due)
     }
 
     /// Every live session, in id order.
