@@ -163,9 +163,14 @@ fn session_id(s: &str) -> Result<SessionId, KvError> {
     s.parse()
 }
 
+impl From<proto::KvTransferMeta> for KvTransferMeta {
+    fn from(m: proto::KvTransferMeta) -> Self {
+        KvTransferMeta { layout: m.layout, block_bytes: m.block_bytes, blocks: m.blocks }
+    }
+}
+
 fn meta_in(m: Option<proto::KvTransferMeta>) -> Result<KvTransferMeta, KvError> {
-    let m = m.ok_or(KvError::MissingField("meta"))?;
-    Ok(KvTransferMeta { layout: m.layout, block_bytes: m.block_bytes, blocks: m.blocks })
+    m.map(Into::into).ok_or(KvError::MissingField("meta"))
 }
 
 fn timestamp(unix_ms: i64) -> prost_types::Timestamp {
@@ -261,31 +266,26 @@ impl KvGrpcService {
     /// running meanwhile (leases still expire).
     pub async fn drain(&self, timeout: Duration, abort_remaining: bool) -> DrainReport {
         self.service.start_drain();
-        let done = |s: &KvServiceStats| {
-            s.live_sessions == 0 && s.awaiting_cleanup == 0 && s.pinned_ranges == 0 && s.tracked_transfers == 0
-        };
-        let wait = |deadline: Instant| async move {
-            loop {
-                self.service.poll();
-                let s = self.service.stats();
-                if s.live_sessions == 0 || Instant::now() >= deadline {
-                    return;
-                }
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        };
-        wait(Instant::now() + timeout).await;
+        let mut drained = self.settle(Instant::now() + timeout).await;
         let mut aborted = 0;
-        if abort_remaining && self.service.live_count() > 0 {
+        if !drained && abort_remaining {
             aborted = self.service.abort_live();
+            drained = self.settle(Instant::now() + timeout).await;
         }
-        // Cleanup of ended sessions waits for their work to retire.
-        let deadline = Instant::now() + if aborted > 0 { timeout } else { Duration::from_millis(0) };
+        DrainReport { drained, aborted, stats: self.service.stats() }
+    }
+
+    /// Polls until the service is drained (nothing live, every ended
+    /// session cleaned up, no pin or transfer held by a session) or
+    /// `deadline` passes; returns whether it drained.
+    async fn settle(&self, deadline: Instant) -> bool {
         loop {
             self.service.poll();
-            let s = self.service.stats();
-            if done(&s) || Instant::now() >= deadline {
-                return DrainReport { drained: done(&s) && self.service.is_drained(), aborted, stats: s };
+            if self.service.is_drained() {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
         }
@@ -356,11 +356,7 @@ impl proto::open_engine_kv_server::OpenEngineKv for KvGrpcService {
             Ok::<_, KvError>(AllocateRequest {
                 style: style_in(r.style)?,
                 disposition: disposition_in(r.disposition)?,
-                meta: r.meta.map_or_else(KvTransferMeta::default, |m| KvTransferMeta {
-                    layout: m.layout,
-                    block_bytes: m.block_bytes,
-                    blocks: m.blocks,
-                }),
+                meta: r.meta.map(Into::into).unwrap_or_default(),
                 request_id: r.request_id,
                 model: r.model,
                 idempotency_key: r.idempotency_key,
