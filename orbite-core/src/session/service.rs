@@ -243,10 +243,11 @@ impl KvSessionService {
                 loop {
                     let Some(service) = weak.upgrade() else { return };
                     let started = thread_cpu_ns();
-                    service.poll();
+                    let (_, next, now) = service.poll_inner();
                     service.reaper_busy_ns.fetch_add(thread_cpu_ns().saturating_sub(started), Ordering::Relaxed);
                     service.reaper_ticks.fetch_add(1, Ordering::Relaxed);
-                    let wait = service.next_wake(period);
+                    // Until the next lease runs out, at most `period`.
+                    let wait = next.map_or(period, |t| period.min(Duration::from_millis(t.saturating_sub(now))));
                     drop(service);
                     let mut stopped = flag.0.lock();
                     if !*stopped {
@@ -259,16 +260,6 @@ impl KvSessionService {
             })
             .map_err(|e| KvError::Engine(format!("cannot start the reaper thread: {e}")))?;
         Ok(Reaper { stop, thread: Some(thread) })
-    }
-
-    /// How long the reaper may sleep: until the next lease runs out, at
-    /// most `period`.
-    fn next_wake(&self, period: Duration) -> Duration {
-        let now = self.clock.now_ms();
-        match self.inner.lock().machine.next_expiry() {
-            Some(t) => period.min(Duration::from_millis(t.saturating_sub(now))),
-            None => period,
-        }
     }
 
     /// This service's incarnation: the first part of every id it hands out.
@@ -479,8 +470,14 @@ impl KvSessionService {
     /// retired (a failed one fails its session), and frees what ended
     /// sessions held. Returns the live count.
     pub fn poll(&self) -> u64 {
+        self.poll_inner().0
+    }
+
+    /// `poll`, also returning the next lease expiry and the time it ran
+    /// at (the reaper's next wake-up, read under the same lock).
+    fn poll_inner(&self) -> (u64, Option<u64>, u64) {
         let now = self.clock.now_ms();
-        let (live, after) = {
+        let (live, next, after) = {
             let mut inner = self.inner.lock();
             let Inner { machine, resources, active, tick_ns, .. } = &mut *inner;
             let started = Instant::now();
@@ -513,10 +510,10 @@ impl KvSessionService {
                 active.remove(&id);
                 machine.work_retired(id);
             }
-            (machine.live_count(), Self::effects(&mut inner))
+            (machine.live_count(), machine.next_expiry(), Self::effects(&mut inner))
         };
         after.run();
-        live
+        (live, next, now)
     }
 
     /// Stops new allocations.
