@@ -26,6 +26,10 @@ struct Inner<J> {
     script: VecDeque<FaultDirective>,
     hold_all: bool,
     held: Vec<Held<J>>,
+    /// Tasks told to hold that have not reached `held` yet (a worker takes
+    /// the directive under its queue lock and hands the job over after):
+    /// `release_all` waits for them, so none is held after it returned.
+    holding: usize,
     next_ticket: u64,
 }
 
@@ -41,7 +45,13 @@ pub(crate) struct FaultState<J> {
 impl<J> Default for FaultState<J> {
     fn default() -> Self {
         FaultState {
-            inner: Mutex::new(Inner { script: VecDeque::new(), hold_all: false, held: Vec::new(), next_ticket: 1 }),
+            inner: Mutex::new(Inner {
+                script: VecDeque::new(),
+                hold_all: false,
+                held: Vec::new(),
+                holding: 0,
+                next_ticket: 1,
+            }),
             changed: Condvar::new(),
             remote_hold: (Mutex::new((false, 0)), Condvar::new()),
             deny_cma: AtomicBool::new(false),
@@ -52,17 +62,22 @@ impl<J> Default for FaultState<J> {
 impl<J: Send + 'static> Hooks<J> for FaultState<J> {
     fn task_directive(&self) -> FaultDirective {
         let mut g = self.inner.lock();
-        match g.script.pop_front() {
+        let d = match g.script.pop_front() {
             Some(d) => d,
             None if g.hold_all => FaultDirective::Hold,
             None => FaultDirective::Run,
+        };
+        if d == FaultDirective::Hold {
+            g.holding += 1;
         }
+        d
     }
 
     fn hold(&self, job: J, back: Arc<dyn Requeue<J>>) -> Option<J> {
         let mut g = self.inner.lock();
         let ticket = g.next_ticket;
         g.next_ticket += 1;
+        g.holding = g.holding.saturating_sub(1);
         g.held.push((ticket, job, back));
         self.changed.notify_all();
         None
@@ -100,6 +115,7 @@ pub(crate) trait FaultControl: Send + Sync {
     fn push(&self, d: FaultDirective);
     fn set_hold_all(&self, on: bool);
     fn held(&self) -> Vec<u64>;
+    fn release_all(&self, timeout: Duration) -> bool;
     fn release(&self, ticket: u64, d: FaultDirective) -> bool;
     fn wait_held(&self, n: usize, timeout: Duration) -> bool;
     fn hold_remote(&self, on: bool);
@@ -117,10 +133,34 @@ impl<J: Send + 'static> FaultControl for FaultState<J> {
     fn held(&self) -> Vec<u64> {
         self.inner.lock().held.iter().map(|(t, _, _)| *t).collect()
     }
+    fn release_all(&self, timeout: Duration) -> bool {
+        let deadline = crate::time::deadline_after(timeout);
+        loop {
+            let (taken, holding) = {
+                let mut g = self.inner.lock();
+                (std::mem::take(&mut g.held), g.holding)
+            };
+            let none = taken.is_empty();
+            for (_, job, back) in taken {
+                back.requeue(job, FaultDirective::Run);
+            }
+            if holding == 0 && none {
+                return true;
+            }
+            let mut g = self.inner.lock();
+            if g.held.is_empty() && g.holding > 0 && self.changed.wait_until(&mut g, deadline).timed_out() {
+                return false;
+            }
+        }
+    }
     fn release(&self, ticket: u64, d: FaultDirective) -> bool {
         let taken = {
             let mut g = self.inner.lock();
-            g.held.iter().position(|(t, _, _)| *t == ticket).map(|i| g.held.remove(i))
+            let taken = g.held.iter().position(|(t, _, _)| *t == ticket).map(|i| g.held.remove(i));
+            if taken.is_some() && d == FaultDirective::Hold {
+                g.holding += 1; // it comes back into the hold
+            }
+            taken
         };
         match taken {
             Some((_, job, back)) => {
@@ -183,11 +223,11 @@ impl FaultHooks<'_> {
     pub fn release(&self, ticket: u64, d: FaultDirective) -> bool {
         self.ctl.release(ticket, d)
     }
-    /// Releases every held task to run normally.
+    /// Releases every held task to run normally, including tasks already
+    /// told to hold that were still on their way into the hold (waiting
+    /// up to 10 s for those).
     pub fn release_all(&self) {
-        for t in self.held() {
-            self.release(t, FaultDirective::Run);
-        }
+        assert!(self.ctl.release_all(Duration::from_secs(10)), "a task told to hold never reached the hold");
     }
     /// Waits until at least `n` tasks are held.
     pub fn wait_held(&self, n: usize, timeout: Duration) -> bool {

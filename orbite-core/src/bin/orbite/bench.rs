@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use orbite_core::{Desc, EngineConfig, Op, RoutePolicy, TransferSpec};
 use serde_json::{Map, Value, json};
 
+use crate::limits;
 use crate::measure::{self, memcpy_blocks, percentiles_us, post_and_wait};
 use crate::rig::{MIB, Rig, W3_REGION, W3_REGIONS, Which, digest, pattern, read};
 
@@ -169,23 +170,29 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
             Some(policy) => Rig::peer(config, policy)?,
         };
         progress(&format!("{} route: ready", rig.route));
+        let mut limits = Limits::default();
         if route == Route::Tcp && args.workloads.iter().any(|w| matches!(w, Workload::W1 | Workload::W3)) {
-            socket_reference(args.quick, &mut report)?;
+            limits.streams =
+                Some(stream_references(args.quick, rig.engine.config().connections_per_peer, &mut report)?);
         }
+        let rss = if args.workloads.contains(&Workload::W1) { Some(rss_probe(&mut rig)?) } else { None };
         for &w in &args.workloads {
             match w {
                 Workload::W1 => {
-                    w1(&mut rig, Op::Write, args.quick, &mut report)?;
-                    w1(&mut rig, Op::Read, args.quick, &mut report)?;
+                    w1(&mut rig, Op::Write, args.quick, &limits, &mut report)?;
+                    w1(&mut rig, Op::Read, args.quick, &limits, &mut report)?;
                 }
                 Workload::W2 => w2(&mut rig, args.quick, &mut report)?,
                 Workload::W3 => {
-                    w3(&mut rig, Op::Write, args.quick, &mut report)?;
-                    w3(&mut rig, Op::Read, args.quick, &mut report)?;
+                    w3(&mut rig, Op::Write, args.quick, &limits, &mut report)?;
+                    w3(&mut rig, Op::Read, args.quick, &limits, &mut report)?;
                 }
                 Workload::Idle => idle(&mut rig, args.quick, &mut report)?,
                 Workload::Sessions | Workload::Refresh | Workload::FanIn | Workload::Rpc => {}
             }
+        }
+        if let Some(probe) = rss {
+            rss_row(&mut rig, probe, &mut report)?;
         }
     }
     if args.workloads.contains(&Workload::Sessions) {
@@ -234,15 +241,128 @@ fn err(e: impl std::fmt::Display) -> String {
     e.to_string()
 }
 
+/// The limits a route's bulk rows are compared with, measured in the run.
+#[derive(Default)]
+struct Limits {
+    /// GB/s of one loopback stream and of N in parallel (tcp).
+    streams: Option<(f64, f64)>,
+}
+
+/// GB/s of `samples` (seconds) each moving `bytes`.
+fn gbps(bytes: u64, samples: &[f64]) -> f64 {
+    let secs: f64 = samples.iter().sum();
+    if secs > 0.0 { bytes as f64 * samples.len() as f64 / secs / 1e9 } else { 0.0 }
+}
+
+/// The process_vm reference of a cma measurement: the target's pid, the
+/// address its offsets start at, the direction, the local memory and the
+/// blocks (`(local_off, remote_off, len)`).
+struct CmaRef<'a> {
+    pid: i32,
+    base: u64,
+    op: Op,
+    local: &'a orbite_core::HostMemory,
+    blocks: &'a [(u64, u64, u64)],
+}
+
+/// The copy references of one bulk measurement: one thread (`memcpy`),
+/// as many threads as the route has workers (`memcpy-mt`, the copy
+/// limit), and on cma one `process_vm_writev` loop (`process_vm`).
+#[derive(Default)]
+struct CopyRefs {
+    one: Vec<f64>,
+    mt: Vec<f64>,
+    cma: Vec<f64>,
+}
+
+impl CopyRefs {
+    /// Runs each reference once over `blocks` (`(local_off, remote_off,
+    /// len)` of the local scratch copy `src` -> `dst`, and of the cma
+    /// target's memory at `cma` = (pid, remote base)).
+    fn sample(
+        &mut self,
+        src: &orbite_core::HostMemory,
+        dst: &orbite_core::HostMemory,
+        blocks: &[(u64, u64, u64)],
+        threads: usize,
+        cma: Option<CmaRef<'_>>,
+    ) -> Result<(), String> {
+        let r0 = Instant::now();
+        memcpy_blocks(src, dst, blocks);
+        self.one.push(r0.elapsed().as_secs_f64());
+        self.mt.push(limits::memcpy_threads(src, dst, blocks, threads));
+        if let Some(c) = cma {
+            let remote: Vec<(u64, u64, u64)> = c.blocks.iter().map(|&(l, r, n)| (l, c.base + r, n)).collect();
+            self.cma.push(limits::cma_loop(c.pid, c.op, c.local, &remote)?);
+        }
+        Ok(())
+    }
+
+    /// Emits the reference rows and returns the limit fields of the data
+    /// row: its limit (the copy limit, or N streams on tcp), its GB/s and
+    /// the row's ratio to it, and the ratio to one stream on tcp.
+    #[allow(clippy::too_many_arguments)]
+    fn emit(
+        &mut self,
+        report: &mut Report,
+        route: &str,
+        workload: &str,
+        block: u64,
+        n: u64,
+        total: u64,
+        threads: usize,
+        limits: &Limits,
+        ours: &[f64],
+    ) -> Value {
+        emit_bulk(report, "reference", "memcpy", workload, block, n, total, &mut self.one, true, None);
+        let mt = gbps(total, &self.mt);
+        let extra = json!({ "threads": threads });
+        emit_bulk(report, "reference", "memcpy-mt", workload, block, n, total, &mut self.mt, true, Some(extra));
+        if !self.cma.is_empty() {
+            emit_bulk(report, "reference", "process_vm", workload, block, n, total, &mut self.cma, true, None);
+        }
+        let got = gbps(total, ours);
+        match (route, limits.streams) {
+            ("tcp", Some((one, par))) => json!({
+                "limit": "socket-par", "limit_gbps": round(par, 3), "x_limit": ratio(got, par),
+                "x_stream": ratio(got, one),
+            }),
+            _ => json!({ "limit": "memcpy-mt", "limit_gbps": round(mt, 3), "x_limit": ratio(got, mt) }),
+        }
+    }
+}
+
+fn ratio(a: f64, b: f64) -> Value {
+    if b > 0.0 { json!(round(a / b, 3)) } else { Value::Null }
+}
+
+/// The cma target's process and the address of its W1 (`Which::W1`) or
+/// first W3 region, for the process_vm reference (cma route only).
+fn cma_target(rig: &Rig, which: Which) -> Option<(i32, u64)> {
+    if rig.route != "cma" {
+        return None;
+    }
+    let pid = rig.remote_pid()?;
+    let (regs, _) = rig.segment()?.registrations();
+    let id = match which {
+        Which::W1 => rig.r_id,
+        Which::W3 => rig.r3_ids[0],
+    };
+    regs.iter().find(|r| r.id == id).map(|r| (pid, r.addr))
+}
+
 /// W1: 64 MiB in descriptors of B bytes, repeated; interleaved with the
-/// memcpy reference over the same blocks (between two local buffers).
-fn w1(rig: &mut Rig, op: Op, quick: bool, report: &mut Report) -> Result<(), String> {
+/// copy references over the same blocks (between two local buffers, and
+/// on cma into the target process).
+fn w1(rig: &mut Rig, op: Op, quick: bool, limits: &Limits, report: &mut Report) -> Result<(), String> {
     let total = 64 * MIB;
     let per_size = if quick { Duration::from_millis(60) } else { Duration::from_secs(2) };
+    let threads = rig.engine.config().route_workers() as usize;
     // --quick keeps the sizes of docs/bench.md's bars (4 KiB is the
     // descriptor-count extreme, 64 KiB and up carry the bars).
     let sizes: &[u64] =
         if quick { &[4 * KIB, 64 * KIB, MIB, 16 * MIB] } else { &[4 * KIB, 16 * KIB, 64 * KIB, MIB, 16 * MIB] };
+    let cma = cma_target(rig, Which::W1);
     for &block in sizes {
         progress(&format!("{} {} block {} KiB", rig.route, name(op, "W1"), block / KIB));
         let n = total / block;
@@ -250,12 +370,11 @@ fn w1(rig: &mut Rig, op: Op, quick: bool, report: &mut Report) -> Result<(), Str
         let remote: Vec<Desc> = (0..n).map(|i| Desc::new(rig.r_id, i * block, block)).collect();
         let blocks: Vec<(u64, u64, u64)> = (0..n).map(|i| (i * block, i * block, block)).collect();
         let t = rig.engine.prepare(&TransferSpec::new(op, &local, &remote, rig.target())).map_err(err)?;
-        let (mut ours, mut refs) = (Vec::new(), Vec::new());
+        let (mut ours, mut refs) = (Vec::new(), CopyRefs::default());
         let start = Instant::now();
         while start.elapsed() < per_size || ours.len() < 3 {
-            let r0 = Instant::now();
-            memcpy_blocks(&rig.local.l, &rig.local.l3, &blocks);
-            refs.push(r0.elapsed().as_secs_f64());
+            let cma = cma.map(|(pid, base)| CmaRef { pid, base, op, local: &rig.local.l, blocks: &blocks });
+            refs.sample(&rig.local.l, &rig.local.l3, &blocks, threads, cma)?;
             ours.push(post_and_wait(&t)?);
         }
         // Verify one more execution from a known state.
@@ -268,8 +387,9 @@ fn w1(rig: &mut Rig, op: Op, quick: bool, report: &mut Report) -> Result<(), Str
         };
         measure::fill(&rig.local.l, 0x1111);
         drop(t);
-        emit_bulk(report, "reference", "memcpy", &name(op, "W1"), block, n, total, &mut refs, true, None);
-        emit_bulk(report, "orbite", rig.route, &name(op, "W1"), block, n, total, &mut ours, verified, None);
+        let w = name(op, "W1");
+        let extra = refs.emit(report, rig.route, &w, block, n, total, threads, limits, &ours);
+        emit_bulk(report, "orbite", rig.route, &w, block, n, total, &mut ours, verified, Some(extra));
     }
     Ok(())
 }
@@ -300,44 +420,98 @@ fn emit_bulk(
     report.emit(row);
 }
 
+/// Adds the fields of `more` (an object) to `row` (an object).
+fn extend(row: &mut Value, more: Value) {
+    if let (Value::Object(m), Value::Object(x)) = (row, more) {
+        m.extend(x);
+    }
+}
+
 fn round(v: f64, digits: i32) -> f64 {
     let f = 10f64.powi(digits);
     (v * f).round() / f
 }
 
-/// One TCP stream over loopback, 1 MiB writes, plain blocking I/O.
-fn socket_reference(quick: bool, report: &mut Report) -> Result<(), String> {
-    use std::io::{Read, Write};
-    progress("socket reference: one loopback TCP stream, 1 MiB writes");
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").map_err(err)?;
-    let addr = listener.local_addr().map_err(err)?;
-    let receiver = std::thread::spawn(move || -> std::io::Result<(u64, Instant)> {
-        let (mut s, _) = listener.accept()?;
-        let mut buf = vec![0u8; MIB as usize];
-        let mut got = 0u64;
-        loop {
-            let n = s.read(&mut buf)?;
-            if n == 0 {
-                return Ok((got, Instant::now()));
-            }
-            got += n as u64;
-        }
-    });
-    let mut s = std::net::TcpStream::connect(addr).map_err(err)?;
-    let buf = vec![0x5Au8; MIB as usize];
+/// One loopback TCP stream and `n` in parallel (the connections a peer
+/// gets), 1 MiB writes, plain blocking I/O. Returns both GB/s.
+fn stream_references(quick: bool, n: u32, report: &mut Report) -> Result<(f64, f64), String> {
+    progress(&format!("socket references: one loopback TCP stream and {n} in parallel, 1 MiB writes"));
     let dur = if quick { Duration::from_millis(200) } else { Duration::from_secs(2) };
-    let start = Instant::now();
-    let mut sent = 0u64;
-    while start.elapsed() < dur {
-        s.write_all(&buf).map_err(err)?;
-        sent += MIB;
+    let (one, ok1) = limits::tcp_streams(1, dur)?;
+    let (par, okn) = limits::tcp_streams(n as usize, dur)?;
+    for (route, streams, bps, ok) in [("socket", 1, one, ok1), ("socket-par", n, par, okn)] {
+        report.emit(json!({
+            "system": "reference", "route": route, "workload": "W1-write", "block_bytes": MIB, "streams": streams,
+            "gbps": round(bps / 1e9, 3), "verified": ok,
+        }));
     }
-    drop(s);
-    let (got, end) = receiver.join().map_err(|_| "receiver panicked")?.map_err(err)?;
-    let secs = (end - start).as_secs_f64();
+    Ok((one / 1e9, par / 1e9))
+}
+
+/// The raw TCP round trip (4 KiB answered by 16 bytes, TCP_NODELAY):
+/// emits its row and returns its p50 and p99 in microseconds.
+fn round_trip_reference(iters: usize, report: &mut Report) -> Result<(f64, f64), String> {
+    let mut samples = limits::round_trips(iters)?;
+    let (p50, p99) = percentiles_us(&mut samples);
     report.emit(json!({
-        "system": "reference", "route": "socket", "workload": "W1-write", "block_bytes": MIB,
-        "gbps": round(got as f64 / secs / 1e9, 3), "verified": got == sent,
+        "system": "reference", "route": "rtt", "workload": "W2-write", "block_bytes": 4096, "descs": 1,
+        "p50_us": round(p50, 2), "p99_us": round(p99, 2), "verified": true,
+    }));
+    Ok((p50, p99))
+}
+
+/// The limit fields of a latency row: the round trip's p50, and the row's
+/// p50 and p99 against it.
+fn latency_limit(p50: f64, p99: f64, rtt: (f64, f64)) -> Value {
+    json!({ "limit": "rtt", "limit_us": round(rtt.0, 2), "x_limit": ratio(p50, rtt.0), "x_limit_p99": ratio(p99, rtt.0) })
+}
+
+/// Peak resident memory of both processes while W1 moves 64 MiB and then
+/// 1 GiB in all (1 MiB descriptors): the engine's memory must not grow
+/// with the bytes moved.
+struct RssProbe {
+    after_64mib: (u64, Option<u64>),
+    after_1gib: (u64, Option<u64>),
+    reset: bool,
+}
+
+fn rss_probe(rig: &mut Rig) -> Result<RssProbe, String> {
+    progress(&format!("{} peak RSS while W1 moves 64 MiB, then 1 GiB", rig.route));
+    let reset = limits::reset_peak_rss() & rig.reset_remote_peak_rss()?;
+    let n = 64;
+    let local: Vec<Desc> = (0..n).map(|i| Desc::new(rig.local.l_id, i * MIB, MIB)).collect();
+    let remote: Vec<Desc> = (0..n).map(|i| Desc::new(rig.r_id, i * MIB, MIB)).collect();
+    let t = rig.engine.prepare(&TransferSpec::new(Op::Write, &local, &remote, rig.target())).map_err(err)?;
+    post_and_wait(&t)?;
+    let after_64mib = (limits::peak_rss(), rig.remote_peak_rss()?);
+    for _ in 1..16 {
+        post_and_wait(&t)?;
+    }
+    let after_1gib = (limits::peak_rss(), rig.remote_peak_rss()?);
+    Ok(RssProbe { after_64mib, after_1gib, reset })
+}
+
+/// The route's peak RSS row: both processes over the whole route, and the
+/// probe's peaks after 64 MiB and 1 GiB moved.
+fn rss_row(rig: &mut Rig, probe: RssProbe, report: &mut Report) -> Result<(), String> {
+    let mib = |b: u64| round(b as f64 / MIB as f64, 1);
+    let opt = |b: Option<u64>| b.map_or(Value::Null, |b| json!(mib(b)));
+    let growth = |a: (u64, Option<u64>), b: (u64, Option<u64>)| {
+        b.0.saturating_sub(a.0).max(b.1.unwrap_or(0).saturating_sub(a.1.unwrap_or(0)))
+    };
+    let grew = growth(probe.after_64mib, probe.after_1gib);
+    // Registered memory per side: the W1 region and the W3 regions.
+    let registered = W3_REGIONS * W3_REGION + crate::rig::W1_REGION;
+    report.emit(json!({
+        "system": "orbite", "route": rig.route, "workload": "rss",
+        "initiator_peak_mib": mib(limits::peak_rss()), "target_peak_mib": opt(rig.remote_peak_rss()?),
+        "registered_mib_per_side": mib(registered),
+        "initiator_peak_mib_64mib": mib(probe.after_64mib.0), "initiator_peak_mib_1gib": mib(probe.after_1gib.0),
+        "target_peak_mib_64mib": opt(probe.after_64mib.1), "target_peak_mib_1gib": opt(probe.after_1gib.1),
+        "growth_mib_64mib_to_1gib": mib(grew),
+        // Independent of the bytes moved: moving 16 x more grew neither
+        // peak by more than 1 MiB (page-table and allocator noise).
+        "verified": probe.reset && grew <= MIB,
     }));
     Ok(())
 }
@@ -345,6 +519,8 @@ fn socket_reference(quick: bool, report: &mut Report) -> Result<(), String> {
 /// W2: one 4 KiB transfer from post to retirement, many times.
 fn w2(rig: &mut Rig, quick: bool, report: &mut Report) -> Result<(), String> {
     let iters = if quick { 200 } else { 2000 };
+    progress(&format!("{} round-trip reference: 4 KiB answered by 16 bytes over loopback TCP x {iters}", rig.route));
+    let rtt = round_trip_reference(iters, report)?;
     for op in [Op::Write, Op::Read] {
         progress(&format!("{} {} 4 KiB x {iters}", rig.route, name(op, "W2")));
         let (l, r) = ([Desc::new(rig.local.l_id, 0, 4096)], [Desc::new(rig.r_id, 0, 4096)]);
@@ -362,18 +538,20 @@ fn w2(rig: &mut Rig, quick: bool, report: &mut Report) -> Result<(), String> {
         };
         measure::fill(&rig.local.l, 0x1111);
         let (p50, p99) = percentiles_us(&mut samples);
-        report.emit(json!({
+        let mut row = json!({
             "system": "orbite", "route": rig.route, "workload": name(op, "W2"), "block_bytes": 4096, "descs": 1,
             "p50_us": round(p50, 2), "p99_us": round(p99, 2), "verified": verified,
-        }));
+        });
+        extend(&mut row, latency_limit(p50, p99, rtt));
+        report.emit(row);
     }
-    w2_notifications(rig, iters, report)
+    w2_notifications(rig, iters, rtt, report)
 }
 
 /// W2 with notifications: a 4 KiB WRITE carrying a notification (post to
 /// retirement, which includes the notification's delivery), and a
 /// notification ping-pong between the two engines.
-fn w2_notifications(rig: &mut Rig, iters: usize, report: &mut Report) -> Result<(), String> {
+fn w2_notifications(rig: &mut Rig, iters: usize, rtt: (f64, f64), report: &mut Report) -> Result<(), String> {
     progress(&format!("{} W2-write-notif 4 KiB x {iters}", rig.route));
     let (l, r) = ([Desc::new(rig.local.l_id, 0, 4096)], [Desc::new(rig.r_id, 0, 4096)]);
     let note = b"kv-ready\0\xff";
@@ -391,10 +569,12 @@ fn w2_notifications(rig: &mut Rig, iters: usize, report: &mut Report) -> Result<
     let delivered = rig.take_remote_notifications()?;
     let verified = delivered == (iters + 50) as u64;
     let (p50, p99) = percentiles_us(&mut samples);
-    report.emit(json!({
+    let mut row = json!({
         "system": "orbite", "route": rig.route, "workload": "W2-write-notif", "block_bytes": 4096, "descs": 1,
         "p50_us": round(p50, 2), "p99_us": round(p99, 2), "verified": verified,
-    }));
+    });
+    extend(&mut row, latency_limit(p50, p99, rtt));
+    report.emit(row);
     if rig.route == "local" {
         return Ok(()); // a ping-pong needs two engines
     }
@@ -412,10 +592,12 @@ fn w2_notifications(rig: &mut Rig, iters: usize, report: &mut Report) -> Result<
         }
     }
     let (p50, p99) = percentiles_us(&mut samples);
-    report.emit(json!({
+    let mut row = json!({
         "system": "orbite", "route": rig.route, "workload": "W2-notif-pingpong", "p50_us": round(p50, 2),
         "p99_us": round(p99, 2), "verified": ok,
-    }));
+    });
+    extend(&mut row, latency_limit(p50, p99, rtt));
+    report.emit(row);
     Ok(())
 }
 
@@ -434,7 +616,7 @@ fn permutation(n: u64, seed: u64) -> Vec<u64> {
 
 /// W3: vLLM-style paged KV: 64 regions of 4 MiB per side, every 16 KiB
 /// block moved, block ids permuted on both sides (16384 descriptors).
-fn w3(rig: &mut Rig, op: Op, quick: bool, report: &mut Report) -> Result<(), String> {
+fn w3(rig: &mut Rig, op: Op, quick: bool, limits: &Limits, report: &mut Report) -> Result<(), String> {
     const BLOCK: u64 = 16 * KIB;
     let per_region = W3_REGION / BLOCK;
     let perms: Vec<(Vec<u64>, Vec<u64>)> =
@@ -447,15 +629,21 @@ fn w3(rig: &mut Rig, op: Op, quick: bool, report: &mut Report) -> Result<(), Str
             blocks.push((r as u64 * W3_REGION + a[k] * BLOCK, r as u64 * W3_REGION + b[k] * BLOCK, BLOCK));
         }
     }
+    let threads = rig.engine.config().route_workers() as usize;
+    // The target's W3 regions are one allocation: offsets from the first
+    // region's address are addresses there.
+    let cma = cma_target(rig, Which::W3);
     let rounds = if quick { 2 } else { 16 };
     progress(&format!("{} {} 16384 x 16 KiB, {rounds} rounds", rig.route, name(op, "W3")));
-    let (mut prep, mut run, mut whole, mut refs, mut lifecycle) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut prep, mut run, mut whole, mut lifecycle) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut refs = CopyRefs::default();
     for i in 0..rounds + 1 {
         measure::fill(&rig.local.l, 0);
-        let r0 = Instant::now();
-        memcpy_blocks(&rig.local.l3, &rig.local.l, &blocks);
-        let r = r0.elapsed().as_secs_f64();
+        if i == 1 {
+            refs = CopyRefs::default(); // round 0 warms caches and page tables
+        }
+        let cma = cma.map(|(pid, base)| CmaRef { pid, base, op, local: &rig.local.l3, blocks: &blocks });
+        refs.sample(&rig.local.l3, &rig.local.l, &blocks, threads, cma)?;
         let busy0 = rig.engine.route_busy();
         let p0 = Instant::now();
         let t = rig.engine.prepare(&TransferSpec::new(op, &local, &remote, rig.target())).map_err(err)?;
@@ -469,7 +657,6 @@ fn w3(rig: &mut Rig, op: Op, quick: bool, report: &mut Report) -> Result<(), Str
             prep.push(pr);
             run.push(secs);
             whole.push(w);
-            refs.push(r);
             // With one worker the route's busy time is the copy's wall
             // time; with several it is a sum and says nothing about overhead.
             if copy > 0.0 && rig.engine.config().route_workers() == 1 {
@@ -507,7 +694,7 @@ fn w3(rig: &mut Rig, op: Op, quick: bool, report: &mut Report) -> Result<(), Str
     let n = local.len() as u64;
     let (prep_us, _) = percentiles_us(&mut prep);
     let (whole_us, _) = percentiles_us(&mut whole);
-    let (ref_us, _) = percentiles_us(&mut refs.clone());
+    let (ref_us, _) = percentiles_us(&mut refs.one.clone());
     let mut extra = json!({ "prep_us": round(prep_us, 1) });
     if let Value::Object(m) = &mut extra {
         if rig.route != "tcp" {
@@ -522,8 +709,9 @@ fn w3(rig: &mut Rig, op: Op, quick: bool, report: &mut Report) -> Result<(), Str
             m.insert("lifecycle_overhead_pct".into(), json!(round(lifecycle_med / 1e6 * 100.0, 2)));
         }
     }
-    emit_bulk(report, "reference", "memcpy", &name(op, "W3"), BLOCK, n, total, &mut refs, true, None);
-    emit_bulk(report, "orbite", rig.route, &name(op, "W3"), BLOCK, n, total, &mut run, verified, Some(extra));
+    let w = name(op, "W3");
+    extend(&mut extra, refs.emit(report, rig.route, &w, BLOCK, n, total, threads, limits, &run));
+    emit_bulk(report, "orbite", rig.route, &w, BLOCK, n, total, &mut run, verified, Some(extra));
     Ok(())
 }
 
@@ -553,10 +741,25 @@ fn print_table(rows: &[Map<String, Value>]) {
     };
     println!();
     println!(
-        "{:<7} {:<18} {:>9} {:>10} {:>10} {:>8} {:>10} {:>10} {:>9}",
-        "route", "workload", "block", "GB/s", "ref GB/s", "ratio", "p50 us", "p99 us", "verified"
+        "{:<7} {:<18} {:>9} {:>10} {:>10} {:>8} {:>10} {:>12} {:>8} {:>10} {:>10} {:>9}",
+        "route",
+        "workload",
+        "block",
+        "GB/s",
+        "ref GB/s",
+        "ratio",
+        "limit",
+        "limit",
+        "x_limit",
+        "p50 us",
+        "p99 us",
+        "verified"
     );
-    println!("(ref: one loopback TCP stream for tcp; memcpy of the same blocks for every other route)");
+    println!(
+        "(ref: one loopback TCP stream for tcp, one-thread memcpy of the same blocks for every other route; limit: \
+         N streams (socket-par) for tcp, memcpy with the route's worker count (memcpy-mt) otherwise, the raw \
+         4 KiB TCP round trip (rtt) for latency rows, whose x_limit is p50 over the round trip's p50)"
+    );
     for r in rows.iter().filter(|r| get(r, "system") == json!("orbite")) {
         let workload = s(get(r, "workload"));
         if let Some(Value::String(line)) = r.get("summary") {
@@ -591,6 +794,22 @@ fn print_table(rows: &[Map<String, Value>]) {
             );
             continue;
         }
+        if workload == "rss" {
+            println!(
+                "{:<7} {:<18} peak RSS initiator {} MiB, target {} MiB ({} MiB registered per side); after W1 \
+                 moved 64 MiB / 1 GiB: initiator {} / {} MiB, target {} / {} MiB",
+                s(get(r, "route")),
+                workload,
+                s(get(r, "initiator_peak_mib")),
+                s(get(r, "target_peak_mib")),
+                s(get(r, "registered_mib_per_side")),
+                s(get(r, "initiator_peak_mib_64mib")),
+                s(get(r, "initiator_peak_mib_1gib")),
+                s(get(r, "target_peak_mib_64mib")),
+                s(get(r, "target_peak_mib_1gib")),
+            );
+            continue;
+        }
         if workload == "idle" {
             println!(
                 "{:<7} {:<18} {:>9} cpu {}% of one core over {} s",
@@ -611,7 +830,9 @@ fn print_table(rows: &[Map<String, Value>]) {
                 && if get(r, "route") == json!("tcp") {
                     get(x, "route") == json!("socket")
                 } else {
-                    get(x, "workload") == get(r, "workload") && get(x, "block_bytes") == get(r, "block_bytes")
+                    get(x, "route") == json!("memcpy")
+                        && get(x, "workload") == get(r, "workload")
+                        && get(x, "block_bytes") == get(r, "block_bytes")
                 }
         });
         let gbps = get(r, "gbps").as_f64();
@@ -623,14 +844,22 @@ fn print_table(rows: &[Map<String, Value>]) {
         let block = get(r, "block_bytes")
             .as_u64()
             .map_or("-".into(), |b| if b >= MIB { format!("{} MiB", b / MIB) } else { format!("{} KiB", b / KIB) });
+        let limit_value = match (r.get("limit_gbps"), r.get("limit_us")) {
+            (Some(g), _) => format!("{} GB/s", s(g.clone())),
+            (None, Some(u)) => format!("{} us", s(u.clone())),
+            _ => "-".into(),
+        };
         println!(
-            "{:<7} {:<18} {:>9} {:>10} {:>10} {:>8} {:>10} {:>10} {:>9}",
+            "{:<7} {:<18} {:>9} {:>10} {:>10} {:>8} {:>10} {:>12} {:>8} {:>10} {:>10} {:>9}",
             s(get(r, "route")),
             workload,
             block,
             gbps.map_or("-".into(), |g| format!("{g:.2}")),
             ref_gbps.map_or("-".into(), |g| format!("{g:.2}")),
             ratio,
+            s(get(r, "limit")),
+            limit_value,
+            s(get(r, "x_limit")),
             s(get(r, "p50_us")),
             s(get(r, "p99_us")),
             s(get(r, "verified")),

@@ -8,6 +8,7 @@
 mod bench;
 mod fanin;
 mod info;
+mod limits;
 mod measure;
 mod refresh;
 mod rig;

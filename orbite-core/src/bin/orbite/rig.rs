@@ -252,6 +252,43 @@ impl Rig {
         }
     }
 
+    /// The target process's pid (peer routes).
+    pub fn remote_pid(&self) -> Option<i32> {
+        match &self.remote {
+            Remote::Loopback { .. } => None,
+            Remote::Tcp { child, .. } => i32::try_from(child.id()).ok(),
+        }
+    }
+
+    /// The opened segment of the target (peer routes).
+    pub fn segment(&self) -> Option<&RemoteSegment> {
+        match &self.remote {
+            Remote::Loopback { .. } => None,
+            Remote::Tcp { segment, .. } => Some(segment),
+        }
+    }
+
+    /// Peak resident memory of the target process in bytes (none for the
+    /// self connection: one process).
+    pub fn remote_peak_rss(&mut self) -> Result<Option<u64>, String> {
+        match &self.remote {
+            Remote::Loopback { .. } => Ok(None),
+            Remote::Tcp { .. } => {
+                let a = self.ask("peak")?;
+                a.strip_prefix("PEAK ").and_then(|v| v.parse().ok()).map(Some).ok_or(format!("target: {a}"))
+            }
+        }
+    }
+
+    /// Starts a new peak in the target process; false if its kernel
+    /// refused (true for the self connection).
+    pub fn reset_remote_peak_rss(&mut self) -> Result<bool, String> {
+        match &self.remote {
+            Remote::Loopback { .. } => Ok(true),
+            Remote::Tcp { .. } => Ok(self.ask("reset_peak")? == "OK"),
+        }
+    }
+
     /// CPU time of the remote process (0 for the self connection).
     pub fn remote_cpu_ns(&mut self) -> Result<u64, String> {
         match &self.remote {
@@ -336,6 +373,10 @@ pub fn serve_target() -> Result<(), String> {
                 }
             }
             ["cpu"] => format!("CPU {}", measure::process_cpu_ns()),
+            ["peak"] => format!("PEAK {}", crate::limits::peak_rss()),
+            ["reset_peak"] => {
+                (if crate::limits::reset_peak_rss() { "OK" } else { "ERR clear_refs refused" }).to_owned()
+            }
             ["notifs"] => format!("NOTIFS {}", engine.take_notifications().len()),
             ["pong", endpoint, epoch, n] => {
                 let epoch = epoch.parse().map_err(|_| "bad epoch")?;

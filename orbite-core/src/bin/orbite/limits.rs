@@ -1,0 +1,236 @@
+//! The machine's limits, measured in the run beside the routes: copying
+//! with as many threads as the route has workers, one process_vm_writev
+//! loop, one and N loopback TCP streams, and the raw TCP round trip of a
+//! 4 KiB write answered by 16 bytes. Every data row of `orbite bench` is
+//! reported against one of them (`x_limit`).
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use orbite_core::{HostMemory, Op};
+
+use crate::rig::MIB;
+
+/// Splits `blocks` into `parts` runs of consecutive blocks with about the
+/// same bytes each (never an empty run unless there are fewer blocks).
+pub fn split_even(blocks: &[(u64, u64, u64)], parts: usize) -> Vec<&[(u64, u64, u64)]> {
+    let total: u64 = blocks.iter().map(|b| b.2).sum();
+    let parts = parts.max(1) as u64;
+    let mut out = Vec::new();
+    let (mut start, mut acc) = (0usize, 0u64);
+    for (i, b) in blocks.iter().enumerate() {
+        acc += b.2;
+        let cut = total * (out.len() as u64 + 1) / parts;
+        if acc >= cut && (out.len() as u64) < parts - 1 {
+            out.push(&blocks[start..=i]);
+            start = i + 1;
+        }
+    }
+    if start < blocks.len() || out.is_empty() {
+        out.push(&blocks[start..]);
+    }
+    out
+}
+
+/// A pair of addresses that threads may copy between (the bench owns both
+/// allocations for the whole call and nothing else touches them).
+#[derive(Clone, Copy)]
+struct Ptrs {
+    src: usize,
+    dst: usize,
+}
+
+/// Copies `blocks` (`(src_off, dst_off, len)`) from `src` to `dst` with
+/// `threads` threads, each taking one run of consecutive blocks, one
+/// `memcpy` per block: the copy limit of a route with that many workers.
+/// Returns seconds.
+pub fn memcpy_threads(src: &HostMemory, dst: &HostMemory, blocks: &[(u64, u64, u64)], threads: usize) -> f64 {
+    let p = Ptrs { src: src.as_ptr() as usize, dst: dst.as_ptr() as usize };
+    let runs = split_even(blocks, threads);
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        let mut runs = runs.into_iter();
+        let mine = runs.next().unwrap_or(&[]);
+        for run in runs {
+            s.spawn(move || copy_run(p, run));
+        }
+        copy_run(p, mine);
+    });
+    start.elapsed().as_secs_f64()
+}
+
+fn copy_run(p: Ptrs, run: &[(u64, u64, u64)]) {
+    for &(s, d, l) in run {
+        // SAFETY: the offsets come from the bench's validated layouts,
+        // in bounds of both allocations, which outlive the scope; the
+        // runs are disjoint, and the allocations distinct.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                (p.src + s as usize) as *const u8,
+                (p.dst + d as usize) as *mut u8,
+                l as usize,
+            )
+        }
+    }
+}
+
+/// One `process_vm_writev` (or `readv`) loop, one thread, up to 1024 iovecs
+/// per call: `blocks` are `(local_off, remote_addr, len)`, local offsets
+/// into `local`, remote addresses in process `pid`. Returns seconds, or an
+/// error if the kernel refused or moved less.
+pub fn cma_loop(pid: i32, op: Op, local: &HostMemory, blocks: &[(u64, u64, u64)]) -> Result<f64, String> {
+    let base = local.as_ptr() as usize;
+    let start = Instant::now();
+    for chunk in blocks.chunks(1024) {
+        let l: Vec<libc::iovec> = chunk
+            .iter()
+            .map(|&(o, _, n)| libc::iovec { iov_base: (base + o as usize) as *mut libc::c_void, iov_len: n as usize })
+            .collect();
+        let r: Vec<libc::iovec> = chunk
+            .iter()
+            .map(|&(_, a, n)| libc::iovec { iov_base: a as *mut libc::c_void, iov_len: n as usize })
+            .collect();
+        let want: u64 = chunk.iter().map(|b| b.2).sum();
+        // SAFETY: local iovecs address the bench's own live allocation in
+        // bounds; remote ones are checked by the kernel.
+        let got = unsafe {
+            match op {
+                Op::Write => libc::process_vm_writev(pid, l.as_ptr(), l.len() as u64, r.as_ptr(), r.len() as u64, 0),
+                Op::Read => libc::process_vm_readv(pid, l.as_ptr(), l.len() as u64, r.as_ptr(), r.len() as u64, 0),
+            }
+        };
+        if got < 0 || got as u64 != want {
+            return Err(format!("process_vm_{op:?}: {got} of {want} bytes: {}", std::io::Error::last_os_error()));
+        }
+    }
+    Ok(start.elapsed().as_secs_f64())
+}
+
+/// `streams` loopback TCP streams in parallel, each writing 1 MiB buffers
+/// with blocking I/O for `dur`, each read by its own thread. Returns the
+/// bytes all receivers got per second (1e9 = 1 GB/s) and whether every
+/// byte sent arrived.
+pub fn tcp_streams(streams: usize, dur: Duration) -> Result<(f64, bool), String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(err)?;
+    let addr = listener.local_addr().map_err(err)?;
+    let mut senders = Vec::new();
+    let mut readers = Vec::new();
+    for _ in 0..streams {
+        let c = TcpStream::connect(addr).map_err(err)?;
+        let (s, _) = listener.accept().map_err(err)?;
+        readers.push(std::thread::spawn(move || -> std::io::Result<(u64, Instant)> {
+            let mut s = s;
+            let mut buf = vec![0u8; MIB as usize];
+            let mut got = 0u64;
+            loop {
+                let n = s.read(&mut buf)?;
+                if n == 0 {
+                    return Ok((got, Instant::now()));
+                }
+                got += n as u64;
+            }
+        }));
+        senders.push(c);
+    }
+    let start = Instant::now();
+    let writers: Vec<_> = senders
+        .into_iter()
+        .map(|mut c| {
+            std::thread::spawn(move || -> std::io::Result<u64> {
+                let buf = vec![0x5Au8; MIB as usize];
+                let mut sent = 0u64;
+                while start.elapsed() < dur {
+                    c.write_all(&buf)?;
+                    sent += MIB;
+                }
+                Ok(sent)
+            })
+        })
+        .collect();
+    let mut sent = 0u64;
+    for w in writers {
+        sent += w.join().map_err(|_| "a sender panicked")?.map_err(err)?;
+    }
+    let (mut got, mut end) = (0u64, start);
+    for r in readers {
+        let (n, at) = r.join().map_err(|_| "a receiver panicked")?.map_err(err)?;
+        got += n;
+        end = end.max(at);
+    }
+    Ok((got as f64 / (end - start).as_secs_f64(), got == sent))
+}
+
+/// The raw TCP round trip over loopback: a 4 KiB write answered by 16
+/// bytes, TCP_NODELAY on both ends, blocking I/O, `iters` times after a
+/// warm-up. Returns the samples in seconds.
+pub fn round_trips(iters: usize) -> Result<Vec<f64>, String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(err)?;
+    let addr = listener.local_addr().map_err(err)?;
+    let server = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        s.set_nodelay(true)?;
+        let mut req = [0u8; 4096];
+        loop {
+            if let Err(e) = s.read_exact(&mut req) {
+                return if e.kind() == std::io::ErrorKind::UnexpectedEof { Ok(()) } else { Err(e) };
+            }
+            s.write_all(&req[..16])?;
+        }
+    });
+    let mut c = TcpStream::connect(addr).map_err(err)?;
+    c.set_nodelay(true).map_err(err)?;
+    let req = [0xA5u8; 4096];
+    let mut answer = [0u8; 16];
+    let mut samples = Vec::with_capacity(iters);
+    for i in 0..iters + 50 {
+        let t0 = Instant::now();
+        c.write_all(&req).map_err(err)?;
+        c.read_exact(&mut answer).map_err(err)?;
+        if i >= 50 {
+            samples.push(t0.elapsed().as_secs_f64());
+        }
+    }
+    drop(c);
+    server.join().map_err(|_| "the echo server panicked")?.map_err(err)?;
+    Ok(samples)
+}
+
+/// Peak resident memory of this process (VmHWM), in bytes.
+pub fn peak_rss() -> u64 {
+    status_kib("VmHWM:") * 1024
+}
+
+fn status_kib(key: &str) -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with(key)).and_then(|l| l.split_whitespace().nth(1)?.parse().ok()))
+        .unwrap_or(0)
+}
+
+/// Starts a new peak: the kernel sets VmHWM back to the current resident
+/// size (`clear_refs` 5). False if it refused.
+pub fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
+}
+
+fn err(e: impl std::fmt::Display) -> String {
+    e.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_even;
+
+    #[test]
+    fn runs_cover_every_block_once_with_even_bytes() {
+        let blocks: Vec<(u64, u64, u64)> = (0..64).map(|i| (i * 16, i * 16, 16)).collect();
+        let runs = split_even(&blocks, 2);
+        assert_eq!(runs.iter().map(|r| r.len()).collect::<Vec<_>>(), [32, 32]);
+        let one = [(0u64, 0u64, 1u64 << 20)];
+        assert_eq!(split_even(&one, 4).concat(), one);
+        assert_eq!(split_even(&[], 2).concat(), []);
+        let odd: Vec<(u64, u64, u64)> = (0..5).map(|i| (i, i, 1)).collect();
+        assert_eq!(split_even(&odd, 3).concat(), odd);
+    }
+}
