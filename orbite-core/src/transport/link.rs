@@ -767,6 +767,10 @@ struct Conn<J> {
     /// is all out), and when it must be in (minimum rate).
     reply_timed: bool,
     reply_until: Option<Instant>,
+    /// False after a read found the socket empty, until epoll reports it
+    /// readable again (edge-triggered: new bytes always raise an event):
+    /// a request just sent does not cost a read that can only fail.
+    readable: bool,
 }
 
 /// What a connection needs after a turn.
@@ -862,6 +866,7 @@ impl<J: CopyJob> Initiators<J> {
             send_until: None,
             reply_timed: false,
             reply_until: None,
+            readable: true,
         };
         self.drivers[driver].send(Command::Add(Box::new(conn)));
         me
@@ -1019,7 +1024,15 @@ impl<J: CopyJob> Driver<J> {
                         // SAFETY: reads 8 bytes into a live local from our eventfd.
                         unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
                     }
-                    id => ready.push(id),
+                    id => {
+                        let readable = (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLHUP | libc::EPOLLERR) as u32;
+                        if ev.events & readable != 0 {
+                            if let Some(conn) = conns.get_mut(&id) {
+                                conn.readable = true;
+                            }
+                        }
+                        ready.push(id)
+                    }
                 }
             }
         }
@@ -1178,7 +1191,7 @@ impl<J: CopyJob> Conn<J> {
                 self.reply_timed = true;
                 self.reply_until = self.link.opts.until(Instant::now(), m.reply_bytes());
             }
-            if let Some(into) = m.recv_buf() {
+            if let Some(into) = m.recv_buf().filter(|_| self.readable) {
                 // SAFETY: the machine's iovecs address its own buffers or the
                 // READ's local spans, valid and retained (CopyJob contract),
                 // which nothing else writes during the task.
@@ -1210,7 +1223,7 @@ impl<J: CopyJob> Conn<J> {
                 } else {
                     match failure() {
                         Failed::Retry => progressed = true,
-                        Failed::Block => {}
+                        Failed::Block => self.readable = false,
                         Failed::Lost(why) => {
                             self.lose(&why);
                             return self.turn();

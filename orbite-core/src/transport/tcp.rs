@@ -596,6 +596,12 @@ impl ServerShared {
         let served = &mut *g;
         let m = &mut served.m;
         let mut moved = 0usize;
+        // A read that filled less than it asked found the socket drained:
+        // the next would most likely fail with EAGAIN. Once the reply is
+        // out, re-arm instead (the interest is level-triggered, so bytes
+        // that came meanwhile wake this connection at once): one system
+        // call less per request.
+        let mut drained = false;
         let wait = loop {
             if moved >= self.turn {
                 // Others' turn. Wake again for what this one waits for: a
@@ -624,8 +630,12 @@ impl ServerShared {
                     _ => break 0,
                 }
             }
+            if drained {
+                break libc::EPOLLIN;
+            }
             let Some(side) = self.side.upgrade() else { break 0 };
             let Some(into) = m.recv_buf() else { continue };
+            let asked: usize = into[..into.len().min(1024)].iter().map(|v| v.iov_len).sum();
             // SAFETY: the machine's iovecs address its own buffers or
             // registered memory its loans keep alive, which no Rust
             // reference aliases while the kernel writes them.
@@ -641,6 +651,7 @@ impl ServerShared {
                 }
             }
             moved += r as usize;
+            drained = (r as usize) < asked;
             match m.received(r as usize, side.as_ref()) {
                 Ok(None) => {}
                 Ok(Some(Event::Subscribe { epoch, request, budget, since })) => {

@@ -59,6 +59,10 @@ pub struct BenchArgs {
     workloads: Vec<Workload>,
     quick: bool,
     json: bool,
+    /// W1 descriptor sizes (default: those of docs/bench.md).
+    blocks: Option<Vec<u64>>,
+    /// Directions of W1 and W3 (default both).
+    ops: Vec<Op>,
 }
 
 impl BenchArgs {
@@ -77,6 +81,8 @@ impl BenchArgs {
             ],
             quick: false,
             json: false,
+            blocks: None,
+            ops: vec![Op::Write, Op::Read],
         };
         if cfg!(feature = "grpc") {
             out.workloads.push(Workload::Rpc);
@@ -97,6 +103,28 @@ impl BenchArgs {
                     out.config = EngineConfig::from_json(&base.to_string()).map_err(err)?;
                 }
                 "--json" => out.json = true,
+                "--ops" => {
+                    let v = it.next().ok_or("--ops needs write, read or write,read")?;
+                    out.ops = v
+                        .split(',')
+                        .map(|o| match o.trim() {
+                            "write" => Ok(Op::Write),
+                            "read" => Ok(Op::Read),
+                            other => Err(format!("unknown op `{other}` (write, read)")),
+                        })
+                        .collect::<Result<_, _>>()?;
+                }
+                "--blocks" => {
+                    let v = it.next().ok_or("--blocks needs a comma list of byte counts")?;
+                    let sizes = v
+                        .split(',')
+                        .map(|b| b.trim().parse::<u64>().map_err(|e| format!("--blocks: {e}")))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    if sizes.iter().any(|&b| b == 0 || (64 * MIB) % b != 0) {
+                        return Err("--blocks: each size must divide 64 MiB".into());
+                    }
+                    out.blocks = Some(sizes);
+                }
                 "--route" => {
                     let v = it.next().ok_or("--route needs a value")?;
                     out.routes = v
@@ -179,13 +207,15 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
         for &w in &args.workloads {
             match w {
                 Workload::W1 => {
-                    w1(&mut rig, Op::Write, args.quick, &limits, &mut report)?;
-                    w1(&mut rig, Op::Read, args.quick, &limits, &mut report)?;
+                    for &op in &args.ops {
+                        w1(&mut rig, op, &args, &limits, &mut report)?;
+                    }
                 }
                 Workload::W2 => w2(&mut rig, args.quick, &mut report)?,
                 Workload::W3 => {
-                    w3(&mut rig, Op::Write, args.quick, &limits, &mut report)?;
-                    w3(&mut rig, Op::Read, args.quick, &limits, &mut report)?;
+                    for &op in &args.ops {
+                        w3(&mut rig, op, args.quick, &limits, &mut report)?;
+                    }
                 }
                 Workload::Idle => idle(&mut rig, args.quick, &mut report)?,
                 Workload::Sessions | Workload::Refresh | Workload::FanIn | Workload::Rpc => {}
@@ -273,6 +303,7 @@ struct CopyRefs {
     one: Vec<f64>,
     mt: Vec<f64>,
     cma: Vec<f64>,
+    cma_mt: Vec<f64>,
 }
 
 impl CopyRefs {
@@ -294,6 +325,7 @@ impl CopyRefs {
         if let Some(c) = cma {
             let remote: Vec<(u64, u64, u64)> = c.blocks.iter().map(|&(l, r, n)| (l, c.base + r, n)).collect();
             self.cma.push(limits::cma_loop(c.pid, c.op, c.local, &remote)?);
+            self.cma_mt.push(limits::cma_threads(c.pid, c.op, c.local, &remote, threads)?);
         }
         Ok(())
     }
@@ -318,8 +350,23 @@ impl CopyRefs {
         let mt = gbps(total, &self.mt);
         let extra = json!({ "threads": threads });
         emit_bulk(report, "reference", "memcpy-mt", workload, block, n, total, &mut self.mt, true, Some(extra));
+        let mut cma_mt = None;
         if !self.cma.is_empty() {
             emit_bulk(report, "reference", "process_vm", workload, block, n, total, &mut self.cma, true, None);
+            cma_mt = Some(gbps(total, &self.cma_mt));
+            let extra = json!({ "threads": threads });
+            emit_bulk(
+                report,
+                "reference",
+                "process_vm-mt",
+                workload,
+                block,
+                n,
+                total,
+                &mut self.cma_mt,
+                true,
+                Some(extra),
+            );
         }
         let got = gbps(total, ours);
         match (route, limits.streams) {
@@ -327,7 +374,15 @@ impl CopyRefs {
                 "limit": "socket-par", "limit_gbps": round(par, 3), "x_limit": ratio(got, par),
                 "x_stream": ratio(got, one),
             }),
-            _ => json!({ "limit": "memcpy-mt", "limit_gbps": round(mt, 3), "x_limit": ratio(got, mt) }),
+            _ => {
+                let mut v = json!({ "limit": "memcpy-mt", "limit_gbps": round(mt, 3), "x_limit": ratio(got, mt) });
+                if let Some(k) = cma_mt {
+                    // The kernel's own cross-memory copy with the same
+                    // threads: what any cma copy can reach here.
+                    extend(&mut v, json!({ "x_process_vm_mt": ratio(got, k) }));
+                }
+                v
+            }
         }
     }
 }
@@ -354,14 +409,18 @@ fn cma_target(rig: &Rig, which: Which) -> Option<(i32, u64)> {
 /// W1: 64 MiB in descriptors of B bytes, repeated; interleaved with the
 /// copy references over the same blocks (between two local buffers, and
 /// on cma into the target process).
-fn w1(rig: &mut Rig, op: Op, quick: bool, limits: &Limits, report: &mut Report) -> Result<(), String> {
+fn w1(rig: &mut Rig, op: Op, args: &BenchArgs, limits: &Limits, report: &mut Report) -> Result<(), String> {
+    let quick = args.quick;
     let total = 64 * MIB;
     let per_size = if quick { Duration::from_millis(60) } else { Duration::from_secs(2) };
     let threads = rig.engine.config().route_workers() as usize;
     // --quick keeps the sizes of docs/bench.md's bars (4 KiB is the
     // descriptor-count extreme, 64 KiB and up carry the bars).
-    let sizes: &[u64] =
-        if quick { &[4 * KIB, 64 * KIB, MIB, 16 * MIB] } else { &[4 * KIB, 16 * KIB, 64 * KIB, MIB, 16 * MIB] };
+    let sizes: &[u64] = match &args.blocks {
+        Some(b) => b,
+        None if quick => &[4 * KIB, 64 * KIB, MIB, 16 * MIB],
+        None => &[4 * KIB, 16 * KIB, 64 * KIB, MIB, 16 * MIB],
+    };
     let cma = cma_target(rig, Which::W1);
     for &block in sizes {
         progress(&format!("{} {} block {} KiB", rig.route, name(op, "W1"), block / KIB));

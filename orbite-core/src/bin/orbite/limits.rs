@@ -107,6 +107,28 @@ pub fn cma_loop(pid: i32, op: Op, local: &HostMemory, blocks: &[(u64, u64, u64)]
     Ok(start.elapsed().as_secs_f64())
 }
 
+/// [`cma_loop`] with `threads` threads, each taking one run of
+/// consecutive blocks: what the kernel's cross-memory copy reaches with as
+/// many threads as the route has workers. Returns seconds.
+pub fn cma_threads(
+    pid: i32,
+    op: Op,
+    local: &HostMemory,
+    blocks: &[(u64, u64, u64)],
+    threads: usize,
+) -> Result<f64, String> {
+    let runs = split_even(blocks, threads);
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        let mut runs = runs.into_iter();
+        let mine = runs.next().unwrap_or(&[]);
+        let others: Vec<_> = runs.map(|run| s.spawn(move || cma_loop(pid, op, local, run))).collect();
+        cma_loop(pid, op, local, mine)?;
+        others.into_iter().try_for_each(|h| h.join().map_err(|_| "a copy thread panicked".to_owned())?.map(drop))
+    })?;
+    Ok(start.elapsed().as_secs_f64())
+}
+
 /// `streams` loopback TCP streams in parallel, each writing 1 MiB buffers
 /// with blocking I/O for `dur`, each read by its own thread. Returns the
 /// bytes all receivers got per second (1e9 = 1 GB/s) and whether every

@@ -32,6 +32,9 @@ commands:
                                 fan-in,rpc (default: all; rpc needs a build
                                 with --features grpc)
           --quick               short run (under 30 s)
+          --blocks LIST         W1 descriptor sizes in bytes, comma list
+                                (default 4 KiB, 16 KiB, 64 KiB, 1 MiB, 16 MiB)
+          --ops LIST            write, read or write,read (default) for W1, W3
           --config JSON         engine configuration fields to use (both sides)
           --json                print only JSON lines on stdout
   info    what an engine created as the NIXL backend creates it would
