@@ -580,7 +580,28 @@ fn w2(rig: &mut Rig, quick: bool, report: &mut Report) -> Result<(), String> {
     let iters = if quick { 200 } else { 2000 };
     progress(&format!("{} round-trip reference: 4 KiB answered by 16 bytes over loopback TCP x {iters}", rig.route));
     let rtt = round_trip_reference(iters, report)?;
+    // On cma, the kernel's own floor: one 4 KiB process_vm_writev (or
+    // readv) into the target, timed alone.
+    let cma = cma_target(rig, Which::W1);
     for op in [Op::Write, Op::Read] {
+        let floor = match cma {
+            Some((pid, base)) => {
+                let mut s = Vec::with_capacity(iters);
+                for i in 0..iters + 50 {
+                    let secs = limits::cma_loop(pid, op, &rig.local.l, &[(0, base, 4096)])?;
+                    if i >= 50 {
+                        s.push(secs);
+                    }
+                }
+                let (p50, p99) = percentiles_us(&mut s);
+                report.emit(json!({
+                    "system": "reference", "route": "process_vm", "workload": name(op, "W2"), "block_bytes": 4096,
+                    "descs": 1, "p50_us": round(p50, 2), "p99_us": round(p99, 2), "verified": true,
+                }));
+                Some(p50)
+            }
+            None => None,
+        };
         progress(&format!("{} {} 4 KiB x {iters}", rig.route, name(op, "W2")));
         let (l, r) = ([Desc::new(rig.local.l_id, 0, 4096)], [Desc::new(rig.r_id, 0, 4096)]);
         let t = rig.engine.prepare(&TransferSpec::new(op, &l, &r, rig.target())).map_err(err)?;
@@ -602,6 +623,9 @@ fn w2(rig: &mut Rig, quick: bool, report: &mut Report) -> Result<(), String> {
             "p50_us": round(p50, 2), "p99_us": round(p99, 2), "verified": verified,
         });
         extend(&mut row, latency_limit(p50, p99, rtt));
+        if let Some(f) = floor {
+            extend(&mut row, json!({ "x_process_vm": ratio(p50, f) }));
+        }
         report.emit(row);
     }
     w2_notifications(rig, iters, rtt, report)
