@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "orbite_file_backend.h"
 
+#include <sched.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -289,7 +290,15 @@ nixl_status_t FileEngine::checkXfer(nixlBackendReqH *handle) const {
         OrbiteStatus s = orbite_xfer_query(x, &st);
         if (s != ORBITE_STATUS_OK) return statusOf(s);
         nixl_status_t one = statusOf(st);
-        if (one == NIXL_IN_PROG) return NIXL_IN_PROG; // terminal only once every part retired
+        if (one == NIXL_IN_PROG) {
+            // Terminal only once every part retired. The caller will ask
+            // again, often at once (NIXL's Python agent polls in a tight
+            // loop): give the processor to the threads doing the work (the
+            // engine's workers, io_uring's) first. Without a runnable
+            // thread waiting on this CPU it returns at once.
+            sched_yield();
+            return NIXL_IN_PROG;
+        }
         if (r->post_failed && one == NIXL_ERR_NOT_POSTED) continue; // the part that could not start
         if (one != NIXL_SUCCESS) worst = one;
     }

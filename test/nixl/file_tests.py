@@ -44,6 +44,9 @@ The tests (each ends with the engine's stats back at its baseline):
   not leak the engine's transfer (nor keep the engine alive).
 - n09_refused: unsupported requests refused before any I/O.
 - n09_query_memory: sizes from stat, None for missing paths.
+- n09_poll_yields: a poll of a request in progress yields the processor
+  once (sched_yield, counted by a shim preloaded into that test's process
+  only), a poll of a finished one never.
 
 What NIXL 1.5.1 does before the backend is asked (the tests accept it):
 - a notification on a backend without supportsNotif is refused by the agent
@@ -1064,6 +1067,107 @@ def file_xfer_to(agent, remote, mem, files):
 
 
 # ---------------------------------------------------------------------------
+# n09_poll_yields: polls of work in progress give the processor away
+# ---------------------------------------------------------------------------
+
+# Preloaded (LD_PRELOAD) into the process of the tests in PRELOADED only:
+# counts the calling thread's sched_yield calls, then yields.
+YIELD_COUNTER_C = r"""
+#define _GNU_SOURCE
+#include <sys/syscall.h>
+#include <unistd.h>
+static __thread unsigned long yields;
+int sched_yield(void) { yields++; return (int)syscall(SYS_sched_yield); }
+unsigned long orbite_test_thread_yields(void) { return yields; }
+"""
+PRELOADED = {"n09_poll_yields"}
+
+
+def build_yield_counter(workdir):
+    """Compiles the sched_yield counter; returns its path, or raises TestFailure."""
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise TestFailure("no C compiler for the sched_yield counter")
+    src, lib = os.path.join(workdir, "yields.c"), os.path.join(workdir, "libyields.so")
+    with open(src, "w") as f:
+        f.write(YIELD_COUNTER_C)
+    r = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", lib, src], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise TestFailure(f"compiling the sched_yield counter failed: {r.stderr.strip()[:300]}")
+    return lib
+
+
+_SHIM_DIR = []
+
+
+def shim_dir():
+    """A folder for the counter under the default temporary folder, removed at exit."""
+    if not _SHIM_DIR:
+        import atexit
+
+        d = tempfile.mkdtemp(prefix="orbite-file-shim-")
+        atexit.register(shutil.rmtree, d, True)
+        _SHIM_DIR.append(d)
+    return _SHIM_DIR[0]
+
+
+def thread_yields():
+    """sched_yield calls of this thread so far (the preloaded counter)."""
+    import ctypes
+
+    try:
+        f = ctypes.CDLL(None).orbite_test_thread_yields
+    except AttributeError:
+        raise TestFailure("the sched_yield counter is not preloaded (run the test through file_tests.py)")
+    f.restype = ctypes.c_ulong
+    return f()
+
+
+def n09_poll_yields(folder):
+    """NIXL's Python agent polls check_xfer_state in a tight loop; on a busy
+    host that loop shares a processor with the threads doing the transfer.
+    Every poll that answers PROC yields once (the thread calling
+    check_xfer_state is the one that yields); polls of a finished request do
+    not. The held request then completes with its bytes, and the charges go
+    back to baseline."""
+    numpy = np()
+    env = Env(folder)
+    agent, hooks = env.agent, env.hooks
+    N = 1 << 20
+    content = pattern(N, 680)
+    path, fd = env.file("poll", content)
+    r_file = reg_file(agent, fd, path, N)
+    mem = numpy.zeros(N, dtype=numpy.uint8)
+    r_mem = reg_dram(agent, mem)
+    h = file_xfer(agent, False, [(mem.ctypes.data, N)], [(0, N, fd)], False)
+    hooks.hold_all(True)
+    check(post(agent, h)[0] == "PROC", "post did not return PROC")
+    hooks.require_held(1)
+    polls = 200
+    before = thread_yields()
+    for i in range(polls):
+        s, exc = state(agent, h)
+        check(s == "PROC", f"poll {i} of the held request: {s} {exc!r}")
+    yielded = thread_yields() - before
+    check(yielded == polls, f"{polls} polls of a request in progress yielded {yielded} times")
+    let_go(hooks, lambda: hooks.stats()["executions"] == 0)
+    s, exc = drive(agent, h)
+    check(s == "DONE", f"the released READ ended {s} {exc!r}")
+    before = thread_yields()
+    for i in range(20):
+        s, exc = state(agent, h)
+        check(s == "DONE", f"poll {i} of the finished request: {s} {exc!r}")
+    check(thread_yields() == before, f"polls of a finished request yielded {thread_yields() - before} times")
+    same_bytes(mem, content, "the READ after its tasks were let go")
+    agent.release_xfer_handle(h)
+    agent.deregister_memory(r_file)
+    agent.deregister_memory(r_mem)
+    env.finish()
+
+
+# ---------------------------------------------------------------------------
 # n09_query_memory
 # ---------------------------------------------------------------------------
 
@@ -1122,6 +1226,7 @@ TESTS = [
     ("n09_release_while_active", n09_release_while_active),
     ("n09_refused", n09_refused),
     ("n09_query_memory", n09_query_memory),
+    ("n09_poll_yields", n09_poll_yields),
 ]
 
 
@@ -1138,9 +1243,22 @@ def child(name, folder, result_path):
 
 def run_one(name, fs, root, verbose):
     folder = tempfile.mkdtemp(prefix="orbite-file-test-", dir=root)
+    saved = os.environ.get("LD_PRELOAD")
     try:
+        if name in PRELOADED:
+            try:
+                # not in `folder`: a tmpfs may be mounted noexec
+                lib = build_yield_counter(shim_dir())
+            except TestFailure as e:
+                print(f"FAIL {name}[{fs}]: {e}")
+                return False
+            os.environ["LD_PRELOAD"] = lib + (f":{saved}" if saved else "")
         return H.run_child(__file__, f"{name}[{fs}]", [name, folder], TEST_TIMEOUT_S, verbose, tail=40)
     finally:
+        if saved is None:
+            os.environ.pop("LD_PRELOAD", None)
+        else:
+            os.environ["LD_PRELOAD"] = saved
         shutil.rmtree(folder, ignore_errors=True)
 
 
