@@ -285,14 +285,19 @@ fn gbps(bytes: u64, samples: &[f64]) -> f64 {
 }
 
 /// The process_vm reference of a cma measurement: the target's pid, the
-/// address its offsets start at, the direction, the local memory and the
-/// blocks (`(local_off, remote_off, len)`).
+/// direction, the local memory and the blocks (`(local_off, remote_addr,
+/// len)`, addresses in the target).
 struct CmaRef<'a> {
     pid: i32,
-    base: u64,
     op: Op,
     local: &'a orbite_core::HostMemory,
     blocks: &'a [(u64, u64, u64)],
+}
+
+/// `blocks` (`(local_off, remote_off, len)`) with remote offsets made
+/// addresses from `base`: built once per measurement, not per sample.
+fn at_base(blocks: &[(u64, u64, u64)], base: u64) -> Vec<(u64, u64, u64)> {
+    blocks.iter().map(|&(l, r, n)| (l, base + r, n)).collect()
 }
 
 /// The copy references of one bulk measurement: one thread (`memcpy`),
@@ -323,9 +328,8 @@ impl CopyRefs {
         self.one.push(r0.elapsed().as_secs_f64());
         self.mt.push(limits::memcpy_threads(src, dst, blocks, threads));
         if let Some(c) = cma {
-            let remote: Vec<(u64, u64, u64)> = c.blocks.iter().map(|&(l, r, n)| (l, c.base + r, n)).collect();
-            self.cma.push(limits::cma_loop(c.pid, c.op, c.local, &remote)?);
-            self.cma_mt.push(limits::cma_threads(c.pid, c.op, c.local, &remote, threads)?);
+            self.cma.push(limits::cma_loop(c.pid, c.op, c.local, c.blocks)?);
+            self.cma_mt.push(limits::cma_threads(c.pid, c.op, c.local, c.blocks, threads)?);
         }
         Ok(())
     }
@@ -430,9 +434,10 @@ fn w1(rig: &mut Rig, op: Op, args: &BenchArgs, limits: &Limits, report: &mut Rep
         let blocks: Vec<(u64, u64, u64)> = (0..n).map(|i| (i * block, i * block, block)).collect();
         let t = rig.engine.prepare(&TransferSpec::new(op, &local, &remote, rig.target())).map_err(err)?;
         let (mut ours, mut refs) = (Vec::new(), CopyRefs::default());
+        let cma_blocks = cma.map(|(pid, base)| (pid, at_base(&blocks, base)));
         let start = Instant::now();
         while start.elapsed() < per_size || ours.len() < 3 {
-            let cma = cma.map(|(pid, base)| CmaRef { pid, base, op, local: &rig.local.l, blocks: &blocks });
+            let cma = cma_blocks.as_ref().map(|(pid, b)| CmaRef { pid: *pid, op, local: &rig.local.l, blocks: b });
             refs.sample(&rig.local.l, &rig.local.l3, &blocks, threads, cma)?;
             ours.push(post_and_wait(&t)?);
         }
@@ -715,7 +720,7 @@ fn w3(rig: &mut Rig, op: Op, quick: bool, limits: &Limits, report: &mut Report) 
     let threads = rig.engine.config().route_workers() as usize;
     // The target's W3 regions are one allocation: offsets from the first
     // region's address are addresses there.
-    let cma = cma_target(rig, Which::W3);
+    let cma_blocks = cma_target(rig, Which::W3).map(|(pid, base)| (pid, at_base(&blocks, base)));
     let rounds = if quick { 2 } else { 16 };
     progress(&format!("{} {} 16384 x 16 KiB, {rounds} rounds", rig.route, name(op, "W3")));
     let (mut prep, mut run, mut whole, mut lifecycle) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
@@ -725,7 +730,7 @@ fn w3(rig: &mut Rig, op: Op, quick: bool, limits: &Limits, report: &mut Report) 
         if i == 1 {
             refs = CopyRefs::default(); // round 0 warms caches and page tables
         }
-        let cma = cma.map(|(pid, base)| CmaRef { pid, base, op, local: &rig.local.l3, blocks: &blocks });
+        let cma = cma_blocks.as_ref().map(|(pid, b)| CmaRef { pid: *pid, op, local: &rig.local.l3, blocks: b });
         refs.sample(&rig.local.l3, &rig.local.l, &blocks, threads, cma)?;
         let busy0 = rig.engine.route_busy();
         let p0 = Instant::now();

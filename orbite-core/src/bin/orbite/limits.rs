@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use orbite_core::{HostMemory, Op};
 
+use crate::measure::memcpy_blocks;
 use crate::rig::MIB;
 
 /// Splits `blocks` into `parts` runs of consecutive blocks with about the
@@ -33,46 +34,22 @@ pub fn split_even(blocks: &[(u64, u64, u64)], parts: usize) -> Vec<&[(u64, u64, 
     out
 }
 
-/// A pair of addresses that threads may copy between (the bench owns both
-/// allocations for the whole call and nothing else touches them).
-#[derive(Clone, Copy)]
-struct Ptrs {
-    src: usize,
-    dst: usize,
-}
-
 /// Copies `blocks` (`(src_off, dst_off, len)`) from `src` to `dst` with
 /// `threads` threads, each taking one run of consecutive blocks, one
-/// `memcpy` per block: the copy limit of a route with that many workers.
-/// Returns seconds.
+/// `memcpy` per block ([`memcpy_blocks`]): the copy limit of a route with
+/// that many workers. Returns seconds.
 pub fn memcpy_threads(src: &HostMemory, dst: &HostMemory, blocks: &[(u64, u64, u64)], threads: usize) -> f64 {
-    let p = Ptrs { src: src.as_ptr() as usize, dst: dst.as_ptr() as usize };
     let runs = split_even(blocks, threads);
     let start = Instant::now();
     std::thread::scope(|s| {
         let mut runs = runs.into_iter();
         let mine = runs.next().unwrap_or(&[]);
         for run in runs {
-            s.spawn(move || copy_run(p, run));
+            s.spawn(move || memcpy_blocks(src, dst, run));
         }
-        copy_run(p, mine);
+        memcpy_blocks(src, dst, mine);
     });
     start.elapsed().as_secs_f64()
-}
-
-fn copy_run(p: Ptrs, run: &[(u64, u64, u64)]) {
-    for &(s, d, l) in run {
-        // SAFETY: the offsets come from the bench's validated layouts,
-        // in bounds of both allocations, which outlive the scope; the
-        // runs are disjoint, and the allocations distinct.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                (p.src + s as usize) as *const u8,
-                (p.dst + d as usize) as *mut u8,
-                l as usize,
-            )
-        }
-    }
 }
 
 /// One `process_vm_writev` (or `readv`) loop, one thread, up to 1024 iovecs
