@@ -18,7 +18,7 @@
  ABI minor: additive changes (new entry points, new feature bits, new
  record versions negotiated by size).
  */
-#define ORBITE_ABI_MINOR 2
+#define ORBITE_ABI_MINOR 3
 
 #if defined(ORBITE_TEST_HOOKS)
 /*
@@ -635,6 +635,26 @@ typedef struct OrbiteStats {
    the one field that only grows).
    */
   uint64_t auth_failures;
+  /*
+   Engine-allocated CUDA device memory blocks (ABI 1.3).
+   */
+  uint64_t device_allocations;
+  /*
+   Their bytes.
+   */
+  uint64_t device_memory_bytes;
+  /*
+   Pinned host buffers of the staging pools.
+   */
+  uint64_t staging_buffers;
+  /*
+   Their bytes.
+   */
+  uint64_t staging_bytes;
+  /*
+   Peers' CUDA IPC allocations imported.
+   */
+  uint64_t cuda_imports;
 } OrbiteStats;
 
 /*
@@ -1143,7 +1163,9 @@ OrbiteStatus orbite_engine_release(struct OrbiteEngine engine);
  library's, writable for the whole record.
 
  A caller built against ABI 1.1 passes the record of that version (112
- bytes, without `pinned_ranges` and `auth_failures`): it gets that prefix.
+ bytes, without `pinned_ranges` and `auth_failures`), one built against
+ 1.2 the record of 1.2 (128 bytes, without the CUDA counters): each gets
+ its prefix.
 
  Checked: a null or misaligned `out`, its size and version; the handle may
  be any value: it is checked.
@@ -1215,10 +1237,19 @@ OrbiteStatus orbite_shm_release(struct OrbiteShm shm);
  `release`, if not null, is a function of that signature that may be called
  once, with `release_context`, on any thread.
 
+ `ORBITE_MEM_VRAM` names CUDA device memory of device `device` (the CUDA
+ ordinal): a library built with feature `cuda`, on a machine whose driver
+ reports that device, checks with the driver that the range is device
+ memory of that device inside one allocation, and holds the device's
+ primary context as long as the range may be used. Otherwise it answers
+ `ORBITE_STATUS_NOT_SUPPORTED`, the message naming what is missing. The
+ caller finishes producing the bytes (synchronises its streams) before
+ posting; the engine never synchronises a caller's stream.
+
  Checked: null and misaligned pointers, the record's size and version, the
  memory kind, permission and reserved fields, a null, empty or overflowing
- range, a `release` on a range of a shared allocation; the handle may be
- any value: it is checked.
+ range, a `release` on a range of a shared allocation, a device range the
+ driver does not vouch for; the handle may be any value: it is checked.
  */
 OrbiteStatus orbite_mem_register(struct OrbiteEngine engine,
                                  const struct OrbiteMemRegion *region,

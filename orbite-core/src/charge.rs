@@ -24,7 +24,7 @@ macro_rules! counters {
 
         /// Which counter a [`Charge`] pays into.
         #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-        #[allow(dead_code, reason = "one variant per counter: `stats()` fills unquiesced_owners, nothing charges it")]
+        #[allow(dead_code, reason = "one variant per counter: `stats()` fills unquiesced_owners, nothing charges it; the CUDA counters only with feature `cuda`")]
         pub(crate) enum Counter {
             $($variant,)+
         }
@@ -100,6 +100,17 @@ counters! {
     /// Peer connections that failed authentication, either way (a count:
     /// the one field that only grows).
     auth_failures: AuthFailures,
+    /// Engine-allocated CUDA device memory blocks alive (feature `cuda`).
+    device_allocations: DeviceAllocations,
+    /// Their bytes.
+    device_memory_bytes: DeviceMemoryBytes,
+    /// Pinned host buffers of the engine's staging pools alive (feature
+    /// `cuda`).
+    staging_buffers: StagingBuffers,
+    /// Their bytes.
+    staging_bytes: StagingBytes,
+    /// Peers' CUDA IPC allocations imported and not yet closed.
+    cuda_imports: CudaImports,
 }
 
 impl Counters {

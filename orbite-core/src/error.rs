@@ -47,6 +47,11 @@ pub enum Error {
     /// Operating system error (thread spawn, allocation).
     #[error("system error: {0}")]
     System(String),
+    /// Not supported by this build or on this machine (VRAM without
+    /// feature `cuda`, a driver or a device; a transfer no route can
+    /// serve); the reason names what is missing. Nothing changed.
+    #[error("not supported: {0}")]
+    NotSupported(String),
 }
 
 impl From<Exhausted> for Error {
@@ -61,6 +66,7 @@ impl From<MemoryError> for Error {
             MemoryError::InvalidRange(reason) => Error::Registry(RegistryError::InvalidRange(reason)),
             MemoryError::Exhausted(x) => x.into(),
             MemoryError::System(reason) => Error::System(reason),
+            MemoryError::NotSupported(reason) => Error::NotSupported(reason),
         }
     }
 }

@@ -46,6 +46,7 @@ pub mod batch;
 mod charge;
 pub mod codec;
 pub mod config;
+pub mod cuda;
 pub mod endpoint;
 mod engine;
 pub mod error;
@@ -72,7 +73,7 @@ pub use engine::{
     TransferEngine, TransferSpec, UnquiescedExecution,
 };
 pub use error::Error;
-pub use memory::{HostMemory, MemoryError, MemoryRange, OwnerRelease};
+pub use memory::{CudaMemory, HostMemory, MemoryError, MemoryRange, OwnerRelease};
 pub use registry::RegistryError;
 pub use transport::PeerError;
 pub use types::{Exhausted, Intent, Op, Permission, RegistrationId, Resource, Route, RouteChoice, RoutePolicy};

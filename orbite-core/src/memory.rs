@@ -29,6 +29,11 @@ pub enum MemoryError {
     /// The operating system refused (allocation, shared file, mapping).
     #[error("system error: {0}")]
     System(String),
+    /// This build or this machine cannot hold this kind of memory (VRAM
+    /// without feature `cuda`, without a driver or without a device); the
+    /// reason names what is missing.
+    #[error("not supported: {0}")]
+    NotSupported(String),
 }
 
 /// Alignment of engine-allocated host memory.
@@ -48,6 +53,14 @@ pub enum MemoryKind {
         name: Arc<str>,
         /// Offset of the registration in that file.
         offset: u64,
+    },
+    /// CUDA device memory (feature `cuda`), validated with the driver: its
+    /// base is a device address, which nothing in the engine dereferences;
+    /// only driver copies reach it. Not offered to peers, and refused by
+    /// every route, until a route that stages device memory takes it.
+    Cuda {
+        /// The CUDA ordinal.
+        device: u32,
     },
 }
 
@@ -281,6 +294,132 @@ pub(crate) enum Backing {
     /// Holds a reference: the allocation outlives the registration.
     Host(#[allow(dead_code)] HostMemory),
     Borrowed(Option<OwnerRelease>),
+    /// Device memory: the context lease (and, for engine-allocated memory,
+    /// the allocation) lives as long as the registration, so until its
+    /// last borrower retired; a caller's own range may carry an owner
+    /// release as a borrowed one does.
+    #[cfg(feature = "cuda")]
+    Cuda {
+        #[allow(dead_code, reason = "held for its drop: the context stays alive as long as the range")]
+        lease: Arc<crate::cuda::ContextLease>,
+        #[allow(dead_code, reason = "held for its drop")]
+        memory: Option<CudaMemory>,
+        release: Option<OwnerRelease>,
+    },
+}
+
+/// CUDA device memory allocated by the engine
+/// ([`crate::TransferEngine::allocate_cuda_memory`], feature `cuda`), in
+/// the device's primary context. Cloning shares the allocation; it is freed
+/// after the last clone and the last registration of a range inside it.
+#[derive(Clone)]
+pub struct CudaMemory {
+    #[cfg(feature = "cuda")]
+    alloc: Arc<CudaAllocation>,
+    #[cfg(not(feature = "cuda"))]
+    never: std::convert::Infallible,
+}
+
+#[cfg(feature = "cuda")]
+struct CudaAllocation {
+    device: crate::cuda::DeviceAllocation,
+    lease: Arc<crate::cuda::ContextLease>,
+    _charge: Charge,
+}
+
+impl std::fmt::Debug for CudaMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaMemory")
+            .field("device", &self.device())
+            .field("ptr", &format_args!("{:#x}", self.device_ptr()))
+            .field("len", &self.len())
+            .finish()
+    }
+}
+
+impl CudaMemory {
+    #[cfg(feature = "cuda")]
+    pub(crate) fn allocate(counters: &Arc<Counters>, device: u32, len: usize) -> Result<Self, MemoryError> {
+        crate::cuda::availability()
+            .map_err(|why| MemoryError::NotSupported(format!("VRAM is not available: {why}")))?;
+        if len == 0 {
+            return Err(MemoryError::InvalidRange("device memory of zero bytes".into()));
+        }
+        let charge = Charge::try_new(
+            counters,
+            [(Counter::DeviceAllocations, 1, None), (Counter::DeviceMemoryBytes, len as u64, None)],
+        )?;
+        let device = crate::cuda::DeviceAllocation::new(device, len as u64).map_err(MemoryError::System)?;
+        let lease = Arc::new(crate::cuda::ContextLease::retain(device.device).map_err(MemoryError::System)?);
+        Ok(CudaMemory { alloc: Arc::new(CudaAllocation { device, lease, _charge: charge }) })
+    }
+
+    /// The CUDA ordinal.
+    pub fn device(&self) -> u32 {
+        #[cfg(feature = "cuda")]
+        return self.alloc.device.device;
+        #[cfg(not(feature = "cuda"))]
+        match self.never {}
+    }
+
+    /// The device address of the first byte (never dereference it on the
+    /// host).
+    pub fn device_ptr(&self) -> u64 {
+        #[cfg(feature = "cuda")]
+        return self.alloc.device.ptr;
+        #[cfg(not(feature = "cuda"))]
+        match self.never {}
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        return self.alloc.device.len as usize;
+        #[cfg(not(feature = "cuda"))]
+        match self.never {}
+    }
+
+    /// Never true: zero-byte allocations are refused.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Copies `data` to the device at `offset` (a synchronous driver copy).
+    ///
+    /// # Safety
+    /// No transfer may be accessing the written range concurrently.
+    pub unsafe fn write(&self, offset: usize, data: &[u8]) -> Result<(), MemoryError> {
+        #[cfg(feature = "cuda")]
+        return self.alloc.device.write(offset as u64, data).map_err(MemoryError::InvalidRange);
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (offset, data);
+            match self.never {}
+        }
+    }
+
+    /// Copies device bytes at `offset` into `out` (a synchronous driver
+    /// copy).
+    ///
+    /// # Safety
+    /// No transfer may be writing the read range concurrently.
+    pub unsafe fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), MemoryError> {
+        #[cfg(feature = "cuda")]
+        return self.alloc.device.read(offset as u64, out).map_err(MemoryError::InvalidRange);
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (offset, out);
+            match self.never {}
+        }
+    }
+
+    /// Number of references to the allocation (clones and registrations).
+    pub fn reference_count(&self) -> usize {
+        #[cfg(feature = "cuda")]
+        return Arc::strong_count(&self.alloc);
+        #[cfg(not(feature = "cuda"))]
+        match self.never {}
+    }
 }
 
 /// A range to register.
@@ -333,12 +472,79 @@ impl MemoryRange {
         MemoryRange { ptr, len: len as u64, permission, backing: Backing::Borrowed(None) }
     }
 
+    /// A range `offset..offset + len` of engine-allocated device memory.
+    pub fn cuda(memory: &CudaMemory, offset: usize, len: usize, permission: Permission) -> Result<Self, MemoryError> {
+        let end = offset.checked_add(len).ok_or_else(|| MemoryError::InvalidRange("offset + len overflows".into()))?;
+        if len == 0 || end > memory.len() {
+            return Err(MemoryError::InvalidRange(format!(
+                "{offset}..{end} of device memory of {} bytes",
+                memory.len()
+            )));
+        }
+        #[cfg(feature = "cuda")]
+        return Ok(MemoryRange {
+            ptr: (memory.device_ptr() + offset as u64) as *mut u8,
+            len: len as u64,
+            permission,
+            backing: Backing::Cuda { lease: memory.alloc.lease.clone(), memory: Some(memory.clone()), release: None },
+        });
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = permission;
+            match memory.never {}
+        }
+    }
+
+    /// A caller's CUDA device range `ptr..ptr + len` on device `device`
+    /// (the CUDA ordinal), checked with the driver now: it must be device
+    /// memory of that device, inside one allocation. The engine then holds
+    /// a reference on the device's primary context for as long as any
+    /// borrower may copy from or to the range, and reaches the bytes only
+    /// through driver copies.
+    ///
+    /// Refused with [`MemoryError::NotSupported`] in a build without
+    /// feature `cuda`, or where the driver or the device is missing.
+    ///
+    /// # Safety
+    /// The allocation (and its context, if it is not the primary one) must
+    /// stay alive until the engine gives the range up, as for
+    /// [`MemoryRange::borrowed`]; and the caller has finished producing the
+    /// bytes (its streams synchronised) before posting a transfer that
+    /// reads them: the engine never synchronises a caller's stream.
+    pub unsafe fn cuda_borrowed(device: u32, ptr: u64, len: u64, permission: Permission) -> Result<Self, MemoryError> {
+        #[cfg(feature = "cuda")]
+        {
+            crate::cuda::availability()
+                .map_err(|why| MemoryError::NotSupported(format!("VRAM is not available: {why}")))?;
+            if len > isize::MAX as u64 {
+                return Err(MemoryError::InvalidRange(format!("{len} bytes")));
+            }
+            let range = crate::cuda::validate(device, ptr, len).map_err(MemoryError::InvalidRange)?;
+            let lease = Arc::new(crate::cuda::ContextLease::retain(range.device).map_err(MemoryError::System)?);
+            Ok(MemoryRange {
+                ptr: ptr as *mut u8,
+                len,
+                permission,
+                backing: Backing::Cuda { lease, memory: None, release: None },
+            })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (device, ptr, len, permission);
+            Err(MemoryError::NotSupported(crate::cuda::NOT_BUILT.to_owned()))
+        }
+    }
+
     /// Runs `release` exactly once when the engine no longer uses a
     /// borrowed range (an allocator lease handed to the engine).
-    /// Has no effect on host-memory ranges, which the engine owns already.
+    /// Has no effect on ranges of memory the engine allocated (host or
+    /// device), which it owns already.
     pub fn with_owner_release(mut self, release: OwnerRelease) -> Self {
-        if let Backing::Borrowed(slot) = &mut self.backing {
-            *slot = Some(release);
+        match &mut self.backing {
+            Backing::Borrowed(slot) => *slot = Some(release),
+            #[cfg(feature = "cuda")]
+            Backing::Cuda { memory: None, release: slot, .. } => *slot = Some(release),
+            _ => {}
         }
         self
     }

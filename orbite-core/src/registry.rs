@@ -48,16 +48,32 @@ impl Registration {
     pub fn is_fenced(&self) -> bool {
         self.fenced.load(Ordering::Acquire)
     }
+
+    /// True for host memory (private or shared), which routes copy with
+    /// the CPU; false for device memory, which only driver copies reach.
+    pub fn is_host(&self) -> bool {
+        !matches!(self.kind, MemoryKind::Cuda { .. })
+    }
+
+    /// Whether peers see it: remotely readable host memory. Device memory
+    /// is not offered to peers until a route stages it.
+    pub fn is_exported(&self) -> bool {
+        self.permission.remote_read() && self.is_host()
+    }
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
         // Runs once: after deregistration and after the last range loan.
         // Never under an engine lock (callers drop loans after unlocking).
-        if let Backing::Borrowed(release) = &mut self.backing {
-            if let Some(release) = release.take() {
-                release();
-            }
+        let release = match &mut self.backing {
+            Backing::Borrowed(release) => release.take(),
+            #[cfg(feature = "cuda")]
+            Backing::Cuda { release, .. } => release.take(),
+            Backing::Host(_) => None,
+        };
+        if let Some(release) = release {
+            release();
         }
     }
 }
@@ -119,19 +135,19 @@ impl Table {
 
     /// One live registration, exported by `export`, if peers may target it.
     pub fn export_one<T>(&self, id: RegistrationId, export: impl Fn(&Registration) -> T) -> Option<T> {
-        self.get(id).ok().filter(|r| r.permission.remote_read()).map(|r| export(r))
+        self.get(id).ok().filter(|r| r.is_exported()).map(|r| export(r))
     }
 
     /// A duplicate of the descriptor of the shared allocation `name`, if a
     /// registration peers may target lies in it (nothing else is handed
     /// out).
     pub fn shared_fd(&self, name: &str) -> Option<std::os::fd::OwnedFd> {
-        self.slots.iter().filter_map(|s| s.registration.as_deref()).filter(|r| r.permission.remote_read()).find_map(
-            |r| match &r.backing {
+        self.slots.iter().filter_map(|s| s.registration.as_deref()).filter(|r| r.is_exported()).find_map(|r| {
+            match &r.backing {
                 Backing::Host(m) if m.shared_name() == Some(name) => m.shared_fd()?.try_clone_to_owned().ok(),
                 _ => None,
-            },
-        )
+            }
+        })
     }
 
     /// Registrations peers may target (remote-readable), exported by
@@ -141,7 +157,7 @@ impl Table {
             .slots
             .iter()
             .filter_map(|s| s.registration.as_deref())
-            .filter(|r| r.permission.remote_read())
+            .filter(|r| r.is_exported())
             .map(export)
             .collect();
         (regs, self.version)
@@ -163,7 +179,7 @@ impl Table {
             .by_version
             .range(since + 1..)
             .filter_map(|(_, index)| self.slots[*index as usize].registration.as_deref())
-            .filter(|r| r.permission.remote_read());
+            .filter(|r| r.is_exported());
         let dead = self.tombstones.iter().filter(|(v, _)| *v > since && !reset);
         let (mut added, mut removed, mut used) = (Vec::new(), Vec::new(), 0usize);
         let mut dead = dead.peekable();
@@ -261,6 +277,8 @@ impl Registry {
                     None => MemoryKind::Host,
                 },
                 Backing::Borrowed(_) => MemoryKind::Host,
+                #[cfg(feature = "cuda")]
+                Backing::Cuda { lease, .. } => MemoryKind::Cuda { device: lease.device() },
             };
             slot.registration = Some(Arc::new(Registration {
                 id,
@@ -293,7 +311,7 @@ impl Registry {
             }
             table.free.push(id.index);
             let version = table.bump();
-            if reg.as_ref().is_some_and(|r| r.permission.remote_read()) {
+            if reg.as_ref().is_some_and(|r| r.is_exported()) {
                 if table.tombstones.len() == TOMBSTONES {
                     if let Some((v, _)) = table.tombstones.pop_front() {
                         table.forgotten_before = v;

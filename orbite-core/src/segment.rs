@@ -51,7 +51,7 @@ impl ExportedRegistration {
             addr: r.base as u64,
             shm: match &r.kind {
                 MemoryKind::Shm { name, offset } => Some((name.to_string(), *offset)),
-                MemoryKind::Host => None,
+                MemoryKind::Host | MemoryKind::Cuda { .. } => None,
             },
         }
     }

@@ -159,6 +159,11 @@ impl World {
             binding_handles: 0,
             pinned_ranges: 0,
             auth_failures: 0,
+            device_allocations: 0,
+            device_memory_bytes: 0,
+            staging_buffers: 0,
+            staging_bytes: 0,
+            cuda_imports: 0,
         }
     }
 

@@ -251,6 +251,11 @@ fn stats_record(s: Stats) -> OrbiteStats {
         binding_handles: s.binding_handles,
         pinned_ranges: s.pinned_ranges,
         auth_failures: s.auth_failures,
+        device_allocations: s.device_allocations,
+        device_memory_bytes: s.device_memory_bytes,
+        staging_buffers: s.staging_buffers,
+        staging_bytes: s.staging_bytes,
+        cuda_imports: s.cuda_imports,
     }
 }
 
@@ -537,7 +542,9 @@ pub extern "C" fn orbite_engine_release(engine: OrbiteEngine) -> OrbiteStatus {
 /// library's, writable for the whole record.
 ///
 /// A caller built against ABI 1.1 passes the record of that version (112
-/// bytes, without `pinned_ranges` and `auth_failures`): it gets that prefix.
+/// bytes, without `pinned_ranges` and `auth_failures`), one built against
+/// 1.2 the record of 1.2 (128 bytes, without the CUDA counters): each gets
+/// its prefix.
 ///
 /// Checked: a null or misaligned `out`, its size and version; the handle may
 /// be any value: it is checked.
@@ -549,7 +556,7 @@ pub unsafe extern "C" fn orbite_engine_stats(engine: OrbiteEngine, out: *mut Orb
         // SAFETY: caller's contract: `out` is readable for its header.
         let [size, version] = unsafe { std::ptr::read(out.cast::<[u32; 2]>()) };
         let mut record = stats_record(e.engine.stats());
-        if size as usize == STATS_1_1_SIZE && version == ORBITE_RECORD_VERSION {
+        if [STATS_1_1_SIZE, STATS_1_2_SIZE].contains(&(size as usize)) && version == ORBITE_RECORD_VERSION {
             record.size = size;
             // SAFETY: caller's contract: a writable record of `size` bytes,
             // a prefix of this one (the same fields, in the same places).
@@ -557,7 +564,7 @@ pub unsafe extern "C" fn orbite_engine_stats(engine: OrbiteEngine, out: *mut Orb
                 std::ptr::copy_nonoverlapping(
                     (&record as *const OrbiteStats).cast::<u8>(),
                     out.cast::<u8>(),
-                    STATS_1_1_SIZE,
+                    size as usize,
                 )
             };
             return Ok(());
@@ -571,6 +578,8 @@ pub unsafe extern "C" fn orbite_engine_stats(engine: OrbiteEngine, out: *mut Orb
 
 /// `sizeof(OrbiteStats)` in ABI 1.1 (before `pinned_ranges`).
 const STATS_1_1_SIZE: usize = std::mem::offset_of!(OrbiteStats, pinned_ranges);
+/// `sizeof(OrbiteStats)` in ABI 1.2 (before the CUDA counters).
+const STATS_1_2_SIZE: usize = std::mem::offset_of!(OrbiteStats, device_allocations);
 
 /// Writes the engine's peer information (endpoint and epoch) for another
 /// process's `orbite_peer_open`, or for this engine's own self peer.
@@ -668,10 +677,19 @@ pub extern "C" fn orbite_shm_release(shm: OrbiteShm) -> OrbiteStatus {
 /// `release`, if not null, is a function of that signature that may be called
 /// once, with `release_context`, on any thread.
 ///
+/// `ORBITE_MEM_VRAM` names CUDA device memory of device `device` (the CUDA
+/// ordinal): a library built with feature `cuda`, on a machine whose driver
+/// reports that device, checks with the driver that the range is device
+/// memory of that device inside one allocation, and holds the device's
+/// primary context as long as the range may be used. Otherwise it answers
+/// `ORBITE_STATUS_NOT_SUPPORTED`, the message naming what is missing. The
+/// caller finishes producing the bytes (synchronises its streams) before
+/// posting; the engine never synchronises a caller's stream.
+///
 /// Checked: null and misaligned pointers, the record's size and version, the
 /// memory kind, permission and reserved fields, a null, empty or overflowing
-/// range, a `release` on a range of a shared allocation; the handle may be
-/// any value: it is checked.
+/// range, a `release` on a range of a shared allocation, a device range the
+/// driver does not vouch for; the handle may be any value: it is checked.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn orbite_mem_register(
     engine: OrbiteEngine,
@@ -684,14 +702,37 @@ pub unsafe extern "C" fn orbite_mem_register(
         let r = unsafe { input(region)? };
         check_pointer(out, "out")?;
         match r.kind {
-            ORBITE_MEM_DRAM => {}
-            ORBITE_MEM_VRAM => return fail(OrbiteStatus::NotSupported, "VRAM is not supported by this build"),
+            ORBITE_MEM_DRAM | ORBITE_MEM_VRAM => {}
             k => return fail(OrbiteStatus::InvalidArgument, format!("unknown memory kind {k}")),
         }
-        if r.device != 0 || r.reserved != 0 {
-            return fail(OrbiteStatus::InvalidArgument, "device and reserved must be 0 for DRAM");
+        if r.reserved != 0 || (r.kind == ORBITE_MEM_DRAM && r.device != 0) {
+            return fail(OrbiteStatus::InvalidArgument, "reserved must be 0, and device 0 for DRAM");
         }
         let perm = permission(r.permission)?;
+        if r.kind == ORBITE_MEM_VRAM {
+            // SAFETY: the caller vouches (documented contract of this entry
+            // point) that the device range and its context stay valid until
+            // the engine gives them up; the core checks with the driver
+            // that it is device memory of that device, inside one
+            // allocation, before anything else happens.
+            let range = unsafe { MemoryRange::cuda_borrowed(r.device, r.addr, r.len, perm) }
+                .map_err(orbite_core::Error::from)?;
+            let range = match r.release {
+                Some(callback) => {
+                    let context = SendPtr(r.release_context);
+                    range.with_owner_release(Box::new(move || {
+                        let context = context;
+                        // SAFETY: as for host ranges below: the caller's
+                        // callback, called once, with no lock held.
+                        unsafe { callback(context.0) }
+                    }))
+                }
+                None => range,
+            };
+            let child = Child::new(&e)?;
+            let id = e.engine.register_memory_ranges(vec![range])?[0];
+            return register_handle(child, id, out);
+        }
         let end = r.addr.checked_add(r.len);
         if r.addr == 0 || r.len == 0 || end.is_none_or(|end| end > isize::MAX as u64) {
             return fail(
@@ -737,18 +778,25 @@ pub unsafe extern "C" fn orbite_mem_register(
         };
         let child = Child::new(&e)?;
         let id = e.engine.register_memory_ranges(vec![range])?[0];
-        match handles::insert(Object::Registration(Arc::new(RegObj { child, id }))) {
-            Ok(raw) => {
-                // SAFETY: non-null and aligned (checked), writable.
-                unsafe { *out = OrbiteRegistration { raw } };
-                Ok(())
-            }
-            Err(f) => {
-                let _ = e.engine.deregister(id);
-                Err(f)
-            }
-        }
+        register_handle(child, id, out)
     })
+}
+
+/// Hands out the handle of a new registration (deregistering it again if
+/// no handle can be had). `out` was checked non-null and aligned.
+fn register_handle(child: Child, id: orbite_core::RegistrationId, out: *mut OrbiteRegistration) -> Result<(), Failure> {
+    let engine = child.engine.engine.clone();
+    match handles::insert(Object::Registration(Arc::new(RegObj { child, id }))) {
+        Ok(raw) => {
+            // SAFETY: non-null and aligned (checked by the caller), writable.
+            unsafe { *out = OrbiteRegistration { raw } };
+            Ok(())
+        }
+        Err(f) => {
+            let _ = engine.deregister(id);
+            Err(f)
+        }
+    }
 }
 
 /// A caller's context pointer, moved to whichever thread releases the
@@ -1789,6 +1837,11 @@ mod tests {
             binding_handles: 13,
             pinned_ranges: 14,
             auth_failures: 15,
+            device_allocations: 16,
+            device_memory_bytes: 17,
+            staging_buffers: 18,
+            staging_bytes: 19,
+            cuda_imports: 20,
         };
         let values: Vec<u64> = s.fields().iter().map(|&(_, v)| v).collect();
         assert_eq!(values, (1..=Stats::FIELDS.len() as u64).collect::<Vec<_>>(), "distinct values");

@@ -458,6 +458,16 @@ pub struct OrbiteStats {
     /// Peer connections that failed authentication, either way (a count:
     /// the one field that only grows).
     pub auth_failures: u64,
+    /// Engine-allocated CUDA device memory blocks (ABI 1.3).
+    pub device_allocations: u64,
+    /// Their bytes.
+    pub device_memory_bytes: u64,
+    /// Pinned host buffers of the staging pools.
+    pub staging_buffers: u64,
+    /// Their bytes.
+    pub staging_bytes: u64,
+    /// Peers' CUDA IPC allocations imported.
+    pub cuda_imports: u64,
 }
 
 /// Output of `orbite_notifs_drain`.

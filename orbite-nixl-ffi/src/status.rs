@@ -141,6 +141,7 @@ impl From<Error> for Failure {
             Error::ResourceExhausted { .. } => OrbiteStatus::ResourceExhausted,
             Error::Closed => OrbiteStatus::Closed,
             Error::System(_) => OrbiteStatus::System,
+            Error::NotSupported(_) => OrbiteStatus::NotSupported,
         };
         Failure { status, message: e.to_string() }
     }

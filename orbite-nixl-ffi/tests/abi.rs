@@ -753,6 +753,13 @@ fn a_stats_record_of_abi_1_1_gets_its_prefix() {
     assert!(raw[112..].iter().all(|b| *b == 0xEE), "written past the caller's record");
     let full = stats(e);
     assert_eq!(u64::from_le_bytes(raw[8..16].try_into().unwrap()), full.registrations);
+    // A caller of ABI 1.2: 128 bytes, without the CUDA counters.
+    let mut raw2 = [0xEEu64; 21];
+    raw2[0] = 128 | (1 << 32);
+    ok(unsafe { orbite_engine_stats(e, raw2.as_mut_ptr().cast::<OrbiteStats>()) });
+    assert_eq!(raw2[0] as u32, 128);
+    assert_eq!(raw2[1], full.registrations);
+    assert!(raw2[16..].iter().all(|w| *w == 0xEE), "written past the caller's 1.2 record");
     let mut odd = OrbiteStats { size: 120, version: 1, ..Default::default() };
     assert_eq!(unsafe { orbite_engine_stats(e, &mut odd) }, OrbiteStatus::VersionMismatch);
     close_and_release(e);

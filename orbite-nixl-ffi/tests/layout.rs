@@ -112,6 +112,11 @@ fn rust_layout() -> BTreeSet<String> {
             binding_handles,
             pinned_ranges,
             auth_failures,
+            device_allocations,
+            device_memory_bytes,
+            staging_buffers,
+            staging_bytes,
+            cuda_imports,
         }
     );
     layout!(s, OrbiteDrainResult { size, version, count, written, next_needed });

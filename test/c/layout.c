@@ -120,7 +120,7 @@ _Static_assert(sizeof(OrbiteStatus) == 4, "OrbiteStatus is 32 bits");
     F(OrbiteCloseReport, drained, 8)              \
     F(OrbiteCloseReport, reserved, 12)            \
     F(OrbiteCloseReport, unquiesced, 16)          \
-    S(OrbiteStats, 128)                           \
+    S(OrbiteStats, 168)                           \
     F(OrbiteStats, size, 0)                       \
     F(OrbiteStats, version, 4)                    \
     F(OrbiteStats, registrations, 8)              \
@@ -138,6 +138,11 @@ _Static_assert(sizeof(OrbiteStatus) == 4, "OrbiteStatus is 32 bits");
     F(OrbiteStats, binding_handles, 104)          \
     F(OrbiteStats, pinned_ranges, 112)            \
     F(OrbiteStats, auth_failures, 120)            \
+    F(OrbiteStats, device_allocations, 128)       \
+    F(OrbiteStats, device_memory_bytes, 136)      \
+    F(OrbiteStats, staging_buffers, 144)          \
+    F(OrbiteStats, staging_bytes, 152)            \
+    F(OrbiteStats, cuda_imports, 160)             \
     S(OrbiteDrainResult, 32)                      \
     F(OrbiteDrainResult, size, 0)                 \
     F(OrbiteDrainResult, version, 4)              \

@@ -712,6 +712,26 @@ impl TransferEngine {
         Ok(HostMemory::allocate_shared(&inner.counters, len, inner.config.max_host_memory_bytes, inner.epoch)?)
     }
 
+    /// Allocates `len` bytes of device memory on CUDA device `device` (in
+    /// its primary context), charged to `device_allocations` and
+    /// `device_memory_bytes` until freed: after the last clone and the last
+    /// registration of a range inside it. Register ranges of it with
+    /// [`MemoryRange::cuda`]. Refused with [`Error::NotSupported`] without
+    /// feature `cuda`, a driver or a device (see [`crate::cuda::availability`]).
+    pub fn allocate_cuda_memory(&self, device: u32, len: usize) -> Result<crate::CudaMemory, Error> {
+        let inner = self.inner();
+        if inner.is_closed() {
+            return Err(Error::Closed);
+        }
+        #[cfg(feature = "cuda")]
+        return Ok(crate::CudaMemory::allocate(&inner.counters, device, len)?);
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (device, len);
+            Err(Error::NotSupported(crate::cuda::NOT_BUILT.to_owned()))
+        }
+    }
+
     /// Registers ranges, all or none. Each range becomes its own
     /// registration, even if it duplicates or overlaps another.
     pub fn register_memory_ranges(&self, ranges: Vec<MemoryRange>) -> Result<Vec<RegistrationId>, Error> {

@@ -147,6 +147,11 @@ fn resolve(
 
 fn local_view(table: &Table, id: RegistrationId) -> Result<View, Error> {
     let r = table.get(id)?;
+    if !r.is_host() {
+        return Err(Error::NotSupported(format!(
+            "{id} is CUDA device memory: no route of this engine moves VRAM yet (staging is not built)"
+        )));
+    }
     Ok(View { id: r.id, base: r.base as u64, wire_id: 0, len: r.len, permission: r.permission, loan: true })
 }
 

@@ -74,7 +74,7 @@ impl TargetSide for EngineInner {
                 _ => (RemoteStatus::StaleRegistration, e.to_string()),
             })?;
             let allowed = if write { reg.permission.remote_write() } else { reg.permission.remote_read() };
-            if !allowed || reg.is_fenced() {
+            if !allowed || reg.is_fenced() || !reg.is_host() {
                 return Err((RemoteStatus::PermissionDenied, format!("{id} does not permit this access")));
             }
             match d.offset.checked_add(d.len) {

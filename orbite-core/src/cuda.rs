@@ -1,0 +1,314 @@
+//! GPU memory: the CUDA driver, loaded at run time (feature `cuda`).
+//!
+//! The driver is `libcuda.so`, found the way the dynamic loader finds any
+//! library (`LD_LIBRARY_PATH`, the loader cache), through `cudarc`'s
+//! run-time loading: a build with the feature still starts, runs and tests
+//! on a machine without CUDA. [`availability`] says once per process what
+//! this machine offers: the devices, or why there are none (built without
+//! the feature, no driver, a driver that fails to initialise, no device).
+//! Without it VRAM is not offered, and every VRAM registration is refused
+//! with `NotSupported` naming that reason.
+//!
+//! The engine reaches device memory only through driver copies: it never
+//! dereferences a device pointer, and a device registration is never handed
+//! to a route that copies with the CPU.
+
+#[cfg(feature = "cuda")]
+use std::fmt;
+
+/// What the CUDA driver of this machine offers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaInfo {
+    /// Devices the driver reports (at least one).
+    pub devices: u32,
+    /// The driver's CUDA version (`cuDriverGetVersion`: 12020 for 12.2).
+    pub driver_version: i32,
+}
+
+/// Whether VRAM can be registered here: the driver's devices, or why not
+/// (the reason names what is missing). Loaded and initialised once per
+/// process; never panics.
+pub fn availability() -> Result<CudaInfo, String> {
+    #[cfg(feature = "cuda")]
+    {
+        driver::get().map(|d| d.info)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(NOT_BUILT.to_owned())
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+pub(crate) const NOT_BUILT: &str = "VRAM needs the CUDA driver API: this build was made without feature `cuda`";
+
+/// Where a device range lives, as the driver reports it.
+#[cfg(feature = "cuda")]
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DeviceRange {
+    /// The CUDA ordinal.
+    pub device: u32,
+    /// The allocation containing the range: its start and size.
+    pub alloc_base: u64,
+    pub alloc_len: u64,
+    /// The driver's id of that allocation (a freed and reused address gets
+    /// a new one).
+    pub buffer_id: u64,
+}
+
+#[cfg(feature = "cuda")]
+impl fmt::Debug for DeviceRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "device {} allocation {:#x}+{} (buffer {})",
+            self.device, self.alloc_base, self.alloc_len, self.buffer_id
+        )
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) use driver::{ContextLease, DeviceAllocation, validate};
+
+#[cfg(feature = "cuda")]
+mod driver {
+    use std::ffi::{CStr, c_void};
+    use std::sync::OnceLock;
+
+    use cudarc::driver::sys;
+
+    use super::{CudaInfo, DeviceRange};
+
+    pub(super) struct Driver {
+        pub info: CudaInfo,
+    }
+
+    static DRIVER: OnceLock<Result<Driver, String>> = OnceLock::new();
+
+    /// The loaded, initialised driver, or why there is none.
+    pub(super) fn get() -> Result<&'static Driver, String> {
+        DRIVER.get_or_init(load).as_ref().map_err(Clone::clone)
+    }
+
+    /// The driver, for the memory layer: `Err` is the reason to refuse.
+    pub(crate) fn driver() -> Result<&'static Driver, String> {
+        get().map_err(|why| format!("VRAM is not available: {why}"))
+    }
+
+    fn load() -> Result<Driver, String> {
+        // cudarc resolves every function of its CUDA 12.2 list when it
+        // loads the library and panics if one is missing (a driver older
+        // than 12.2): that, too, is "no usable driver", never a crash.
+        let present = std::panic::catch_unwind(|| {
+            // SAFETY: loads a shared library by cudarc's candidate names.
+            unsafe { sys::is_culib_present() }
+        });
+        match present {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err("no CUDA driver: libcuda.so was not found by the dynamic loader".into());
+            }
+            Err(_) => return Err("the CUDA driver found lacks functions of CUDA 12.2 (driver too old)".into()),
+        }
+        let loaded = std::panic::catch_unwind(|| {
+            // SAFETY: as above; this keeps the library loaded for the process.
+            unsafe { sys::culib() };
+        });
+        if loaded.is_err() {
+            return Err("the CUDA driver could not be loaded".into());
+        }
+        // SAFETY: plain driver calls with valid out-pointers.
+        unsafe {
+            check(sys::cuInit(0), "cuInit")?;
+            let mut version = 0;
+            check(sys::cuDriverGetVersion(&mut version), "cuDriverGetVersion")?;
+            let mut count = 0;
+            check(sys::cuDeviceGetCount(&mut count), "cuDeviceGetCount")?;
+            if count <= 0 {
+                return Err("no CUDA device: the driver reports none".into());
+            }
+            Ok(Driver { info: CudaInfo { devices: count as u32, driver_version: version } })
+        }
+    }
+
+    /// The driver's name of an error code.
+    pub(crate) fn name(r: sys::CUresult) -> String {
+        let mut p: *const std::ffi::c_char = std::ptr::null();
+        // SAFETY: cuGetErrorName writes a pointer to a static string or
+        // leaves it null.
+        if unsafe { sys::cuGetErrorName(r, &mut p) } == sys::CUresult::CUDA_SUCCESS && !p.is_null() {
+            // SAFETY: a NUL-terminated static string of the driver.
+            return unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned();
+        }
+        format!("{r:?}")
+    }
+
+    pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<(), String> {
+        if r == sys::CUresult::CUDA_SUCCESS { Ok(()) } else { Err(format!("{what} failed: {}", name(r))) }
+    }
+
+    /// A reference on a device's primary context, held as long as anything
+    /// may still copy to or from that device's memory (a registration, an
+    /// engine allocation); released exactly once, on drop.
+    pub(crate) struct ContextLease {
+        ordinal: u32,
+        device: sys::CUdevice,
+        ctx: sys::CUcontext,
+    }
+
+    // SAFETY: a CUcontext is a driver handle usable from any thread; the
+    // lease only retains and releases it.
+    unsafe impl Send for ContextLease {}
+    // SAFETY: as above; no interior state.
+    unsafe impl Sync for ContextLease {}
+
+    impl ContextLease {
+        pub(crate) fn retain(ordinal: u32) -> Result<Self, String> {
+            let d = driver()?;
+            if ordinal >= d.info.devices {
+                return Err(format!("no CUDA device {ordinal} (the driver reports {})", d.info.devices));
+            }
+            let mut device = 0;
+            let mut ctx = std::ptr::null_mut();
+            // SAFETY: an ordinal below the device count; valid out-pointers.
+            unsafe {
+                check(sys::cuDeviceGet(&mut device, ordinal as i32), "cuDeviceGet")?;
+                check(sys::cuDevicePrimaryCtxRetain(&mut ctx, device), "cuDevicePrimaryCtxRetain")?;
+            }
+            Ok(ContextLease { ordinal, device, ctx })
+        }
+
+        /// The CUDA ordinal.
+        pub(crate) fn device(&self) -> u32 {
+            self.ordinal
+        }
+
+        /// Makes the context current on this thread until the guard drops
+        /// (the thread's own current context is restored then).
+        pub(crate) fn enter(&self) -> Result<Current, String> {
+            // SAFETY: a context this lease retains.
+            check(unsafe { sys::cuCtxPushCurrent_v2(self.ctx) }, "cuCtxPushCurrent")?;
+            Ok(Current(()))
+        }
+    }
+
+    impl Drop for ContextLease {
+        fn drop(&mut self) {
+            // SAFETY: balances the retain of `retain`, once.
+            unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
+        }
+    }
+
+    /// A context pushed by [`ContextLease::enter`]; popped on drop.
+    pub(crate) struct Current(());
+
+    impl Drop for Current {
+        fn drop(&mut self) {
+            let mut old = std::ptr::null_mut();
+            // SAFETY: pops the context `enter` pushed on this thread.
+            unsafe { sys::cuCtxPopCurrent_v2(&mut old) };
+        }
+    }
+
+    /// Checks with the driver that `ptr..ptr + len` is device memory of
+    /// device `ordinal`, inside one allocation. Checked arithmetic only.
+    pub(crate) fn validate(ordinal: u32, ptr: u64, len: u64) -> Result<DeviceRange, String> {
+        driver()?;
+        if len == 0 || ptr == 0 {
+            return Err("a null or empty device range".into());
+        }
+        let end = ptr.checked_add(len).ok_or_else(|| format!("{ptr:#x}+{len} wraps the address space"))?;
+        use sys::CUpointer_attribute_enum as A;
+        let mut attrs = [
+            A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+            A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
+            A::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+        ];
+        let mut memtype: u32 = 0;
+        let mut device: i32 = -1;
+        let mut start: u64 = 0;
+        let mut size: usize = 0;
+        let mut buffer: u64 = 0;
+        let mut data: [*mut c_void; 5] = [
+            (&mut memtype as *mut u32).cast(),
+            (&mut device as *mut i32).cast(),
+            (&mut start as *mut u64).cast(),
+            (&mut size as *mut usize).cast(),
+            (&mut buffer as *mut u64).cast(),
+        ];
+        // SAFETY: five attributes, each with a live out-value of the type
+        // the driver writes for it.
+        let r = unsafe { sys::cuPointerGetAttributes(5, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) };
+        check(r, "cuPointerGetAttributes")?;
+        if memtype != sys::CUmemorytype_enum::CU_MEMORYTYPE_DEVICE as u32 {
+            return Err(format!("{ptr:#x} is not CUDA device memory (memory type {memtype})"));
+        }
+        if device < 0 || device as u32 != ordinal {
+            return Err(format!("{ptr:#x} is memory of CUDA device {device}, not of device {ordinal}"));
+        }
+        let alloc_end = start.checked_add(size as u64).ok_or_else(|| "the allocation wraps".to_owned())?;
+        if ptr < start || end > alloc_end {
+            return Err(format!(
+                "{ptr:#x}+{len} crosses its allocation {start:#x}+{size}: a registration lies inside one allocation"
+            ));
+        }
+        Ok(DeviceRange { device: ordinal, alloc_base: start, alloc_len: size as u64, buffer_id: buffer })
+    }
+
+    /// Device memory the engine allocated (`cuMemAlloc` in the primary
+    /// context); freed on drop, after its last holder.
+    pub(crate) struct DeviceAllocation {
+        pub ptr: u64,
+        pub len: u64,
+        pub device: u32,
+        pub lease: ContextLease,
+    }
+
+    impl DeviceAllocation {
+        pub(crate) fn new(ordinal: u32, len: u64) -> Result<Self, String> {
+            let lease = ContextLease::retain(ordinal)?;
+            let _current = lease.enter()?;
+            let mut ptr = 0;
+            // SAFETY: a current context; a valid out-pointer.
+            check(unsafe { sys::cuMemAlloc_v2(&mut ptr, len as usize) }, "cuMemAlloc")?;
+            Ok(DeviceAllocation { ptr, len, device: ordinal, lease })
+        }
+
+        /// Copies host bytes into the allocation at `offset` (synchronous).
+        pub(crate) fn write(&self, offset: u64, data: &[u8]) -> Result<(), String> {
+            self.in_bounds(offset, data.len() as u64)?;
+            let _current = self.lease.enter()?;
+            // SAFETY: in bounds (checked); `data` is live for the call.
+            let r = unsafe { sys::cuMemcpyHtoD_v2(self.ptr + offset, data.as_ptr().cast(), data.len()) };
+            check(r, "cuMemcpyHtoD")
+        }
+
+        /// Copies bytes at `offset` into `out` (synchronous).
+        pub(crate) fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), String> {
+            self.in_bounds(offset, out.len() as u64)?;
+            let _current = self.lease.enter()?;
+            // SAFETY: in bounds (checked); `out` is live and writable.
+            let r = unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), self.ptr + offset, out.len()) };
+            check(r, "cuMemcpyDtoH")
+        }
+
+        fn in_bounds(&self, offset: u64, len: u64) -> Result<(), String> {
+            match offset.checked_add(len) {
+                Some(end) if end <= self.len => Ok(()),
+                _ => Err(format!("{offset}+{len} outside device memory of {} bytes", self.len)),
+            }
+        }
+    }
+
+    impl Drop for DeviceAllocation {
+        fn drop(&mut self) {
+            if let Ok(_current) = self.lease.enter() {
+                // SAFETY: the allocation made in `new`, freed once; nothing
+                // uses it any more (its holders are gone).
+                unsafe { sys::cuMemFree_v2(self.ptr) };
+            }
+        }
+    }
+}
