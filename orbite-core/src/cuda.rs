@@ -68,7 +68,7 @@ impl fmt::Debug for DeviceRange {
 }
 
 #[cfg(feature = "cuda")]
-pub(crate) use driver::{ContextLease, DeviceAllocation, validate};
+pub(crate) use driver::{ContextLease, DeviceAllocation, copy_on_stream, release_thread_streams, validate};
 
 #[cfg(feature = "cuda")]
 mod driver {
@@ -255,6 +255,134 @@ mod driver {
             ));
         }
         Ok(DeviceRange { device: ordinal, alloc_base: start, alloc_len: size as u64, buffer_id: buffer })
+    }
+
+    /// A stream and an event of one device, owned by one route worker
+    /// thread: its copies run on it in order, and the event recorded after
+    /// them says when they are all done.
+    struct WorkerStream {
+        stream: sys::CUstream,
+        event: sys::CUevent,
+        lease: ContextLease,
+    }
+
+    impl WorkerStream {
+        fn new(ordinal: u32) -> Result<Self, String> {
+            let lease = ContextLease::retain(ordinal)?;
+            let _current = lease.enter()?;
+            let mut stream = std::ptr::null_mut();
+            let mut event = std::ptr::null_mut();
+            // SAFETY: a current context; valid out-pointers. Flags:
+            // CU_STREAM_NON_BLOCKING (1): no implicit wait on the legacy
+            // default stream of a caller; CU_EVENT_DISABLE_TIMING (2).
+            unsafe {
+                check(sys::cuStreamCreate(&mut stream, 1), "cuStreamCreate")?;
+                if let Err(e) = check(sys::cuEventCreate(&mut event, 2), "cuEventCreate") {
+                    sys::cuStreamDestroy_v2(stream);
+                    return Err(e);
+                }
+            }
+            drop(_current);
+            Ok(WorkerStream { stream, event, lease })
+        }
+    }
+
+    impl Drop for WorkerStream {
+        fn drop(&mut self) {
+            if let Ok(_current) = self.lease.enter() {
+                // SAFETY: handles made in `new`, destroyed once; the thread
+                // waited for the last copy on them before it reported it.
+                unsafe {
+                    sys::cuEventDestroy_v2(self.event);
+                    sys::cuStreamDestroy_v2(self.stream);
+                }
+            }
+        }
+    }
+
+    thread_local! {
+        /// This thread's streams, by device (made on first use, destroyed
+        /// when the thread ends: route workers end at engine shutdown).
+        static STREAMS: std::cell::RefCell<Vec<(u32, WorkerStream)>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+
+    /// Destroys this thread's streams and events and gives back their
+    /// context references. A route worker calls it as it ends: in plain
+    /// code, not from a thread-local destructor, where the driver's own
+    /// per-thread state may already be gone.
+    pub(crate) fn release_thread_streams() {
+        let streams = STREAMS.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
+        drop(streams);
+    }
+
+    /// Runs `copies` (destination, source, bytes; device or host addresses,
+    /// unified addressing) on this thread's stream of device `ordinal`, in
+    /// order, and waits for the event recorded after them: when this
+    /// returns, the device touches none of the ranges any more. Returns the
+    /// bytes of the copies done, and the error that stopped the rest.
+    pub(crate) fn copy_on_stream(ordinal: u32, copies: &[(u64, u64, u64)]) -> (u64, Option<String>) {
+        STREAMS.with(|cell| {
+            let mut streams = cell.borrow_mut();
+            let at = match streams.iter().position(|(d, _)| *d == ordinal) {
+                Some(i) => i,
+                None => match WorkerStream::new(ordinal) {
+                    Ok(s) => {
+                        streams.push((ordinal, s));
+                        streams.len() - 1
+                    }
+                    Err(e) => return (0, Some(e)),
+                },
+            };
+            let s = &streams[at].1;
+            let _current = match s.lease.enter() {
+                Ok(c) => c,
+                Err(e) => return (0, Some(e)),
+            };
+            let mut queued = 0u64;
+            let mut failed = None;
+            for &(dst, src, len) in copies {
+                // SAFETY: the caller's ranges are registered device or host
+                // memory that its transfer's loans keep alive until this
+                // returns, after the event says the copies are done.
+                let r = unsafe { sys::cuMemcpyAsync(dst, src, len as usize, s.stream) };
+                if let Err(e) = check(r, "cuMemcpyAsync") {
+                    failed = Some(e);
+                    break;
+                }
+                queued += len;
+            }
+            // Whatever was queued must be done before anyone is told.
+            // SAFETY: handles of this thread's stream.
+            if let Err(e) = check(unsafe { sys::cuEventRecord(s.event, s.stream) }, "cuEventRecord") {
+                // SAFETY: as above: without an event, wait for the stream.
+                unsafe { sys::cuStreamSynchronize(s.stream) };
+                return (0, Some(e));
+            }
+            let mut spins = 0u32;
+            loop {
+                // SAFETY: a recorded event of this thread.
+                let r = unsafe { sys::cuEventQuery(s.event) };
+                match r {
+                    sys::CUresult::CUDA_SUCCESS => break,
+                    sys::CUresult::CUDA_ERROR_NOT_READY => {
+                        spins += 1;
+                        if spins < 64 {
+                            std::hint::spin_loop();
+                        } else if spins < 128 {
+                            std::thread::yield_now();
+                        } else {
+                            std::thread::sleep(std::time::Duration::from_micros(20));
+                        }
+                    }
+                    other => {
+                        // SAFETY: as above.
+                        unsafe { sys::cuStreamSynchronize(s.stream) };
+                        return (0, Some(format!("the copies ended with {}", name(other))));
+                    }
+                }
+            }
+            (queued, failed)
+        })
     }
 
     /// Device memory the engine allocated (`cuMemAlloc` in the primary

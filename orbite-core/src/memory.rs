@@ -517,7 +517,7 @@ impl MemoryRange {
             crate::cuda::availability()
                 .map_err(|why| MemoryError::NotSupported(format!("VRAM is not available: {why}")))?;
             if len > isize::MAX as u64 {
-                return Err(MemoryError::InvalidRange(format!("{len} bytes")));
+                return Err(MemoryError::InvalidRange(format!("{ptr:#x}+{len} wraps the address space")));
             }
             let range = crate::cuda::validate(device, ptr, len).map_err(MemoryError::InvalidRange)?;
             let lease = Arc::new(crate::cuda::ContextLease::retain(range.device).map_err(MemoryError::System)?);

@@ -88,10 +88,16 @@ mod with_the_feature {
         None
     }
 
-    /// The driver's devices, or None after printing why the test skips.
-    fn devices(test: &str) -> Option<u32> {
+    /// The shim's counters are the process's: the tests that read them
+    /// run one at a time (each takes this through `devices`).
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// The driver's devices (and this process's turn at it), or None after
+    /// printing why the test skips.
+    fn devices(test: &str) -> Option<(u32, std::sync::MutexGuard<'static, ()>)> {
+        let turn = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
         match cuda::availability() {
-            Ok(info) => Some(info.devices),
+            Ok(info) => Some((info.devices, turn)),
             Err(why) => {
                 // scripts/test and scripts/device-tests set it: there a
                 // missing driver is a failure, not a skip.
@@ -142,9 +148,10 @@ mod with_the_feature {
 
     #[test]
     fn no_driver_no_device_or_a_failing_init_is_a_named_refusal() {
-        if in_child() || devices("no_driver_no_device_or_a_failing_init_is_a_named_refusal").is_none() {
+        if in_child() {
             return;
         }
+        let Some((_, _turn)) = devices("no_driver_no_device_or_a_failing_init_is_a_named_refusal") else { return };
         if shim().is_none() {
             println!("SKIP: a real driver is loaded; the refusal cases need the test shim");
             return;
@@ -159,7 +166,7 @@ mod with_the_feature {
 
     #[test]
     fn engine_memory_registers_holds_its_context_and_is_freed_after_the_last_registration() {
-        let Some(_) = devices("engine_memory_registers") else { return };
+        let Some((_, _turn)) = devices("engine_memory_registers") else { return };
         let e = engine("{}");
         let base = e.stats();
         let shim_base = shim();
@@ -199,10 +206,11 @@ mod with_the_feature {
 
     #[test]
     fn a_callers_device_range_is_checked_with_the_driver_before_registration() {
-        let Some(devices) = devices("a_callers_device_range_is_checked") else { return };
+        let Some((devices, _turn)) = devices("a_callers_device_range_is_checked") else { return };
         let e = engine("{}");
         let base = e.stats();
         let m = e.allocate_cuda_memory(0, 65536).unwrap();
+        let with_m = e.stats();
         let p = m.device_ptr();
         let rw = Permission::RemoteReadWrite;
         // SAFETY (all calls below): the allocation outlives the registrations.
@@ -225,7 +233,7 @@ mod with_the_feature {
         let gone = freed.device_ptr();
         drop(freed);
         refuse(0, gone, 4096, "not CUDA device memory");
-        assert_eq!(e.stats(), base, "nothing charged by refusals");
+        assert_eq!(e.stats(), with_m, "nothing charged by refusals");
 
         // An accepted range: its owner release runs once, after the last
         // borrower.
@@ -237,34 +245,225 @@ mod with_the_feature {
             },
         ));
         let id = e.register_memory_ranges(vec![range]).unwrap()[0];
-        assert_eq!(e.stats().registrations, base.registrations + 1);
+        assert_eq!(e.stats().registrations, with_m.registrations + 1);
         e.deregister(id).unwrap();
         assert_eq!(released.load(std::sync::atomic::Ordering::SeqCst), 1, "owner released once");
         drop(m);
         assert_eq!(e.stats(), base, "charges back to baseline");
     }
 
+    /// Device bytes as the driver reads them back.
+    fn device_bytes(m: &CudaMemory) -> Vec<u8> {
+        let mut out = vec![0u8; m.len()];
+        // SAFETY: no transfer is running on it.
+        unsafe { m.read(0, &mut out).unwrap() };
+        out
+    }
+
+    fn device_fill(m: &CudaMemory, seed: u64) {
+        let mut rng = Rng(seed);
+        let bytes: Vec<u8> = (0..m.len()).map(|_| rng.next() as u8).collect();
+        // SAFETY: no transfer is running on it.
+        unsafe { m.write(0, &bytes).unwrap() };
+    }
+
+    /// Within one engine (the self connection), VRAM moves through driver
+    /// copies on the workers' streams: host to device, device to device
+    /// (across devices when there are two), device to host, fragmented,
+    /// with every byte outside the ranges (the guards) unchanged.
     #[test]
-    fn no_route_is_handed_device_memory() {
-        let Some(_) = devices("no_route_is_handed_device_memory") else { return };
+    fn local_transfers_move_device_bytes_exactly_with_guards() {
+        let Some((devices, _turn)) = devices("local_transfers_move_device_bytes_exactly_with_guards") else { return };
+        let e = engine("{}");
+        let base = e.stats();
+        let len = 1 << 20;
+        let rw = Permission::RemoteReadWrite;
+        let a = e.allocate_cuda_memory(0, len).unwrap();
+        let b = e.allocate_cuda_memory(devices.min(2) - 1, len).unwrap();
+        let h = region(&e, len, rw);
+        let ia = e.register_memory_ranges(vec![MemoryRange::cuda(&a, 0, len, rw).unwrap()]).unwrap()[0];
+        let ib = e.register_memory_ranges(vec![MemoryRange::cuda(&b, 0, len, rw).unwrap()]).unwrap()[0];
+        for round in 0..6u64 {
+            fill(&h.mem, 10 + round);
+            device_fill(&a, 20 + round);
+            device_fill(&b, 30 + round);
+            let mut rng = Rng(round + 1);
+            let (_, ll, rl) = paired_layouts(&mut rng, 100_000, 600_000, 70_000, len as u64);
+            // (op, local id, remote id, which is which)
+            let (op, local, remote) = match round % 3 {
+                0 => (Op::Write, h.id, ia), // host -> device
+                1 => (Op::Write, ia, ib),   // device -> device
+                _ => (Op::Read, h.id, ib),  // device -> host
+            };
+            let read_back = |id: RegistrationId| -> Vec<u8> {
+                if id == h.id {
+                    snapshot(&h.mem)
+                } else if id == ia {
+                    device_bytes(&a)
+                } else {
+                    device_bytes(&b)
+                }
+            };
+            let (before_l, before_r) = (read_back(local), read_back(remote));
+            let (l, r) = (descs(local, &ll), descs(remote, &rl));
+            let t = e.prepare(&spec(op, &l, &r)).unwrap();
+            t.post().unwrap();
+            let res = wait_retired(&t);
+            assert_eq!(res.outcome.code, OutcomeCode::Success, "round {round}: {res:?}");
+            let (after_l, after_r) = (read_back(local), read_back(remote));
+            match op {
+                Op::Write => {
+                    assert_eq!(after_r, expected(&before_l, &ll, &before_r, &rl), "round {round}: bytes or guards");
+                    assert_eq!(after_l, before_l, "round {round}: source changed");
+                }
+                Op::Read => {
+                    assert_eq!(after_l, expected(&before_r, &rl, &before_l, &ll), "round {round}: bytes or guards");
+                    assert_eq!(after_r, before_r, "round {round}: source changed");
+                }
+            }
+            t.release().unwrap();
+        }
+        e.deregister(ia).unwrap();
+        e.deregister(ib).unwrap();
+        e.deregister(h.id).unwrap();
+        drop((a, b, h));
+        assert_idle(&e);
+        assert_eq!(e.stats(), base, "charges back to baseline");
+    }
+
+    /// The workers' streams and events go with the engine; every context
+    /// reference is given back.
+    #[test]
+    fn an_engine_gives_back_its_streams_and_contexts_at_close() {
+        let Some((_, _turn)) = devices("an_engine_gives_back_its_streams") else { return };
+        let Some(before) = shim() else {
+            println!("SKIP: the driver's own counters are needed (test shim)");
+            return;
+        };
+        let e = engine("{}");
+        let rw = Permission::RemoteReadWrite;
+        let a = e.allocate_cuda_memory(0, 65536).unwrap();
+        let h = region(&e, 65536, rw);
+        let ia = e.register_memory_ranges(vec![MemoryRange::cuda(&a, 0, 65536, rw).unwrap()]).unwrap()[0];
+        for _ in 0..8 {
+            let (l, r) = (descs(h.id, &[(0, 65536)]), descs(ia, &[(0, 65536)]));
+            let t = e.prepare(&spec(Op::Write, &l, &r)).unwrap();
+            t.post().unwrap();
+            assert_eq!(wait_retired(&t).outcome.code, OutcomeCode::Success);
+            t.release().unwrap();
+        }
+        let during = shim().unwrap();
+        assert!(during.streams > before.streams && during.async_copies > before.async_copies, "{during:?}");
+        e.deregister(ia).unwrap();
+        e.deregister(h.id).unwrap();
+        drop((a, h));
+        e.close();
+        drop(e);
+        let after = shim().unwrap();
+        assert_eq!(
+            (after.streams, after.events, after.context_retains, after.device_allocations),
+            (before.streams, before.events, before.context_retains, before.device_allocations),
+            "{after:?}"
+        );
+    }
+
+    /// No CPU copy is ever handed a device address: a transfer between
+    /// device memory and a file, or a peer, is refused at prepare (until
+    /// those routes stage), and nothing is charged.
+    #[test]
+    fn other_routes_refuse_device_memory_at_prepare() {
+        let Some((_, _turn)) = devices("other_routes_refuse_device_memory_at_prepare") else { return };
         let e = engine("{}");
         let base = e.stats();
         let m = e.allocate_cuda_memory(0, 65536).unwrap();
         let v = e
             .register_memory_ranges(vec![MemoryRange::cuda(&m, 0, 65536, Permission::RemoteReadWrite).unwrap()])
             .unwrap()[0];
-        let h = region(&e, 65536, Permission::RemoteReadWrite);
-        for (op, local, remote) in
-            [(Op::Write, v, h.id), (Op::Read, v, h.id), (Op::Write, h.id, v), (Op::Read, h.id, v)]
-        {
-            let (l, r) = (descs(local, &[(0, 4096)]), descs(remote, &[(0, 4096)]));
-            let Err(err) = e.prepare(&spec(op, &l, &r)) else { panic!("{op:?} prepared with device memory") };
+        let dir = std::env::temp_dir().join(format!("orbite-cuda-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f");
+        std::fs::write(&path, vec![0u8; 65536]).unwrap();
+        let entry = std::sync::Arc::new(
+            file::Entry::open(&path, file::FileMode::ReadWrite, file::OpenFlags::default()).unwrap(),
+        );
+        for op in [Op::Write, Op::Read] {
+            let (l, r) = (descs(v, &[(0, 4096)]), descs(v, &[(0, 4096)]));
+            let Err(err) = e.prepare(&TransferSpec::new(op, &l, &r, Target::File(&entry))) else {
+                panic!("{op:?} to a file prepared with device memory")
+            };
             assert!(not_supported(&err).contains("CUDA device memory"), "{err}");
         }
+        drop(entry);
+        let _ = std::fs::remove_dir_all(&dir);
         e.deregister(v).unwrap();
-        e.deregister(h.id).unwrap();
-        drop((m, h));
+        drop(m);
         assert_idle(&e);
         assert_eq!(e.stats(), base, "charges back to baseline");
+    }
+
+    #[test]
+    fn child_deregisters_during_a_slow_device_copy() {
+        if !in_child() {
+            return;
+        }
+        cuda::availability().unwrap();
+        let e = engine("{}");
+        let base = e.stats();
+        let before = shim().expect("the shim");
+        let rw = Permission::RemoteReadWrite;
+        let m = e.allocate_cuda_memory(0, 1 << 20).unwrap();
+        let h = region(&e, 1 << 20, rw);
+        fill(&h.mem, 7);
+        let v = e.register_memory_ranges(vec![MemoryRange::cuda(&m, 0, 1 << 20, rw).unwrap()]).unwrap()[0];
+        let (l, r) = (descs(h.id, &[(0, 1 << 20)]), descs(v, &[(0, 1 << 20)]));
+        let t = e.prepare(&spec(Op::Write, &l, &r)).unwrap();
+        t.post().unwrap();
+        // While the device copy runs (the shim holds each copy 300 ms):
+        // deregistration fences at once, the allocation stays.
+        let ptr = m.device_ptr();
+        let probe = m.clone();
+        drop(m);
+        e.deregister(v).unwrap();
+        assert!(matches!(t.check(), TransferStatus::InProgress { .. }), "the copy should still run");
+        assert_eq!(e.stats().device_allocations, 1, "the in-flight transfer keeps the allocation");
+        assert_eq!(shim().unwrap().device_allocations, before.device_allocations + 1);
+        let res = wait_retired(&t);
+        assert_eq!(res.outcome.code, OutcomeCode::Success);
+        let mut back = vec![0u8; 1 << 20];
+        // SAFETY: the transfer retired.
+        unsafe { probe.read(0, &mut back).unwrap() };
+        assert_eq!(back, snapshot(&h.mem), "bytes landed");
+        t.release().unwrap();
+        drop(probe);
+        e.deregister(h.id).unwrap();
+        drop(h);
+        assert_idle(&e);
+        assert_eq!(e.stats(), base, "charges back to baseline");
+        let after = shim().unwrap();
+        assert_eq!(after.device_allocations, before.device_allocations, "freed after retirement");
+        // The freed address is no device memory any more.
+        // SAFETY: refused before use.
+        let r = unsafe { MemoryRange::cuda_borrowed(0, ptr, 4096, rw) };
+        assert!(matches!(r, Err(MemoryError::InvalidRange(_))));
+        println!("DEFERRED OK");
+    }
+
+    /// Deregistering device memory while a device copy into it runs fences
+    /// it at once and frees it only after the transfer retired.
+    #[test]
+    fn deregistration_during_a_device_copy_defers_the_free() {
+        if in_child() {
+            return;
+        }
+        let Some((_, _turn)) = devices("deregistration_during_a_device_copy_defers_the_free") else { return };
+        if shim().is_none() {
+            println!("SKIP: a slow copy needs the test shim");
+            return;
+        }
+        let out = child(
+            "with_the_feature::child_deregisters_during_a_slow_device_copy",
+            &[("ORBITE_CUDA_SHIM_COPY_DELAY_US", "300000")],
+        );
+        assert!(out.contains("DEFERRED OK"), "{out}");
     }
 }

@@ -282,6 +282,7 @@ impl EngineInner {
                         && Arc::ptr_eq(t, &transfer)
                         && transfer.plan.program.tasks.len() == 1
                         && bytes <= self.config.inline_max_bytes
+                        && !transfer.plan.program.kind.waits_for_device()
                 }) =>
                 {
                     if let Some((_, slot)) = inline.as_mut() {

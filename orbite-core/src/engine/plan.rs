@@ -17,6 +17,7 @@ use crate::batch::{Desc, TransferOptions};
 use crate::config::EngineConfig;
 use crate::engine::TransferSpec;
 use crate::error::{BatchError, Error, PeerError};
+use crate::memory::MemoryKind;
 use crate::registry::{Registration, Table};
 use crate::segment::ExportedRegistration;
 use crate::transport::route::{PeerReach, RouteImpl};
@@ -147,11 +148,6 @@ fn resolve(
 
 fn local_view(table: &Table, id: RegistrationId) -> Result<View, Error> {
     let r = table.get(id)?;
-    if !r.is_host() {
-        return Err(Error::NotSupported(format!(
-            "{id} is CUDA device memory: no route of this engine moves VRAM yet (staging is not built)"
-        )));
-    }
     Ok(View { id: r.id, base: r.base as u64, wire_id: 0, len: r.len, permission: r.permission, loan: true })
 }
 
@@ -214,10 +210,11 @@ pub(crate) fn build(
             requested: span_bound,
         });
     }
-    let program = build_program(spec.op, kind, &local, &remote, config.task_bytes);
     ids.sort_unstable();
     ids.dedup();
     let loans = ids.iter().map(|id| table.get(*id).cloned()).collect::<Result<Vec<_>, _>>()?;
+    let kind = device_kind(kind, &loans)?;
+    let program = build_program(spec.op, kind, &local, &remote, config.task_bytes);
     let plan = Plan {
         program,
         total_bytes: local_total,
@@ -225,6 +222,30 @@ pub(crate) fn build(
         notification: spec.notification.map(Box::from),
     };
     Ok((plan, loans))
+}
+
+/// The copy kind with device memory named: the self connection copies
+/// through the driver; every other route is refused until it stages device
+/// memory (no CPU copy is ever handed a device address).
+fn device_kind(kind: CopyKind, loans: &[Arc<Registration>]) -> Result<CopyKind, Error> {
+    let Some(device) = loans.iter().find_map(|r| match r.kind {
+        MemoryKind::Cuda { device } => Some(device),
+        _ => None,
+    }) else {
+        return Ok(kind);
+    };
+    match kind {
+        #[cfg(feature = "cuda")]
+        CopyKind::Memory => Ok(CopyKind::Device { device }),
+        CopyKind::Mapped { .. } | CopyKind::Cma { .. } | CopyKind::Frames | CopyKind::File(_) => {
+            Err(Error::NotSupported(format!(
+                "CUDA device memory (device {device}) over this route: staging through host buffers is not built yet; \
+                 only transfers within this engine move VRAM"
+            )))
+        }
+        #[allow(unreachable_patterns, reason = "without feature cuda no device registration exists")]
+        other => Err(Error::NotSupported(format!("CUDA device memory (device {device}) with {other:?}"))),
+    }
 }
 
 /// Most spans in one route task (bounds a peer request's body).

@@ -181,6 +181,13 @@ fn start<J: CopyJob>(shared: &Arc<RouteShared<J>>, job: J, directive: Option<Fau
 }
 
 fn worker<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
+    work(shared);
+    // The streams this worker made for device copies go with it.
+    #[cfg(feature = "cuda")]
+    crate::cuda::release_thread_streams();
+}
+
+fn work<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
     loop {
         let (job, forced) = {
             let mut polled = false;

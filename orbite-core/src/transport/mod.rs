@@ -77,6 +77,15 @@ pub(crate) enum CopyKind {
     /// `remote` are offsets in the peer registration `remote_reg`, sent as
     /// frames by the peer's link (never copied by this process).
     Frames,
+    /// The self connection with CUDA device memory on either side (or
+    /// both): driver copies on the worker's own stream of `device`, waited
+    /// for with an event before the task reports (feature `cuda`). Never
+    /// run on the posting thread.
+    #[cfg(feature = "cuda")]
+    Device {
+        /// The CUDA ordinal of the first device registration named.
+        device: u32,
+    },
 }
 
 impl CopyKind {
@@ -94,7 +103,43 @@ impl CopyKind {
                 debug_assert!(false, "frames are sent by the peer's link");
                 (0, Some(TaskEnd::Failed { effect_unknown: false }))
             }
+            #[cfg(feature = "cuda")]
+            CopyKind::Device { device } => device_copy(*device, op, spans, limit),
         }
+    }
+
+    /// Whether its tasks must stay off the posting thread (they wait for a
+    /// device).
+    pub(crate) fn waits_for_device(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        return matches!(self, CopyKind::Device { .. });
+        #[cfg(not(feature = "cuda"))]
+        false
+    }
+}
+
+/// Copies spans through the CUDA driver on this thread's stream.
+#[cfg(feature = "cuda")]
+fn device_copy(device: u32, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
+    let mut copies = Vec::with_capacity(spans.len());
+    let mut left = limit;
+    for s in spans {
+        if left == 0 {
+            break;
+        }
+        let n = s.len.min(left);
+        let (src, dst) = match op {
+            Op::Write => (s.local, s.remote),
+            Op::Read => (s.remote, s.local),
+        };
+        copies.push((dst, src, n));
+        left -= n;
+    }
+    match crate::cuda::copy_on_stream(device, &copies) {
+        (done, None) => (done, None),
+        // The bytes of the copies before the failing one landed; whether the
+        // failing one wrote anything is not known.
+        (done, Some(_why)) => (done, Some(TaskEnd::Failed { effect_unknown: true })),
     }
 }
 
