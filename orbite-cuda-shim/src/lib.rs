@@ -18,8 +18,8 @@
 //!   only through the driver's copies.
 //! - Pinned and registered host memory, pointer attributes, synchronous and
 //!   stream-ordered copies and memsets, streams (a worker thread each) and
-//!   events ([`stream`]), and counters for tests
-//!   ([`stats::orbite_cuda_shim_stats`]).
+//!   events ([`stream`]), IPC memory handles between processes ([`ipc`]),
+//!   and counters for tests ([`stats::orbite_cuda_shim_stats`]).
 //!
 //! # Contract
 //!
@@ -29,7 +29,7 @@
 //! `CUDA_ERROR_NOT_INITIALIZED`, except cuDriverGetVersion, cuGetErrorName,
 //! cuGetErrorString and `orbite_cuda_shim_stats`, which work at any time.
 //! Calls that act in the current context (allocations and frees of every
-//! kind, stream and event creation, synchronous copies and memsets,
+//! kind, IPC, stream and event creation, synchronous copies and memsets,
 //! anything on the null stream, cuCtxSynchronize, cuCtxGetDevice) need one
 //! that is retained: `CUDA_ERROR_INVALID_CONTEXT` otherwise. Pointer
 //! queries and operations on created streams and events do not.
@@ -57,6 +57,7 @@ pub mod copy;
 pub mod errors;
 pub mod ffi;
 pub mod init;
+pub mod ipc;
 pub mod memory;
 pub mod stats;
 pub mod stream;
