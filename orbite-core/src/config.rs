@@ -102,6 +102,11 @@ pub struct EngineConfig {
     /// no hand-off to a worker. Its execution may then already be retired
     /// when `post` returns. At most 1 MiB; 0 disables. Default 16 384.
     pub inline_max_bytes: u64,
+    /// Bytes of each of the two page-locked host buffers a route worker
+    /// bounces CUDA device memory through on shm and cma (feature `cuda`;
+    /// charged to `staging_buffers`/`staging_bytes` from first use until
+    /// the worker ends). 4 KiB to 64 MiB. Default 1 MiB.
+    pub staging_chunk_bytes: u64,
     /// Handles a binding (the C ABI) may hold on this engine's objects at
     /// once: registrations, transfers, peers, shared allocations. Default
     /// 65 536.
@@ -179,6 +184,7 @@ impl Default for EngineConfig {
             local_route_workers: 0,
             spin_us: 50,
             inline_max_bytes: 16 * KIB,
+            staging_chunk_bytes: MIB,
             max_binding_handles: 65_536,
             close_drain_timeout_ms: 5_000,
             listen: None,
@@ -256,6 +262,9 @@ impl EngineConfig {
         }
         if self.inline_max_bytes > MIB {
             return invalid("inline_max_bytes", "must be at most 1048576");
+        }
+        if !(4 * KIB..=64 * MIB).contains(&self.staging_chunk_bytes) {
+            return invalid("staging_chunk_bytes", "must be 4096 to 67108864");
         }
         if !(1..=16).contains(&self.connections_per_peer) {
             return invalid("connections_per_peer", "must be 1 to 16");
@@ -509,6 +518,8 @@ mod tests {
             (r#"{"progress_interval_us": 1}"#, "progress_interval_us"),
             (r#"{"local_route_workers": 65}"#, "local_route_workers"),
             (r#"{"inline_max_bytes": 1048577}"#, "inline_max_bytes"),
+            (r#"{"staging_chunk_bytes": 4095}"#, "staging_chunk_bytes"),
+            (r#"{"staging_chunk_bytes": 67108865}"#, "staging_chunk_bytes"),
             (r#"{"max_notification_bytes": 18446744073709551615}"#, "max_notification_bytes"),
             (r#"{"advertise": ""}"#, "advertise"),
         ] {

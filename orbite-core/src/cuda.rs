@@ -68,7 +68,7 @@ impl fmt::Debug for DeviceRange {
 }
 
 #[cfg(feature = "cuda")]
-pub(crate) use driver::{ContextLease, DeviceAllocation, copy_on_stream, release_thread_streams, validate};
+pub(crate) use driver::{ContextLease, DeviceAllocation, Stager, copy_on_stream, release_thread_streams, validate};
 
 #[cfg(feature = "cuda")]
 mod driver {
@@ -383,6 +383,149 @@ mod driver {
             }
             (queued, failed)
         })
+    }
+
+    /// Waits until `event` completed: a short spin, then yields, then 20 µs
+    /// sleeps (never the driver's blocking wait, whose spin policy is the
+    /// context's).
+    fn wait_event(event: sys::CUevent) -> Result<(), String> {
+        let mut spins = 0u32;
+        loop {
+            // SAFETY: a live event of the caller.
+            match unsafe { sys::cuEventQuery(event) } {
+                sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                sys::CUresult::CUDA_ERROR_NOT_READY => {
+                    spins += 1;
+                    if spins < 64 {
+                        std::hint::spin_loop();
+                    } else if spins < 128 {
+                        std::thread::yield_now();
+                    } else {
+                        std::thread::sleep(std::time::Duration::from_micros(20));
+                    }
+                }
+                other => return Err(format!("the device copies ended with {}", name(other))),
+            }
+        }
+    }
+
+    /// Two pinned host buffers of one device, with a stream and an event
+    /// each slot: the staging of one route worker. Device copies into or
+    /// out of a slot run on the stream; `wait(slot)` returns once they
+    /// are done, so the slot's buffer may be reused. Freed on drop, after
+    /// waiting for anything still queued.
+    pub(crate) struct Stager {
+        stream: sys::CUstream,
+        events: [sys::CUevent; 2],
+        buffers: [*mut u8; 2],
+        queued: [bool; 2],
+        chunk: u64,
+        lease: ContextLease,
+    }
+
+    impl Stager {
+        /// Buffers of `chunk` bytes each (page-locked: `cuMemHostAlloc`).
+        pub(crate) fn new(ordinal: u32, chunk: u64) -> Result<Self, String> {
+            let lease = ContextLease::retain(ordinal)?;
+            let current = lease.enter()?;
+            let mut s = Stager {
+                stream: std::ptr::null_mut(),
+                events: [std::ptr::null_mut(); 2],
+                buffers: [std::ptr::null_mut(); 2],
+                queued: [false; 2],
+                chunk,
+                lease,
+            };
+            // SAFETY: a current context; valid out-pointers. Whatever was
+            // made before a failure is freed by `Drop` (null handles are
+            // skipped there).
+            unsafe {
+                check(sys::cuStreamCreate(&mut s.stream, 1), "cuStreamCreate")?;
+                for i in 0..2 {
+                    check(sys::cuEventCreate(&mut s.events[i], 2), "cuEventCreate")?;
+                    let mut p = std::ptr::null_mut();
+                    check(sys::cuMemHostAlloc(&mut p, chunk as usize, 0), "cuMemHostAlloc")?;
+                    s.buffers[i] = p.cast();
+                }
+            }
+            drop(current);
+            Ok(s)
+        }
+
+        pub(crate) fn chunk(&self) -> u64 {
+            self.chunk
+        }
+
+        /// The host address of slot `slot`'s buffer.
+        pub(crate) fn buffer(&self, slot: usize) -> u64 {
+            self.buffers[slot] as u64
+        }
+
+        /// Queues `copies` (destination, source, bytes) on the stream and
+        /// records slot `slot`'s event after them.
+        pub(crate) fn enqueue(&mut self, slot: usize, copies: &[(u64, u64, u64)]) -> Result<(), String> {
+            let _current = self.lease.enter()?;
+            for &(dst, src, len) in copies {
+                // SAFETY: the ranges are registered memory kept alive by the
+                // caller's loans, or this stager's buffer, until `wait`.
+                check(unsafe { sys::cuMemcpyAsync(dst, src, len as usize, self.stream) }, "cuMemcpyAsync")?;
+                self.queued[slot] = true;
+            }
+            // SAFETY: handles of this stager.
+            check(unsafe { sys::cuEventRecord(self.events[slot], self.stream) }, "cuEventRecord")?;
+            self.queued[slot] = true;
+            Ok(())
+        }
+
+        /// Waits for what was queued for slot `slot` (nothing: at once).
+        pub(crate) fn wait(&mut self, slot: usize) -> Result<(), String> {
+            if !self.queued[slot] {
+                return Ok(());
+            }
+            self.queued[slot] = false;
+            match wait_event(self.events[slot]) {
+                Ok(()) => Ok(()),
+                Err(e) => {
+                    // SAFETY: the stream of this stager; whatever it still
+                    // runs is done when this returns.
+                    unsafe { sys::cuStreamSynchronize(self.stream) };
+                    Err(e)
+                }
+            }
+        }
+
+        /// Waits for both slots (after a failure: nothing may still run).
+        pub(crate) fn drain(&mut self) {
+            let _current = self.lease.enter();
+            if !self.stream.is_null() {
+                // SAFETY: the stream of this stager.
+                unsafe { sys::cuStreamSynchronize(self.stream) };
+            }
+            self.queued = [false; 2];
+        }
+    }
+
+    impl Drop for Stager {
+        fn drop(&mut self) {
+            self.drain();
+            if let Ok(_current) = self.lease.enter() {
+                // SAFETY: handles and buffers made in `new`, freed once;
+                // the stream is idle (drained above).
+                unsafe {
+                    for i in 0..2 {
+                        if !self.buffers[i].is_null() {
+                            sys::cuMemFreeHost(self.buffers[i].cast());
+                        }
+                        if !self.events[i].is_null() {
+                            sys::cuEventDestroy_v2(self.events[i]);
+                        }
+                    }
+                    if !self.stream.is_null() {
+                        sys::cuStreamDestroy_v2(self.stream);
+                    }
+                }
+            }
+        }
     }
 
     /// Device memory the engine allocated (`cuMemAlloc` in the primary

@@ -11,9 +11,15 @@
 //! child with the shim's environment.
 
 mod common;
+mod peer;
 
 use common::*;
 use orbite_core::*;
+
+#[test]
+fn peer_process_entry() {
+    peer::entry();
+}
 
 fn not_supported(e: &Error) -> &str {
     match e {
@@ -465,5 +471,69 @@ mod with_the_feature {
             &[("ORBITE_CUDA_SHIM_COPY_DELAY_US", "300000")],
         );
         assert!(out.contains("DEFERRED OK"), "{out}");
+    }
+
+    /// VRAM to and from a same-host peer's memory: over shm (its shared
+    /// allocation) and cma (its ordinary memory), bounced through the
+    /// worker's pinned buffers with a small chunk so every task pipelines
+    /// several chunks; bytes and guards on both sides, both directions,
+    /// and the staging buffers charged until the engine shuts down.
+    #[test]
+    fn device_memory_moves_to_and_from_a_same_host_peer_through_staging() {
+        let Some((_, _turn)) = devices("device_memory_moves_to_and_from_a_same_host_peer") else { return };
+        use peer::{PeerProcess, REGION};
+        let mut p = PeerProcess::spawn();
+        let e = engine(
+            r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000, "staging_chunk_bytes": 65536, "task_bytes": 262144}"#,
+        );
+        let base = e.stats();
+        let seg = p.open(&e);
+        let rw = Permission::RemoteReadWrite;
+        let m = e.allocate_cuda_memory(0, REGION).unwrap();
+        let v = e.register_memory_ranges(vec![MemoryRange::cuda(&m, 0, REGION, rw).unwrap()]).unwrap()[0];
+        let mut shm_bytes = PeerProcess::initial(0xEF);
+        let mut plain_bytes = PeerProcess::initial(0xAB);
+        for (round, op) in [Op::Write, Op::Read, Op::Write, Op::Read].into_iter().enumerate() {
+            for (target, want) in [(p.shm, Route::Shm), (p.region, Route::Cma)] {
+                let mut rng = Rng(round as u64 * 13 + want as u64);
+                let (_, ll, rl) = paired_layouts(&mut rng, 300_000, 1_500_000, 90_000, REGION as u64);
+                device_fill(&m, 900 + round as u64);
+                let before_local = device_bytes(&m);
+                let (l, r) = (descs(v, &ll), descs(target, &rl));
+                let t = e.prepare(&TransferSpec::new(op, &l, &r, Target::Peer(&seg))).unwrap();
+                assert_eq!(t.route().route, want, "{}", t.route().reason);
+                t.post().unwrap();
+                let res = wait_retired(&t);
+                assert_eq!(res.outcome.code, OutcomeCode::Success, "{want:?} {op:?}: {res:?}");
+                let remote = if want == Route::Shm { &mut shm_bytes } else { &mut plain_bytes };
+                match op {
+                    Op::Write => {
+                        *remote = expected(&before_local, &ll, remote, &rl);
+                        assert_eq!(device_bytes(&m), before_local, "the device source changed");
+                    }
+                    Op::Read => assert_eq!(
+                        device_bytes(&m),
+                        expected(remote, &rl, &before_local, &ll),
+                        "{want:?}: device bytes or guards"
+                    ),
+                }
+                let got = if want == Route::Shm { p.shm_hash(0, REGION) } else { p.hash(0, REGION) };
+                assert_eq!(got, fnv(remote), "{want:?} {op:?}: the peer's bytes or guards");
+                t.release().unwrap();
+            }
+        }
+        let s = e.stats();
+        assert!(s.staging_buffers >= 2 && s.staging_bytes == s.staging_buffers * 65536, "{s:?}");
+        e.deregister(v).unwrap();
+        drop(m);
+        e.close_segment(&seg, WAIT).unwrap();
+        drop(seg);
+        e.close();
+        let after = e.stats();
+        assert_eq!((after.staging_buffers, after.staging_bytes), (0, 0), "staging given back at shutdown");
+        assert_eq!(after, Stats { ..base }, "charges back to baseline");
+        if let Some(sh) = shim() {
+            assert_eq!(sh.host_allocations, 0, "pinned buffers freed: {sh:?}");
+        }
     }
 }

@@ -860,7 +860,7 @@ impl TransferEngine {
                 _ => plan::RemoteSide::Loopback,
             };
             let table = inner.registry.lock();
-            let (plan, loans) = plan::build(spec, remote_side, kind, &table, &inner.config)?;
+            let (plan, loans) = plan::build(spec, remote_side, kind, &table, &inner.config, &inner.counters)?;
             (plan, loans, way, route)
         };
         let mut remote_ids: Vec<(u64, u64)> = match &view {

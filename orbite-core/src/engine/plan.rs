@@ -159,6 +159,7 @@ pub(crate) fn build(
     kind: CopyKind,
     table: &Table,
     config: &EngineConfig,
+    counters: &Arc<crate::charge::Counters>,
 ) -> Result<(Plan, Loans), Error> {
     let mut ids = Vec::new();
     let (local, local_total) = resolve("local", spec.local, config, None, |id| local_view(table, id), &mut ids)?;
@@ -213,7 +214,7 @@ pub(crate) fn build(
     ids.sort_unstable();
     ids.dedup();
     let loans = ids.iter().map(|id| table.get(*id).cloned()).collect::<Result<Vec<_>, _>>()?;
-    let kind = device_kind(kind, &loans)?;
+    let kind = device_kind(kind, &loans, config, counters)?;
     let program = build_program(spec.op, kind, &local, &remote, config.task_bytes);
     let plan = Plan {
         program,
@@ -227,22 +228,33 @@ pub(crate) fn build(
 /// The copy kind with device memory named: the self connection copies
 /// through the driver; every other route is refused until it stages device
 /// memory (no CPU copy is ever handed a device address).
-fn device_kind(kind: CopyKind, loans: &[Arc<Registration>]) -> Result<CopyKind, Error> {
+fn device_kind(
+    kind: CopyKind,
+    loans: &[Arc<Registration>],
+    config: &EngineConfig,
+    counters: &Arc<crate::charge::Counters>,
+) -> Result<CopyKind, Error> {
     let Some(device) = loans.iter().find_map(|r| match r.kind {
         MemoryKind::Cuda { device } => Some(device),
         _ => None,
     }) else {
         return Ok(kind);
     };
+    let _ = (config, counters);
     match kind {
         #[cfg(feature = "cuda")]
         CopyKind::Memory => Ok(CopyKind::Device { device }),
-        CopyKind::Mapped { .. } | CopyKind::Cma { .. } | CopyKind::Frames | CopyKind::File(_) => {
-            Err(Error::NotSupported(format!(
-                "CUDA device memory (device {device}) over this route: staging through host buffers is not built yet; \
-                 only transfers within this engine move VRAM"
-            )))
-        }
+        #[cfg(feature = "cuda")]
+        inner @ (CopyKind::Mapped { .. } | CopyKind::Cma { .. }) => Ok(CopyKind::Staged {
+            device,
+            chunk: config.staging_chunk_bytes,
+            counters: counters.clone(),
+            inner: Box::new(inner),
+        }),
+        CopyKind::Frames | CopyKind::File(_) => Err(Error::NotSupported(format!(
+            "CUDA device memory (device {device}) over this route: staging for tcp and files is not built yet; \
+             VRAM moves within this engine and over shm and cma"
+        ))),
         #[allow(unreachable_patterns, reason = "without feature cuda no device registration exists")]
         other => Err(Error::NotSupported(format!("CUDA device memory (device {device}) with {other:?}"))),
     }

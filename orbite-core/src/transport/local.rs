@@ -184,7 +184,10 @@ fn worker<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
     work(shared);
     // The streams this worker made for device copies go with it.
     #[cfg(feature = "cuda")]
-    crate::cuda::release_thread_streams();
+    {
+        crate::cuda::release_thread_streams();
+        crate::transport::staged::release_thread_stagers();
+    }
 }
 
 fn work<J: CopyJob>(shared: &Arc<RouteShared<J>>) {

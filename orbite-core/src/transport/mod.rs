@@ -16,6 +16,8 @@ pub(crate) mod route;
 pub(crate) mod shm;
 pub(crate) mod sock;
 pub(crate) mod spin;
+#[cfg(feature = "cuda")]
+pub(crate) mod staged;
 pub(crate) mod tcp;
 pub(crate) mod unix;
 
@@ -86,6 +88,11 @@ pub(crate) enum CopyKind {
         /// The CUDA ordinal of the first device registration named.
         device: u32,
     },
+    /// A same-host route (`inner`: shm or cma) with CUDA device memory on
+    /// the local side: each task is bounced through the worker's pinned
+    /// buffers of `chunk` bytes (`staged`), charged to `counters`.
+    #[cfg(feature = "cuda")]
+    Staged { device: u32, chunk: u64, counters: Arc<crate::charge::Counters>, inner: Box<CopyKind> },
 }
 
 impl CopyKind {
@@ -105,6 +112,10 @@ impl CopyKind {
             }
             #[cfg(feature = "cuda")]
             CopyKind::Device { device } => device_copy(*device, op, spans, limit),
+            #[cfg(feature = "cuda")]
+            CopyKind::Staged { device, chunk, counters, inner } => {
+                staged::copy(*device, *chunk, counters, inner, op, spans, limit)
+            }
         }
     }
 
@@ -112,7 +123,7 @@ impl CopyKind {
     /// device).
     pub(crate) fn waits_for_device(&self) -> bool {
         #[cfg(feature = "cuda")]
-        return matches!(self, CopyKind::Device { .. });
+        return matches!(self, CopyKind::Device { .. } | CopyKind::Staged { .. });
         #[cfg(not(feature = "cuda"))]
         false
     }
