@@ -68,7 +68,9 @@ impl fmt::Debug for DeviceRange {
 }
 
 #[cfg(feature = "cuda")]
-pub(crate) use driver::{ContextLease, DeviceAllocation, Stager, copy_on_stream, release_thread_streams, validate};
+pub(crate) use driver::{
+    ContextLease, DeviceAllocation, PinnedBuffer, Stager, copy_on_stream, release_thread_streams, validate,
+};
 
 #[cfg(feature = "cuda")]
 mod driver {
@@ -524,6 +526,50 @@ mod driver {
                         sys::cuStreamDestroy_v2(self.stream);
                     }
                 }
+            }
+        }
+    }
+
+    /// A page-locked host buffer (`cuMemHostAlloc` in a device's primary
+    /// context), freed on drop.
+    pub(crate) struct PinnedBuffer {
+        ptr: *mut u8,
+        len: u64,
+        lease: ContextLease,
+    }
+
+    // SAFETY: plain host bytes owned by this value; whoever copies into or
+    // out of them holds the buffer (and so the only access) meanwhile.
+    unsafe impl Send for PinnedBuffer {}
+    // SAFETY: as above; no interior mutability.
+    unsafe impl Sync for PinnedBuffer {}
+
+    impl PinnedBuffer {
+        pub(crate) fn new(ordinal: u32, len: u64) -> Result<Self, String> {
+            let lease = ContextLease::retain(ordinal)?;
+            let current = lease.enter()?;
+            let mut p = std::ptr::null_mut();
+            // SAFETY: a current context; a valid out-pointer.
+            check(unsafe { sys::cuMemHostAlloc(&mut p, len as usize, 0) }, "cuMemHostAlloc")?;
+            drop(current);
+            Ok(PinnedBuffer { ptr: p.cast(), len, lease })
+        }
+
+        pub(crate) fn addr(&self) -> u64 {
+            self.ptr as u64
+        }
+
+        pub(crate) fn len(&self) -> u64 {
+            self.len
+        }
+    }
+
+    impl Drop for PinnedBuffer {
+        fn drop(&mut self) {
+            if let Ok(_current) = self.lease.enter() {
+                // SAFETY: the buffer made in `new`, freed once; its users
+                // are done (they held this value).
+                unsafe { sys::cuMemFreeHost(self.ptr.cast()) };
             }
         }
     }

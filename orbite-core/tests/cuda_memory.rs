@@ -536,4 +536,124 @@ mod with_the_feature {
             assert_eq!(sh.host_allocations, 0, "pinned buffers freed: {sh:?}");
         }
     }
+
+    /// VRAM to and from a peer over tcp: each task is staged through a
+    /// page-locked buffer of the engine's pool (a worker copies the device
+    /// bytes in, the link sends them; or the link receives, a worker
+    /// copies them to the device). Bytes and guards on both sides, both
+    /// directions; the pool is charged and emptied at close.
+    #[test]
+    fn device_memory_moves_to_and_from_a_tcp_peer_through_staging() {
+        let Some((_, _turn)) = devices("device_memory_moves_to_and_from_a_tcp_peer") else { return };
+        use peer::{PeerProcess, REGION};
+        let mut p = PeerProcess::spawn();
+        let e = engine(r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000, "route": "tcp", "task_bytes": 262144}"#);
+        let base = e.stats();
+        let seg = p.open(&e);
+        let rw = Permission::RemoteReadWrite;
+        let m = e.allocate_cuda_memory(0, REGION).unwrap();
+        let v = e.register_memory_ranges(vec![MemoryRange::cuda(&m, 0, REGION, rw).unwrap()]).unwrap()[0];
+        let mut remote = PeerProcess::initial(0xAB);
+        for (round, op) in [Op::Write, Op::Read, Op::Write, Op::Read].into_iter().enumerate() {
+            let mut rng = Rng(round as u64 * 17 + 5);
+            let (_, ll, rl) = paired_layouts(&mut rng, 300_000, 2_500_000, 120_000, REGION as u64);
+            device_fill(&m, 700 + round as u64);
+            let before_local = device_bytes(&m);
+            let (l, r) = (descs(v, &ll), descs(p.region, &rl));
+            let t = e.prepare(&TransferSpec::new(op, &l, &r, Target::Peer(&seg))).unwrap();
+            assert_eq!(t.route().route, Route::Tcp, "{}", t.route().reason);
+            t.post().unwrap();
+            let res = wait_retired(&t);
+            assert_eq!(res.outcome.code, OutcomeCode::Success, "{op:?}: {res:?}");
+            match op {
+                Op::Write => {
+                    remote = expected(&before_local, &ll, &remote, &rl);
+                    assert_eq!(device_bytes(&m), before_local, "the device source changed");
+                }
+                Op::Read => {
+                    assert_eq!(device_bytes(&m), expected(&remote, &rl, &before_local, &ll), "device bytes or guards")
+                }
+            }
+            assert_eq!(p.hash(0, REGION), fnv(&remote), "{op:?}: the peer's bytes or guards");
+            t.release().unwrap();
+        }
+        let s = e.stats();
+        assert!(s.staging_buffers >= 1 && s.staging_bytes == s.staging_buffers * 262144, "{s:?}");
+        e.deregister(v).unwrap();
+        drop(m);
+        e.close_segment(&seg, WAIT).unwrap();
+        drop(seg);
+        e.close();
+        assert_eq!(e.stats(), base, "charges back to baseline, the pool emptied");
+        if let Some(sh) = shim() {
+            assert_eq!(sh.host_allocations, 0, "pinned buffers freed: {sh:?}");
+        }
+    }
+
+    #[test]
+    fn child_loses_the_peer_during_staged_copies() {
+        if !in_child() {
+            return;
+        }
+        use peer::{PeerProcess, REGION};
+        cuda::availability().unwrap();
+        let rw = Permission::RemoteReadWrite;
+        for route in ["tcp", "auto"] {
+            for op in [Op::Write, Op::Read] {
+                let mut p = PeerProcess::spawn();
+                let e = engine(&format!(
+                    r#"{{"listen": "127.0.0.1:0", "peer_timeout_ms": 2000, "route": "{route}", "task_bytes": 262144}}"#
+                ));
+                let base = e.stats();
+                let seg = p.open(&e);
+                let m = e.allocate_cuda_memory(0, REGION).unwrap();
+                let v = e.register_memory_ranges(vec![MemoryRange::cuda(&m, 0, REGION, rw).unwrap()]).unwrap()[0];
+                let (l, r) = (descs(v, &[(0, 4 << 20)]), descs(p.region, &[(0, 4 << 20)]));
+                let t = e.prepare(&TransferSpec::new(op, &l, &r, Target::Peer(&seg))).unwrap();
+                t.post().unwrap();
+                // Every device copy takes 300 ms: the peer dies while tasks
+                // are staged.
+                std::thread::sleep(std::time::Duration::from_millis(150));
+                p.kill();
+                let res = wait_retired(&t);
+                if op == Op::Write {
+                    // Some tasks were still on the device when it died.
+                    assert!(!res.outcome.is_success(), "{route} {op:?}: the peer died: {res:?}");
+                }
+                t.release().unwrap();
+                e.deregister(v).unwrap();
+                drop(m);
+                drop(seg);
+                e.close();
+                assert_eq!(e.stats(), base, "{route} {op:?}: charges back to baseline");
+                let sh = shim().unwrap();
+                assert_eq!(
+                    (sh.host_allocations, sh.device_allocations, sh.streams),
+                    (0, 0, 0),
+                    "{route} {op:?}: {sh:?}"
+                );
+            }
+        }
+        println!("PEER LOSS OK");
+    }
+
+    /// A peer that dies while its tasks are being staged (slow device
+    /// copies) fails the transfer; nothing the staging held leaks: buffers,
+    /// streams and charges back to baseline, over tcp and cma.
+    #[test]
+    fn peer_loss_during_staged_copies_leaks_nothing() {
+        if in_child() {
+            return;
+        }
+        let Some((_, _turn)) = devices("peer_loss_during_staged_copies_leaks_nothing") else { return };
+        if shim().is_none() {
+            println!("SKIP: slow copies need the test shim");
+            return;
+        }
+        let out = child(
+            "with_the_feature::child_loses_the_peer_during_staged_copies",
+            &[("ORBITE_CUDA_SHIM_COPY_DELAY_US", "300000")],
+        );
+        assert!(out.contains("PEER LOSS OK"), "{out}");
+    }
 }

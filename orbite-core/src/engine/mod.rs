@@ -11,6 +11,8 @@ mod peers;
 pub(crate) mod plan;
 mod serve;
 mod spec;
+#[cfg(feature = "cuda")]
+mod stage;
 mod transfer;
 
 pub use notify::Notification;
@@ -99,6 +101,9 @@ pub(crate) struct EngineInner {
     drain_lock: Mutex<()>,
     drain_cv: Condvar,
     route: LocalRoute<RouteTask>,
+    /// Page-locked buffers of staged tcp tasks (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    staging_pool: Arc<stage::StagingPool>,
     active: Mutex<HashMap<u64, Weak<TransferShared>>>,
     closed: AtomicBool,
     close_finished: AtomicBool,
@@ -274,9 +279,22 @@ impl EngineInner {
             if all_started {
                 graveyard.extend(queue.pop_front(class));
             }
-            let job = RouteTask { engine: self.clone(), transfer: transfer.clone(), seq, task, in_flight };
+            let job = RouteTask {
+                engine: self.clone(),
+                transfer: transfer.clone(),
+                seq,
+                task,
+                in_flight,
+                #[cfg(feature = "cuda")]
+                stage: transfer.plan.staging.map(|d| Box::new(stage::TcpStage::new(d))),
+            };
+            #[cfg(feature = "cuda")]
+            let staged = job.stage.is_some();
+            #[cfg(not(feature = "cuda"))]
+            let staged = false;
             match (&transfer.target, transfer.way.runs()) {
-                (PlanTarget::Peer(_), Runs::PeerLink) => remote.push(job),
+                // A staged task is taken by a worker first (its buffer).
+                (PlanTarget::Peer(_), Runs::PeerLink) if !staged => remote.push(job),
                 _ if inline.as_ref().is_some_and(|(t, slot)| {
                     slot.is_none()
                         && Arc::ptr_eq(t, &transfer)
@@ -407,6 +425,8 @@ impl EngineInner {
         }
         if drained {
             self.route.shutdown();
+            #[cfg(feature = "cuda")]
+            self.staging_pool.clear();
         }
         self.registry.deregister_all(&self.counters);
         self.close_finished.store(true, Ordering::Release);
@@ -601,6 +621,7 @@ impl TransferEngine {
         let hooks = hooks();
         let route = LocalRoute::start(config.route_workers(), config.spin(), hooks.clone())
             .map_err(|e| Error::System(e.to_string()))?;
+        let counters = Arc::new(Counters::default());
         let inner = Arc::new(EngineInner {
             admission: Admission {
                 state: Mutex::new(AdmissionState {
@@ -612,7 +633,9 @@ impl TransferEngine {
                 worker_wake: (Mutex::new(false), Condvar::new()),
                 worker: Mutex::new(None),
             },
-            counters: Arc::new(Counters::default()),
+            #[cfg(feature = "cuda")]
+            staging_pool: Arc::new(stage::StagingPool::new(counters.clone())),
+            counters,
             registry: Registry::default(),
             drain_lock: Mutex::new(()),
             drain_cv: Condvar::new(),

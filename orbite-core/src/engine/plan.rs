@@ -27,6 +27,10 @@ use crate::types::{Op, Permission, RegistrationId, Resource};
 /// A validated transfer: its copy program, immutable after prepare.
 pub(crate) struct Plan {
     pub program: CopyProgram,
+    /// The CUDA device whose memory a tcp task stages through host buffers
+    /// (feature `cuda`; `stage`).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "only staged with feature cuda"))]
+    pub staging: Option<u32>,
     pub total_bytes: u64,
     pub options: TransferOptions,
     pub notification: Option<Box<[u8]>>,
@@ -214,10 +218,11 @@ pub(crate) fn build(
     ids.sort_unstable();
     ids.dedup();
     let loans = ids.iter().map(|id| table.get(*id).cloned()).collect::<Result<Vec<_>, _>>()?;
-    let kind = device_kind(kind, &loans, config, counters)?;
+    let (kind, staging) = device_kind(kind, &loans, config, counters)?;
     let program = build_program(spec.op, kind, &local, &remote, config.task_bytes);
     let plan = Plan {
         program,
+        staging,
         total_bytes: local_total,
         options: spec.options,
         notification: spec.notification.map(Box::from),
@@ -233,27 +238,31 @@ fn device_kind(
     loans: &[Arc<Registration>],
     config: &EngineConfig,
     counters: &Arc<crate::charge::Counters>,
-) -> Result<CopyKind, Error> {
+) -> Result<(CopyKind, Option<u32>), Error> {
     let Some(device) = loans.iter().find_map(|r| match r.kind {
         MemoryKind::Cuda { device } => Some(device),
         _ => None,
     }) else {
-        return Ok(kind);
+        return Ok((kind, None));
     };
     let _ = (config, counters);
     match kind {
         #[cfg(feature = "cuda")]
-        CopyKind::Memory => Ok(CopyKind::Device { device }),
+        CopyKind::Memory => Ok((CopyKind::Device { device }, None)),
         #[cfg(feature = "cuda")]
-        inner @ (CopyKind::Mapped { .. } | CopyKind::Cma { .. }) => Ok(CopyKind::Staged {
-            device,
-            chunk: config.staging_chunk_bytes,
-            counters: counters.clone(),
-            inner: Box::new(inner),
-        }),
-        CopyKind::Frames | CopyKind::File(_) => Err(Error::NotSupported(format!(
-            "CUDA device memory (device {device}) over this route: staging for tcp and files is not built yet; \
-             VRAM moves within this engine and over shm and cma"
+        inner @ (CopyKind::Mapped { .. } | CopyKind::Cma { .. }) => Ok((
+            CopyKind::Staged {
+                device,
+                chunk: config.staging_chunk_bytes,
+                counters: counters.clone(),
+                inner: Box::new(inner),
+            },
+            None,
+        )),
+        #[cfg(feature = "cuda")]
+        CopyKind::Frames => Ok((CopyKind::Frames, Some(device))),
+        CopyKind::File(_) => Err(Error::NotSupported(format!(
+            "CUDA device memory (device {device}) to a file: staging for files is not built yet"
         ))),
         #[allow(unreachable_patterns, reason = "without feature cuda no device registration exists")]
         other => Err(Error::NotSupported(format!("CUDA device memory (device {device}) with {other:?}"))),

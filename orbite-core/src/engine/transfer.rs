@@ -120,6 +120,9 @@ pub(crate) struct RouteTask {
     pub seq: u64,
     pub task: u32,
     pub in_flight: Option<Charge>,
+    /// A tcp task staging CUDA device memory through a host buffer.
+    #[cfg(feature = "cuda")]
+    pub stage: Option<Box<super::stage::TcpStage>>,
 }
 
 impl CopyJob for RouteTask {
@@ -131,7 +134,66 @@ impl CopyJob for RouteTask {
         self.task
     }
 
+    fn spans(&self) -> &[crate::transport::Span] {
+        #[cfg(feature = "cuda")]
+        if let Some(s) = self.stage.as_ref().filter(|s| matches!(s.phase, super::stage::Phase::Link)) {
+            return &s.spans; // the link moves the buffer
+        }
+        self.program().task_spans(self.task)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn copy_locally(&mut self, limit: u64) -> Option<(u64, Option<crate::types::TaskEnd>)> {
+        let stage = self.stage.as_mut()?;
+        let program = &self.transfer.plan.program;
+        let spans = program.task_spans(self.task);
+        let len = self.engine.config.task_bytes;
+        Some(stage.copy_locally(&self.engine.staging_pool, len, program.op, spans, limit))
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(unused_mut, reason = "only a staged task is changed"))]
     fn finish(mut self, report: TaskReport) {
+        #[cfg(feature = "cuda")]
+        if let Some(mut stage) = self.stage.take() {
+            use super::stage::Phase;
+            let op = self.transfer.plan.program.op;
+            let next = match stage.phase {
+                Phase::In => stage.after_in(report),
+                Phase::Link => stage.after_link(op, report),
+                Phase::Out => Err(stage.after_out(report)),
+            };
+            match next {
+                Ok(()) => {
+                    let to_link = matches!(stage.phase, Phase::Link);
+                    self.stage = Some(stage);
+                    if to_link {
+                        let PlanTarget::Peer(p) = &self.transfer.target else {
+                            debug_assert!(false, "only tcp tasks stage through the link");
+                            let planned = report.planned;
+                            return self.retire(TaskReport {
+                                planned,
+                                done: 0,
+                                end: crate::types::TaskEnd::Failed { effect_unknown: false },
+                            });
+                        };
+                        let link = p.link.clone();
+                        link.submit(crate::transport::tcp::PeerJob::Task(self));
+                    } else {
+                        let engine = self.engine.clone();
+                        engine.route.submit(self);
+                    }
+                    return;
+                }
+                Err(last) => return self.retire(last),
+            }
+        }
+        self.retire(report)
+    }
+}
+
+impl RouteTask {
+    /// The task's end: its report to the lifecycle, its budget back.
+    fn retire(mut self, report: TaskReport) {
         let engine = self.engine.clone();
         drop(self.in_flight.take()); // give back the budget first
         let (after, stopped_early, notify) = {

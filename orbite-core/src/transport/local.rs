@@ -176,7 +176,8 @@ fn start<J: CopyJob>(shared: &Arc<RouteShared<J>>, job: J, directive: Option<Fau
             (bytes.min(planned), TaskEnd::Failed { effect_unknown })
         }
     };
-    let (done, failed) = copy(&job, limit, &shared.busy_ns);
+    let mut job = job;
+    let (done, failed) = copy(&mut job, limit, &shared.busy_ns);
     job.finish(TaskReport { planned, done, end: failed.unwrap_or(end) });
 }
 
@@ -224,10 +225,15 @@ fn work<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
 
 /// Copies a task (at most `limit` bytes) by its program's kind. Returns
 /// the bytes moved and, on failure, how the task ended.
-fn copy<J: CopyJob>(job: &J, limit: u64, busy_ns: &AtomicU64) -> (u64, Option<TaskEnd>) {
+fn copy<J: CopyJob>(job: &mut J, limit: u64, busy_ns: &AtomicU64) -> (u64, Option<TaskEnd>) {
     let start = Instant::now();
-    let p = job.program();
-    let result = p.kind.copy(p.op, job.spans(), limit);
+    let result = match job.copy_locally(limit) {
+        Some(r) => r,
+        None => {
+            let p = job.program();
+            p.kind.copy(p.op, job.spans(), limit)
+        }
+    };
     busy_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
     result
 }

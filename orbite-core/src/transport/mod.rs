@@ -176,6 +176,13 @@ pub(crate) trait CopyJob: Send + 'static {
     fn spans(&self) -> &[Span] {
         self.program().task_spans(self.task())
     }
+    /// A copy the job makes itself on a route worker instead of its
+    /// program's kind (a staging phase), at most `limit` bytes; `None`:
+    /// the kind's.
+    fn copy_locally(&mut self, limit: u64) -> Option<(u64, Option<TaskEnd>)> {
+        let _ = limit;
+        None
+    }
     /// Bytes the task should move.
     fn planned(&self) -> u64 {
         self.program().tasks[self.task() as usize].bytes

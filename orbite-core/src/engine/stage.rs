@@ -1,0 +1,222 @@
+//! Staging on the tcp route (feature `cuda`): a task whose local side is
+//! CUDA device memory goes to a route worker first, which takes a
+//! page-locked buffer from the engine's pool (and, for a WRITE, copies the
+//! task's device bytes into it on its stream, waiting for the event); the
+//! peer link then sends from, or receives into, that buffer; for a READ a
+//! route worker then copies the buffer to the device. The task reports only
+//! after its last device copy completed. Tasks are independent, so while
+//! the link sends task k a worker stages task k + 1.
+//!
+//! The pool keeps buffers of `task_bytes` for reuse, charged to
+//! `staging_buffers`/`staging_bytes` while they exist; it holds at most
+//! as many as tasks were staged at once, and is emptied at close.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::charge::{Charge, Counter, Counters};
+use crate::cuda::PinnedBuffer;
+use crate::transport::Span;
+use crate::types::{Op, TaskEnd, TaskReport};
+
+/// Where a staged task is.
+pub(crate) enum Phase {
+    /// At a route worker: take a buffer (and fill it, for a WRITE).
+    In,
+    /// At the peer link, with the buffer as its local side.
+    Link,
+    /// At a route worker again (READ): the buffer to the device.
+    Out,
+}
+
+pub(crate) struct TcpStage {
+    pub device: u32,
+    pub phase: Phase,
+    buffer: Option<Pooled>,
+    /// The task's spans with their local side in the buffer.
+    pub spans: Vec<Span>,
+    /// What the link reported (READ: applied after the device copy).
+    link_report: Option<TaskReport>,
+}
+
+impl TcpStage {
+    pub fn new(device: u32) -> Self {
+        TcpStage { device, phase: Phase::In, buffer: None, spans: Vec::new(), link_report: None }
+    }
+
+    /// The worker's part: phase `In` (take a buffer, and for a WRITE copy
+    /// the device bytes into it, at most `limit`) or `Out` (READ: copy the
+    /// bytes the link landed to the device).
+    pub fn copy_locally(
+        &mut self,
+        pool: &Arc<StagingPool>,
+        buffer_len: u64,
+        op: Op,
+        spans: &[Span],
+        limit: u64,
+    ) -> (u64, Option<TaskEnd>) {
+        match self.phase {
+            Phase::In => {
+                let buf = match pool.take(self.device, buffer_len) {
+                    Ok(b) => b,
+                    Err(_) => return (0, Some(TaskEnd::Failed { effect_unknown: false })),
+                };
+                let base = buf.addr();
+                let mut at = 0;
+                self.spans = spans
+                    .iter()
+                    .map(|s| {
+                        let m = Span { local: base + at, remote: s.remote, remote_reg: s.remote_reg, len: s.len };
+                        at += s.len;
+                        m
+                    })
+                    .collect();
+                self.buffer = Some(buf);
+                match op {
+                    Op::Read => (spans.iter().map(|s| s.len).sum(), None),
+                    Op::Write => {
+                        let copies = pairs(spans, &self.spans, limit, |dev, host| (host, dev));
+                        let (done, err) = crate::cuda::copy_on_stream(self.device, &copies);
+                        (done, err.map(|_| TaskEnd::Failed { effect_unknown: false }))
+                    }
+                }
+            }
+            Phase::Out => {
+                let landed = self.link_report.map_or(0, |r| r.done);
+                let copies = pairs(spans, &self.spans, landed.min(limit), |dev, host| (dev, host));
+                let (done, err) = crate::cuda::copy_on_stream(self.device, &copies);
+                (done, err.map(|_| TaskEnd::Failed { effect_unknown: true }))
+            }
+            Phase::Link => {
+                debug_assert!(false, "the link's phase never runs on a worker");
+                (0, Some(TaskEnd::Failed { effect_unknown: false }))
+            }
+        }
+    }
+
+    /// After the worker's phase `In`: whether the task goes on to the link;
+    /// if not, the report it ends with (for a WRITE nothing was sent).
+    pub fn after_in(&mut self, report: TaskReport) -> Result<(), TaskReport> {
+        if report.end == TaskEnd::Complete && report.done == report.planned {
+            self.phase = Phase::Link;
+            return Ok(());
+        }
+        self.buffer = None;
+        let end = match report.end {
+            TaskEnd::Complete => TaskEnd::Short,
+            e => e,
+        };
+        Err(TaskReport { planned: report.planned, done: 0, end })
+    }
+
+    /// After the link: READ goes on to phase `Out` (`Ok`); a WRITE ends with
+    /// the link's report (`Err`), its buffer back in the pool.
+    pub fn after_link(&mut self, op: Op, report: TaskReport) -> Result<(), TaskReport> {
+        match op {
+            Op::Read => {
+                self.link_report = Some(report);
+                self.phase = Phase::Out;
+                Ok(())
+            }
+            Op::Write => {
+                self.buffer = None;
+                Err(report)
+            }
+        }
+    }
+
+    /// After phase `Out`: the task's report (the link's, unless the device
+    /// copy failed).
+    pub fn after_out(&mut self, report: TaskReport) -> TaskReport {
+        self.buffer = None;
+        let link = self.link_report.take().unwrap_or(report);
+        match report.end {
+            TaskEnd::Complete => link,
+            failed => TaskReport { planned: link.planned, done: report.done.min(link.done), end: failed },
+        }
+    }
+}
+
+/// Device/host address pairs of the first `limit` bytes of `dev` (the
+/// task's spans) and `host` (the same spans in the buffer), as
+/// (destination, source, bytes) by `order(device, host)`.
+fn pairs(dev: &[Span], host: &[Span], limit: u64, order: impl Fn(u64, u64) -> (u64, u64)) -> Vec<(u64, u64, u64)> {
+    let mut left = limit;
+    let mut out = Vec::with_capacity(dev.len());
+    for (d, h) in dev.iter().zip(host) {
+        if left == 0 {
+            break;
+        }
+        let n = d.len.min(left);
+        let (dst, src) = order(d.local, h.local);
+        out.push((dst, src, n));
+        left -= n;
+    }
+    out
+}
+
+/// Page-locked buffers for staged tcp tasks, kept for reuse.
+pub(crate) struct StagingPool {
+    free: Mutex<Vec<Item>>,
+    counters: Arc<Counters>,
+}
+
+struct Item {
+    device: u32,
+    buffer: PinnedBuffer,
+    _charge: Charge,
+}
+
+impl StagingPool {
+    pub fn new(counters: Arc<Counters>) -> Self {
+        StagingPool { free: Mutex::new(Vec::new()), counters }
+    }
+
+    /// A buffer of device `device` of at least `len` bytes: a free one, or
+    /// a new one (outside the pool's lock: allocation is slow).
+    fn take(self: &Arc<Self>, device: u32, len: u64) -> Result<Pooled, String> {
+        let found = {
+            let mut free = self.free.lock();
+            free.iter().position(|i| i.device == device && i.buffer.len() >= len).map(|at| free.swap_remove(at))
+        };
+        let item = match found {
+            Some(i) => i,
+            None => {
+                let charge = Charge::try_new(
+                    &self.counters,
+                    [(Counter::StagingBuffers, 1, None), (Counter::StagingBytes, len, None)],
+                )
+                .map_err(|e| e.to_string())?;
+                Item { device, buffer: PinnedBuffer::new(device, len)?, _charge: charge }
+            }
+        };
+        Ok(Pooled { pool: self.clone(), item: Some(item) })
+    }
+
+    /// Frees every buffer not in use (at close, after the workers ended).
+    pub fn clear(&self) {
+        let items = std::mem::take(&mut *self.free.lock());
+        drop(items);
+    }
+}
+
+/// A buffer taken from the pool; back in it on drop.
+struct Pooled {
+    pool: Arc<StagingPool>,
+    item: Option<Item>,
+}
+
+impl Pooled {
+    fn addr(&self) -> u64 {
+        self.item.as_ref().map_or(0, |i| i.buffer.addr())
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        if let Some(item) = self.item.take() {
+            self.pool.free.lock().push(item);
+        }
+    }
+}
