@@ -50,6 +50,9 @@ enum Workload {
     FanIn,
     /// The KV session service over gRPC against an echo RPC (feature grpc).
     Rpc,
+    /// W1 at 1 MiB from and into CUDA device memory against the same from
+    /// host memory (feature cuda, a driver or the test shim).
+    Vram,
 }
 
 /// Parsed `orbite bench` options.
@@ -86,6 +89,10 @@ impl BenchArgs {
         };
         if cfg!(feature = "grpc") {
             out.workloads.push(Workload::Rpc);
+        }
+        // Device memory where the build and the machine have it.
+        if orbite_core::cuda::availability().is_ok() {
+            out.workloads.push(Workload::Vram);
         }
         let mut it = args.iter();
         while let Some(a) = it.next() {
@@ -154,6 +161,7 @@ impl BenchArgs {
                             "refresh" => Ok(Workload::Refresh),
                             "fan-in" | "fanin" => Ok(Workload::FanIn),
                             "rpc" => Ok(Workload::Rpc),
+                            "vram" => Ok(Workload::Vram),
                             other => Err(format!(
                                 "unknown workload `{other}` (W1, W2, W3, idle, sessions, refresh, fan-in, rpc)"
                             )),
@@ -218,6 +226,7 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
                     }
                 }
                 Workload::Idle => idle(&mut rig, args.quick, &mut report)?,
+                Workload::Vram => vram_w1(&mut rig, &args.ops, args.quick, &mut report)?,
                 Workload::Sessions | Workload::Refresh | Workload::FanIn | Workload::Rpc => {}
             }
         }
@@ -456,6 +465,70 @@ fn w1(rig: &mut Rig, op: Op, args: &BenchArgs, limits: &Limits, report: &mut Rep
         emit_bulk(report, "orbite", rig.route, &w, block, n, total, &mut ours, verified, Some(extra));
     }
     Ok(())
+}
+
+/// `vram-W1-*`: W1 at 1 MiB blocks (64 MiB) with the local side in CUDA
+/// device memory, interleaved with the same transfer from host memory:
+/// the cost of the driver copies (self connection) or of staging (peer
+/// routes) on top of the host route, `staging_overhead_pct` (bar 10 with
+/// the shim, whose copies are memcpy).
+#[cfg(feature = "cuda")]
+fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Result<(), String> {
+    use orbite_core::{MemoryRange, Permission};
+    let (total, block) = (64 * MIB, MIB);
+    let n = total / block;
+    let per = if quick { Duration::from_millis(60) } else { Duration::from_secs(2) };
+    let m = rig.engine.allocate_cuda_memory(0, total as usize).map_err(err)?;
+    let range = MemoryRange::cuda(&m, 0, total as usize, Permission::RemoteReadWrite).map_err(err)?;
+    let v = rig.engine.register_memory_ranges(vec![range]).map_err(err)?[0];
+    for &op in ops {
+        let w = format!("vram-{}", name(op, "W1"));
+        progress(&format!("{} {w} block 1024 KiB", rig.route));
+        let remote: Vec<Desc> = (0..n).map(|i| Desc::new(rig.r_id, i * block, block)).collect();
+        let dev: Vec<Desc> = (0..n).map(|i| Desc::new(v, i * block, block)).collect();
+        let host: Vec<Desc> = (0..n).map(|i| Desc::new(rig.local.l_id, i * block, block)).collect();
+        let td = rig.engine.prepare(&TransferSpec::new(op, &dev, &remote, rig.target())).map_err(err)?;
+        let th = rig.engine.prepare(&TransferSpec::new(op, &host, &remote, rig.target())).map_err(err)?;
+        let (mut ds, mut hs) = (Vec::new(), Vec::new());
+        let start = Instant::now();
+        while start.elapsed() < per || ds.len() < 3 {
+            hs.push(post_and_wait(&th)?);
+            ds.push(post_and_wait(&td)?);
+        }
+        let verified = match op {
+            Op::Write => {
+                let data = pattern(0x3333, 0, total);
+                // SAFETY: no transfer runs on the device memory now.
+                unsafe { m.write(0, &data) }.map_err(err)?;
+                post_and_wait(&td)?;
+                rig.remote_digest(Which::W1, 0, total)? == digest(&data)
+            }
+            Op::Read => {
+                rig.fill_remote(0x2222)?;
+                post_and_wait(&td)?;
+                let mut back = vec![0u8; total as usize];
+                // SAFETY: as above.
+                unsafe { m.read(0, &mut back) }.map_err(err)?;
+                back == pattern(0x2222, 0, total)
+            }
+        };
+        drop((td, th));
+        let (hg, dg) = (gbps(total, &hs), gbps(total, &ds));
+        let extra = json!({
+            "host_gbps": round(hg, 3),
+            "staging_overhead_pct": round((hg / dg - 1.0) * 100.0, 1),
+            "staged": rig.route != "local",
+            "device": m.device(),
+        });
+        emit_bulk(report, "orbite", rig.route, &w, block, n, total, &mut ds, verified, Some(extra));
+    }
+    rig.engine.deregister(v).map_err(err)?;
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn vram_w1(_rig: &mut Rig, _ops: &[Op], _quick: bool, _report: &mut Report) -> Result<(), String> {
+    Err(orbite_core::cuda::availability().map(|_| String::new()).unwrap_or_else(|why| format!("vram: {why}")))
 }
 
 #[allow(clippy::too_many_arguments)]
