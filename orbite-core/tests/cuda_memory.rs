@@ -502,6 +502,7 @@ mod with_the_feature {
                 let (l, r) = (descs(v, &ll), descs(target, &rl));
                 let t = e.prepare(&TransferSpec::new(op, &l, &r, Target::Peer(&seg))).unwrap();
                 assert_eq!(t.route().route, want, "{}", t.route().reason);
+                assert!(t.route().reason.contains("page-locked buffers of 65536 bytes"), "{}", t.route().reason);
                 t.post().unwrap();
                 let res = wait_retired(&t);
                 assert_eq!(res.outcome.code, OutcomeCode::Success, "{want:?} {op:?}: {res:?}");
@@ -562,6 +563,7 @@ mod with_the_feature {
             let (l, r) = (descs(v, &ll), descs(p.region, &rl));
             let t = e.prepare(&TransferSpec::new(op, &l, &r, Target::Peer(&seg))).unwrap();
             assert_eq!(t.route().route, Route::Tcp, "{}", t.route().reason);
+            assert!(t.route().reason.contains("staged through the pinned pool"), "{}", t.route().reason);
             t.post().unwrap();
             let res = wait_retired(&t);
             assert_eq!(res.outcome.code, OutcomeCode::Success, "{op:?}: {res:?}");

@@ -301,6 +301,7 @@ impl EngineInner {
                         && transfer.plan.program.tasks.len() == 1
                         && bytes <= self.config.inline_max_bytes
                         && !transfer.plan.program.kind.waits_for_device()
+                        && !staged
                 }) =>
                 {
                     if let Some((_, slot)) = inline.as_mut() {
@@ -607,6 +608,32 @@ impl std::fmt::Debug for TransferEngine {
     }
 }
 
+/// The route choice, with how device memory moves when the plan names some
+/// (the reason a caller reads in `Transfer::route()`).
+fn staging_noted(route: crate::RouteChoice, plan: &plan::Plan) -> crate::RouteChoice {
+    #[cfg(feature = "cuda")]
+    {
+        use crate::transport::CopyKind;
+        let mut route = route;
+        let how = match &plan.program.kind {
+            CopyKind::Device { device } => Some(format!("CUDA device memory (device {device}) by driver copies")),
+            CopyKind::Staged { device, chunk, .. } => Some(format!(
+                "CUDA device memory (device {device}) staged through page-locked buffers of {chunk} bytes"
+            )),
+            _ => plan.staging.map(|d| format!("CUDA device memory (device {d}) staged through the pinned pool")),
+        };
+        if let Some(how) = how {
+            route.reason = format!("{}; {how}", route.reason);
+        }
+        route
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = plan;
+        route
+    }
+}
+
 impl TransferEngine {
     /// Starts an engine (its route workers and, if configured, the
     /// progress worker).
@@ -884,6 +911,7 @@ impl TransferEngine {
             };
             let table = inner.registry.lock();
             let (plan, loans) = plan::build(spec, remote_side, kind, &table, &inner.config, &inner.counters)?;
+            let route = staging_noted(route, &plan);
             (plan, loans, way, route)
         };
         let mut remote_ids: Vec<(u64, u64)> = match &view {
