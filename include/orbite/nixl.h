@@ -331,6 +331,14 @@
 #define ORBITE_FEATURE_FILES 16
 
 /*
+ Feature bit (ABI 1.3): `ORBITE_MEM_VRAM` registrations are taken here:
+ the library was built with feature `cuda` and the CUDA driver reports
+ at least one device. Transfers move them within one engine and to and
+ from peers' host memory (docs/gpu.md).
+ */
+#define ORBITE_FEATURE_VRAM 32
+
+/*
  What every entry point returns. Zero is success; every failure is
  negative. A failed call changed nothing unless its documentation says so.
  */

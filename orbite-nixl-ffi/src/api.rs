@@ -35,6 +35,7 @@ fn features() -> u64 {
         | ORBITE_FEATURE_CMA
         | ORBITE_FEATURE_NOTIFICATIONS
         | ORBITE_FEATURE_FILES;
+    let base = if orbite_core::cuda::availability().is_ok() { base | ORBITE_FEATURE_VRAM } else { base };
     if cfg!(feature = "test-hooks") { base | ORBITE_FEATURE_TEST_HOOKS } else { base }
 }
 

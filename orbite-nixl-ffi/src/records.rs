@@ -181,6 +181,11 @@ pub const ORBITE_FILE_DIRECT: u32 = 1;
 pub const ORBITE_FILE_SYNC: u32 = 2;
 /// Feature bit: local files (`orbite_file_*`, `orbite_xfer_prepare_file`).
 pub const ORBITE_FEATURE_FILES: u64 = 0x10;
+/// Feature bit (ABI 1.3): `ORBITE_MEM_VRAM` registrations are taken here:
+/// the library was built with feature `cuda` and the CUDA driver reports
+/// at least one device. Transfers move them within one engine and to and
+/// from peers' host memory (docs/gpu.md).
+pub const ORBITE_FEATURE_VRAM: u64 = 0x20;
 
 /// Output of `orbite_file_query`.
 #[repr(C)]

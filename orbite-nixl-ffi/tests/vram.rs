@@ -68,6 +68,10 @@ fn register(e: OrbiteEngine, r: &OrbiteMemRegion) -> (OrbiteStatus, OrbiteRegist
 fn vram_registrations_are_checked_by_the_driver() {
     let e = engine();
     let base = stats(e);
+    let mut abi = OrbiteAbiInfo { size: size_of::<OrbiteAbiInfo>() as u32, version: 1, ..Default::default() };
+    // SAFETY: a valid record.
+    assert_eq!(unsafe { orbite_abi_info(&mut abi) }, OrbiteStatus::Ok);
+    assert_eq!(abi.features & ORBITE_FEATURE_VRAM != 0, orbite_core::cuda::availability().is_ok());
     let Ok(info) = orbite_core::cuda::availability() else {
         let (s, _) = register(e, &vram(0, 0x10000, 4096));
         assert_eq!(s, OrbiteStatus::NotSupported);
