@@ -39,6 +39,55 @@ pub fn availability() -> Result<CudaInfo, String> {
     }
 }
 
+/// Directions of [`reference_copy_gbps`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyDirection {
+    /// Page-locked host memory to the device.
+    HostToDevice,
+    /// The device to page-locked host memory.
+    DeviceToHost,
+    /// Device memory to device memory of the same device.
+    DeviceToDevice,
+}
+
+/// The driver's own copy bandwidth on device `device` in GB/s: `len`-byte
+/// `cuMemcpyAsync` copies on one stream, `iters` of them, page-locked host
+/// memory where a host side is involved, waited for with an event. The
+/// reference the bench's `vram-*` rows compare with (the machine's limit
+/// for staging and device-to-device copies).
+pub fn reference_copy_gbps(device: u32, direction: CopyDirection, len: u64, iters: u32) -> Result<f64, String> {
+    #[cfg(feature = "cuda")]
+    {
+        let dev = driver::DeviceAllocation::new(device, len)?;
+        let other = driver::DeviceAllocation::new(device, len)?;
+        let host = driver::PinnedBuffer::new(device, len)?;
+        let copy = match direction {
+            CopyDirection::HostToDevice => (dev.ptr, host.addr(), len),
+            CopyDirection::DeviceToHost => (host.addr(), dev.ptr, len),
+            CopyDirection::DeviceToDevice => (other.ptr, dev.ptr, len),
+        };
+        // One warm-up copy, then the measured ones, one event wait each.
+        let (_, e) = driver::copy_on_stream(device, &[copy]);
+        if let Some(e) = e {
+            return Err(e);
+        }
+        let start = std::time::Instant::now();
+        for _ in 0..iters.max(1) {
+            if let (_, Some(e)) = driver::copy_on_stream(device, &[copy]) {
+                return Err(e);
+            }
+        }
+        let secs = start.elapsed().as_secs_f64();
+        driver::release_thread_streams();
+        Ok(len as f64 * iters.max(1) as f64 / secs / 1e9)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (device, direction, len, iters);
+        Err(NOT_BUILT.to_owned())
+    }
+}
+
 #[cfg(not(feature = "cuda"))]
 pub(crate) const NOT_BUILT: &str = "VRAM needs the CUDA driver API: this build was made without feature `cuda`";
 

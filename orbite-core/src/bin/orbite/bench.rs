@@ -481,6 +481,22 @@ fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Resul
     let m = rig.engine.allocate_cuda_memory(0, total as usize).map_err(err)?;
     let range = MemoryRange::cuda(&m, 0, total as usize, Permission::RemoteReadWrite).map_err(err)?;
     let v = rig.engine.register_memory_ranges(vec![range]).map_err(err)?[0];
+    // The driver's own 1 MiB copy bandwidth with page-locked host memory,
+    // the direction of the device side (a row of its own).
+    use orbite_core::cuda::{CopyDirection, reference_copy_gbps};
+    let iters = if quick { 16 } else { 256 };
+    let mut limit = std::collections::HashMap::new();
+    for (op, dir) in [(Op::Write, CopyDirection::DeviceToHost), (Op::Read, CopyDirection::HostToDevice)] {
+        if !ops.contains(&op) {
+            continue;
+        }
+        let g = reference_copy_gbps(m.device(), dir, block, iters)?;
+        limit.insert(op, g);
+        report.emit(json!({
+            "system": "reference", "route": "cuda-pinned", "workload": format!("vram-{}", name(op, "W1")),
+            "block_bytes": block, "gbps": round(g, 3), "direction": format!("{dir:?}"), "verified": true,
+        }));
+    }
     for &op in ops {
         let w = format!("vram-{}", name(op, "W1"));
         progress(&format!("{} {w} block 1024 KiB", rig.route));
@@ -517,6 +533,9 @@ fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Resul
         let extra = json!({
             "host_gbps": round(hg, 3),
             "staging_overhead_pct": round((hg / dg - 1.0) * 100.0, 1),
+            "limit": "cuda-pinned",
+            "limit_gbps": round(limit[&op], 3),
+            "x_limit": round(dg / limit[&op], 3),
             "staged": rig.route != "local",
             "device": m.device(),
         });
