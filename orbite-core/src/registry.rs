@@ -55,10 +55,10 @@ impl Registration {
         !matches!(self.kind, MemoryKind::Cuda { .. })
     }
 
-    /// Whether peers see it: remotely readable host memory. Device memory
-    /// is not offered to peers until a route stages it.
+    /// Whether peers see it: remotely readable memory (device memory
+    /// marked as such: peers reach it only over tcp, staged here).
     pub fn is_exported(&self) -> bool {
-        self.permission.remote_read() && self.is_host()
+        self.permission.remote_read()
     }
 }
 

@@ -39,6 +39,10 @@ pub struct ExportedRegistration {
     /// For a range of a shared allocation: the allocation's name and
     /// the range's offset in it.
     pub shm: Option<(String, u64)>,
+    /// For CUDA device memory: its CUDA ordinal at the exporting engine.
+    /// Peers reach it only over tcp, where the exporting engine stages it
+    /// (never by CMA or a mapping: its address is a device address).
+    pub device: Option<u32>,
 }
 
 impl ExportedRegistration {
@@ -52,6 +56,10 @@ impl ExportedRegistration {
             shm: match &r.kind {
                 MemoryKind::Shm { name, offset } => Some((name.to_string(), *offset)),
                 MemoryKind::Host | MemoryKind::Cuda { .. } => None,
+            },
+            device: match r.kind {
+                MemoryKind::Cuda { device } => Some(device),
+                _ => None,
             },
         }
     }
@@ -132,7 +140,7 @@ fn read_entries(r: &mut Reader<'_>, count: usize) -> Result<Vec<ExportedRegistra
         let len = r.u64().map_err(short)?;
         let addr = r.u64().map_err(short)?;
         let offset = r.u64().map_err(short)?;
-        let [permission, shared, n0, n1, _, _, _, _] = r.array::<8>().map_err(short)?;
+        let [permission, shared, n0, n1, kind, ordinal, _, _] = r.array::<8>().map_err(short)?;
         let permission = match permission {
             0 => Permission::LocalOnly,
             1 => Permission::RemoteRead,
@@ -154,7 +162,15 @@ fn read_entries(r: &mut Reader<'_>, count: usize) -> Result<Vec<ExportedRegistra
             return Err(bad);
         }
         let shm = shared.then(|| (name.to_owned(), offset));
-        out.push(ExportedRegistration { id, len, permission, addr, shm });
+        // Memory kind (descriptor byte 4; 0 in descriptors of engines
+        // without device memory): 0 host, 1 CUDA device memory of the
+        // ordinal in byte 5, never shared.
+        let device = match (kind, ordinal, shared) {
+            (0, 0, _) => None,
+            (1, d, false) => Some(d as u32),
+            _ => return Err(bad),
+        };
+        out.push(ExportedRegistration { id, len, permission, addr, shm, device });
     }
     Ok(out)
 }
@@ -168,7 +184,12 @@ fn encode_entry(out: &mut Vec<u8>, r: &ExportedRegistration) {
     out.push(perm_code(r.permission));
     out.push(r.shm.is_some() as u8);
     out.extend_from_slice(&(name.len() as u16).to_le_bytes());
-    out.extend_from_slice(&[0u8; 4]);
+    // A device ordinal above 255 is exported as host-unreachable memory of
+    // device 255 (never addressed by CMA or a mapping either way).
+    match r.device {
+        Some(d) => out.extend_from_slice(&[1, d.min(255) as u8, 0, 0]),
+        None => out.extend_from_slice(&[0u8; 4]),
+    }
     out.extend_from_slice(name.as_bytes());
 }
 
@@ -475,6 +496,7 @@ mod tests {
                     permission: Permission::RemoteRead,
                     addr: 0x7000_0000,
                     shm: Some(("orbite-1-2-3".into(), 8192)),
+                    device: None,
                 },
                 ExportedRegistration {
                     id: RegistrationId::from_raw(1),
@@ -482,6 +504,7 @@ mod tests {
                     permission: Permission::RemoteReadWrite,
                     addr: 1,
                     shm: None,
+                    device: None,
                 },
             ],
         }
@@ -504,6 +527,27 @@ mod tests {
     }
 
     #[test]
+    fn device_memory_is_marked_in_the_descriptor_and_checked_on_decode() {
+        let mut d = sample();
+        d.registrations[1].device = Some(3);
+        let b = d.to_bytes();
+        assert_eq!(SegmentDescriptor::decode(&b, 1 << 20).unwrap(), d);
+        // The kind byte of the second entry (after its id, len, addr,
+        // offset, permission, shared flag and name length).
+        let at = b.len() - ENTRY_FIXED + 8 * 4 + 4;
+        assert_eq!((b[at], b[at + 1]), (1, 3));
+        let mut unknown = b.clone();
+        unknown[at] = 2;
+        assert!(SegmentDescriptor::decode(&unknown, 1 << 20).is_err(), "an unknown memory kind");
+        let mut host_ordinal = b.clone();
+        host_ordinal[at] = 0;
+        assert!(SegmentDescriptor::decode(&host_ordinal, 1 << 20).is_err(), "host memory with an ordinal");
+        let mut shared_device = d.clone();
+        shared_device.registrations[0].device = Some(0);
+        assert!(SegmentDescriptor::decode(&shared_device.to_bytes(), 1 << 20).is_err(), "shared device memory");
+    }
+
+    #[test]
     fn delta_round_trip_exact_layout_and_view_updates() {
         let d = sample();
         let mut view = SegmentView::of(&d);
@@ -514,6 +558,7 @@ mod tests {
             permission: Permission::RemoteRead,
             addr: 0x7000_0000 + 10,
             shm: None,
+            device: None,
         };
         let delta =
             Delta { version: 19, reset: false, more: false, removed: vec![7 | (3 << 32)], added: vec![added.clone()] };
@@ -581,6 +626,7 @@ mod tests {
                         permission: Permission::RemoteRead,
                         addr,
                         shm: None,
+                        device: None,
                     })
                     .collect();
                 for raw in &removed {

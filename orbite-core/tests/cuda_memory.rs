@@ -197,9 +197,9 @@ mod with_the_feature {
             "outside the allocation"
         );
         assert!(MemoryRange::cuda(&m, usize::MAX, 2, Permission::LocalOnly).is_err(), "overflow");
-        // Peers are not offered device memory.
-        assert!(e.exported_registration(id).is_none(), "VRAM is not exported");
-        assert!(e.segment_descriptor().registrations.iter().all(|r| r.addr != m.device_ptr() + 4096));
+        // Peers see it marked as device memory (reached over tcp only).
+        let exported = e.exported_registration(id).expect("exported");
+        assert_eq!((exported.device, exported.addr), (Some(0), m.device_ptr() + 4096));
         drop(m);
         assert_eq!(e.stats().device_allocations, 1, "the registration keeps the allocation");
         e.deregister(id).unwrap();
@@ -657,5 +657,139 @@ mod with_the_feature {
             &[("ORBITE_CUDA_SHIM_COPY_DELAY_US", "300000")],
         );
         assert!(out.contains("PEER LOSS OK"), "{out}");
+    }
+
+    const PEER_VRAM: usize = 4 << 20;
+
+    /// The device peer's side (a child): an engine with a device
+    /// registration peers may read and write, on stdin commands.
+    #[test]
+    fn device_peer_entry() {
+        if std::env::var_os("ORBITE_CUDA_PEER").is_none() {
+            return;
+        }
+        use std::io::{BufRead, Write};
+        cuda::availability().unwrap();
+        let e = engine(r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000}"#);
+        let m = e.allocate_cuda_memory(0, PEER_VRAM).unwrap();
+        device_fill(&m, 0xD1);
+        let v = e
+            .register_memory_ranges(vec![MemoryRange::cuda(&m, 0, PEER_VRAM, Permission::RemoteReadWrite).unwrap()])
+            .unwrap()[0];
+        // Host memory too: what a same-host initiator probes CMA with.
+        let _host = region(&e, 4096, Permission::RemoteRead);
+        let mut out = std::io::stdout();
+        writeln!(out, "READY {} {} {}", e.endpoint().unwrap(), e.source_epoch(), v.to_raw()).unwrap();
+        out.flush().unwrap();
+        for line in std::io::stdin().lock().lines() {
+            let Ok(line) = line else { break };
+            match line.trim() {
+                "hash" => writeln!(out, "HASH {}", fnv(&device_bytes(&m))).unwrap(),
+                "staging" => writeln!(out, "STAGING {}", e.stats().staging_buffers).unwrap(),
+                _ => break,
+            }
+            out.flush().unwrap();
+        }
+        std::process::exit(0);
+    }
+
+    /// A peer's device memory as the target: over tcp (auto rules cma out:
+    /// a device address is no memory the kernel can copy), the peer stages
+    /// it through its own pool: host to peer VRAM, peer VRAM to host, and
+    /// local VRAM to and from peer VRAM (staged at both ends); bytes and
+    /// guards on both sides.
+    #[test]
+    fn a_peers_device_memory_is_reached_over_tcp_staged_at_the_peer() {
+        if std::env::var_os("ORBITE_CUDA_PEER").is_some() || in_child() {
+            return;
+        }
+        let Some((_, _turn)) = devices("a_peers_device_memory_is_reached_over_tcp") else { return };
+        use std::io::{BufRead, BufReader, Write};
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "with_the_feature::device_peer_entry", "--nocapture", "--test-threads", "1"])
+            .env("ORBITE_CUDA_PEER", "1")
+            .env_remove("ORBITE_CUDA_REQUIRED")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut ask = |cmd: &str, stdin: &mut std::process::ChildStdin| -> String {
+            if !cmd.is_empty() {
+                writeln!(stdin, "{cmd}").unwrap();
+                stdin.flush().unwrap();
+            }
+            loop {
+                let mut l = String::new();
+                assert!(stdout.read_line(&mut l).unwrap() > 0, "the device peer ended");
+                // libtest's "test ... " may precede the first line.
+                if let Some(at) = ["HASH", "STAGING", "READY"].iter().find_map(|w| l.find(w)) {
+                    return l[at..].trim().to_owned();
+                }
+            }
+        };
+        let ready = ask("", &mut stdin); // no command: the READY line
+        let words: Vec<String> = ready.split_whitespace().map(str::to_owned).collect();
+        assert_eq!(words[0], "READY", "{ready}");
+        let (endpoint, epoch) = (words[1].clone(), words[2].parse::<u64>().unwrap());
+        let remote_id = RegistrationId::from_raw(words[3].parse().unwrap());
+        let e = engine(r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000, "task_bytes": 262144}"#);
+        let base = e.stats();
+        let seg = e.open_segment(&endpoint, Some(epoch), std::time::Duration::from_secs(10)).unwrap();
+        let rw = Permission::RemoteReadWrite;
+        let h = region(&e, PEER_VRAM, rw);
+        let m = e.allocate_cuda_memory(0, PEER_VRAM).unwrap();
+        let v = e.register_memory_ranges(vec![MemoryRange::cuda(&m, 0, PEER_VRAM, rw).unwrap()]).unwrap()[0];
+        let mut remote = {
+            let mut rng = Rng(0xD1);
+            (0..PEER_VRAM).map(|_| rng.next() as u8).collect::<Vec<u8>>()
+        };
+        for (round, (op, local_is_device)) in
+            [(Op::Write, false), (Op::Read, false), (Op::Write, true), (Op::Read, true)].into_iter().enumerate()
+        {
+            let mut rng = Rng(round as u64 + 40);
+            let (_, ll, rl) = paired_layouts(&mut rng, 200_000, 1_200_000, 80_000, PEER_VRAM as u64);
+            fill(&h.mem, 50 + round as u64);
+            device_fill(&m, 60 + round as u64);
+            let local_id = if local_is_device { v } else { h.id };
+            let before_local = if local_is_device { device_bytes(&m) } else { snapshot(&h.mem) };
+            let (l, r) = (descs(local_id, &ll), descs(remote_id, &rl));
+            let t = e.prepare(&TransferSpec::new(op, &l, &r, Target::Peer(&seg))).unwrap();
+            assert_eq!(t.route().route, Route::Tcp, "{}", t.route().reason);
+            t.post().unwrap();
+            let res = wait_retired(&t);
+            assert_eq!(res.outcome.code, OutcomeCode::Success, "round {round} {op:?}: {res:?}");
+            let after_local = if local_is_device { device_bytes(&m) } else { snapshot(&h.mem) };
+            match op {
+                Op::Write => {
+                    remote = expected(&before_local, &ll, &remote, &rl);
+                    assert_eq!(after_local, before_local, "round {round}: the source changed");
+                }
+                Op::Read => {
+                    assert_eq!(after_local, expected(&remote, &rl, &before_local, &ll), "round {round}: local bytes")
+                }
+            }
+            let got = ask("hash", &mut stdin);
+            assert_eq!(got, format!("HASH {}", fnv(&remote)), "round {round} {op:?}: the peer's device bytes");
+            t.release().unwrap();
+        }
+        let staging = ask("staging", &mut stdin);
+        assert_ne!(staging, "STAGING 0", "the peer staged through its pool");
+        // Same host, cma permitted, but the target is device memory: the
+        // reason says why cma was ruled out.
+        let (l, r) = (descs(h.id, &[(0, 4096)]), descs(remote_id, &[(0, 4096)]));
+        let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+        assert!(t.route().reason.contains("CUDA device memory"), "{}", t.route().reason);
+        drop(t);
+        e.deregister(v).unwrap();
+        e.deregister(h.id).unwrap();
+        drop((m, h));
+        e.close_segment(&seg, WAIT).unwrap();
+        drop(seg);
+        e.close();
+        assert_eq!(e.stats(), base, "charges back to baseline");
+        let _ = writeln!(stdin, "quit");
+        let _ = child.wait();
     }
 }

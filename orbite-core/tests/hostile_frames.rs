@@ -632,6 +632,7 @@ fn claiming(e: &TransferEngine, local_socket: &str, why: &str) {
             permission: Permission::RemoteReadWrite,
             addr: victim.as_ptr() as u64,
             shm: None,
+            device: None,
         }],
     };
     let server = std::thread::spawn(move || {

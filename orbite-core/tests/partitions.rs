@@ -65,6 +65,7 @@ fn descriptor(endpoint: &str) -> Vec<u8> {
             permission: Permission::RemoteReadWrite,
             addr: 0x10_0000,
             shm: None,
+            device: None,
         }],
     }
     .to_bytes()

@@ -132,7 +132,11 @@ impl EngineInner {
     fn same_host(&self, link: &PeerLink<RouteTask>) -> Result<SameHost, String> {
         let cred = link.local.as_ref().map_err(Clone::clone)?;
         let d = &link.descriptor;
-        let probe_at = d.registrations.iter().find(|r| r.permission.remote_read() && r.len > 0).map(|r| r.addr);
+        let probe_at = d
+            .registrations
+            .iter()
+            .find(|r| r.permission.remote_read() && r.len > 0 && r.device.is_none())
+            .map(|r| r.addr);
         let cma = match probe_at {
             Some(addr) => crate::transport::cma::probe(cred.pid, addr),
             None => Err("the peer exports no readable registration to probe".into()),

@@ -63,30 +63,18 @@ impl TargetSide for EngineInner {
         iovs: &mut Vec<libc::iovec>,
         loans: &mut Vec<Arc<Registration>>,
     ) -> Result<(), (RemoteStatus, String)> {
-        if self.is_closed() {
-            return Err((RemoteStatus::Closing, "engine is closing".into()));
-        }
-        let table = self.registry.lock();
-        for d in req.descs() {
-            let id = RegistrationId::from_raw(d.registration);
-            let reg = table.get(id).map_err(|e| match e {
-                crate::RegistryError::Unknown(_) => (RemoteStatus::UnknownRegistration, e.to_string()),
-                _ => (RemoteStatus::StaleRegistration, e.to_string()),
-            })?;
-            let allowed = if write { reg.permission.remote_write() } else { reg.permission.remote_read() };
-            if !allowed || reg.is_fenced() || !reg.is_host() {
-                return Err((RemoteStatus::PermissionDenied, format!("{id} does not permit this access")));
-            }
-            match d.offset.checked_add(d.len) {
-                Some(end) if end <= reg.len && d.len > 0 => {}
-                _ => return Err((RemoteStatus::OutOfBounds, format!("{}+{} outside {id}", d.offset, d.len))),
-            }
-            iovs.push(iov(reg.base as u64 + d.offset, d.len));
-            if !loans.last().is_some_and(|l| Arc::ptr_eq(l, reg)) {
-                loans.push(reg.clone());
-            }
-        }
-        Ok(())
+        self.resolve_with(req, write, iovs, loans, None)
+    }
+
+    fn resolve_staged(
+        &self,
+        req: &Request<'_>,
+        write: bool,
+        iovs: &mut Vec<libc::iovec>,
+        loans: &mut Vec<Arc<Registration>>,
+        landing: &mut Option<Box<dyn crate::transport::proto::server::Landing>>,
+    ) -> Result<(), (RemoteStatus, String)> {
+        self.resolve_with(req, write, iovs, loans, Some(landing))
     }
 
     fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)> {
@@ -148,6 +136,90 @@ impl TargetSide for EngineInner {
 impl EngineInner {
     /// Counts a failed authentication with peer `who`, and logs it once
     /// per peer.
+    /// Resolves a peer's request into I/O vectors and loans. With
+    /// `landing` (a WRITE or READ, not a borrow), device memory is staged
+    /// through a buffer of the staging pool (feature `cuda`); without it,
+    /// device memory is refused.
+    fn resolve_with(
+        &self,
+        req: &Request<'_>,
+        write: bool,
+        iovs: &mut Vec<libc::iovec>,
+        loans: &mut Vec<Arc<Registration>>,
+        landing: Option<&mut Option<Box<dyn crate::transport::proto::server::Landing>>>,
+    ) -> Result<(), (RemoteStatus, String)> {
+        if self.is_closed() {
+            return Err((RemoteStatus::Closing, "engine is closing".into()));
+        }
+        let staging = landing.is_some();
+        // (iovec index, device address, bytes, device) of device ranges.
+        #[cfg(feature = "cuda")]
+        let mut device_ranges: Vec<(usize, u64, u64, u32)> = Vec::new();
+        {
+            let table = self.registry.lock();
+            for d in req.descs() {
+                let id = RegistrationId::from_raw(d.registration);
+                let reg = table.get(id).map_err(|e| match e {
+                    crate::RegistryError::Unknown(_) => (RemoteStatus::UnknownRegistration, e.to_string()),
+                    _ => (RemoteStatus::StaleRegistration, e.to_string()),
+                })?;
+                let allowed = if write { reg.permission.remote_write() } else { reg.permission.remote_read() };
+                // Device memory only where this target stages it.
+                let reachable = reg.is_host() || (staging && cfg!(feature = "cuda"));
+                if !allowed || reg.is_fenced() || !reachable {
+                    return Err((RemoteStatus::PermissionDenied, format!("{id} does not permit this access")));
+                }
+                match d.offset.checked_add(d.len) {
+                    Some(end) if end <= reg.len && d.len > 0 => {}
+                    _ => return Err((RemoteStatus::OutOfBounds, format!("{}+{} outside {id}", d.offset, d.len))),
+                }
+                #[cfg(feature = "cuda")]
+                if let crate::memory::MemoryKind::Cuda { device } = reg.kind {
+                    device_ranges.push((iovs.len(), reg.base as u64 + d.offset, d.len, device));
+                }
+                iovs.push(iov(reg.base as u64 + d.offset, d.len));
+                if !loans.last().is_some_and(|l| Arc::ptr_eq(l, reg)) {
+                    loans.push(reg.clone());
+                }
+            }
+        }
+        #[cfg(feature = "cuda")]
+        if let (Some(landing), Some(&(_, _, _, device))) = (landing, device_ranges.first()) {
+            *landing = Some(self.stage_request(write, iovs, &device_ranges, device)?);
+        }
+        Ok(())
+    }
+
+    /// Points a request's device ranges into one buffer of the staging
+    /// pool (outside the registry lock), and for a READ fills it now.
+    #[cfg(feature = "cuda")]
+    fn stage_request(
+        &self,
+        write: bool,
+        iovs: &mut [libc::iovec],
+        ranges: &[(usize, u64, u64, u32)],
+        device: u32,
+    ) -> Result<Box<dyn crate::transport::proto::server::Landing>, (RemoteStatus, String)> {
+        let total: u64 = ranges.iter().map(|r| r.2).sum();
+        let len = total.max(self.config.task_bytes);
+        let buffer = self
+            .staging_pool
+            .take(device, len)
+            .map_err(|why| (RemoteStatus::ResourceExhausted, format!("no staging buffer: {why}")))?;
+        let mut stage = crate::engine::stage::ServerStage { device, buffer, copies: Vec::new(), write };
+        let base = stage.buffer_addr();
+        let mut at = 0u64;
+        for &(i, dev, n, _) in ranges {
+            iovs[i] = iov(base + at, n);
+            stage.copies.push((dev, base + at, n));
+            at += n;
+        }
+        if !write {
+            stage.fill().map_err(|why| (RemoteStatus::Other, why))?;
+        }
+        Ok(Box::new(stage))
+    }
+
     pub(crate) fn note_auth_failure(&self, who: &str, what: &str) {
         self.counters.auth_failures.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         let mut logged = self.listener.auth_logged.lock();

@@ -175,7 +175,7 @@ impl StagingPool {
 
     /// A buffer of device `device` of at least `len` bytes: a free one, or
     /// a new one (outside the pool's lock: allocation is slow).
-    fn take(self: &Arc<Self>, device: u32, len: u64) -> Result<Pooled, String> {
+    pub(super) fn take(self: &Arc<Self>, device: u32, len: u64) -> Result<Pooled, String> {
         let found = {
             let mut free = self.free.lock();
             free.iter().position(|i| i.device == device && i.buffer.len() >= len).map(|at| free.swap_remove(at))
@@ -202,13 +202,13 @@ impl StagingPool {
 }
 
 /// A buffer taken from the pool; back in it on drop.
-struct Pooled {
+pub(super) struct Pooled {
     pool: Arc<StagingPool>,
     item: Option<Item>,
 }
 
 impl Pooled {
-    fn addr(&self) -> u64 {
+    pub(super) fn addr(&self) -> u64 {
         self.item.as_ref().map_or(0, |i| i.buffer.addr())
     }
 }
@@ -218,5 +218,47 @@ impl Drop for Pooled {
         if let Some(item) = self.item.take() {
             self.pool.free.lock().push(item);
         }
+    }
+}
+
+/// The target's staging of a peer's WRITE or READ that names its device
+/// memory (tcp): a buffer of the pool the request's device ranges go
+/// through; a READ's device bytes are copied into it before the reply is
+/// sent, a WRITE's are copied out of it once the payload is in
+/// ([`Landing::land`]). The server thread waits for those copies.
+pub(crate) struct ServerStage {
+    pub(super) device: u32,
+    pub(super) buffer: Pooled,
+    /// (device address, buffer address, bytes).
+    pub(super) copies: Vec<(u64, u64, u64)>,
+    pub(super) write: bool,
+}
+
+impl crate::transport::proto::server::Landing for ServerStage {
+    fn land(&mut self) -> Result<(), String> {
+        if !self.write {
+            return Ok(());
+        }
+        let copies: Vec<_> = self.copies.iter().map(|&(dev, buf, n)| (dev, buf, n)).collect();
+        match crate::cuda::copy_on_stream(self.device, &copies) {
+            (_, None) => Ok(()),
+            (_, Some(why)) => Err(format!("the target's device copy failed: {why}")),
+        }
+    }
+}
+
+impl ServerStage {
+    /// A READ's device bytes into the buffer, now (before the reply).
+    pub(super) fn fill(&self) -> Result<(), String> {
+        let copies: Vec<_> = self.copies.iter().map(|&(dev, buf, n)| (buf, dev, n)).collect();
+        match crate::cuda::copy_on_stream(self.device, &copies) {
+            (_, None) => Ok(()),
+            (_, Some(why)) => Err(format!("the target's device copy failed: {why}")),
+        }
+    }
+
+    pub(super) fn buffer_addr(&self) -> u64 {
+        let _ = &self.buffer;
+        self.buffer.addr()
     }
 }

@@ -23,9 +23,14 @@ impl RouteImpl for Cma {
         Serves::Peer
     }
 
-    fn reaches(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<(), String> {
+    fn reaches(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<(), String> {
         let Reach::Peer(p) = target else { return Err("not a peer".into()) };
-        p.same_host.map_err(str::to_owned)?.cma.clone()
+        p.same_host.map_err(str::to_owned)?.cma.clone()?;
+        // A device address of the peer is no memory the kernel can copy.
+        match remote.iter().find_map(|d| p.segment.get(d.registration.to_raw()).and_then(|r| r.device)) {
+            Some(device) => Err(format!("a target range is CUDA device memory (device {device}) of the peer")),
+            None => Ok(()),
+        }
     }
 
     fn auto_reason(&self) -> Option<&'static str> {

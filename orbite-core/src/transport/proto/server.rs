@@ -40,6 +40,22 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
         iovs: &mut Vec<libc::iovec>,
         loans: &mut Vec<Arc<Registration>>,
     ) -> Result<(), (RemoteStatus, String)>;
+    /// As `resolve`, for a WRITE or a READ, which may also name device
+    /// memory the target stages through a host buffer: `landing` then
+    /// receives what must run once a WRITE's bytes are in (and holds a
+    /// READ's buffer until its reply is out). `resolve` alone (borrows)
+    /// never takes device memory.
+    fn resolve_staged(
+        &self,
+        req: &Request<'_>,
+        write: bool,
+        iovs: &mut Vec<libc::iovec>,
+        loans: &mut Vec<Arc<Registration>>,
+        landing: &mut Option<Box<dyn Landing>>,
+    ) -> Result<(), (RemoteStatus, String)> {
+        let _ = landing;
+        self.resolve(req, write, iovs, loans)
+    }
     /// Queues a notification, or refuses it.
     fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)>;
     /// What changed in the exported registrations after registry version
@@ -64,6 +80,15 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
     fn shared_fd(&self, _name: &str) -> Option<std::os::fd::OwnedFd> {
         None
     }
+}
+
+/// The target's part of a request that names device memory: a host buffer
+/// its bytes go through, and for a WRITE the device copies that run once
+/// they are all in.
+pub(crate) trait Landing: Send {
+    /// A WRITE's bytes are in the buffer: copy them to the device (the
+    /// request's loans are still held). `Err`: why, answered to the peer.
+    fn land(&mut self) -> Result<(), String>;
 }
 
 /// Bounds on what borrowers may make a target hold.
@@ -154,6 +179,10 @@ pub(crate) struct ServerConn {
     out_first: usize,
     /// A READ reply holds its loans until every byte is out.
     out_loans: Vec<Arc<Registration>>,
+    /// Device memory of the request being served, staged (`Landing`).
+    landing: Option<Box<dyn Landing>>,
+    /// A READ reply's staging buffer, until every byte is out.
+    out_landing: Option<Box<dyn Landing>>,
     scratch: Vec<u8>,
     /// Borrows this connection holds: id to the registrations it keeps.
     borrows: HashMap<u64, Vec<Arc<Registration>>>,
@@ -204,6 +233,8 @@ impl ServerConn {
             discard: Vec::new(),
             in_iovs: Vec::new(),
             loans: Vec::new(),
+            landing: None,
+            out_landing: None,
             out: Vec::new(),
             out_iovs: Vec::new(),
             out_first: 0,
@@ -261,9 +292,14 @@ impl ServerConn {
                 if *first < self.in_iovs.len() {
                     return Ok(None);
                 }
+                // Staged device memory lands while the loans still hold it.
+                let landed = self.landing.take().map_or(Ok(()), |mut l| l.land());
                 self.loans.clear(); // landed: release the loans, then ack
                 self.input = Input::Frame;
-                self.reply(Kind::WriteAck, h.request, &[]);
+                match landed {
+                    Ok(()) => self.reply(Kind::WriteAck, h.request, &[]),
+                    Err(why) => self.error(h.request, RemoteStatus::Other, &why),
+                }
                 Ok(None)
             }
             Input::Discard { h, left, status, detail } => {
@@ -296,6 +332,7 @@ impl ServerConn {
         }
         advance(&mut self.out_iovs, &mut self.out_first, n);
         if self.out_first >= self.out_iovs.len() {
+            self.out_landing = None; // its staging buffer goes back
             self.out_loans.clear(); // a READ's bytes are out: its loans end
         }
     }
@@ -522,9 +559,10 @@ impl ServerConn {
                 } else if !write && total > side.limits().max_data as u64 {
                     Some((RemoteStatus::BadLength, "read larger than one frame".to_owned()))
                 } else {
-                    side.resolve(&req, write, &mut iovs, &mut self.loans).err()
+                    side.resolve_staged(&req, write, &mut iovs, &mut self.loans, &mut self.landing).err()
                 };
                 if let Some((status, detail)) = refusal {
+                    self.landing = None;
                     self.loans.clear();
                     self.in_iovs = iovs;
                     if write && h.data_len > 0 {
@@ -539,8 +577,12 @@ impl ServerConn {
                     self.in_iovs = iovs;
                     self.in_iovs.retain(|v| v.iov_len > 0);
                     if self.in_iovs.is_empty() {
+                        let landed = self.landing.take().map_or(Ok(()), |mut l| l.land());
                         self.loans.clear();
-                        self.reply(Kind::WriteAck, h.request, &[]);
+                        match landed {
+                            Ok(()) => self.reply(Kind::WriteAck, h.request, &[]),
+                            Err(why) => self.error(h.request, RemoteStatus::Other, &why),
+                        }
                     } else {
                         self.input = Input::Payload { h, first: 0 };
                     }
@@ -558,6 +600,7 @@ impl ServerConn {
                     self.out_first = 0;
                     self.out_loans.clear();
                     self.out_loans.append(&mut self.loans);
+                    self.out_landing = self.landing.take();
                     self.in_iovs = iovs;
                 }
             }
