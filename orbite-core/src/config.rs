@@ -107,6 +107,12 @@ pub struct EngineConfig {
     /// charged to `staging_buffers`/`staging_bytes` from first use until
     /// the worker ends). 4 KiB to 64 MiB. Default 1 MiB.
     pub staging_chunk_bytes: u64,
+    /// Page-locked host memory all staging of CUDA device memory may hold
+    /// at once (feature `cuda`): the workers' buffers and the pool tcp
+    /// tasks and peers' requests stage through. A staged task that finds
+    /// no room fails; a peer's request beyond it is answered
+    /// `ResourceExhausted`. Default 1 GiB.
+    pub max_staging_bytes: u64,
     /// Handles a binding (the C ABI) may hold on this engine's objects at
     /// once: registrations, transfers, peers, shared allocations. Default
     /// 65 536.
@@ -185,6 +191,7 @@ impl Default for EngineConfig {
             spin_us: 50,
             inline_max_bytes: 16 * KIB,
             staging_chunk_bytes: MIB,
+            max_staging_bytes: GIB,
             max_binding_handles: 65_536,
             close_drain_timeout_ms: 5_000,
             listen: None,
@@ -265,6 +272,9 @@ impl EngineConfig {
         }
         if !(4 * KIB..=64 * MIB).contains(&self.staging_chunk_bytes) {
             return invalid("staging_chunk_bytes", "must be 4096 to 67108864");
+        }
+        if self.max_staging_bytes < 2 * self.staging_chunk_bytes {
+            return invalid("max_staging_bytes", "must hold a worker's two staging chunks");
         }
         if !(1..=16).contains(&self.connections_per_peer) {
             return invalid("connections_per_peer", "must be 1 to 16");
@@ -520,6 +530,7 @@ mod tests {
             (r#"{"inline_max_bytes": 1048577}"#, "inline_max_bytes"),
             (r#"{"staging_chunk_bytes": 4095}"#, "staging_chunk_bytes"),
             (r#"{"staging_chunk_bytes": 67108865}"#, "staging_chunk_bytes"),
+            (r#"{"max_staging_bytes": 1048576}"#, "max_staging_bytes"),
             (r#"{"max_notification_bytes": 18446744073709551615}"#, "max_notification_bytes"),
             (r#"{"advertise": ""}"#, "advertise"),
         ] {

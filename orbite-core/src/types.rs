@@ -164,6 +164,9 @@ pub enum Resource {
     NotificationQueue,
     /// Handles held by a binding such as the C ABI (`max_binding_handles`).
     BindingHandles,
+    /// Page-locked staging buffers for CUDA device memory
+    /// (`max_staging_bytes`).
+    StagingBytes,
 }
 
 impl std::fmt::Display for Resource {
@@ -180,6 +183,7 @@ impl std::fmt::Display for Resource {
             Resource::NotificationBytes => "notification queue bytes",
             Resource::NotificationQueue => "queued notifications",
             Resource::BindingHandles => "binding handles",
+            Resource::StagingBytes => "staging bytes",
         };
         f.write_str(name)
     }

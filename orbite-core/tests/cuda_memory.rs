@@ -670,7 +670,9 @@ mod with_the_feature {
         }
         use std::io::{BufRead, Write};
         cuda::availability().unwrap();
-        let e = engine(r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000}"#);
+        let config = std::env::var("ORBITE_CUDA_PEER_CONFIG")
+            .unwrap_or_else(|_| r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000}"#.into());
+        let e = engine(&config);
         let m = e.allocate_cuda_memory(0, PEER_VRAM).unwrap();
         device_fill(&m, 0xD1);
         let v = e

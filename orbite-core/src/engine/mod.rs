@@ -661,7 +661,7 @@ impl TransferEngine {
                 worker: Mutex::new(None),
             },
             #[cfg(feature = "cuda")]
-            staging_pool: Arc::new(stage::StagingPool::new(counters.clone())),
+            staging_pool: Arc::new(stage::StagingPool::new(counters.clone(), config.max_staging_bytes)),
             counters,
             registry: Registry::default(),
             drain_lock: Mutex::new(()),

@@ -254,6 +254,7 @@ fn device_kind(
             CopyKind::Staged {
                 device,
                 chunk: config.staging_chunk_bytes,
+                limit: config.max_staging_bytes,
                 counters: counters.clone(),
                 inner: Box::new(inner),
             },

@@ -160,6 +160,8 @@ fn pairs(dev: &[Span], host: &[Span], limit: u64, order: impl Fn(u64, u64) -> (u
 pub(crate) struct StagingPool {
     free: Mutex<Vec<Item>>,
     counters: Arc<Counters>,
+    /// `max_staging_bytes`.
+    limit: u64,
 }
 
 struct Item {
@@ -169,8 +171,8 @@ struct Item {
 }
 
 impl StagingPool {
-    pub fn new(counters: Arc<Counters>) -> Self {
-        StagingPool { free: Mutex::new(Vec::new()), counters }
+    pub fn new(counters: Arc<Counters>, limit: u64) -> Self {
+        StagingPool { free: Mutex::new(Vec::new()), counters, limit }
     }
 
     /// A buffer of device `device` of at least `len` bytes: a free one, or
@@ -183,11 +185,22 @@ impl StagingPool {
         let item = match found {
             Some(i) => i,
             None => {
-                let charge = Charge::try_new(
+                let bound = Some((crate::types::Resource::StagingBytes, self.limit));
+                let charge = match Charge::try_new(
                     &self.counters,
-                    [(Counter::StagingBuffers, 1, None), (Counter::StagingBytes, len, None)],
-                )
-                .map_err(|e| e.to_string())?;
+                    [(Counter::StagingBuffers, 1, None), (Counter::StagingBytes, len, bound)],
+                ) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Free buffers of other sizes or devices make room.
+                        self.clear();
+                        Charge::try_new(
+                            &self.counters,
+                            [(Counter::StagingBuffers, 1, None), (Counter::StagingBytes, len, bound)],
+                        )
+                        .map_err(|_| e.to_string())?
+                    }
+                };
                 Item { device, buffer: PinnedBuffer::new(device, len)?, _charge: charge }
             }
         };

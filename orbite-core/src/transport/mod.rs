@@ -92,7 +92,14 @@ pub(crate) enum CopyKind {
     /// the local side: each task is bounced through the worker's pinned
     /// buffers of `chunk` bytes (`staged`), charged to `counters`.
     #[cfg(feature = "cuda")]
-    Staged { device: u32, chunk: u64, counters: Arc<crate::charge::Counters>, inner: Box<CopyKind> },
+    Staged {
+        device: u32,
+        chunk: u64,
+        /// `max_staging_bytes`.
+        limit: u64,
+        counters: Arc<crate::charge::Counters>,
+        inner: Box<CopyKind>,
+    },
 }
 
 impl CopyKind {
@@ -113,8 +120,8 @@ impl CopyKind {
             #[cfg(feature = "cuda")]
             CopyKind::Device { device } => device_copy(*device, op, spans, limit),
             #[cfg(feature = "cuda")]
-            CopyKind::Staged { device, chunk, counters, inner } => {
-                staged::copy(*device, *chunk, counters, inner, op, spans, limit)
+            CopyKind::Staged { device, chunk, limit: bound, counters, inner } => {
+                staged::copy(*device, *chunk, *bound, counters, inner, op, spans, limit)
             }
         }
     }

@@ -96,9 +96,11 @@ impl Chunk {
 
 /// Copies a task through this worker's stager of `device`: the bytes moved
 /// (a prefix) and, on failure, how the task ended.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn copy(
     device: u32,
     chunk: u64,
+    bound: u64,
     counters: &Arc<Counters>,
     inner: &CopyKind,
     op: Op,
@@ -112,7 +114,10 @@ pub(crate) fn copy(
             None => {
                 let charge = Charge::try_new(
                     counters,
-                    [(Counter::StagingBuffers, 2, None), (Counter::StagingBytes, 2 * chunk, None)],
+                    [
+                        (Counter::StagingBuffers, 2, None),
+                        (Counter::StagingBytes, 2 * chunk, Some((crate::types::Resource::StagingBytes, bound))),
+                    ],
                 );
                 match (Stager::new(device, chunk), charge) {
                     (Ok(s), Ok(c)) => {
