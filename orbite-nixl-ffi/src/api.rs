@@ -718,18 +718,7 @@ pub unsafe extern "C" fn orbite_mem_register(
             // allocation, before anything else happens.
             let range = unsafe { MemoryRange::cuda_borrowed(r.device, r.addr, r.len, perm) }
                 .map_err(orbite_core::Error::from)?;
-            let range = match r.release {
-                Some(callback) => {
-                    let context = SendPtr(r.release_context);
-                    range.with_owner_release(Box::new(move || {
-                        let context = context;
-                        // SAFETY: as for host ranges below: the caller's
-                        // callback, called once, with no lock held.
-                        unsafe { callback(context.0) }
-                    }))
-                }
-                None => range,
-            };
+            let range = with_release(range, r);
             let child = Child::new(&e)?;
             let id = e.engine.register_memory_ranges(vec![range])?[0];
             return register_handle(child, id, out);
@@ -760,27 +749,28 @@ pub unsafe extern "C" fn orbite_mem_register(
                 // entry point) that the range stays valid until the engine
                 // gives it up, which `release` reports.
                 let range = unsafe { MemoryRange::borrowed(r.addr as *mut u8, r.len as usize, perm) };
-                match r.release {
-                    Some(callback) => {
-                        let context = SendPtr(r.release_context);
-                        range.with_owner_release(Box::new(move || {
-                            let context = context;
-                            // SAFETY: the caller's callback with the
-                            // caller's context, called exactly once by the
-                            // core's owner release, with no lock of this
-                            // library held (none is held around engine
-                            // calls) and none of the core's.
-                            unsafe { callback(context.0) }
-                        }))
-                    }
-                    None => range,
-                }
+                with_release(range, r)
             }
         };
         let child = Child::new(&e)?;
         let id = e.engine.register_memory_ranges(vec![range])?[0];
         register_handle(child, id, out)
     })
+}
+
+/// A caller's range with the caller's `release` callback, if any, as its
+/// owner release.
+fn with_release(range: MemoryRange, r: &OrbiteMemRegion) -> MemoryRange {
+    let Some(callback) = r.release else { return range };
+    let context = SendPtr(r.release_context);
+    range.with_owner_release(Box::new(move || {
+        let context = context;
+        // SAFETY: the caller's callback with the caller's context, called
+        // exactly once by the core's owner release, with no lock of this
+        // library held (none is held around engine calls) and none of the
+        // core's.
+        unsafe { callback(context.0) }
+    }))
 }
 
 /// Hands out the handle of a new registration (deregistering it again if
