@@ -409,28 +409,10 @@ mod driver {
                 unsafe { sys::cuStreamSynchronize(s.stream) };
                 return (0, Some(e));
             }
-            let mut spins = 0u32;
-            loop {
-                // SAFETY: a recorded event of this thread.
-                let r = unsafe { sys::cuEventQuery(s.event) };
-                match r {
-                    sys::CUresult::CUDA_SUCCESS => break,
-                    sys::CUresult::CUDA_ERROR_NOT_READY => {
-                        spins += 1;
-                        if spins < 64 {
-                            std::hint::spin_loop();
-                        } else if spins < 128 {
-                            std::thread::yield_now();
-                        } else {
-                            std::thread::sleep(std::time::Duration::from_micros(20));
-                        }
-                    }
-                    other => {
-                        // SAFETY: as above.
-                        unsafe { sys::cuStreamSynchronize(s.stream) };
-                        return (0, Some(format!("the copies ended with {}", name(other))));
-                    }
-                }
+            if let Err(e) = wait_event(s.event) {
+                // SAFETY: as above: whatever still runs is done after this.
+                unsafe { sys::cuStreamSynchronize(s.stream) };
+                return (0, Some(e));
             }
             (queued, failed)
         })

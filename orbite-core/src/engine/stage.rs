@@ -252,8 +252,8 @@ impl crate::transport::proto::server::Landing for ServerStage {
         if !self.write {
             return Ok(());
         }
-        let copies: Vec<_> = self.copies.iter().map(|&(dev, buf, n)| (dev, buf, n)).collect();
-        match crate::cuda::copy_on_stream(self.device, &copies) {
+        // (device, buffer, bytes) is already (destination, source, bytes).
+        match crate::cuda::copy_on_stream(self.device, &self.copies) {
             (_, None) => Ok(()),
             (_, Some(why)) => Err(format!("the target's device copy failed: {why}")),
         }
@@ -271,7 +271,6 @@ impl ServerStage {
     }
 
     pub(super) fn buffer_addr(&self) -> u64 {
-        let _ = &self.buffer;
         self.buffer.addr()
     }
 }

@@ -119,12 +119,14 @@ pub(crate) fn copy(
                         (Counter::StagingBytes, 2 * chunk, Some((crate::types::Resource::StagingBytes, bound))),
                     ],
                 );
-                match (Stager::new(device, chunk), charge) {
-                    (Ok(s), Ok(c)) => {
-                        stagers.push((device, s, c));
+                // Charged first: over the bound, nothing is allocated.
+                let Ok(charge) = charge else { return (0, Some(TaskEnd::Failed { effect_unknown: false })) };
+                match Stager::new(device, chunk) {
+                    Ok(s) => {
+                        stagers.push((device, s, charge));
                         stagers.len() - 1
                     }
-                    _ => return (0, Some(TaskEnd::Failed { effect_unknown: false })),
+                    Err(_) => return (0, Some(TaskEnd::Failed { effect_unknown: false })),
                 }
             }
         };
@@ -182,7 +184,7 @@ fn read(st: &mut Stager, inner: &CopyKind, chunks: &[Chunk]) -> (u64, Option<Tas
             return (landed, device_failed);
         }
         landed += std::mem::take(&mut pending[slot]);
-        let (n, end) = inner.copy(Op::Read, &c.host_spans(st.buffer(slot)), u64::MAX);
+        let (_, end) = inner.copy(Op::Read, &c.host_spans(st.buffer(slot)), u64::MAX);
         if let Some(end) = end {
             // What reached the buffer never reached the device; the chunks
             // before it land first.
@@ -191,7 +193,6 @@ fn read(st: &mut Stager, inner: &CopyKind, chunks: &[Chunk]) -> (u64, Option<Tas
                 return (landed, device_failed);
             }
             landed += pending[other];
-            let _ = n;
             return (landed, Some(end));
         }
         if st.enqueue(slot, &c.device_copies(Op::Read, st.buffer(slot))).is_err() {
