@@ -195,8 +195,8 @@ def _n01_route(route):
         )
         hooks.hold_all(True)
         s, exc = post(agent, hw)
-        check(s == "PROC", f"WRITE post returned {s} {exc!r}")
         if route == "auto":
+            check(s == "PROC", f"WRITE post returned {s} {exc!r}")
             # the same-host route holds at the initiator's hook: cma (or shm)
             hooks.require_held(1)
             check(t.digest("buf") == digest(numpy.full(TB, GUARD_T, dtype=numpy.uint8)),
@@ -204,7 +204,9 @@ def _n01_route(route):
             let_go(hooks, lambda: state(agent, hw)[0] != "PROC")
             s, exc = drive(agent, hw)
         else:
-            # tcp is not held by the initiator's hook: it completes regardless
+            # tcp is not held by the initiator's hook: it completes regardless,
+            # on a fast machine even before post returns
+            check(s in ("PROC", "DONE"), f"WRITE post returned {s} {exc!r}")
             s, exc = drive(agent, hw)
             st, held = hooks.wait_held(1, 0)
             check(held == 0, f"{held} tcp tasks held by the initiator's local hook")
