@@ -110,6 +110,22 @@ pub fn bodies(body: &[u8]) {
     if let Ok(mac) = wire::decode_auth_proof(body) {
         assert_eq!(&mac[..], body, "auth proof round trip");
     }
+    if let Ok((epoch, ids)) = wire::decode_ipc_handles(body) {
+        assert!(ids.len() <= wire::MAX_IPC_HANDLES, "IPC handle requests stay bounded");
+        wire::encode_ipc_handles(&mut out, epoch, &ids);
+        assert_eq!(out, body, "ipc handles round trip");
+    }
+    if let Some(&asked) = body.first() {
+        if let Ok(entries) = wire::decode_ipc_handles_reply(body, asked as usize) {
+            for e in &entries {
+                if let wire::IpcEntry::Exported { offset, alloc_len, .. } = e {
+                    assert!(offset < alloc_len, "an exported offset lies inside its allocation");
+                }
+            }
+            wire::encode_ipc_handles_reply(&mut out, &entries);
+            assert_eq!(out, body, "ipc handles reply round trip");
+        }
+    }
     check_descriptor(body);
     check_delta(body);
 }

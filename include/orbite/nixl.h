@@ -84,7 +84,7 @@
 #define ORBITE_ROUTE_DEFAULT 0
 
 /*
- Prefer shm, then cma, then tcp.
+ Prefer shm, then cma, then CUDA IPC, then tcp.
  */
 #define ORBITE_ROUTE_AUTO 1
 
@@ -112,6 +112,12 @@
  `OrbiteXferState::route`: a local file (io_uring).
  */
 #define ORBITE_ROUTE_FILE 6
+
+/*
+ Force CUDA IPC to a same-host peer's device memory (fails at prepare if
+ impossible); also what `OrbiteXferState::route` reports for it (ABI 1.3).
+ */
+#define ORBITE_ROUTE_CUDA_IPC 7
 
 /*
  `OrbiteXferSpec::flags`: deliver `notification` to the peer once every
@@ -819,7 +825,8 @@ typedef struct OrbiteXferSpec {
    */
   uint32_t intent;
   /*
-   `ORBITE_ROUTE_DEFAULT`, `_AUTO`, `_TCP`, `_SHM` or `_CMA`.
+   `ORBITE_ROUTE_DEFAULT`, `_AUTO`, `_TCP`, `_SHM`, `_CMA` or
+   `_CUDA_IPC`.
    */
   uint32_t route;
   /*

@@ -113,6 +113,12 @@ pub struct EngineConfig {
     /// no room fails; a peer's request beyond it is answered
     /// `ResourceExhausted`. Default 1 GiB.
     pub max_staging_bytes: u64,
+    /// CUDA IPC with same-host peers (feature `cuda`): this engine hands
+    /// its device registrations' IPC handles to peers proven to run on
+    /// this host as its own user, and opens theirs, so device memory moves
+    /// device to device. `false`: neither, and same-host device memory is
+    /// staged over tcp. Default true.
+    pub cuda_ipc: bool,
     /// Handles a binding (the C ABI) may hold on this engine's objects at
     /// once: registrations, transfers, peers, shared allocations. Default
     /// 65 536.
@@ -192,6 +198,7 @@ impl Default for EngineConfig {
             inline_max_bytes: 16 * KIB,
             staging_chunk_bytes: MIB,
             max_staging_bytes: GIB,
+            cuda_ipc: true,
             max_binding_handles: 65_536,
             close_drain_timeout_ms: 5_000,
             listen: None,

@@ -118,7 +118,8 @@ impl fmt::Debug for DeviceRange {
 
 #[cfg(feature = "cuda")]
 pub(crate) use driver::{
-    ContextLease, DeviceAllocation, PinnedBuffer, Stager, copy_on_stream, release_thread_streams, validate,
+    ContextLease, DeviceAllocation, IpcMapping, PinnedBuffer, Stager, copy_on_stream, ipc_export,
+    release_thread_streams, validate,
 };
 
 #[cfg(feature = "cuda")]
@@ -656,6 +657,121 @@ mod driver {
                 // SAFETY: the allocation made in `new`, freed once; nothing
                 // uses it any more (its holders are gone).
                 unsafe { sys::cuMemFree_v2(self.ptr) };
+            }
+        }
+    }
+
+    /// The UUID of device `ordinal` (the same physical device has the same
+    /// UUID in every process, whatever its ordinal there).
+    fn uuid_of(ordinal: u32) -> Result<[u8; 16], String> {
+        let mut device = 0;
+        let mut uuid = sys::CUuuid_st { bytes: [0; 16] };
+        // SAFETY: valid out-pointers; the driver checks the ordinal.
+        unsafe {
+            check(sys::cuDeviceGet(&mut device, ordinal as i32), "cuDeviceGet")?;
+            check(sys::cuDeviceGetUuid_v2(&mut uuid, device), "cuDeviceGetUuid")?;
+        }
+        Ok(uuid.bytes.map(|b| b as u8))
+    }
+
+    /// The ordinal in this process of the device with `uuid`, if it is
+    /// visible here.
+    fn device_by_uuid(uuid: &[u8; 16]) -> Result<Option<u32>, String> {
+        let d = driver()?;
+        for ordinal in 0..d.info.devices {
+            if uuid_of(ordinal)? == *uuid {
+                return Ok(Some(ordinal));
+            }
+        }
+        Ok(None)
+    }
+
+    /// What a target hands a same-host peer for one device registration:
+    /// the IPC handle of the allocation holding it.
+    pub(crate) struct IpcExport {
+        pub handle: [u8; 64],
+        pub uuid: [u8; 16],
+        pub alloc_base: u64,
+        pub alloc_len: u64,
+    }
+
+    /// Exports the allocation of device `ordinal` holding `ptr` as a legacy
+    /// CUDA IPC handle (memory of the virtual memory management API, which
+    /// has no such handle, is refused by the driver).
+    pub(crate) fn ipc_export(ordinal: u32, ptr: u64) -> Result<IpcExport, String> {
+        let range = validate(ordinal, ptr, 1)?;
+        let lease = ContextLease::retain(ordinal)?;
+        let _current = lease.enter()?;
+        let mut handle = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        // SAFETY: a current context; the start of a live allocation (just
+        // checked); a valid out-pointer.
+        check(unsafe { sys::cuIpcGetMemHandle(&mut handle, range.alloc_base) }, "cuIpcGetMemHandle")?;
+        Ok(IpcExport {
+            handle: handle.reserved.map(|b| b as u8),
+            uuid: uuid_of(ordinal)?,
+            alloc_base: range.alloc_base,
+            alloc_len: range.alloc_len,
+        })
+    }
+
+    /// A peer's allocation opened here from its IPC handle, in the primary
+    /// context of the same physical device; closed on drop (after the last
+    /// copy program that names it), charged to `cuda_imports` meanwhile.
+    pub(crate) struct IpcMapping {
+        /// Where the allocation is mapped in this process.
+        pub ptr: u64,
+        /// Its bytes, as this process's driver reports them.
+        pub len: u64,
+        /// The local ordinal of its device.
+        pub device: u32,
+        lease: ContextLease,
+        _charge: crate::charge::Charge,
+    }
+
+    impl std::fmt::Debug for IpcMapping {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "IPC mapping of device {} at {:#x}+{}", self.device, self.ptr, self.len)
+        }
+    }
+
+    impl IpcMapping {
+        /// Opens `handle` on the device with `uuid`. The mapping's extent is
+        /// what this driver reports for it (never what the peer said).
+        pub(crate) fn open(
+            handle: &[u8; 64],
+            uuid: &[u8; 16],
+            counters: &std::sync::Arc<crate::charge::Counters>,
+        ) -> Result<Self, String> {
+            let device = device_by_uuid(uuid)?
+                .ok_or_else(|| "the peer's device is not visible to this process (CUDA_VISIBLE_DEVICES?)".to_owned())?;
+            let lease = ContextLease::retain(device)?;
+            let current = lease.enter()?;
+            let h = sys::CUipcMemHandle_st { reserved: handle.map(|b| b as std::ffi::c_char) };
+            let mut ptr = 0;
+            // SAFETY: a current context; the handle is 64 opaque bytes the
+            // driver checks; a valid out-pointer. Flag 1: peer access is
+            // enabled lazily where the devices differ.
+            let r = unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, 1) };
+            check(r, "cuIpcOpenMemHandle")?;
+            drop(current);
+            let _charge = crate::charge::Charge::unlimited(counters, crate::charge::Counter::CudaImports, 1);
+            let mut m = IpcMapping { ptr, len: 0, device, lease, _charge };
+            // The local proof of the mapping's extent.
+            let range = validate(device, ptr, 1)?;
+            if range.alloc_base != ptr {
+                return Err(format!("the IPC mapping at {ptr:#x} does not start its allocation"));
+            }
+            m.len = range.alloc_len;
+            Ok(m)
+        }
+    }
+
+    impl Drop for IpcMapping {
+        fn drop(&mut self) {
+            if let Ok(_current) = self.lease.enter() {
+                // SAFETY: the mapping opened in `open`, closed once; no copy
+                // names it any more (they held this value).
+                unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
             }
         }
     }

@@ -107,6 +107,10 @@ pub enum Route {
     Cma,
     /// io_uring reads and writes of a local file.
     File,
+    /// Device copies into a same-host peer's CUDA device memory, opened
+    /// here through CUDA IPC (feature `cuda`).
+    #[serde(rename = "cuda-ipc")]
+    CudaIpc,
 }
 
 /// Which route a transfer to a peer may take.
@@ -114,7 +118,9 @@ pub enum Route {
 #[serde(rename_all = "lowercase")]
 pub enum RoutePolicy {
     /// shm if every target range is a shared allocation on this boot, else
-    /// cma if the peer is on this boot and the kernel permits it, else tcp.
+    /// cma if the peer is on this boot and the kernel permits it, else
+    /// CUDA IPC if every target range is the peer's device memory opened
+    /// here, else tcp.
     #[default]
     Auto,
     /// Only tcp.
@@ -123,6 +129,9 @@ pub enum RoutePolicy {
     Shm,
     /// Only cma; a transfer that cannot use it fails at prepare.
     Cma,
+    /// Only CUDA IPC; a transfer that cannot use it fails at prepare.
+    #[serde(rename = "cuda-ipc")]
+    CudaIpc,
 }
 
 /// The route a transfer takes, and why.

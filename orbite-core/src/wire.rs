@@ -86,6 +86,11 @@ pub enum Kind {
     /// Per name whether its descriptor is attached (`SCM_RIGHTS`, with the
     /// reply's first byte, in the order of the names that have one).
     ShareFdsReply = 23,
+    /// Initiator, on the local socket only: export the CUDA device
+    /// registrations named as IPC handles (feature `cuda`).
+    IpcHandles = 24,
+    /// Per registration its IPC handle, or why not.
+    IpcHandlesReply = 25,
 }
 
 impl Kind {
@@ -114,6 +119,8 @@ impl Kind {
             21 => Kind::AuthOk,
             22 => Kind::ShareFds,
             23 => Kind::ShareFdsReply,
+            24 => Kind::IpcHandles,
+            25 => Kind::IpcHandlesReply,
             _ => return None,
         })
     }
@@ -631,6 +638,144 @@ pub fn decode_share_fds_reply(body: &[u8], asked: usize) -> Result<Vec<bool>, Wi
     Ok(flags.iter().map(|b| *b == 1).collect())
 }
 
+/// Most registrations one IpcHandles names.
+pub const MAX_IPC_HANDLES: usize = 1024;
+
+/// Bytes of a CUDA IPC memory handle (`CUipcMemHandle`).
+pub const IPC_HANDLE_LEN: usize = 64;
+
+/// Flag of a Borrow frame: the borrower reaches CUDA device memory of the
+/// target through an IPC mapping (asked on the local socket only).
+pub const BORROW_DEVICE: u8 = 2;
+
+/// One registration's answer in an IpcHandlesReply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum IpcEntry {
+    /// Exported: the allocation holding the registration, as an IPC
+    /// handle, the device's UUID, and where the registration starts in the
+    /// allocation.
+    Exported {
+        /// The UUID of the device the allocation is on (ordinals differ
+        /// between processes).
+        uuid: [u8; 16],
+        /// The `CUipcMemHandle`.
+        handle: [u8; IPC_HANDLE_LEN],
+        /// Offset of the registration's first byte in the allocation.
+        offset: u64,
+        /// Bytes of the allocation (the importer checks its mapping
+        /// against it, and the registration against both).
+        alloc_len: u64,
+    },
+    /// Not exported, and why.
+    Refused(String),
+}
+
+/// IpcHandles body: the target epoch (8), a count (2), then the raw
+/// registration ids (8 each).
+pub fn encode_ipc_handles(out: &mut Vec<u8>, target_epoch: u64, ids: &[u64]) {
+    out.clear();
+    codec::put_u64(out, target_epoch);
+    codec::put_u16(out, ids.len() as u16);
+    for id in ids {
+        codec::put_u64(out, *id);
+    }
+}
+
+/// Decodes an IpcHandles body: at most [`MAX_IPC_HANDLES`] ids.
+pub fn decode_ipc_handles(body: &[u8]) -> Result<(u64, Vec<u64>), WireError> {
+    let bad = WireError::Malformed("ipc handles");
+    let mut r = Reader::new(body);
+    let epoch = r.u64().map_err(|_| bad.clone())?;
+    let count = r.u16().map_err(|_| bad.clone())? as usize;
+    if count > MAX_IPC_HANDLES {
+        return Err(WireError::TooLong {
+            what: "registrations named",
+            len: count as u64,
+            limit: MAX_IPC_HANDLES as u64,
+        });
+    }
+    if r.remaining() != count * 8 {
+        return Err(bad);
+    }
+    let ids = (0..count).map(|_| r.u64().map_err(|_| bad.clone())).collect::<Result<Vec<_>, _>>()?;
+    Ok((epoch, ids))
+}
+
+/// IpcHandlesReply body: a count (2), then per registration a status (1:
+/// 0 exported, 1 refused) and, if exported, the device UUID (16), the
+/// handle (64), the offset (8) and the allocation's length (8); if
+/// refused, a reason length (2, at most [`MAX_ERROR_DETAIL`]) and the
+/// reason (UTF-8).
+pub fn encode_ipc_handles_reply(out: &mut Vec<u8>, entries: &[IpcEntry]) {
+    out.clear();
+    codec::put_u16(out, entries.len() as u16);
+    for e in entries {
+        match e {
+            IpcEntry::Exported { uuid, handle, offset, alloc_len } => {
+                out.push(0);
+                out.extend_from_slice(uuid);
+                out.extend_from_slice(handle);
+                codec::put_u64(out, *offset);
+                codec::put_u64(out, *alloc_len);
+            }
+            IpcEntry::Refused(why) => {
+                let why = truncate_detail(why);
+                out.push(1);
+                codec::put_u16(out, why.len() as u16);
+                out.extend_from_slice(why.as_bytes());
+            }
+        }
+    }
+}
+
+/// The longest prefix of `s` of at most [`MAX_ERROR_DETAIL`] bytes that
+/// ends on a character boundary.
+fn truncate_detail(s: &str) -> &str {
+    let mut end = s.len().min(MAX_ERROR_DETAIL);
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+/// Decodes an IpcHandlesReply for `asked` registrations. An exported entry
+/// whose offset lies outside its allocation is malformed.
+pub fn decode_ipc_handles_reply(body: &[u8], asked: usize) -> Result<Vec<IpcEntry>, WireError> {
+    let bad = WireError::Malformed("ipc handles reply");
+    let mut r = Reader::new(body);
+    if r.u16().map_err(|_| bad.clone())? as usize != asked {
+        return Err(bad);
+    }
+    let mut out = Vec::with_capacity(asked.min(MAX_IPC_HANDLES));
+    for _ in 0..asked {
+        match r.u8().map_err(|_| bad.clone())? {
+            0 => {
+                let uuid = r.array::<16>().map_err(|_| bad.clone())?;
+                let handle = r.array::<IPC_HANDLE_LEN>().map_err(|_| bad.clone())?;
+                let offset = r.u64().map_err(|_| bad.clone())?;
+                let alloc_len = r.u64().map_err(|_| bad.clone())?;
+                if offset >= alloc_len {
+                    return Err(bad);
+                }
+                out.push(IpcEntry::Exported { uuid, handle, offset, alloc_len });
+            }
+            1 => {
+                let n = r.u16().map_err(|_| bad.clone())? as usize;
+                if n > MAX_ERROR_DETAIL {
+                    return Err(bad);
+                }
+                let why = std::str::from_utf8(r.take(n).map_err(|_| bad.clone())?).map_err(|_| bad.clone())?;
+                out.push(IpcEntry::Refused(why.to_owned()));
+            }
+            _ => return Err(bad),
+        }
+    }
+    if !r.is_empty() {
+        return Err(bad);
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -699,6 +844,32 @@ mod tests {
     }
 
     #[test]
+    fn ipc_handles_round_trip_and_bad_replies_are_refused() {
+        let mut out = Vec::new();
+        encode_ipc_handles(&mut out, 7, &[1, 2, 3]);
+        assert_eq!(decode_ipc_handles(&out).unwrap(), (7, vec![1, 2, 3]));
+        assert!(decode_ipc_handles(&out[..out.len() - 1]).is_err(), "short");
+        let entries = vec![
+            IpcEntry::Exported { uuid: [3; 16], handle: [9; IPC_HANDLE_LEN], offset: 4096, alloc_len: 8192 },
+            IpcEntry::Refused("not device memory".into()),
+        ];
+        encode_ipc_handles_reply(&mut out, &entries);
+        assert_eq!(decode_ipc_handles_reply(&out, 2).unwrap(), entries);
+        assert!(decode_ipc_handles_reply(&out, 1).is_err(), "another count");
+        let mut extra = out.clone();
+        extra.push(0);
+        assert!(decode_ipc_handles_reply(&extra, 2).is_err(), "trailing bytes");
+        let outside =
+            [IpcEntry::Exported { uuid: [0; 16], handle: [0; IPC_HANDLE_LEN], offset: 8192, alloc_len: 8192 }];
+        encode_ipc_handles_reply(&mut out, &outside);
+        assert!(decode_ipc_handles_reply(&out, 1).is_err(), "an offset outside its allocation");
+        let long = IpcEntry::Refused("\u{e9}".repeat(200));
+        encode_ipc_handles_reply(&mut out, &[long]);
+        let IpcEntry::Refused(why) = &decode_ipc_handles_reply(&out, 1).unwrap()[0] else { panic!() };
+        assert!(why.len() <= MAX_ERROR_DETAIL && why.chars().all(|c| c == '\u{e9}'));
+    }
+
+    #[test]
     fn notify_and_error_round_trip_with_binary_payloads() {
         let payload = [0u8, 255, 0, 0xC3, 0x28, b'\n'];
         let env =
@@ -728,6 +899,8 @@ mod tests {
             let _ = decode_describe_since(&bytes);
             let _ = decode_watch(&bytes);
             let _ = decode_changed(&bytes).map(|(_, _, d)| crate::segment::Delta::decode(d));
+            let _ = decode_ipc_handles(&bytes);
+            let _ = decode_ipc_handles_reply(&bytes, bytes.first().copied().unwrap_or(0) as usize);
         }
     }
 }

@@ -660,6 +660,9 @@ mod with_the_feature {
     }
 
     const PEER_VRAM: usize = 4 << 20;
+    /// The device peer's second registration: these bytes of its allocation.
+    const SUB_AT: usize = 65536 + 512;
+    const SUB_LEN: usize = 200_000;
 
     /// The device peer's side (a child): an engine with a device
     /// registration peers may read and write, on stdin commands.
@@ -678,75 +681,141 @@ mod with_the_feature {
         let v = e
             .register_memory_ranges(vec![MemoryRange::cuda(&m, 0, PEER_VRAM, Permission::RemoteReadWrite).unwrap()])
             .unwrap()[0];
+        // A second registration inside the same allocation, at an offset.
+        let sub = e
+            .register_memory_ranges(vec![MemoryRange::cuda(&m, SUB_AT, SUB_LEN, Permission::RemoteReadWrite).unwrap()])
+            .unwrap()[0];
         // Host memory too: what a same-host initiator probes CMA with.
-        let _host = region(&e, 4096, Permission::RemoteRead);
+        let host = region(&e, 4096, Permission::RemoteReadWrite);
         let mut out = std::io::stdout();
-        writeln!(out, "READY {} {} {}", e.endpoint().unwrap(), e.source_epoch(), v.to_raw()).unwrap();
+        let (ep, epoch) = (e.endpoint().unwrap(), e.source_epoch());
+        writeln!(out, "READY {ep} {epoch} {} {} {}", v.to_raw(), host.id.to_raw(), sub.to_raw()).unwrap();
         out.flush().unwrap();
+        let mut m = Some(m);
         for line in std::io::stdin().lock().lines() {
             let Ok(line) = line else { break };
             match line.trim() {
-                "hash" => writeln!(out, "HASH {}", fnv(&device_bytes(&m))).unwrap(),
+                "hash" => writeln!(out, "HASH {}", m.as_ref().map_or(0, |m| fnv(&device_bytes(m)))).unwrap(),
+                "reset" => {
+                    if let Some(m) = &m {
+                        device_fill(m, 0xD1);
+                    }
+                    writeln!(out, "HASH reset").unwrap()
+                }
                 "staging" => writeln!(out, "STAGING {}", e.stats().staging_buffers).unwrap(),
+                // Deregisters and drops its own handle on the memory: what
+                // keeps it alive after this is the initiator's borrow.
+                "dereg" => {
+                    let r = e.deregister(v).and(e.deregister(sub));
+                    drop(m.take());
+                    writeln!(out, "DEREG {}", if r.is_ok() { "ok" } else { "failed" }).unwrap()
+                }
+                "shim" => writeln!(out, "SHIM {}", shim().map_or(0, |s| s.device_allocations)).unwrap(),
                 _ => break,
             }
             out.flush().unwrap();
         }
+        drop(m.take());
         std::process::exit(0);
     }
 
-    /// A peer's device memory as the target: over tcp (auto rules cma out:
-    /// a device address is no memory the kernel can copy), the peer stages
-    /// it through its own pool: host to peer VRAM, peer VRAM to host, and
-    /// local VRAM to and from peer VRAM (staged at both ends); bytes and
-    /// guards on both sides.
-    #[test]
-    fn a_peers_device_memory_is_reached_over_tcp_staged_at_the_peer() {
-        if std::env::var_os("ORBITE_CUDA_PEER").is_some() || in_child() {
-            return;
+    /// A device peer (`device_peer_entry`) in a child process, driven over
+    /// its stdin and stdout.
+    struct DevicePeer {
+        child: std::process::Child,
+        stdin: std::process::ChildStdin,
+        stdout: std::io::BufReader<std::process::ChildStdout>,
+        endpoint: String,
+        epoch: u64,
+        vram: RegistrationId,
+        host: RegistrationId,
+        sub: RegistrationId,
+    }
+
+    impl DevicePeer {
+        fn spawn(config: Option<&str>) -> DevicePeer {
+            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            cmd.args(["--exact", "with_the_feature::device_peer_entry", "--nocapture", "--test-threads", "1"])
+                .env("ORBITE_CUDA_PEER", "1")
+                .env_remove("ORBITE_CUDA_REQUIRED")
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped());
+            if let Some(c) = config {
+                cmd.env("ORBITE_CUDA_PEER_CONFIG", c);
+            }
+            let mut child = cmd.spawn().unwrap();
+            let stdin = child.stdin.take().unwrap();
+            let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+            let mut p = DevicePeer {
+                child,
+                stdin,
+                stdout,
+                endpoint: String::new(),
+                epoch: 0,
+                vram: RegistrationId::from_raw(0),
+                host: RegistrationId::from_raw(0),
+                sub: RegistrationId::from_raw(0),
+            };
+            let ready = p.ask(""); // no command: the READY line
+            let words: Vec<String> = ready.split_whitespace().map(str::to_owned).collect();
+            assert_eq!(words[0], "READY", "{ready}");
+            p.endpoint = words[1].clone();
+            p.epoch = words[2].parse().unwrap();
+            p.vram = RegistrationId::from_raw(words[3].parse().unwrap());
+            p.host = RegistrationId::from_raw(words[4].parse().unwrap());
+            p.sub = RegistrationId::from_raw(words[5].parse().unwrap());
+            p
         }
-        let Some((_, _turn)) = devices("a_peers_device_memory_is_reached_over_tcp") else { return };
-        use std::io::{BufRead, BufReader, Write};
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "with_the_feature::device_peer_entry", "--nocapture", "--test-threads", "1"])
-            .env("ORBITE_CUDA_PEER", "1")
-            .env_remove("ORBITE_CUDA_REQUIRED")
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut ask = |cmd: &str, stdin: &mut std::process::ChildStdin| -> String {
+
+        fn ask(&mut self, cmd: &str) -> String {
+            use std::io::{BufRead, Write};
             if !cmd.is_empty() {
-                writeln!(stdin, "{cmd}").unwrap();
-                stdin.flush().unwrap();
+                writeln!(self.stdin, "{cmd}").unwrap();
+                self.stdin.flush().unwrap();
             }
             loop {
                 let mut l = String::new();
-                assert!(stdout.read_line(&mut l).unwrap() > 0, "the device peer ended");
+                assert!(self.stdout.read_line(&mut l).unwrap() > 0, "the device peer ended");
                 // libtest's "test ... " may precede the first line.
-                if let Some(at) = ["HASH", "STAGING", "READY"].iter().find_map(|w| l.find(w)) {
+                if let Some(at) = ["HASH", "STAGING", "READY", "DEREG", "SHIM"].iter().find_map(|w| l.find(w)) {
                     return l[at..].trim().to_owned();
                 }
             }
-        };
-        let ready = ask("", &mut stdin); // no command: the READY line
-        let words: Vec<String> = ready.split_whitespace().map(str::to_owned).collect();
-        assert_eq!(words[0], "READY", "{ready}");
-        let (endpoint, epoch) = (words[1].clone(), words[2].parse::<u64>().unwrap());
-        let remote_id = RegistrationId::from_raw(words[3].parse().unwrap());
-        let e = engine(r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000, "task_bytes": 262144}"#);
-        let base = e.stats();
-        let seg = e.open_segment(&endpoint, Some(epoch), std::time::Duration::from_secs(10)).unwrap();
+        }
+
+        fn kill(mut self) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+
+        fn quit(mut self) {
+            use std::io::Write;
+            let _ = writeln!(self.stdin, "quit");
+            let _ = self.child.wait();
+        }
+    }
+
+    /// Every pairing with a peer's device memory, bytes and guards on both
+    /// sides: host to peer VRAM, peer VRAM to host, local VRAM to and from
+    /// peer VRAM; each transfer must take `route` (`policy` forces one).
+    fn rounds_with_the_device_peer(
+        e: &TransferEngine,
+        seg: &RemoteSegment,
+        p: &mut DevicePeer,
+        policy: Option<RoutePolicy>,
+        route: Route,
+    ) {
         let rw = Permission::RemoteReadWrite;
-        let h = region(&e, PEER_VRAM, rw);
+        let h = region(e, PEER_VRAM, rw);
         let m = e.allocate_cuda_memory(0, PEER_VRAM).unwrap();
         let v = e.register_memory_ranges(vec![MemoryRange::cuda(&m, 0, PEER_VRAM, rw).unwrap()]).unwrap()[0];
         let mut remote = {
             let mut rng = Rng(0xD1);
             (0..PEER_VRAM).map(|_| rng.next() as u8).collect::<Vec<u8>>()
         };
+        // The peer's bytes are its fill until a round writes them (another
+        // test may have written them before: start from what is there).
+        p.ask("reset");
         for (round, (op, local_is_device)) in
             [(Op::Write, false), (Op::Read, false), (Op::Write, true), (Op::Read, true)].into_iter().enumerate()
         {
@@ -756,9 +825,11 @@ mod with_the_feature {
             device_fill(&m, 60 + round as u64);
             let local_id = if local_is_device { v } else { h.id };
             let before_local = if local_is_device { device_bytes(&m) } else { snapshot(&h.mem) };
-            let (l, r) = (descs(local_id, &ll), descs(remote_id, &rl));
-            let t = e.prepare(&TransferSpec::new(op, &l, &r, Target::Peer(&seg))).unwrap();
-            assert_eq!(t.route().route, Route::Tcp, "{}", t.route().reason);
+            let (l, r) = (descs(local_id, &ll), descs(p.vram, &rl));
+            let mut spec = TransferSpec::new(op, &l, &r, Target::Peer(seg));
+            spec.options.route = policy;
+            let t = e.prepare(&spec).unwrap();
+            assert_eq!(t.route().route, route, "{}", t.route().reason);
             t.post().unwrap();
             let res = wait_retired(&t);
             assert_eq!(res.outcome.code, OutcomeCode::Success, "round {round} {op:?}: {res:?}");
@@ -772,26 +843,236 @@ mod with_the_feature {
                     assert_eq!(after_local, expected(&remote, &rl, &before_local, &ll), "round {round}: local bytes")
                 }
             }
-            let got = ask("hash", &mut stdin);
+            let got = p.ask("hash");
             assert_eq!(got, format!("HASH {}", fnv(&remote)), "round {round} {op:?}: the peer's device bytes");
             t.release().unwrap();
         }
-        let staging = ask("staging", &mut stdin);
-        assert_ne!(staging, "STAGING 0", "the peer staged through its pool");
-        // Same host, cma permitted, but the target is device memory: the
-        // reason says why cma was ruled out.
-        let (l, r) = (descs(h.id, &[(0, 4096)]), descs(remote_id, &[(0, 4096)]));
-        let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
-        assert!(t.route().reason.contains("CUDA device memory"), "{}", t.route().reason);
-        drop(t);
         e.deregister(v).unwrap();
         e.deregister(h.id).unwrap();
-        drop((m, h));
+    }
+
+    /// A peer's device memory as the target over tcp (forced; on one host
+    /// `auto` takes CUDA IPC): the peer stages it through its own pool, and
+    /// local VRAM is staged at both ends.
+    #[test]
+    fn a_peers_device_memory_is_reached_over_tcp_staged_at_the_peer() {
+        if std::env::var_os("ORBITE_CUDA_PEER").is_some() || in_child() {
+            return;
+        }
+        let Some((_, _turn)) = devices("a_peers_device_memory_is_reached_over_tcp") else { return };
+        let mut p = DevicePeer::spawn(None);
+        let e = engine(r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000, "task_bytes": 262144}"#);
+        let base = e.stats();
+        let seg = e.open_segment(&p.endpoint, Some(p.epoch), std::time::Duration::from_secs(10)).unwrap();
+        rounds_with_the_device_peer(&e, &seg, &mut p, Some(RoutePolicy::Tcp), Route::Tcp);
+        let staging = p.ask("staging");
+        assert_ne!(staging, "STAGING 0", "the peer staged through its pool");
         e.close_segment(&seg, WAIT).unwrap();
         drop(seg);
         e.close();
         assert_eq!(e.stats(), base, "charges back to baseline");
-        let _ = writeln!(stdin, "quit");
-        let _ = child.wait();
+        p.quit();
+    }
+
+    /// On one host, `auto` opens the peer's device memory through CUDA IPC:
+    /// every pairing goes device to device (or host to device) with no
+    /// staging at either end; the reason says why cma was ruled out; the
+    /// import is opened once and closed with the segment.
+    #[test]
+    fn a_same_host_peers_device_memory_is_opened_through_cuda_ipc() {
+        if std::env::var_os("ORBITE_CUDA_PEER").is_some() || in_child() {
+            return;
+        }
+        let Some((_, _turn)) = devices("a_same_host_peers_device_memory_is_opened_through_cuda_ipc") else { return };
+        let shim_before = shim();
+        let mut p = DevicePeer::spawn(None);
+        let e = engine(r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000, "task_bytes": 262144}"#);
+        let base = e.stats();
+        let seg = e.open_segment(&p.endpoint, Some(p.epoch), std::time::Duration::from_secs(10)).unwrap();
+        assert_eq!(e.stats().cuda_imports, 1, "the peer's allocation is opened at open, once");
+        if let (Some(before), Some(now)) = (shim_before, shim()) {
+            assert_eq!(now.ipc_imports, before.ipc_imports + 1);
+        }
+        rounds_with_the_device_peer(&e, &seg, &mut p, None, Route::CudaIpc);
+        assert_eq!(p.ask("staging"), "STAGING 0", "nothing staged at the peer");
+        // The registration at an offset of the same allocation: its bytes
+        // land there, through the one import.
+        p.ask("reset");
+        let mut remote = {
+            let mut rng = Rng(0xD1);
+            (0..PEER_VRAM).map(|_| rng.next() as u8).collect::<Vec<u8>>()
+        };
+        let src = region(&e, SUB_LEN, Permission::RemoteReadWrite);
+        fill(&src.mem, 77);
+        let (l, r) = (descs(src.id, &[(0, SUB_LEN as u64)]), descs(p.sub, &[(0, SUB_LEN as u64)]));
+        let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+        assert_eq!(t.route().route, Route::CudaIpc, "{}", t.route().reason);
+        t.post().unwrap();
+        assert_eq!(wait_retired(&t).outcome.code, OutcomeCode::Success);
+        remote[SUB_AT..SUB_AT + SUB_LEN].copy_from_slice(&snapshot(&src.mem));
+        assert_eq!(p.ask("hash"), format!("HASH {}", fnv(&remote)), "bytes at the registration's offset, guards kept");
+        t.release().unwrap();
+        e.deregister(src.id).unwrap();
+        drop(src);
+        assert_eq!(e.stats().staging_buffers, 0, "nothing staged here");
+        assert_eq!(e.stats().cuda_imports, 1, "still one import");
+        // The reason names the route and what ruled out the ones before it.
+        let h = region(&e, 4096, Permission::RemoteReadWrite);
+        let (l, r) = (descs(h.id, &[(0, 4096)]), descs(p.vram, &[(0, 4096)]));
+        let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+        let reason = t.route().reason.clone();
+        assert!(reason.contains("CUDA IPC") && reason.contains("CUDA device memory"), "{reason}");
+        drop(t);
+        // A forced cuda-ipc to host memory of the peer fails at prepare.
+        let host_r = descs(p.host, &[(0, 4096)]);
+        let mut spec = TransferSpec::new(Op::Write, &l, &host_r, Target::Peer(&seg));
+        spec.options.route = Some(RoutePolicy::CudaIpc);
+        match e.prepare(&spec) {
+            Err(Error::Peer(PeerError::RouteUnavailable { route: Route::CudaIpc, reason })) => {
+                assert!(reason.contains("host memory"), "{reason}")
+            }
+            other => panic!("{:?}", other.map(|t| t.route().clone())),
+        }
+        e.deregister(h.id).unwrap();
+        drop(h);
+        e.close_segment(&seg, WAIT).unwrap();
+        drop(seg);
+        e.close();
+        assert_eq!(e.stats(), base, "charges back to baseline: the import is closed");
+        if let (Some(before), Some(now)) = (shim_before, shim()) {
+            assert_eq!(now.ipc_imports, before.ipc_imports, "the shim has no import left");
+        }
+        p.quit();
+    }
+
+    /// Where CUDA IPC cannot be had, the transfer is staged over tcp and
+    /// its route says why: this engine turned it off, or the peer did.
+    #[test]
+    fn without_cuda_ipc_device_memory_falls_back_to_staging_with_the_reason() {
+        if std::env::var_os("ORBITE_CUDA_PEER").is_some() || in_child() {
+            return;
+        }
+        let Some((_, _turn)) = devices("without_cuda_ipc_device_memory_falls_back") else { return };
+        let cases = [
+            (
+                None,
+                r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000, "cuda_ipc": false}"#,
+                "CUDA IPC is off (cuda_ipc)",
+            ),
+            (
+                Some(r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000, "cuda_ipc": false}"#),
+                r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000}"#,
+                "the peer did not export it: CUDA IPC is off on this target",
+            ),
+        ];
+        for (peer_config, config, why) in cases {
+            let p = DevicePeer::spawn(peer_config);
+            let e = engine(config);
+            let base = e.stats();
+            let seg = e.open_segment(&p.endpoint, Some(p.epoch), std::time::Duration::from_secs(10)).unwrap();
+            assert_eq!(e.stats().cuda_imports, 0);
+            let h = region(&e, 4096, Permission::RemoteReadWrite);
+            fill(&h.mem, 3);
+            let (l, r) = (descs(h.id, &[(0, 4096)]), descs(p.vram, &[(0, 4096)]));
+            let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+            assert_eq!(t.route().route, Route::Tcp, "{}", t.route().reason);
+            assert!(t.route().reason.contains(why), "{} (wanted {why:?})", t.route().reason);
+            t.post().unwrap();
+            assert_eq!(wait_retired(&t).outcome.code, OutcomeCode::Success);
+            t.release().unwrap();
+            e.deregister(h.id).unwrap();
+            drop(h);
+            e.close_segment(&seg, WAIT).unwrap();
+            drop(seg);
+            e.close();
+            assert_eq!(e.stats(), base, "charges back to baseline");
+            p.quit();
+        }
+    }
+
+    /// The peer deregisters its device memory (and drops its own handle
+    /// on it) while CUDA IPC copies into it run (slow shim copies, in a
+    /// child): the initiator's borrow keeps the allocation alive until the
+    /// transfer retired and was released; a repost is refused. Then a peer
+    /// dies during IPC copies.
+    #[test]
+    fn child_peer_deregisters_during_ipc_copies() {
+        if !in_child() {
+            return;
+        }
+        let Some((_, _turn)) = devices("child_peer_deregisters_during_ipc_copies") else { return };
+        let mut p = DevicePeer::spawn(None);
+        let e = engine(r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000, "task_bytes": 65536}"#);
+        let base = e.stats();
+        let seg = e.open_segment(&p.endpoint, Some(p.epoch), std::time::Duration::from_secs(10)).unwrap();
+        let h = region(&e, PEER_VRAM, Permission::RemoteReadWrite);
+        fill(&h.mem, 9);
+        let (l, r) = (descs(h.id, &[(0, PEER_VRAM as u64)]), descs(p.vram, &[(0, PEER_VRAM as u64)]));
+        let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+        assert_eq!(t.route().route, Route::CudaIpc, "{}", t.route().reason);
+        t.post().unwrap();
+        assert_eq!(p.ask("dereg"), "DEREG ok");
+        assert!(matches!(t.status(), TransferStatus::InProgress { .. }), "the slow copies still run");
+        assert_eq!(p.ask("shim"), "SHIM 1", "the peer's allocation is alive while borrowed");
+        let res = wait_retired(&t);
+        assert_eq!(res.outcome.code, OutcomeCode::Success, "{res:?}");
+        // The peer fenced it: a repost asks the peer again and is refused.
+        assert!(matches!(t.post(), Err(Error::Peer(PeerError::Refused { .. }))));
+        assert_eq!(p.ask("shim"), "SHIM 1", "still borrowed by the released-not-yet transfer");
+        t.release().unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while p.ask("shim") != "SHIM 0" {
+            assert!(std::time::Instant::now() < deadline, "the peer never freed its device memory");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        e.deregister(h.id).unwrap();
+        drop(h);
+        e.close_segment(&seg, WAIT).unwrap();
+        drop(seg);
+        e.close();
+        assert_eq!(e.stats(), base, "charges back to baseline");
+        p.quit();
+
+        // A peer that dies while IPC copies into its device memory run: the
+        // WRITE fails (some tasks were still on the device), and nothing
+        // leaks: the import is closed with the segment, streams and charges
+        // back to baseline.
+        let p = DevicePeer::spawn(None);
+        let e = engine(r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 2000, "task_bytes": 262144}"#);
+        let base = e.stats();
+        let seg = e.open_segment(&p.endpoint, Some(p.epoch), std::time::Duration::from_secs(10)).unwrap();
+        let m = e.allocate_cuda_memory(0, PEER_VRAM).unwrap();
+        let rw = Permission::RemoteReadWrite;
+        let v = e.register_memory_ranges(vec![MemoryRange::cuda(&m, 0, PEER_VRAM, rw).unwrap()]).unwrap()[0];
+        let (l, r) = (descs(v, &[(0, PEER_VRAM as u64)]), descs(p.vram, &[(0, PEER_VRAM as u64)]));
+        let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+        assert_eq!(t.route().route, Route::CudaIpc, "{}", t.route().reason);
+        t.post().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(30));
+        p.kill();
+        let res = wait_retired(&t);
+        assert!(!res.outcome.is_success(), "the peer died during the WRITE: {res:?}");
+        t.release().unwrap();
+        e.deregister(v).unwrap();
+        drop(m);
+        drop(seg);
+        e.close();
+        assert_eq!(e.stats(), base, "charges back to baseline after the peer died");
+        let sh = shim().unwrap();
+        assert_eq!((sh.ipc_imports, sh.device_allocations, sh.streams), (0, 0, 0), "{sh:?}");
+        println!("CHILD OK");
+    }
+
+    #[test]
+    fn a_peer_deregistering_or_dying_during_ipc_copies_is_safe() {
+        if in_child() || std::env::var_os("ORBITE_CUDA_PEER").is_some() {
+            return;
+        }
+        let Some((_, _turn)) = devices("a_peer_deregistering_during_ipc_copies") else { return };
+        let out = child(
+            "with_the_feature::child_peer_deregisters_during_ipc_copies",
+            &[("ORBITE_CUDA_SHIM_COPY_DELAY_US", "20000")],
+        );
+        assert!(out.contains("CHILD OK"), "{out}");
     }
 }

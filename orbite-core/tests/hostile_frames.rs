@@ -269,6 +269,41 @@ fn borrow_and_return_frames_are_validated() {
     assert!(closed(&mut s));
 }
 
+/// CUDA IPC handles and device borrows go to the local socket only: over
+/// TCP both are refused with a typed error, nothing is lent, and the
+/// connection stays usable; a malformed request closes only itself.
+#[test]
+fn ipc_handle_requests_and_device_borrows_are_refused_over_tcp() {
+    let t = target();
+    let epoch = t.e.source_epoch();
+    let mut s = connect(&t);
+    let mut b = Vec::new();
+    wire::encode_ipc_handles(&mut b, epoch, &[t.rw.id.to_raw(), t.ro.id.to_raw()]);
+    assert_eq!(refused(&mut s, &frame(Kind::IpcHandles, &b, &[], 3)), RemoteStatus::PermissionDenied);
+    let mut borrow = Vec::new();
+    wire::encode_borrow(
+        &mut borrow,
+        1,
+        epoch,
+        [RemoteDesc { registration: t.rw.id.to_raw(), offset: 0, len: 1 }].into_iter(),
+    );
+    let mut f = frame(Kind::Borrow, &borrow, &[], 4);
+    f[7] = wire::BORROW_DEVICE;
+    assert_eq!(refused(&mut s, &f), RemoteStatus::PermissionDenied);
+    assert_eq!(t.e.stats().fenced_registrations, 0);
+    describe_works(&mut s);
+    // Too many ids, and a short body: the connection is closed.
+    let mut huge = Vec::new();
+    wire::encode_ipc_handles(&mut huge, epoch, &vec![1u64; wire::MAX_IPC_HANDLES + 1]);
+    s.write_all(&frame(Kind::IpcHandles, &huge, &[], 5)).unwrap();
+    assert!(closed(&mut s));
+    let mut s = connect(&t);
+    s.write_all(&frame(Kind::IpcHandles, &b[..b.len() - 1], &[], 6)).unwrap();
+    assert!(closed(&mut s));
+    let mut s = connect(&t);
+    describe_works(&mut s);
+}
+
 #[test]
 fn a_closed_connection_gives_back_its_borrows() {
     let t = target();

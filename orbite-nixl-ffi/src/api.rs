@@ -1120,6 +1120,7 @@ unsafe fn prepare(
         ORBITE_ROUTE_TCP => Some(RoutePolicy::Tcp),
         ORBITE_ROUTE_SHM => Some(RoutePolicy::Shm),
         ORBITE_ROUTE_CMA => Some(RoutePolicy::Cma),
+        ORBITE_ROUTE_CUDA_IPC => Some(RoutePolicy::CudaIpc),
         v => return fail(OrbiteStatus::InvalidArgument, format!("unknown route {v}")),
     };
     if s.flags & !(ORBITE_XFER_NOTIFY | ORBITE_XFER_REMOTE_BY_ADDRESS) != 0 {
@@ -1403,6 +1404,7 @@ pub unsafe extern "C" fn orbite_xfer_query(xfer: OrbiteXfer, out: *mut OrbiteXfe
             Route::Shm => ORBITE_ROUTE_SHM,
             Route::Cma => ORBITE_ROUTE_CMA,
             Route::File => ORBITE_ROUTE_FILE,
+            Route::CudaIpc => ORBITE_ROUTE_CUDA_IPC,
         };
         let mut v = OrbiteXferState {
             size: size_of::<OrbiteXferState>() as u32,

@@ -22,7 +22,7 @@ pub const ORBITE_INTENT_PREFETCH: u32 = 2;
 
 /// `OrbiteXferSpec::route`: the engine's configured policy.
 pub const ORBITE_ROUTE_DEFAULT: u32 = 0;
-/// Prefer shm, then cma, then tcp.
+/// Prefer shm, then cma, then CUDA IPC, then tcp.
 pub const ORBITE_ROUTE_AUTO: u32 = 1;
 /// Force tcp.
 pub const ORBITE_ROUTE_TCP: u32 = 2;
@@ -34,6 +34,9 @@ pub const ORBITE_ROUTE_CMA: u32 = 4;
 pub const ORBITE_ROUTE_LOOPBACK: u32 = 5;
 /// `OrbiteXferState::route`: a local file (io_uring).
 pub const ORBITE_ROUTE_FILE: u32 = 6;
+/// Force CUDA IPC to a same-host peer's device memory (fails at prepare if
+/// impossible); also what `OrbiteXferState::route` reports for it (ABI 1.3).
+pub const ORBITE_ROUTE_CUDA_IPC: u32 = 7;
 
 /// `OrbiteXferSpec::flags`: deliver `notification` to the peer once every
 /// byte landed (an empty payload is allowed).
@@ -326,7 +329,8 @@ pub struct OrbiteXferSpec {
     pub op: u32,
     /// `ORBITE_INTENT_*`.
     pub intent: u32,
-    /// `ORBITE_ROUTE_DEFAULT`, `_AUTO`, `_TCP`, `_SHM` or `_CMA`.
+    /// `ORBITE_ROUTE_DEFAULT`, `_AUTO`, `_TCP`, `_SHM`, `_CMA` or
+    /// `_CUDA_IPC`.
     pub route: u32,
     /// `ORBITE_XFER_*` bits.
     pub flags: u32,

@@ -25,6 +25,9 @@ pub(crate) struct PeerView {
     pub segment: SegmentView,
     /// For a same-host peer: its shared allocations mapped here (or why not).
     pub maps: SharedMaps,
+    /// For a same-host peer: its device registrations opened here through
+    /// CUDA IPC (or why not).
+    pub imports: crate::transport::mapping::Imports,
 }
 
 /// One opened peer epoch.
@@ -49,6 +52,9 @@ pub(crate) struct Peer<J: CopyJob> {
     /// Shared allocations the peer added that are not mapped yet (mapped
     /// on a caller's thread, by [`Peer::map_pending`]: never on a driver).
     pending: Mutex<std::collections::HashSet<String>>,
+    /// Device registrations the peer added that are not imported yet
+    /// (imported with the pending mappings).
+    pending_ipc: Mutex<std::collections::HashSet<u64>>,
     has_pending: std::sync::atomic::AtomicBool,
     map_lock: Mutex<()>,
     state: Mutex<PeerState>,
@@ -71,7 +77,10 @@ impl<J: CopyJob> Peer<J> {
         liveness: Option<crate::transport::liveness::PeerLiveness>,
         inbox: Option<(Arc<ShmMapping>, crate::transport::inbox::Inbox)>,
     ) -> Self {
+        let ipc: std::collections::HashSet<u64> = importable(&same_host, view.segment.registrations().values());
+        let has_pending = !ipc.is_empty();
         Peer {
+            pending_ipc: Mutex::new(ipc),
             liveness,
             inbox,
             endpoint: endpoint.to_owned(),
@@ -80,7 +89,7 @@ impl<J: CopyJob> Peer<J> {
             link,
             view: RwLock::new(view),
             pending: Mutex::new(std::collections::HashSet::new()),
-            has_pending: std::sync::atomic::AtomicBool::new(false),
+            has_pending: std::sync::atomic::AtomicBool::new(has_pending),
             map_lock: Mutex::new(()),
             refresh_lock: Mutex::new(0),
             state: Mutex::new(PeerState { close: None }),
@@ -159,6 +168,7 @@ impl<J: CopyJob> Peer<J> {
             maps: &view.maps,
             same_host: self.same_host.as_ref().map_err(String::as_str),
             alive: self.liveness.as_ref(),
+            imports: &view.imports,
         }
     }
 
@@ -177,10 +187,25 @@ impl<J: CopyJob> Peer<J> {
             return true;
         }
         let fresh = if self.same_host.is_ok() { unmapped(&self.view().maps, &delta.added) } else { Vec::new() };
-        let applied = self.view.write().segment.apply_from(base, delta).is_ok();
-        // Only what the view took is mapped later.
+        let fresh_ipc = importable(&self.same_host, delta.added.iter());
+        let applied = {
+            let mut v = self.view.write();
+            let applied = v.segment.apply_from(base, delta).is_ok();
+            // Imports of registrations the peer gave up are closed once the
+            // last program naming them is gone (they hold the mapping).
+            if applied && !v.imports.is_empty() {
+                let PeerView { segment, imports, .. } = &mut *v;
+                imports.retain(|raw, _| segment.get(*raw).is_some());
+            }
+            applied
+        };
+        // Only what the view took is mapped (and imported) later.
         if applied && !fresh.is_empty() {
             self.pending.lock().extend(fresh);
+            self.has_pending.store(true, Ordering::Release);
+        }
+        if applied && !fresh_ipc.is_empty() {
+            self.pending_ipc.lock().extend(fresh_ipc);
             self.has_pending.store(true, Ordering::Release);
         }
         applied
@@ -199,10 +224,50 @@ impl<J: CopyJob> Peer<J> {
         }
         let names: Vec<String> = self.pending.lock().drain().collect();
         let mapped = map_shared(&self.link, &names);
+        let ids: Vec<u64> = self.pending_ipc.lock().drain().collect();
+        let imported = self.import_device(&ids);
         let mut v = self.view.write();
         for (name, m) in mapped {
             v.maps.entry(name).or_insert(m);
         }
+        for (raw, i) in imported {
+            // Only registrations still in the view.
+            if v.segment.get(raw).is_some() {
+                v.imports.entry(raw).or_insert(i);
+            }
+        }
+    }
+
+    /// Opens the peer's device registrations `ids` through CUDA IPC: asks
+    /// the peer for their handles over its local socket and opens each
+    /// allocation once. The registration must lie inside the mapping, as
+    /// this process's driver reports it.
+    fn import_device(&self, ids: &[u64]) -> Vec<(u64, Result<Arc<crate::transport::mapping::Imported>, String>)> {
+        if ids.is_empty() {
+            return Vec::new();
+        }
+        let counters = match self.same_host.as_ref().map(|h| h.ipc.as_ref()) {
+            Ok(Ok(c)) => c.clone(),
+            Ok(Err(why)) => return ids.iter().map(|id| (*id, Err(why.clone()))).collect(),
+            Err(why) => return ids.iter().map(|id| (*id, Err(why.clone()))).collect(),
+        };
+        let entries = match self.link.fetch_ipc(ids) {
+            Ok(e) => e,
+            Err(why) => return ids.iter().map(|id| (*id, Err(why.clone()))).collect(),
+        };
+        let lens: Vec<Option<u64>> = {
+            let v = self.view();
+            ids.iter().map(|raw| v.segment.get(*raw).map(|r| r.len)).collect()
+        };
+        let mut opened = Vec::new();
+        ids.iter()
+            .zip(entries)
+            .zip(lens)
+            .map(|((raw, entry), len)| {
+                let r = open_entry(entry, len, &counters, &mut opened);
+                (*raw, r.map(Arc::new))
+            })
+            .collect()
     }
 
     /// True when the peer announced registry changes this view has not
@@ -220,6 +285,62 @@ impl<J: CopyJob> Drop for Peer<J> {
             self.link.close();
         }
     }
+}
+
+/// The raw ids of device registrations in `regs` this engine imports from
+/// a peer (a same-host one, with IPC allowed), remotely reachable ones.
+fn importable<'a>(
+    same_host: &Result<SameHost, String>,
+    regs: impl Iterator<Item = &'a crate::segment::ExportedRegistration>,
+) -> std::collections::HashSet<u64> {
+    if !same_host.as_ref().is_ok_and(|h| h.ipc.is_ok()) {
+        return std::collections::HashSet::new();
+    }
+    regs.filter(|r| r.device.is_some() && (r.permission.remote_read() || r.permission.remote_write()))
+        .map(|r| r.id.to_raw())
+        .collect()
+}
+
+/// One registration's IPC handle opened (an allocation opened once per
+/// peer: `opened` holds those opened so far), checked against what this
+/// process's driver says of the mapping.
+#[cfg(feature = "cuda")]
+fn open_entry(
+    entry: crate::wire::IpcEntry,
+    len: Option<u64>,
+    counters: &Arc<crate::charge::Counters>,
+    opened: &mut Vec<([u8; 64], Arc<crate::cuda::IpcMapping>)>,
+) -> Result<crate::transport::mapping::Imported, String> {
+    let (uuid, handle, offset, alloc_len) = match entry {
+        crate::wire::IpcEntry::Exported { uuid, handle, offset, alloc_len } => (uuid, handle, offset, alloc_len),
+        crate::wire::IpcEntry::Refused(why) => return Err(format!("the peer did not export it: {why}")),
+    };
+    let len = len.ok_or_else(|| "the peer no longer has it".to_owned())?;
+    let mapping = match opened.iter().find(|(h, _)| *h == handle) {
+        Some((_, m)) => m.clone(),
+        None => {
+            let m = Arc::new(crate::cuda::IpcMapping::open(&handle, &uuid, counters)?);
+            opened.push((handle, m.clone()));
+            m
+        }
+    };
+    if mapping.len != alloc_len {
+        return Err(format!("the peer says its allocation has {alloc_len} bytes, the mapping has {}", mapping.len));
+    }
+    match offset.checked_add(len) {
+        Some(end) if end <= mapping.len => Ok(crate::transport::mapping::Imported { mapping, offset }),
+        _ => Err(format!("{offset}+{len} lies outside the peer's allocation of {} bytes", mapping.len)),
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_entry(
+    _entry: crate::wire::IpcEntry,
+    _len: Option<u64>,
+    _counters: &Arc<crate::charge::Counters>,
+    _opened: &mut Vec<([u8; 64], ())>,
+) -> Result<crate::transport::mapping::Imported, String> {
+    Err("built without feature cuda".into())
 }
 
 /// Maps a proven same-host peer's shared allocations `names`: each mapping,

@@ -84,7 +84,7 @@ impl EngineInner {
         let bound = usize::try_from(c.max_registrations).unwrap_or(usize::MAX);
         let segment = SegmentView::bounded(&link.descriptor, bound)
             .map_err(|e| PeerError::Protocol(format!("the peer's description: {e}")))?;
-        let view = PeerView { segment, maps };
+        let view = PeerView { segment, maps, imports: HashMap::new() };
         let liveness = same_host.as_ref().ok().map(|h| crate::transport::liveness::PeerLiveness::watch(h.pid));
         let peer = Arc::new(Peer::new(link, endpoint, view, same_host, liveness, inbox));
         // What changed between the Describe and the subscription, then
@@ -145,7 +145,17 @@ impl EngineInner {
             Some(h) => h.cma_probe(cma),
             None => cma,
         };
-        Ok(SameHost { cma, pid: cred.pid })
+        Ok(SameHost { cma, pid: cred.pid, ipc: self.ipc_allowed() })
+    }
+
+    /// Whether this engine opens same-host peers' device memory through
+    /// CUDA IPC, or why not.
+    fn ipc_allowed(&self) -> Result<Arc<crate::charge::Counters>, String> {
+        if !self.config.cuda_ipc {
+            return Err("CUDA IPC is off (cuda_ipc)".into());
+        }
+        crate::cuda::availability().map_err(|why| format!("no CUDA here: {why}"))?;
+        Ok(self.counters.clone())
     }
 
     /// Brings `peer`'s view up to date: asks what changed after the
@@ -396,7 +406,14 @@ impl EngineInner {
 
     /// Asks `peer` to keep registrations `ids` alive for a one-sided route
     /// until the returned loan is dropped.
-    pub(crate) fn borrow(&self, peer: &Arc<Peer>, ids: &[(u64, u64)], write: bool) -> Result<RemoteLoan, PeerError> {
+    /// `device`: the ranges are device memory reached through CUDA IPC.
+    pub(crate) fn borrow(
+        &self,
+        peer: &Arc<Peer>,
+        ids: &[(u64, u64)],
+        write: bool,
+        device: bool,
+    ) -> Result<RemoteLoan, PeerError> {
         let id = self.peers.next_borrow.fetch_add(1, Ordering::Relaxed) ^ self.epoch.rotate_left(32);
         let mut body = Vec::new();
         crate::wire::encode_borrow(
@@ -405,7 +422,8 @@ impl EngineInner {
             peer.epoch,
             ids.iter().map(|&(raw, len)| crate::wire::RemoteDesc { registration: raw, offset: 0, len }),
         );
-        let flags = if write { crate::wire::BORROW_WRITE } else { 0 };
+        let flags =
+            if write { crate::wire::BORROW_WRITE } else { 0 } | if device { crate::wire::BORROW_DEVICE } else { 0 };
         // Read before asking: a deregistration after this read either makes
         // the peer refuse the borrow or moves the count, so the next post
         // asks again.

@@ -262,6 +262,9 @@ fn device_kind(
         )),
         #[cfg(feature = "cuda")]
         CopyKind::Frames => Ok((CopyKind::Frames, Some(device))),
+        // Driver copies already, whatever the local side is.
+        #[cfg(feature = "cuda")]
+        inner @ CopyKind::Ipc { .. } => Ok((inner, None)),
         CopyKind::File(_) => Err(Error::NotSupported(format!(
             "CUDA device memory (device {device}) to a file: staging for files is not built yet"
         ))),

@@ -126,6 +126,85 @@ impl TargetSide for EngineInner {
         }
     }
 
+    fn lend_device(
+        &self,
+        req: &Request<'_>,
+        write: bool,
+        loans: &mut Vec<Arc<Registration>>,
+    ) -> Result<(), (RemoteStatus, String)> {
+        if self.is_closed() {
+            return Err((RemoteStatus::Closing, "engine is closing".into()));
+        }
+        if !self.config.cuda_ipc {
+            return Err((RemoteStatus::PermissionDenied, "CUDA IPC is off on this target (cuda_ipc)".into()));
+        }
+        let table = self.registry.lock();
+        for d in req.descs() {
+            let id = RegistrationId::from_raw(d.registration);
+            let reg = table.get(id).map_err(|e| match e {
+                crate::RegistryError::Unknown(_) => (RemoteStatus::UnknownRegistration, e.to_string()),
+                _ => (RemoteStatus::StaleRegistration, e.to_string()),
+            })?;
+            let allowed = if write { reg.permission.remote_write() } else { reg.permission.remote_read() };
+            if !allowed || reg.is_fenced() || reg.is_host() {
+                return Err((RemoteStatus::PermissionDenied, format!("{id} does not permit this access")));
+            }
+            match d.offset.checked_add(d.len) {
+                Some(end) if end <= reg.len && d.len > 0 => {}
+                _ => return Err((RemoteStatus::OutOfBounds, format!("{}+{} outside {id}", d.offset, d.len))),
+            }
+            if !loans.last().is_some_and(|l| Arc::ptr_eq(l, reg)) {
+                loans.push(reg.clone());
+            }
+        }
+        Ok(())
+    }
+
+    fn ipc_export(&self, ids: &[u64]) -> Vec<crate::wire::IpcEntry> {
+        use crate::wire::IpcEntry;
+        let refused = |why: &str| IpcEntry::Refused(why.to_owned());
+        if !self.config.cuda_ipc {
+            return ids.iter().map(|_| refused("CUDA IPC is off on this target (cuda_ipc)")).collect();
+        }
+        // (id, device, address) of live, remotely reachable device
+        // registrations; the driver is asked outside the registry lock.
+        let found: Vec<Result<(u32, u64), String>> = {
+            let table = self.registry.lock();
+            ids.iter()
+                .map(|&raw| {
+                    let id = RegistrationId::from_raw(raw);
+                    let reg = table.get(id).map_err(|e| e.to_string())?;
+                    let reachable = reg.permission.remote_read() || reg.permission.remote_write();
+                    match reg.kind {
+                        crate::memory::MemoryKind::Cuda { device } if reachable && !reg.is_fenced() => {
+                            Ok((device, reg.base as u64))
+                        }
+                        crate::memory::MemoryKind::Cuda { .. } => Err(format!("{id} is not open to peers")),
+                        _ => Err(format!("{id} is not CUDA device memory")),
+                    }
+                })
+                .collect()
+        };
+        found
+            .into_iter()
+            .map(|f| match f {
+                Err(why) => refused(&why),
+                #[cfg(feature = "cuda")]
+                Ok((device, addr)) => match crate::cuda::ipc_export(device, addr) {
+                    Ok(x) => IpcEntry::Exported {
+                        uuid: x.uuid,
+                        handle: x.handle,
+                        offset: addr - x.alloc_base,
+                        alloc_len: x.alloc_len,
+                    },
+                    Err(why) => refused(&why),
+                },
+                #[cfg(not(feature = "cuda"))]
+                Ok(_) => refused("built without feature cuda"),
+            })
+            .collect()
+    }
+
     fn remote_gate(&self) {
         if let Some(h) = &self.hooks {
             h.before_remote_bytes();

@@ -399,7 +399,8 @@ impl Transfer {
             return Err(e.into());
         }
         let write = self.shared.plan.program.op == crate::batch::Op::Write;
-        let loan = self.engine.borrow(p, &self.shared.remote_ids, write)?;
+        let device = self.shared.way.route() == crate::types::Route::CudaIpc;
+        let loan = self.engine.borrow(p, &self.shared.remote_ids, write, device)?;
         // The previous loan (if any) is given back once the lock is released.
         let _previous = {
             let mut cell = self.shared.cell.lock();

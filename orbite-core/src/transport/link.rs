@@ -510,6 +510,51 @@ impl<J: CopyJob> PeerLink<J> {
         Ok(out)
     }
 
+    /// Asks a peer proven local for CUDA IPC handles of its device
+    /// registrations `ids` (raw), over a fresh connection to its local
+    /// socket, which must lead to the same process: per id, what it
+    /// answered. Bounded by the peer timeout.
+    pub fn fetch_ipc(&self, ids: &[u64]) -> Result<Vec<wire::IpcEntry>, String> {
+        let cred = self.local.as_ref().map_err(Clone::clone)?;
+        let d = &self.descriptor;
+        let patience =
+            Patience { stall: self.opts.stall(), until: Some(crate::time::deadline_after(self.opts.io_timeout)) };
+        let mut out = Vec::with_capacity(ids.len());
+        for chunk in ids.chunks(wire::MAX_IPC_HANDLES) {
+            let (s, again) =
+                connect_local(&d.local_socket, d.epoch, self.my_epoch, self.secret.as_deref(), &self.opts, &patience)?;
+            if again.pid != cred.pid {
+                return Err("the peer's local socket changed hands".into());
+            }
+            let fd = s.as_raw_fd();
+            let mut body = Vec::new();
+            wire::encode_ipc_handles(&mut body, d.epoch, chunk);
+            let hb = wire::encode_header(&wire::header(Kind::IpcHandles, body.len(), 0, 1));
+            let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
+            // SAFETY: both entries borrow live local buffers for the call.
+            unsafe { writev_within(fd, &mut v, Some(&patience)) }.map_err(|e| e.to_string())?;
+            let mut hb = [0u8; wire::HEADER_LEN];
+            read_exact_within(fd, &mut hb, Some(&patience)).map_err(|e| format!("IPC handles: {e}"))?;
+            // The longest answer: every entry exported.
+            let max_body = 2 + chunk.len() * (1 + 16 + wire::IPC_HANDLE_LEN + 16) + wire::MAX_ERROR_DETAIL + 8;
+            let limits = Limits { max_body: max_body as u32, max_data: 0 };
+            let h = wire::decode_header(&hb, limits).map_err(|e| e.to_string())?;
+            let mut body = vec![0u8; h.body_len as usize];
+            read_exact_within(fd, &mut body, Some(&patience)).map_err(|e| e.to_string())?;
+            match h.kind {
+                Kind::IpcHandlesReply if h.data_len == 0 => {
+                    out.extend(wire::decode_ipc_handles_reply(&body, chunk.len()).map_err(|e| e.to_string())?)
+                }
+                Kind::Error => {
+                    let (status, detail) = wire::decode_error(&body).map_err(|e| e.to_string())?;
+                    return Err(format!("the peer refused IPC handles: {status:?}: {detail}"));
+                }
+                k => return Err(format!("unexpected {k:?} reply to a request for IPC handles")),
+            }
+        }
+        Ok(out)
+    }
+
     /// The changes the peer pushed when the link subscribed (what changed
     /// between its Describe and the subscription): `(base, delta)`, once.
     pub fn take_first_changes(&self) -> Option<(u64, Delta)> {

@@ -124,3 +124,18 @@ mod tests {
         assert!(map_fd(dir).is_err());
     }
 }
+
+/// A same-host peer's device registration opened here through CUDA IPC
+/// (the `ipc` route).
+#[derive(Debug)]
+pub(crate) struct Imported {
+    /// The allocation holding it, mapped in this process.
+    #[cfg(feature = "cuda")]
+    pub mapping: Arc<crate::cuda::IpcMapping>,
+    /// Where the registration starts in the mapping.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "nothing is imported without feature cuda"))]
+    pub offset: u64,
+}
+
+/// A peer's device registrations by raw id: opened, or why not.
+pub(crate) type Imports = HashMap<u64, Result<Arc<Imported>, String>>;

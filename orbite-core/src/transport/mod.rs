@@ -5,6 +5,7 @@ pub(crate) mod auth;
 pub(crate) mod cma;
 pub(crate) mod file;
 pub(crate) mod inbox;
+pub(crate) mod ipc;
 pub(crate) mod link;
 pub(crate) mod liveness;
 pub(crate) mod local;
@@ -91,6 +92,12 @@ pub(crate) enum CopyKind {
     /// A same-host route (`inner`: shm or cma) with CUDA device memory on
     /// the local side: each task is bounced through the worker's pinned
     /// buffers of `chunk` bytes (`staged`), charged to `counters`.
+    /// A same-host peer's device memory opened through CUDA IPC: `remote`
+    /// are addresses of `mappings` (kept open while the program lives),
+    /// copied by the driver on the worker's stream; checked after each
+    /// task as for `Cma`.
+    #[cfg(feature = "cuda")]
+    Ipc { mappings: Vec<Arc<crate::cuda::IpcMapping>>, peer_alive: Option<LivenessCheck> },
     #[cfg(feature = "cuda")]
     Staged {
         device: u32,
@@ -120,6 +127,8 @@ impl CopyKind {
             #[cfg(feature = "cuda")]
             CopyKind::Device { device } => device_copy(*device, op, spans, limit),
             #[cfg(feature = "cuda")]
+            CopyKind::Ipc { mappings, peer_alive } => ipc::copy(mappings, peer_alive.as_ref(), op, spans, limit),
+            #[cfg(feature = "cuda")]
             CopyKind::Staged { device, chunk, limit: bound, counters, inner } => {
                 staged::copy(*device, *chunk, *bound, counters, inner, op, spans, limit)
             }
@@ -130,7 +139,7 @@ impl CopyKind {
     /// device).
     pub(crate) fn waits_for_device(&self) -> bool {
         #[cfg(feature = "cuda")]
-        return matches!(self, CopyKind::Device { .. } | CopyKind::Staged { .. });
+        return matches!(self, CopyKind::Device { .. } | CopyKind::Staged { .. } | CopyKind::Ipc { .. });
         #[cfg(not(feature = "cuda"))]
         false
     }

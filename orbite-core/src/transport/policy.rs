@@ -13,6 +13,7 @@ pub(crate) static ROUTES: &[&dyn RouteImpl] = &[
     &crate::transport::loopback::Loopback,
     &crate::transport::shm::Shm,
     &crate::transport::cma::Cma,
+    &crate::transport::ipc::CudaIpc,
     &crate::transport::tcp::Tcp,
     &crate::transport::file::File,
 ];
@@ -49,6 +50,7 @@ pub(crate) fn choose(
         RoutePolicy::Tcp => Some(Route::Tcp),
         RoutePolicy::Shm => Some(Route::Shm),
         RoutePolicy::Cma => Some(Route::Cma),
+        RoutePolicy::CudaIpc => Some(Route::CudaIpc),
     };
     if let Some(route) = forced {
         let r = by_name(route);
@@ -79,6 +81,7 @@ fn name(route: Route) -> &'static str {
         Route::Tcp => "tcp",
         Route::Shm => "shm",
         Route::Cma => "cma",
+        Route::CudaIpc => "cuda-ipc",
         Route::File => "file",
     }
 }

@@ -19,6 +19,9 @@ pub(crate) struct SameHost {
     /// The peer's pid in this pid namespace, as the kernel reported it
     /// (never the one the peer named).
     pub pid: i32,
+    /// Whether this engine opens the peer's device memory through CUDA
+    /// IPC (charging imports to these counters), or why not.
+    pub ipc: Result<std::sync::Arc<crate::charge::Counters>, String>,
 }
 
 /// What a route sees of a peer at prepare.
@@ -31,6 +34,8 @@ pub(crate) struct PeerReach<'a> {
     pub same_host: Result<&'a SameHost, &'a str>,
     /// For a same-host peer: whether its process still runs.
     pub alive: Option<&'a PeerLiveness>,
+    /// For a same-host peer: its device registrations opened here.
+    pub imports: &'a crate::transport::mapping::Imports,
 }
 
 /// A transfer's target, as routes see it.

@@ -541,7 +541,81 @@ fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Resul
         });
         emit_bulk(report, "orbite", rig.route, &w, block, n, total, &mut ds, verified, Some(extra));
     }
+    // Device to device with a same-host peer (once, on the cma rig):
+    // CUDA IPC against the driver's own device-to-device copies.
+    if rig.route == "cma" {
+        vram_ipc(rig, ops, quick, &m, v, report)?;
+    }
     rig.engine.deregister(v).map_err(err)?;
+    Ok(())
+}
+
+/// `vram-W1-*` rows of route `cuda-ipc`: local device memory to and from
+/// the target process's device memory, opened here through CUDA IPC, in
+/// 1 MiB blocks, against the `cuda-dtod` reference row (`cuMemcpyDtoD`
+/// bandwidth of 1 MiB copies on one device, measured in the same run).
+#[cfg(feature = "cuda")]
+fn vram_ipc(
+    rig: &mut Rig,
+    ops: &[Op],
+    quick: bool,
+    m: &orbite_core::CudaMemory,
+    v: orbite_core::RegistrationId,
+    report: &mut Report,
+) -> Result<(), String> {
+    use orbite_core::RoutePolicy;
+    use orbite_core::cuda::{CopyDirection, reference_copy_gbps};
+    let (total, block) = (64 * MIB, MIB);
+    let n = total / block;
+    let per = if quick { Duration::from_millis(60) } else { Duration::from_secs(2) };
+    let dtod = reference_copy_gbps(m.device(), CopyDirection::DeviceToDevice, block, if quick { 16 } else { 256 })?;
+    report.emit(json!({
+        "system": "reference", "route": "cuda-dtod", "workload": "vram-W1",
+        "block_bytes": block, "gbps": round(dtod, 3), "direction": "DeviceToDevice", "verified": true,
+    }));
+    let rv = rig.remote_vram(total)?;
+    for &op in ops {
+        let w = format!("vram-{}", name(op, "W1"));
+        progress(&format!("cuda-ipc {w} block 1024 KiB"));
+        let remote: Vec<Desc> = (0..n).map(|i| Desc::new(rv, i * block, block)).collect();
+        let dev: Vec<Desc> = (0..n).map(|i| Desc::new(v, i * block, block)).collect();
+        let mut spec = TransferSpec::new(op, &dev, &remote, rig.target());
+        spec.options.route = Some(RoutePolicy::CudaIpc);
+        let t = rig.engine.prepare(&spec).map_err(err)?;
+        let mut ds = Vec::new();
+        let start = Instant::now();
+        while start.elapsed() < per || ds.len() < 3 {
+            ds.push(post_and_wait(&t)?);
+        }
+        let data = pattern(0x4444 + op as u64, 0, total);
+        let verified = match op {
+            Op::Write => {
+                // SAFETY: no transfer runs on the device memory now.
+                unsafe { m.write(0, &data) }.map_err(err)?;
+                post_and_wait(&t)?;
+                rig.remote_vram_digest(0, total)? == digest(&data)
+            }
+            Op::Read => {
+                // The remote bytes are the last WRITE's (or zero): read them
+                // back and compare digests.
+                post_and_wait(&t)?;
+                let mut back = vec![0u8; total as usize];
+                // SAFETY: as above.
+                unsafe { m.read(0, &mut back) }.map_err(err)?;
+                rig.remote_vram_digest(0, total)? == digest(&back)
+            }
+        };
+        drop(t);
+        let g = gbps(total, &ds);
+        let extra = json!({
+            "limit": "cuda-dtod",
+            "limit_gbps": round(dtod, 3),
+            "x_limit": round(g / dtod, 3),
+            "staged": false,
+            "device": m.device(),
+        });
+        emit_bulk(report, "orbite", "cuda-ipc", &w, block, n, total, &mut ds, verified, Some(extra));
+    }
     Ok(())
 }
 

@@ -289,6 +289,21 @@ impl Rig {
         }
     }
 
+    /// Device memory of `len` bytes in the target process, registered for
+    /// peers (feature `cuda`): its registration.
+    #[cfg(feature = "cuda")]
+    pub fn remote_vram(&mut self, len: u64) -> Result<RegistrationId, String> {
+        let a = self.ask(&format!("vram {len}"))?;
+        a.strip_prefix("VRAM ").and_then(|v| v.parse().ok()).map(RegistrationId::from_raw).ok_or(format!("target: {a}"))
+    }
+
+    /// Digest of the target's device memory bytes `off..off + len`.
+    #[cfg(feature = "cuda")]
+    pub fn remote_vram_digest(&mut self, off: u64, len: u64) -> Result<u64, String> {
+        let a = self.ask(&format!("vdigest {off} {len}"))?;
+        a.strip_prefix("DIGEST ").and_then(|v| v.parse().ok()).ok_or(format!("target: {a}"))
+    }
+
     /// CPU time of the remote process (0 for the self connection).
     pub fn remote_cpu_ns(&mut self) -> Result<u64, String> {
         match &self.remote {
@@ -306,6 +321,7 @@ fn route_name(policy: RoutePolicy) -> &'static str {
         RoutePolicy::Tcp => "tcp",
         RoutePolicy::Shm => "shm",
         RoutePolicy::Cma => "cma",
+        RoutePolicy::CudaIpc => "cuda-ipc",
         RoutePolicy::Auto => "auto",
     }
 }
@@ -353,6 +369,7 @@ pub fn serve_target() -> Result<(), String> {
     writeln!(out, "READY {endpoint} {} {} {}", engine.source_epoch(), r_id.to_raw(), ids.join(","))
         .map_err(|e| e.to_string())?;
     out.flush().map_err(|e| e.to_string())?;
+    let mut vram = None;
     for line in std::io::stdin().lock().lines() {
         let line = line.map_err(|e| e.to_string())?;
         let w: Vec<&str> = line.split_whitespace().collect();
@@ -370,6 +387,25 @@ pub fn serve_target() -> Result<(), String> {
                     "ERR out of range".to_owned()
                 } else {
                     format!("DIGEST {}", digest(&read(mem, off, len)))
+                }
+            }
+            // Device memory peers reach through CUDA IPC (feature cuda).
+            ["vram", len] => {
+                let len: usize = len.parse().map_err(|_| "bad len")?;
+                match target_vram(&engine, len) {
+                    Ok((m, id)) => {
+                        let raw = id.to_raw();
+                        vram = Some(m);
+                        format!("VRAM {raw}")
+                    }
+                    Err(e) => format!("ERR {e}"),
+                }
+            }
+            ["vdigest", off, len] => {
+                let (off, len): (u64, u64) = (off.parse().map_err(|_| "bad off")?, len.parse().map_err(|_| "bad len")?);
+                match vram_digest(vram.as_ref(), off, len) {
+                    Ok(d) => format!("DIGEST {d}"),
+                    Err(e) => format!("ERR {e}"),
                 }
             }
             ["cpu"] => format!("CPU {}", measure::process_cpu_ns()),
@@ -407,4 +443,39 @@ pub fn serve_target() -> Result<(), String> {
         out.flush().map_err(|e| e.to_string())?;
     }
     Ok(())
+}
+
+#[cfg(feature = "cuda")]
+type TargetVram = orbite_core::CudaMemory;
+#[cfg(not(feature = "cuda"))]
+type TargetVram = ();
+
+/// Device memory of `len` bytes on device 0, registered for peers.
+#[cfg(feature = "cuda")]
+fn target_vram(engine: &TransferEngine, len: usize) -> Result<(TargetVram, RegistrationId), String> {
+    let m = engine.allocate_cuda_memory(0, len).map_err(|e| e.to_string())?;
+    let range = MemoryRange::cuda(&m, 0, len, Permission::RemoteReadWrite).map_err(|e| e.to_string())?;
+    let id = engine.register_memory_ranges(vec![range]).map_err(|e| e.to_string())?[0];
+    Ok((m, id))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn target_vram(_engine: &TransferEngine, _len: usize) -> Result<(TargetVram, RegistrationId), String> {
+    Err(orbite_core::cuda::availability().err().unwrap_or_default())
+}
+
+/// Digest of bytes of the target's device memory.
+#[cfg(feature = "cuda")]
+fn vram_digest(m: Option<&TargetVram>, off: u64, len: u64) -> Result<u64, String> {
+    let m = m.ok_or("no device memory (ask `vram` first)")?;
+    let mut back = vec![0u8; usize::try_from(len).map_err(|_| "bad len")?];
+    // SAFETY: no transfer touches the device memory while the initiator
+    // asks for its digest.
+    unsafe { m.read(off as usize, &mut back) }.map_err(|e| e.to_string())?;
+    Ok(digest(&back))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn vram_digest(_m: Option<&TargetVram>, _off: u64, _len: u64) -> Result<u64, String> {
+    Err("built without feature cuda".into())
 }

@@ -56,6 +56,23 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
         let _ = landing;
         self.resolve(req, write, iovs, loans)
     }
+    /// As `resolve` for a borrow of a peer that reaches device memory
+    /// through CUDA IPC (on the local socket): loans on every named range,
+    /// which must all be device memory; no I/O vectors.
+    fn lend_device(
+        &self,
+        req: &Request<'_>,
+        write: bool,
+        loans: &mut Vec<Arc<Registration>>,
+    ) -> Result<(), (RemoteStatus, String)> {
+        let _ = (req, write, loans);
+        Err((RemoteStatus::PermissionDenied, "this target lends no device memory".into()))
+    }
+    /// CUDA IPC handles of the device registrations `ids` (raw), for a
+    /// same-host peer on the local socket.
+    fn ipc_export(&self, ids: &[u64]) -> Vec<crate::wire::IpcEntry> {
+        ids.iter().map(|_| crate::wire::IpcEntry::Refused("this target exports no IPC handles".into())).collect()
+    }
     /// Queues a notification, or refuses it.
     fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)>;
     /// What changed in the exported registrations after registry version
@@ -481,9 +498,14 @@ impl ServerConn {
                     return Err(Close::Malformed);
                 }
                 let write = h.flags & wire::BORROW_WRITE != 0;
+                let device = h.flags & wire::BORROW_DEVICE != 0;
                 let mut iovs = Vec::new();
                 let refusal = if req.target_epoch != side.epoch() {
                     Some((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
+                } else if device && !self.local {
+                    Some((RemoteStatus::PermissionDenied, "device memory is lent on the local socket only".into()))
+                } else if device {
+                    side.lend_device(&req, write, &mut self.loans).err()
                 } else {
                     side.resolve(&req, write, &mut iovs, &mut self.loans).err()
                 };
@@ -533,6 +555,22 @@ impl ServerConn {
                 wire::encode_share_fds_reply(&mut body, fds.iter().map(Option::is_some));
                 self.reply(Kind::ShareFdsReply, h.request, &body);
                 self.out_fds = fds.into_iter().flatten().collect();
+            }
+            Kind::IpcHandles => {
+                let (epoch, ids) = wire::decode_ipc_handles(&self.frame.body)?;
+                if h.data_len != 0 {
+                    return Err(Close::Malformed);
+                }
+                if !self.local {
+                    self.error(h.request, RemoteStatus::PermissionDenied, "IPC handles go to the local socket only");
+                } else if epoch != side.epoch() {
+                    self.epoch_mismatch(h.request, side);
+                } else {
+                    let entries = side.ipc_export(&ids);
+                    let mut body = Vec::new();
+                    wire::encode_ipc_handles_reply(&mut body, &entries);
+                    self.reply(Kind::IpcHandlesReply, h.request, &body);
+                }
             }
             Kind::Describe => {
                 wire::decode_describe(&self.frame.body)?;
@@ -631,6 +669,7 @@ impl ServerConn {
             | Kind::AuthChallenge
             | Kind::AuthOk
             | Kind::ShareFdsReply
+            | Kind::IpcHandlesReply
             // Authenticated already (or no secret): a second handshake is
             // not part of the protocol.
             | Kind::AuthHello

@@ -1,0 +1,136 @@
+//! CUDA IPC with a same-host peer: its device registrations, exported by
+//! the peer as IPC handles over its local socket, opened here once per
+//! registration's allocation; copies then go device to device (or host to
+//! device) through the driver, with no host staging. One-sided: the peer
+//! lends the ranges (a borrow) while copies may touch them.
+
+use std::sync::Arc;
+
+use crate::segment::ExportedRegistration;
+use crate::transport::CopyKind;
+use crate::transport::mapping::Imported;
+use crate::transport::route::{PeerReach, Reach, RouteImpl, Serves};
+use crate::types::{Desc, Route};
+
+/// The cuda-ipc route.
+pub(crate) struct CudaIpc;
+
+impl CudaIpc {
+    fn imported<'a>(p: &'a PeerReach<'_>, raw: u64) -> Result<&'a Arc<Imported>, String> {
+        match p.imports.get(&raw) {
+            Some(Ok(i)) => Ok(i),
+            Some(Err(why)) => Err(format!("the peer's device memory is not imported: {why}")),
+            None => Err("the peer's device memory is not imported (yet)".into()),
+        }
+    }
+}
+
+impl RouteImpl for CudaIpc {
+    fn route(&self) -> Route {
+        Route::CudaIpc
+    }
+
+    fn serves(&self) -> Serves {
+        Serves::Peer
+    }
+
+    fn reaches(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<(), String> {
+        let Reach::Peer(p) = target else { return Err("not a peer".into()) };
+        let h = p.same_host.map_err(str::to_owned)?;
+        h.ipc.as_ref().map_err(Clone::clone)?;
+        let mut last = None;
+        for d in remote {
+            let raw = d.registration.to_raw();
+            if last == Some(raw) {
+                continue;
+            }
+            last = Some(raw);
+            match p.segment.get(raw) {
+                Some(r) if r.device.is_none() => return Err("a target range is host memory".into()),
+                // Unknown ids are refused by prepare, with their own error.
+                None => continue,
+                Some(_) => {}
+            }
+            Self::imported(p, raw)?;
+        }
+        Ok(())
+    }
+
+    fn auto_reason(&self) -> Option<&'static str> {
+        Some("same host, the peer's device memory opened through CUDA IPC")
+    }
+
+    fn address(&self, target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), String> {
+        let i = Self::imported(target, r.id.to_raw())?;
+        #[cfg(feature = "cuda")]
+        {
+            // The registration lies inside the mapping (checked at import);
+            // spans carry addresses of this process.
+            Ok((i.mapping.ptr + i.offset, 0))
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = i;
+            Err("built without feature cuda".into())
+        }
+    }
+
+    fn copy_kind(&self, target: &Reach<'_>) -> CopyKind {
+        #[cfg(feature = "cuda")]
+        if let Reach::Peer(p) = target {
+            // Every import the program may name, kept open while it lives.
+            let mappings: Vec<Arc<crate::cuda::IpcMapping>> =
+                p.imports.values().filter_map(|i| i.as_ref().ok()).map(|i| i.mapping.clone()).collect();
+            let peer_alive = p.alive.map(|l| l.handle());
+            return CopyKind::Ipc { mappings, peer_alive };
+        }
+        let _ = target;
+        // `reaches` refused every other target at prepare.
+        CopyKind::Frames
+    }
+
+    fn borrows(&self) -> bool {
+        true
+    }
+}
+
+/// Copies an IPC task's spans on this thread's stream of the device the
+/// first span's mapping is on. Every span's peer range must lie inside one
+/// of `mappings` (a local check, whatever prepare resolved); a WRITE is
+/// then checked against the peer's liveness, as for cma.
+#[cfg(feature = "cuda")]
+pub(crate) fn copy(
+    mappings: &[Arc<crate::cuda::IpcMapping>],
+    peer_alive: Option<&crate::transport::liveness::LivenessCheck>,
+    op: crate::types::Op,
+    spans: &[crate::transport::Span],
+    limit: u64,
+) -> (u64, Option<crate::types::TaskEnd>) {
+    use crate::types::{Op, TaskEnd};
+    let inside = |addr: u64, len: u64| {
+        mappings.iter().find(|m| addr >= m.ptr && addr.checked_add(len).is_some_and(|end| end <= m.ptr + m.len))
+    };
+    let mut copies = Vec::with_capacity(spans.len());
+    let mut device = None;
+    let mut left = limit;
+    for s in spans {
+        if left == 0 {
+            break;
+        }
+        let n = s.len.min(left);
+        let Some(m) = inside(s.remote, n) else {
+            return (0, Some(TaskEnd::Failed { effect_unknown: false }));
+        };
+        device.get_or_insert(m.device);
+        copies.push(match op {
+            Op::Write => (s.remote, s.local, n),
+            Op::Read => (s.local, s.remote, n),
+        });
+        left -= n;
+    }
+    let Some(device) = device else { return (0, None) };
+    match crate::cuda::copy_on_stream(device, &copies) {
+        (done, None) => (done, crate::transport::liveness::after_one_sided(op, peer_alive)),
+        (done, Some(_why)) => (done, Some(TaskEnd::Failed { effect_unknown: true })),
+    }
+}
