@@ -309,6 +309,10 @@ mod driver {
         Ok(DeviceRange { device: ordinal, alloc_base: start, alloc_len: size as u64, buffer_id: buffer })
     }
 
+    /// Flags of the engine's events: `CU_EVENT_BLOCKING_SYNC` (1), so that
+    /// waiting sleeps, and `CU_EVENT_DISABLE_TIMING` (2).
+    const EVENT_FLAGS: u32 = 1 | 2;
+
     /// A stream and an event of one device, owned by one route worker
     /// thread: its copies run on it in order, and the event recorded after
     /// them says when they are all done.
@@ -326,10 +330,10 @@ mod driver {
             let mut event = std::ptr::null_mut();
             // SAFETY: a current context; valid out-pointers. Flags:
             // CU_STREAM_NON_BLOCKING (1): no implicit wait on the legacy
-            // default stream of a caller; CU_EVENT_DISABLE_TIMING (2).
+            // default stream of a caller; events: EVENT_FLAGS.
             unsafe {
                 check(sys::cuStreamCreate(&mut stream, 1), "cuStreamCreate")?;
-                if let Err(e) = check(sys::cuEventCreate(&mut event, 2), "cuEventCreate") {
+                if let Err(e) = check(sys::cuEventCreate(&mut event, EVENT_FLAGS), "cuEventCreate") {
                     sys::cuStreamDestroy_v2(stream);
                     return Err(e);
                 }
@@ -419,27 +423,23 @@ mod driver {
         })
     }
 
-    /// Waits until `event` completed: a short spin, then yields, then 20 µs
-    /// sleeps (never the driver's blocking wait, whose spin policy is the
-    /// context's).
+    /// Waits until `event` completed: a short spin (a copy that is nearly
+    /// done costs no sleep), then the driver's blocking wait, which for an
+    /// event made with `CU_EVENT_BLOCKING_SYNC` sleeps until the device
+    /// signals it (no polling, whatever the context's spin policy).
     fn wait_event(event: sys::CUevent) -> Result<(), String> {
-        let mut spins = 0u32;
-        loop {
+        for _ in 0..64 {
             // SAFETY: a live event of the caller.
             match unsafe { sys::cuEventQuery(event) } {
                 sys::CUresult::CUDA_SUCCESS => return Ok(()),
-                sys::CUresult::CUDA_ERROR_NOT_READY => {
-                    spins += 1;
-                    if spins < 64 {
-                        std::hint::spin_loop();
-                    } else if spins < 128 {
-                        std::thread::yield_now();
-                    } else {
-                        std::thread::sleep(std::time::Duration::from_micros(20));
-                    }
-                }
+                sys::CUresult::CUDA_ERROR_NOT_READY => std::hint::spin_loop(),
                 other => return Err(format!("the device copies ended with {}", name(other))),
             }
+        }
+        // SAFETY: as above.
+        match unsafe { sys::cuEventSynchronize(event) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(()),
+            other => Err(format!("the device copies ended with {}", name(other))),
         }
     }
 
@@ -476,7 +476,7 @@ mod driver {
             unsafe {
                 check(sys::cuStreamCreate(&mut s.stream, 1), "cuStreamCreate")?;
                 for i in 0..2 {
-                    check(sys::cuEventCreate(&mut s.events[i], 2), "cuEventCreate")?;
+                    check(sys::cuEventCreate(&mut s.events[i], EVENT_FLAGS), "cuEventCreate")?;
                     let mut p = std::ptr::null_mut();
                     check(sys::cuMemHostAlloc(&mut p, chunk as usize, 0), "cuMemHostAlloc")?;
                     s.buffers[i] = p.cast();

@@ -79,8 +79,11 @@ impl RouteImpl for CudaIpc {
         #[cfg(feature = "cuda")]
         if let Reach::Peer(p) = target {
             // Every import the program may name, kept open while it lives.
-            let mappings: Vec<Arc<crate::cuda::IpcMapping>> =
+            // Sorted by address, each once (registrations share them).
+            let mut mappings: Vec<Arc<crate::cuda::IpcMapping>> =
                 p.imports.values().filter_map(|i| i.as_ref().ok()).map(|i| i.mapping.clone()).collect();
+            mappings.sort_unstable_by_key(|m| m.ptr);
+            mappings.dedup_by_key(|m| m.ptr);
             let peer_alive = p.alive.map(|l| l.handle());
             return CopyKind::Ipc { mappings, peer_alive };
         }
@@ -96,8 +99,9 @@ impl RouteImpl for CudaIpc {
 
 /// Copies an IPC task's spans on this thread's stream of the device the
 /// first span's mapping is on. Every span's peer range must lie inside one
-/// of `mappings` (a local check, whatever prepare resolved); a WRITE is
-/// then checked against the peer's liveness, as for cma.
+/// of `mappings` (sorted by address; a local check, whatever prepare
+/// resolved); a WRITE is then checked against the peer's liveness, as for
+/// cma.
 #[cfg(feature = "cuda")]
 pub(crate) fn copy(
     mappings: &[Arc<crate::cuda::IpcMapping>],
@@ -107,8 +111,11 @@ pub(crate) fn copy(
     limit: u64,
 ) -> (u64, Option<crate::types::TaskEnd>) {
     use crate::types::{Op, TaskEnd};
+    // `mappings` are sorted by address and do not overlap.
     let inside = |addr: u64, len: u64| {
-        mappings.iter().find(|m| addr >= m.ptr && addr.checked_add(len).is_some_and(|end| end <= m.ptr + m.len))
+        let at = mappings.partition_point(|m| m.ptr <= addr).checked_sub(1)?;
+        let m = &mappings[at];
+        addr.checked_add(len).is_some_and(|end| end <= m.ptr + m.len).then_some(m)
     };
     let mut copies = Vec::with_capacity(spans.len());
     let mut device = None;

@@ -93,7 +93,8 @@ pub(crate) enum CopyKind {
     /// the local side: each task is bounced through the worker's pinned
     /// buffers of `chunk` bytes (`staged`), charged to `counters`.
     /// A same-host peer's device memory opened through CUDA IPC: `remote`
-    /// are addresses of `mappings` (kept open while the program lives),
+    /// are addresses of `mappings` (sorted by address, kept open while the
+    /// program lives),
     /// copied by the driver on the worker's stream; checked after each
     /// task as for `Cma`.
     #[cfg(feature = "cuda")]
