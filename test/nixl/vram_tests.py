@@ -31,6 +31,8 @@ otherwise.
   the guard bytes around every source and target range checked.
 - v03_peer_write, v03_peer_read: the same pairings with a second process
   (local DRAM/VRAM x remote DRAM/VRAM); both sides checked.
+- v05_slow_copies: v03's pairings, both ops, with every asynchronous
+  device copy delayed (ORBITE_CUDA_SHIM_COPY_DELAY_US) in both processes.
 - v04_bad_registration: VRAM registrations of host memory, a freed device
   pointer, a range past its allocation, the wrong ordinal and an ordinal
   with no device are refused (nixlBackendError: the agent's "registration
@@ -394,6 +396,16 @@ def v03_peer_read():
     peer_pairings("READ")
 
 
+def v05_slow_copies():
+    # Read by each process's first cuInit: this test's and the peer's
+    # (spawned with this environment). Every asynchronous copy waits on its
+    # stream first, so a status or a byte check that came before the
+    # engine's device copies retired would see old bytes.
+    os.environ["ORBITE_CUDA_SHIM_COPY_DELAY_US"] = "2000"
+    peer_pairings("WRITE")
+    peer_pairings("READ")
+
+
 def v04_bad_registration():
     cuda = Cuda()
     devs = devices(cuda)
@@ -440,6 +452,7 @@ TESTS = [
     ("v03_peer_write", v03_peer_write),
     ("v03_peer_read", v03_peer_read),
     ("v04_bad_registration", v04_bad_registration),
+    ("v05_slow_copies", v05_slow_copies),
 ]
 
 LABEL = "python vram tests"
