@@ -130,6 +130,16 @@ nixl_status_t statusOf(OrbiteStatus s) {
     }
 }
 
+bool vramAvailable() {
+    auto info = record<OrbiteAbiInfo>();
+    return orbite_abi_info(&info) == ORBITE_STATUS_OK && (info.features & ORBITE_FEATURE_VRAM) != 0;
+}
+
+nixl_mem_list_t supportedMems() {
+    if (vramAvailable()) return {DRAM_SEG, VRAM_SEG};
+    return {DRAM_SEG};
+}
+
 bool addDefault(std::string &json, const std::string &key, const std::string &value,
                 const std::vector<std::string> &unless, std::string &error) {
     std::vector<std::string> keys;
@@ -212,6 +222,7 @@ Engine::Engine(const nixlBackendInitParams *init_params) : nixlBackendEngine(ini
         options.required_features = ORBITE_FEATURE_TCP | ORBITE_FEATURE_NOTIFICATIONS;
         options.config_json = reinterpret_cast<const uint8_t *>(json.data());
         options.config_json_len = json.size();
+        mems_ = supportedMems();
         OrbiteStatus s = orbite_engine_create(&options, &engine_);
         if (s == ORBITE_STATUS_OK) {
             uint32_t source = ORBITE_ADVERTISE_NONE;
@@ -278,7 +289,7 @@ Engine::~Engine() {
     }
 }
 
-nixl_mem_list_t Engine::getSupportedMems() const { return {DRAM_SEG}; }
+nixl_mem_list_t Engine::getSupportedMems() const { return mems_; }
 
 nixl_status_t Engine::fail(OrbiteStatus s, const char *what) const {
     NIXL_DEBUG << "ORBITE: " << what << ": " << lastError();
@@ -286,15 +297,28 @@ nixl_status_t Engine::fail(OrbiteStatus s, const char *what) const {
 }
 
 nixl_status_t Engine::registerMem(const nixlBlobDesc &mem, const nixl_mem_t &nixl_mem, nixlBackendMD *&out) {
-    if (nixl_mem != DRAM_SEG) return NIXL_ERR_NOT_SUPPORTED;
+    if (nixl_mem != DRAM_SEG && nixl_mem != VRAM_SEG) return NIXL_ERR_NOT_SUPPORTED;
     auto region = record<OrbiteMemRegion>();
     region.addr = mem.addr;
     region.len = mem.len;
     region.kind = ORBITE_MEM_DRAM;
     region.permission = ORBITE_PERM_REMOTE_READ_WRITE;
+    if (nixl_mem == VRAM_SEG) {
+        // NIXL's device id of VRAM is the CUDA ordinal. The engine checks
+        // the range with the driver, or says why it takes no VRAM.
+        if (mem.devId > UINT32_MAX) return NIXL_ERR_INVALID_PARAM;
+        region.kind = ORBITE_MEM_VRAM;
+        region.device = static_cast<uint32_t>(mem.devId);
+    }
     OrbiteRegistration reg{};
     OrbiteStatus s = orbite_mem_register(engine_, &region, &reg);
-    if (s != ORBITE_STATUS_OK) return fail(s, "registerMem");
+    if (s != ORBITE_STATUS_OK) {
+        if (nixl_mem == VRAM_SEG) {
+            NIXL_WARN << "ORBITE: VRAM registration on device " << mem.devId << " refused: " << lastError();
+            return statusOf(s);
+        }
+        return fail(s, "registerMem");
+    }
     std::string exported;
     s = fetchBytes([&](uint8_t *b, size_t c, size_t *n) { return orbite_mem_export(reg, b, c, n); }, exported);
     if (s != ORBITE_STATUS_OK) {
@@ -420,7 +444,9 @@ nixl_status_t Engine::getPublicData(const nixlBackendMD *meta, std::string &str)
 
 nixl_status_t Engine::loadRemoteMD(const nixlBlobDesc &input, const nixl_mem_t &nixl_mem,
                                    const std::string &remote_agent, nixlBackendMD *&output) {
-    if (nixl_mem != DRAM_SEG) return NIXL_ERR_NOT_SUPPORTED;
+    // The peer's description says what memory the range is; the engine
+    // routes (and stages) by it.
+    if (nixl_mem != DRAM_SEG && nixl_mem != VRAM_SEG) return NIXL_ERR_NOT_SUPPORTED;
     std::shared_ptr<PeerSlot> slot;
     OrbitePeer peer{};
     nixl_status_t st = peerFor(remote_agent, slot, peer);
@@ -482,7 +508,10 @@ nixl_status_t Engine::prepare(Request &r) const {
 nixl_status_t Engine::prepXfer(const nixl_xfer_op_t &operation, const nixl_meta_dlist_t &local,
                                const nixl_meta_dlist_t &remote, const std::string &remote_agent,
                                nixlBackendReqH *&handle, const nixl_opt_b_args_t *opt_args) const {
-    if (local.getType() != DRAM_SEG || remote.getType() != DRAM_SEG) return NIXL_ERR_NOT_SUPPORTED;
+    // Every pairing of DRAM and VRAM: the engine picks the route and stages
+    // device memory where the route needs it.
+    auto memory = [](nixl_mem_t m) { return m == DRAM_SEG || m == VRAM_SEG; };
+    if (!memory(local.getType()) || !memory(remote.getType())) return NIXL_ERR_NOT_SUPPORTED;
     if (opt_args != nullptr && !opt_args->customParam.empty()) {
         NIXL_ERROR << "ORBITE: customParam is not understood and is refused";
         return NIXL_ERR_INVALID_PARAM;

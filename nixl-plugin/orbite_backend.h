@@ -120,6 +120,13 @@ nixl_status_t statusOf(OrbiteStatus s);
 // understand and for an unusable ORBITE_CONFIG.
 bool buildConfig(const nixlBackendInitParams &params, std::string &json, std::string &error);
 
+// True when liborbite_nixl takes VRAM registrations (ORBITE_FEATURE_VRAM:
+// built with feature `cuda`, and the CUDA driver reports a device).
+bool vramAvailable();
+// The memory the ORBITE backend advertises: DRAM_SEG, and VRAM_SEG when
+// vramAvailable().
+nixl_mem_list_t supportedMems();
+
 // Adds `"key": value` to a JSON object unless one of `unless` is among its
 // top-level keys. False (with a reason) if `json` is not an object.
 bool addDefault(std::string &json, const std::string &key, const std::string &value,
@@ -188,6 +195,7 @@ private:
     void reap() const;
 
     OrbiteEngine engine_{};
+    nixl_mem_list_t mems_{DRAM_SEG};
     std::shared_ptr<PeerSlot> self_;
     std::string self_info_;
     std::string init_error_;

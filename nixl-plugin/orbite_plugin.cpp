@@ -29,7 +29,8 @@ nixl_b_params_t backendOptions() {
     return {{"config", "{}"}};
 }
 
-nixl_mem_list_t backendMems() { return {DRAM_SEG}; }
+// VRAM_SEG too when the library takes device memory (docs/nixl-plugin.md).
+nixl_mem_list_t backendMems() { return orbite_nixl::supportedMems(); }
 
 nixlBackendPlugin plugin = {NIXL_PLUGIN_API_VERSION, createEngine, destroyEngine, pluginName,
                             pluginVersion,           backendOptions, backendMems};

@@ -12,6 +12,9 @@
   terminal state, with the exception NIXL's Python agent raises for a
   negative status folded into ("ERR", exc).
 - `let_go`: ends hold_all and lets held tasks go until the work is done.
+- `Cuda`: the CUDA driver API through ctypes (in the tests the driver shim,
+  orbite-cuda-shim, found on LD_LIBRARY_PATH): device memory for VRAM
+  registrations, filled and read back with driver copies only.
 """
 
 import ctypes
@@ -68,6 +71,19 @@ class _Stats(ctypes.Structure):
     ]
 
 
+# OrbiteStats of ABI 1.3: the fields above, then these.
+DEVICE_STAT_FIELDS = (
+    "pinned_ranges auth_failures device_allocations device_memory_bytes "
+    "staging_buffers staging_bytes cuda_imports"
+).split()
+
+
+class _StatsV13(ctypes.Structure):
+    _fields_ = [("size", ctypes.c_uint32), ("version", ctypes.c_uint32)] + [
+        (f, ctypes.c_uint64) for f in STAT_FIELDS + DEVICE_STAT_FIELDS
+    ]
+
+
 class Hooks:
     """The engine of this process's ORBITE backend, through the test hooks."""
 
@@ -121,6 +137,15 @@ class Hooks:
         self._ok("orbite_engine_stats", self.lib.orbite_engine_stats(self.engine, ctypes.byref(s)))
         return {f: getattr(s, f) for f in STAT_FIELDS}
 
+    def all_stats(self):
+        """Every counter of ABI 1.3 (the CUDA and staging ones included)."""
+        s = _StatsV13()
+        s.size = ctypes.sizeof(_StatsV13)
+        s.version = 1
+        out = ctypes.cast(ctypes.pointer(s), ctypes.POINTER(_Stats))  # the declared argument type
+        self._ok("orbite_engine_stats", self.lib.orbite_engine_stats(self.engine, out))
+        return {f: getattr(s, f) for f in STAT_FIELDS + DEVICE_STAT_FIELDS}
+
     def hold_all(self, on):
         self._ok("orbite_test_hold_all", self.lib.orbite_test_hold_all(self.engine, 1 if on else 0))
 
@@ -148,6 +173,115 @@ class Hooks:
             "orbite_test_fault_push",
             self.lib.orbite_test_fault_push(self.engine, kind, nbytes, effect_unknown),
         )
+
+
+SHIM_STAT_FIELDS = (
+    "device_allocations device_bytes host_allocations host_registrations ipc_imports "
+    "streams events context_retains async_copies copied_bytes"
+).split()
+
+
+class _ShimStats(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_uint64) for f in SHIM_STAT_FIELDS]
+
+
+class Cuda:
+    """The CUDA driver through ctypes: each device's primary context
+    (retained on first use, made current on the calling thread before each
+    call), allocations, and synchronous copies in and out. With the shim,
+    device memory cannot be touched by the CPU; only these copies reach it."""
+
+    def __init__(self, path="libcuda.so.1"):
+        self.lib = lib = ctypes.CDLL(path)
+        c_int, c_uint, c_size, c_ptr, c_u64 = ctypes.c_int, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_uint64
+        sigs = {
+            "cuInit": [c_uint],
+            "cuDeviceGetCount": [ctypes.POINTER(c_int)],
+            "cuDeviceGet": [ctypes.POINTER(c_int), c_int],
+            "cuDevicePrimaryCtxRetain": [ctypes.POINTER(c_ptr), c_int],
+            "cuDevicePrimaryCtxRelease_v2": [c_int],
+            "cuCtxSetCurrent": [c_ptr],
+            "cuMemAlloc_v2": [ctypes.POINTER(c_u64), c_size],
+            "cuMemFree_v2": [c_u64],
+            "cuMemcpyHtoD_v2": [c_u64, c_ptr, c_size],
+            "cuMemcpyDtoH_v2": [c_ptr, c_u64, c_size],
+        }
+        for name, args in sigs.items():
+            f = getattr(lib, name)
+            f.argtypes = args
+            f.restype = c_int
+        self._ok("cuInit", lib.cuInit(0))
+        self.contexts = {}  # ordinal -> (CUdevice, CUcontext)
+        self.allocs = {}  # pointer -> (ordinal, bytes)
+
+    def _ok(self, what, rc):
+        check(rc == 0, f"{what} returned CUresult {rc}")
+
+    def is_shim(self):
+        return hasattr(self.lib, "orbite_cuda_shim_stats")
+
+    def device_count(self):
+        n = ctypes.c_int(0)
+        self._ok("cuDeviceGetCount", self.lib.cuDeviceGetCount(ctypes.byref(n)))
+        return n.value
+
+    def use(self, device):
+        """Makes `device`'s primary context current on this thread."""
+        if device not in self.contexts:
+            dev, ctx = ctypes.c_int(0), ctypes.c_void_p()
+            self._ok("cuDeviceGet", self.lib.cuDeviceGet(ctypes.byref(dev), device))
+            self._ok("cuDevicePrimaryCtxRetain", self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+            self.contexts[device] = (dev.value, ctx)
+        self._ok("cuCtxSetCurrent", self.lib.cuCtxSetCurrent(self.contexts[device][1]))
+
+    def alloc(self, device, size):
+        self.use(device)
+        p = ctypes.c_uint64(0)
+        self._ok("cuMemAlloc_v2", self.lib.cuMemAlloc_v2(ctypes.byref(p), size))
+        self.allocs[p.value] = (device, size)
+        return p.value
+
+    def free(self, ptr):
+        device, _ = self.allocs.pop(ptr)
+        self.use(device)
+        self._ok("cuMemFree_v2", self.lib.cuMemFree_v2(ptr))
+
+    def write(self, ptr, data, offset=0):
+        """Copies `data` (bytes-like) to device memory at ptr + offset."""
+        device = self._device_of(ptr)
+        self.use(device)
+        src = ctypes.create_string_buffer(bytes(data), len(data))
+        self._ok("cuMemcpyHtoD_v2", self.lib.cuMemcpyHtoD_v2(ptr + offset, src, len(data)))
+
+    def read(self, ptr, length, offset=0):
+        device = self._device_of(ptr)
+        self.use(device)
+        dst = ctypes.create_string_buffer(length)
+        self._ok("cuMemcpyDtoH_v2", self.lib.cuMemcpyDtoH_v2(dst, ptr + offset, length))
+        return dst.raw
+
+    def _device_of(self, ptr):
+        for base, (device, size) in self.allocs.items():
+            if base <= ptr < base + size:
+                return device
+        return 0
+
+    def shim_stats(self):
+        """orbite_cuda_shim_stats: what the whole process holds of the shim."""
+        f = self.lib.orbite_cuda_shim_stats
+        f.argtypes = [ctypes.POINTER(_ShimStats)]
+        f.restype = ctypes.c_int32
+        s = _ShimStats()
+        self._ok("orbite_cuda_shim_stats", f(ctypes.byref(s)))
+        return {k: getattr(s, k) for k in SHIM_STAT_FIELDS}
+
+    def close(self):
+        """Frees what is still allocated and releases the contexts."""
+        for ptr in list(self.allocs):
+            self.free(ptr)
+        for device, (dev, _) in list(self.contexts.items()):
+            self._ok("cuDevicePrimaryCtxRelease_v2", self.lib.cuDevicePrimaryCtxRelease_v2(dev))
+            del self.contexts[device]
 
 
 def expect_stats(base, now, what, **overrides):
@@ -326,6 +460,8 @@ class _Server:
         self.agent = make_agent(name, config, style)
         self.hooks = Hooks()
         self.bufs = {}  # key -> numpy array
+        self.vbufs = {}  # key -> (device pointer, bytes, CUDA ordinal)
+        self.cuda = None  # Cuda, on the first VRAM command
         self.regs = {}  # key -> nixlRegDList
         self.notifs = {}  # sender -> [bytes], everything received so far
 
@@ -342,6 +478,57 @@ class _Server:
 
     def deregister(self, key):
         self.agent.deregister_memory(self.regs.pop(key))
+
+    # device memory (the CUDA driver: the shim in the tests)
+    def _driver(self):
+        if self.cuda is None:
+            self.cuda = Cuda()
+        return self.cuda
+
+    def vram_alloc(self, key, size, device=0, fill=0):
+        cuda = self._driver()
+        ptr = cuda.alloc(device, size)
+        cuda.write(ptr, bytes([fill]) * size)
+        self.vbufs[key] = (ptr, size, device)
+        return ptr
+
+    def vram_register(self, key, size=None, device=None, offset=0):
+        """Registers [ptr + offset, + size) of `key` as VRAM of `device`
+        (default: the allocation's own range and ordinal)."""
+        ptr, n, dev = self.vbufs[key]
+        size = n if size is None else size
+        device = dev if device is None else device
+        self.regs[key] = self.agent.register_memory([(ptr + offset, size, device, "")], "VRAM")
+        return ptr
+
+    def vram_write(self, key, offset, data):
+        self.cuda.write(self.vbufs[key][0], data, offset)
+
+    def vram_read(self, key, offset=0, length=None):
+        ptr, n, _ = self.vbufs[key]
+        return self.cuda.read(ptr, n - offset if length is None else length, offset)
+
+    def vram_free(self, key):
+        ptr, _, _ = self.vbufs.pop(key)
+        self.cuda.free(ptr)
+
+    def shim_stats(self):
+        return self._driver().shim_stats()
+
+    def all_stats(self):
+        return self.hooks.all_stats()
+
+    def drop_agent(self):
+        """Deregisters everything and destroys the agent (its backend and
+        engine); returns the shim's counters afterwards."""
+        import gc
+
+        for key in list(self.regs):
+            self.deregister(key)
+        self.agent = None
+        self.hooks = None
+        gc.collect()
+        return self.shim_stats()
 
     def reregister(self, key):
         """Deregisters the buffer and registers the same memory again."""
@@ -425,8 +612,9 @@ class _Server:
         return True
 
     def shutdown(self):
-        for key in list(self.regs):
-            self.deregister(key)
+        if self.agent is not None:
+            for key in list(self.regs):
+                self.deregister(key)
         return True
 
 

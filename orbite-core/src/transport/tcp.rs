@@ -362,7 +362,15 @@ impl Server {
             Server { addr, local: local_name, shared: shared.clone(), threads: Mutex::new(Vec::new()), watchers };
         for i in 0..server_threads() {
             let shared = shared.clone();
-            let spawned = std::thread::Builder::new().name(format!("orbite-serve-{i}")).spawn(move || shared.run());
+            let spawned = std::thread::Builder::new().name(format!("orbite-serve-{i}")).spawn(move || {
+                shared.run();
+                // The streams its target staging made (ServerStage) go with
+                // it, in plain code: in a thread-local destructor the
+                // driver's per-thread state may be gone already, and they
+                // would leak.
+                #[cfg(feature = "cuda")]
+                crate::cuda::release_thread_streams();
+            });
             match spawned {
                 Ok(h) => server.threads.lock().push(h),
                 Err(e) => {
