@@ -361,6 +361,14 @@ def peer_pairings(op):
             for remote in theirs:
                 seed += 2
                 move(agent, op, local, remote, "T", seed, f"{op} local {label(local)} peer {label(remote)}")
+        # Same host: the peer's device memory was opened here through CUDA
+        # IPC, once per allocation, and the peer staged nothing.
+        now = hooks.all_stats()
+        check(now["cuda_imports"] == base["cuda_imports"] + len(devs),
+              f"CUDA IPC imports {now['cuda_imports']} (want {base['cuda_imports'] + len(devs)})")
+        t_mid = t.all_stats()
+        check(t_mid["staging_buffers"] == t_base["staging_buffers"],
+              f"the peer staged ({t_mid['staging_buffers']} buffers): its VRAM should be reached through CUDA IPC")
         for m in mine:
             m.release()
         # the peer's handle goes with remove_remote_agent
