@@ -51,29 +51,44 @@ pub enum CopyDirection {
 }
 
 /// The driver's own copy bandwidth on device `device` in GB/s: `len`-byte
-/// `cuMemcpyAsync` copies on one stream, `iters` of them, page-locked host
-/// memory where a host side is involved, waited for with an event. The
-/// reference the bench's `vram-*` rows compare with (the machine's limit
-/// for staging and device-to-device copies).
-pub fn reference_copy_gbps(device: u32, direction: CopyDirection, len: u64, iters: u32) -> Result<f64, String> {
+/// `cuMemcpyAsync` copies on one stream, `iters` of them, walking through
+/// `span` bytes (at least `len`) as a transfer of that size walks through
+/// its blocks, so that the reference has the transfers' working set and
+/// not a cache-resident one; page-locked host memory where a host side is
+/// involved; each waited for with an event. The reference the bench's
+/// `vram-*` rows compare with (the machine's limit for staging and
+/// device-to-device copies).
+pub fn reference_copy_gbps(
+    device: u32,
+    direction: CopyDirection,
+    len: u64,
+    span: u64,
+    iters: u32,
+) -> Result<f64, String> {
     #[cfg(feature = "cuda")]
     {
-        let dev = driver::DeviceAllocation::new(device, len)?;
-        let other = driver::DeviceAllocation::new(device, len)?;
-        let host = driver::PinnedBuffer::new(device, len)?;
-        let copy = match direction {
-            CopyDirection::HostToDevice => (dev.ptr, host.addr(), len),
-            CopyDirection::DeviceToHost => (host.addr(), dev.ptr, len),
-            CopyDirection::DeviceToDevice => (other.ptr, dev.ptr, len),
+        let span = span.max(len);
+        let blocks = span / len;
+        let dev = driver::DeviceAllocation::new(device, blocks * len)?;
+        let other = driver::DeviceAllocation::new(device, blocks * len)?;
+        let host = driver::PinnedBuffer::new(device, blocks * len)?;
+        let copy = |i: u64| {
+            let at = (i % blocks) * len;
+            match direction {
+                CopyDirection::HostToDevice => (dev.ptr + at, host.addr() + at, len),
+                CopyDirection::DeviceToHost => (host.addr() + at, dev.ptr + at, len),
+                CopyDirection::DeviceToDevice => (other.ptr + at, dev.ptr + at, len),
+            }
         };
-        // One warm-up copy, then the measured ones, one event wait each.
-        let (_, e) = driver::copy_on_stream(device, &[copy]);
-        if let Some(e) = e {
-            return Err(e);
+        // One pass to warm up, then the measured copies, one event wait each.
+        for i in 0..blocks {
+            if let (_, Some(e)) = driver::copy_on_stream(device, &[copy(i)]) {
+                return Err(e);
+            }
         }
         let start = std::time::Instant::now();
-        for _ in 0..iters.max(1) {
-            if let (_, Some(e)) = driver::copy_on_stream(device, &[copy]) {
+        for i in 0..iters.max(1) as u64 {
+            if let (_, Some(e)) = driver::copy_on_stream(device, &[copy(i)]) {
                 return Err(e);
             }
         }
@@ -83,7 +98,7 @@ pub fn reference_copy_gbps(device: u32, direction: CopyDirection, len: u64, iter
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (device, direction, len, iters);
+        let _ = (device, direction, len, span, iters);
         Err(NOT_BUILT.to_owned())
     }
 }
