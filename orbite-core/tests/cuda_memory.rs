@@ -337,6 +337,47 @@ mod with_the_feature {
         assert_eq!(e.stats(), base, "charges back to baseline");
     }
 
+    /// Within one registration of device memory, source and destination
+    /// may overlap: the bytes are those of a memmove (the driver's own
+    /// copies are undefined there), forward and backward; an overlap that
+    /// would need more than 1024 copies is refused at prepare.
+    #[test]
+    fn overlapping_device_ranges_move_as_memmove() {
+        let Some((_, _turn)) = devices("overlapping_device_ranges_move_as_memmove") else { return };
+        let e = engine("{}");
+        let base = e.stats();
+        let len = 1 << 20;
+        let rw = Permission::RemoteReadWrite;
+        let a = e.allocate_cuda_memory(0, len).unwrap();
+        let ia = e.register_memory_ranges(vec![MemoryRange::cuda(&a, 0, len, rw).unwrap()]).unwrap()[0];
+        for (round, (src, dst, n)) in
+            [(1000u64, 5000u64, 300_000u64), (300_000, 4096, 250_000), (64, 64 + 4000, 4000 * 200), (7, 7, 1000)]
+                .into_iter()
+                .enumerate()
+        {
+            device_fill(&a, 70 + round as u64);
+            let mut want = device_bytes(&a);
+            want.copy_within(src as usize..(src + n) as usize, dst as usize);
+            let (l, r) = (descs(ia, &[(src, n)]), descs(ia, &[(dst, n)]));
+            let t = e.prepare(&spec(Op::Write, &l, &r)).unwrap();
+            t.post().unwrap();
+            assert_eq!(wait_retired(&t).outcome.code, OutcomeCode::Success, "round {round}");
+            assert!(device_bytes(&a) == want, "round {round}: {src} -> {dst}, {n} bytes: not a memmove");
+            t.release().unwrap();
+        }
+        let (l, r) = (descs(ia, &[(0, 600_000)]), descs(ia, &[(100, 600_000)]));
+        match e.prepare(&spec(Op::Write, &l, &r)) {
+            Err(Error::Batch(BatchError::InvalidDescriptor { reason, .. })) => {
+                assert!(reason.contains("overlap"), "{reason}")
+            }
+            other => panic!("{:?}", other.map(|t| t.route().clone())),
+        }
+        e.deregister(ia).unwrap();
+        drop(a);
+        assert_idle(&e);
+        assert_eq!(e.stats(), base, "charges back to baseline");
+    }
+
     /// The workers' streams and events go with the engine; every context
     /// reference is given back.
     #[test]

@@ -220,6 +220,10 @@ pub(crate) fn build(
     let loans = ids.iter().map(|id| table.get(*id).cloned()).collect::<Result<Vec<_>, _>>()?;
     let (kind, staging) = device_kind(kind, &loans, config, counters)?;
     let program = build_program(spec.op, kind, &local, &remote, config.task_bytes);
+    #[cfg(feature = "cuda")]
+    if matches!(program.kind, CopyKind::Device { .. }) {
+        overlaps_within_bounds(&program)?;
+    }
     let plan = Plan {
         program,
         staging,
@@ -271,6 +275,29 @@ fn device_kind(
         #[allow(unreachable_patterns, reason = "without feature cuda no device registration exists")]
         other => Err(Error::NotSupported(format!("CUDA device memory (device {device}) with {other:?}"))),
     }
+}
+
+/// Device copies within one engine whose source and destination overlap
+/// are cut into pieces (memmove semantics); a span that would need more
+/// than [`crate::transport::MAX_OVERLAP_PIECES`] is refused.
+#[cfg(feature = "cuda")]
+fn overlaps_within_bounds(p: &CopyProgram) -> Result<(), Error> {
+    for (index, s) in p.spans.iter().enumerate() {
+        let (src, dst) = match p.op {
+            Op::Write => (s.local, s.remote),
+            Op::Read => (s.remote, s.local),
+        };
+        if crate::transport::memmove_pieces(dst, src, s.len) > crate::transport::MAX_OVERLAP_PIECES {
+            let reason = format!(
+                "span {index}: source and destination of {} bytes of device memory overlap {} bytes apart: more than {} copies",
+                s.len,
+                dst.abs_diff(src),
+                crate::transport::MAX_OVERLAP_PIECES
+            );
+            return Err(BatchError::InvalidDescriptor { side: "remote", index, reason }.into());
+        }
+    }
+    Ok(())
 }
 
 /// Most spans in one route task (bounds a peer request's body).

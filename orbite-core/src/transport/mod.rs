@@ -160,7 +160,7 @@ fn device_copy(device: u32, op: Op, spans: &[Span], limit: u64) -> (u64, Option<
             Op::Write => (s.local, s.remote),
             Op::Read => (s.remote, s.local),
         };
-        copies.push((dst, src, n));
+        push_memmove(&mut copies, dst, src, n);
         left -= n;
     }
     match crate::cuda::copy_on_stream(device, &copies) {
@@ -168,6 +168,46 @@ fn device_copy(device: u32, op: Op, spans: &[Span], limit: u64) -> (u64, Option<
         // The bytes of the copies before the failing one landed; whether the
         // failing one wrote anything is not known.
         (done, Some(_why)) => (done, Some(TaskEnd::Failed { effect_unknown: true })),
+    }
+}
+
+/// Most pieces one span of a device copy is cut into where its source and
+/// destination overlap (a span that would need more is refused at prepare).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "device copies only with feature cuda"))]
+pub(crate) const MAX_OVERLAP_PIECES: u64 = 1024;
+
+/// Pieces of `n` bytes from `src` to `dst` with memmove semantics: the
+/// driver's copies are undefined where source and destination overlap, so
+/// an overlapping copy is cut into pieces no longer than the distance
+/// between them, in the order that reads every byte before it is
+/// overwritten (stream order runs them one after another). A copy onto
+/// itself stays one copy: whatever the order, each byte gets its own value.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "device copies only with feature cuda"))]
+pub(crate) fn push_memmove(out: &mut Vec<(u64, u64, u64)>, dst: u64, src: u64, n: u64) {
+    let d = dst.abs_diff(src);
+    if d == 0 || d >= n {
+        out.push((dst, src, n));
+        return;
+    }
+    let pieces = n.div_ceil(d);
+    let piece = |i: u64| {
+        let off = i * d;
+        (dst + off, src + off, d.min(n - off))
+    };
+    if dst < src {
+        out.extend((0..pieces).map(piece));
+    } else {
+        out.extend((0..pieces).rev().map(piece));
+    }
+}
+
+/// Pieces [`push_memmove`] cuts a span of `n` bytes from `src` to `dst`
+/// into.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "device copies only with feature cuda"))]
+pub(crate) fn memmove_pieces(dst: u64, src: u64, n: u64) -> u64 {
+    match dst.abs_diff(src) {
+        d if d == 0 || d >= n => 1,
+        d => n.div_ceil(d),
     }
 }
 
@@ -307,4 +347,36 @@ pub enum PeerError {
         /// The limit.
         limit: u64,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `push_memmove`'s pieces, run in order on a byte array, give what
+    /// `copy_within` (memmove) gives, for every distance and direction.
+    #[test]
+    fn overlapping_device_copies_are_cut_into_memmove_order() {
+        for n in [1u64, 2, 7, 64, 100] {
+            for src in 0..20u64 {
+                for dst in 0..20u64 {
+                    let mut want: Vec<u8> = (0..140u8).collect();
+                    let mut got = want.clone();
+                    want.copy_within(src as usize..(src + n) as usize, dst as usize);
+                    let mut pieces = Vec::new();
+                    push_memmove(&mut pieces, dst, src, n);
+                    assert_eq!(pieces.len() as u64, memmove_pieces(dst, src, n));
+                    let mut bytes = 0;
+                    for (d, s, len) in pieces {
+                        assert!(d == s || d.abs_diff(s) >= len, "a piece overlaps itself");
+                        let tmp = got[s as usize..(s + len) as usize].to_vec();
+                        got[d as usize..(d + len) as usize].copy_from_slice(&tmp);
+                        bytes += len;
+                    }
+                    assert_eq!(got, want, "n {n} src {src} dst {dst}");
+                    assert_eq!(bytes, n, "every byte is counted");
+                }
+            }
+        }
+    }
 }
