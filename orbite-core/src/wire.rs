@@ -644,6 +644,12 @@ pub const MAX_IPC_HANDLES: usize = 1024;
 /// Bytes of a CUDA IPC memory handle (`CUipcMemHandle`).
 pub const IPC_HANDLE_LEN: usize = 64;
 
+/// Longest encoding of one IpcHandlesReply entry: a refusal with the
+/// longest reason (status, length, reason); an exported entry (status,
+/// UUID, handle, offset, length) is shorter.
+pub const IPC_ENTRY_MAX: usize = 1 + 2 + MAX_ERROR_DETAIL;
+const _: () = assert!(1 + 16 + IPC_HANDLE_LEN + 16 <= IPC_ENTRY_MAX, "an exported entry fits the bound");
+
 /// Flag of a Borrow frame: the borrower reaches CUDA device memory of the
 /// target through an IPC mapping (asked on the local socket only).
 pub const BORROW_DEVICE: u8 = 2;
@@ -865,6 +871,7 @@ mod tests {
         assert!(decode_ipc_handles_reply(&out, 1).is_err(), "an offset outside its allocation");
         let long = IpcEntry::Refused("\u{e9}".repeat(200));
         encode_ipc_handles_reply(&mut out, &[long]);
+        assert!(out.len() <= 2 + IPC_ENTRY_MAX);
         let IpcEntry::Refused(why) = &decode_ipc_handles_reply(&out, 1).unwrap()[0] else { panic!() };
         assert!(why.len() <= MAX_ERROR_DETAIL && why.chars().all(|c| c == '\u{e9}'));
     }

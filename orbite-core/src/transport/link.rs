@@ -448,29 +448,41 @@ impl<J: CopyJob> PeerLink<J> {
         Ok(link)
     }
 
+    /// The bound of one exchange on the local socket: the peer timeout.
+    fn local_patience(&self) -> Patience {
+        Patience { stall: self.opts.stall(), until: Some(crate::time::deadline_after(self.opts.io_timeout)) }
+    }
+
+    /// Sends one `kind` frame with `body` over a fresh connection to the
+    /// local socket of this peer, which must lead to the process the
+    /// kernel named at open; the connection, for its answer.
+    fn ask_local(&self, kind: Kind, body: &[u8], patience: &Patience) -> Result<Stream, String> {
+        let cred = self.local.as_ref().map_err(Clone::clone)?;
+        let d = &self.descriptor;
+        let (s, again) =
+            connect_local(&d.local_socket, d.epoch, self.my_epoch, self.secret.as_deref(), &self.opts, patience)?;
+        if again.pid != cred.pid {
+            return Err("the peer's local socket changed hands".into());
+        }
+        let hb = wire::encode_header(&wire::header(kind, body.len(), 0, 1));
+        let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
+        // SAFETY: both entries borrow live local buffers for the call.
+        unsafe { writev_within(s.as_raw_fd(), &mut v, Some(patience)) }.map_err(|e| e.to_string())?;
+        Ok(s)
+    }
+
     /// Asks a peer proven local for the descriptors of its shared
     /// allocations `names` (sealed memfds, over a fresh connection to its
     /// local socket, which must lead to the same process): per name, the
     /// descriptor or why not. Bounded by the peer timeout.
     pub fn fetch_shared(&self, names: &[&str]) -> Result<Vec<Result<OwnedFd, String>>, String> {
-        let cred = self.local.as_ref().map_err(Clone::clone)?;
-        let d = &self.descriptor;
-        let patience =
-            Patience { stall: self.opts.stall(), until: Some(crate::time::deadline_after(self.opts.io_timeout)) };
+        let patience = self.local_patience();
         let mut out = Vec::with_capacity(names.len());
+        let mut body = Vec::new();
         for chunk in names.chunks(wire::MAX_SHARED_FDS) {
-            let (s, again) =
-                connect_local(&d.local_socket, d.epoch, self.my_epoch, self.secret.as_deref(), &self.opts, &patience)?;
-            if again.pid != cred.pid {
-                return Err("the peer's local socket changed hands".into());
-            }
-            let fd = s.as_raw_fd();
-            let mut body = Vec::new();
             wire::encode_share_fds(&mut body, chunk.iter().copied());
-            let hb = wire::encode_header(&wire::header(Kind::ShareFds, body.len(), 0, 1));
-            let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
-            // SAFETY: both entries borrow live local buffers for the call.
-            unsafe { writev_within(fd, &mut v, Some(&patience)) }.map_err(|e| e.to_string())?;
+            let s = self.ask_local(Kind::ShareFds, &body, &patience)?;
+            let fd = s.as_raw_fd();
             // The descriptors come with the reply's first byte.
             let mut fds = Vec::new();
             let mut hb = [0u8; wire::HEADER_LEN];
@@ -515,28 +527,18 @@ impl<J: CopyJob> PeerLink<J> {
     /// socket, which must lead to the same process: per id, what it
     /// answered. Bounded by the peer timeout.
     pub fn fetch_ipc(&self, ids: &[u64]) -> Result<Vec<wire::IpcEntry>, String> {
-        let cred = self.local.as_ref().map_err(Clone::clone)?;
-        let d = &self.descriptor;
-        let patience =
-            Patience { stall: self.opts.stall(), until: Some(crate::time::deadline_after(self.opts.io_timeout)) };
+        let patience = self.local_patience();
         let mut out = Vec::with_capacity(ids.len());
+        let mut body = Vec::new();
         for chunk in ids.chunks(wire::MAX_IPC_HANDLES) {
-            let (s, again) =
-                connect_local(&d.local_socket, d.epoch, self.my_epoch, self.secret.as_deref(), &self.opts, &patience)?;
-            if again.pid != cred.pid {
-                return Err("the peer's local socket changed hands".into());
-            }
+            wire::encode_ipc_handles(&mut body, self.descriptor.epoch, chunk);
+            let s = self.ask_local(Kind::IpcHandles, &body, &patience)?;
             let fd = s.as_raw_fd();
-            let mut body = Vec::new();
-            wire::encode_ipc_handles(&mut body, d.epoch, chunk);
-            let hb = wire::encode_header(&wire::header(Kind::IpcHandles, body.len(), 0, 1));
-            let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
-            // SAFETY: both entries borrow live local buffers for the call.
-            unsafe { writev_within(fd, &mut v, Some(&patience)) }.map_err(|e| e.to_string())?;
             let mut hb = [0u8; wire::HEADER_LEN];
             read_exact_within(fd, &mut hb, Some(&patience)).map_err(|e| format!("IPC handles: {e}"))?;
-            // The longest answer: every entry exported.
-            let max_body = 2 + chunk.len() * (1 + 16 + wire::IPC_HANDLE_LEN + 16) + wire::MAX_ERROR_DETAIL + 8;
+            // The longest answer: every entry refused with the longest
+            // reason (an exported entry is shorter), or an error frame.
+            let max_body = (2 + chunk.len() * wire::IPC_ENTRY_MAX).max(4 + wire::MAX_ERROR_DETAIL);
             let limits = Limits { max_body: max_body as u32, max_data: 0 };
             let h = wire::decode_header(&hb, limits).map_err(|e| e.to_string())?;
             let mut body = vec![0u8; h.body_len as usize];
