@@ -140,19 +140,8 @@ impl TargetSide for EngineInner {
         }
         let table = self.registry.lock();
         for d in req.descs() {
-            let id = RegistrationId::from_raw(d.registration);
-            let reg = table.get(id).map_err(|e| match e {
-                crate::RegistryError::Unknown(_) => (RemoteStatus::UnknownRegistration, e.to_string()),
-                _ => (RemoteStatus::StaleRegistration, e.to_string()),
-            })?;
-            let allowed = if write { reg.permission.remote_write() } else { reg.permission.remote_read() };
-            if !allowed || reg.is_fenced() || reg.is_host() {
-                return Err((RemoteStatus::PermissionDenied, format!("{id} does not permit this access")));
-            }
-            match d.offset.checked_add(d.len) {
-                Some(end) if end <= reg.len && d.len > 0 => {}
-                _ => return Err((RemoteStatus::OutOfBounds, format!("{}+{} outside {id}", d.offset, d.len))),
-            }
+            // Device memory only: what the borrower opened through IPC.
+            let reg = checked_range(&table, d, write, |r| !r.is_host())?;
             if !loans.last().is_some_and(|l| Arc::ptr_eq(l, reg)) {
                 loans.push(reg.clone());
             }
@@ -212,6 +201,30 @@ impl TargetSide for EngineInner {
     }
 }
 
+/// The live registration a peer's descriptor `d` names, if the access
+/// (`write` or read), the fence, `reachable` and the bounds (checked
+/// arithmetic) allow it.
+fn checked_range(
+    table: &crate::registry::Table,
+    d: crate::wire::RemoteDesc,
+    write: bool,
+    reachable: impl Fn(&Registration) -> bool,
+) -> Result<&Arc<Registration>, (RemoteStatus, String)> {
+    let id = RegistrationId::from_raw(d.registration);
+    let reg = table.get(id).map_err(|e| match e {
+        crate::RegistryError::Unknown(_) => (RemoteStatus::UnknownRegistration, e.to_string()),
+        _ => (RemoteStatus::StaleRegistration, e.to_string()),
+    })?;
+    let allowed = if write { reg.permission.remote_write() } else { reg.permission.remote_read() };
+    if !allowed || reg.is_fenced() || !reachable(reg) {
+        return Err((RemoteStatus::PermissionDenied, format!("{id} does not permit this access")));
+    }
+    match d.offset.checked_add(d.len) {
+        Some(end) if end <= reg.len && d.len > 0 => Ok(reg),
+        _ => Err((RemoteStatus::OutOfBounds, format!("{}+{} outside {id}", d.offset, d.len))),
+    }
+}
+
 impl EngineInner {
     /// Counts a failed authentication with peer `who`, and logs it once
     /// per peer.
@@ -237,21 +250,8 @@ impl EngineInner {
         {
             let table = self.registry.lock();
             for d in req.descs() {
-                let id = RegistrationId::from_raw(d.registration);
-                let reg = table.get(id).map_err(|e| match e {
-                    crate::RegistryError::Unknown(_) => (RemoteStatus::UnknownRegistration, e.to_string()),
-                    _ => (RemoteStatus::StaleRegistration, e.to_string()),
-                })?;
-                let allowed = if write { reg.permission.remote_write() } else { reg.permission.remote_read() };
                 // Device memory only where this target stages it.
-                let reachable = reg.is_host() || (staging && cfg!(feature = "cuda"));
-                if !allowed || reg.is_fenced() || !reachable {
-                    return Err((RemoteStatus::PermissionDenied, format!("{id} does not permit this access")));
-                }
-                match d.offset.checked_add(d.len) {
-                    Some(end) if end <= reg.len && d.len > 0 => {}
-                    _ => return Err((RemoteStatus::OutOfBounds, format!("{}+{} outside {id}", d.offset, d.len))),
-                }
+                let reg = checked_range(&table, d, write, |r| r.is_host() || (staging && cfg!(feature = "cuda")))?;
                 #[cfg(feature = "cuda")]
                 if let crate::memory::MemoryKind::Cuda { device } = reg.kind {
                     device_ranges.push((iovs.len(), reg.base as u64 + d.offset, d.len, device));
