@@ -246,13 +246,12 @@ impl<J: CopyJob> Peer<J> {
         if ids.is_empty() {
             return Vec::new();
         }
-        let counters = match self.same_host.as_ref().map(|h| h.ipc.as_ref()) {
-            Ok(Ok(c)) => c.clone(),
-            Ok(Err(why)) => return ids.iter().map(|id| (*id, Err(why.clone()))).collect(),
-            Err(why) => return ids.iter().map(|id| (*id, Err(why.clone()))).collect(),
-        };
-        let entries = match self.link.fetch_ipc(ids) {
-            Ok(e) => e,
+        let asked = self.same_host.as_ref().and_then(|h| h.ipc.as_ref()).map_err(Clone::clone).and_then(|c| {
+            let entries = self.link.fetch_ipc(ids)?;
+            Ok((c.clone(), entries))
+        });
+        let (counters, entries) = match asked {
+            Ok(a) => a,
             Err(why) => return ids.iter().map(|id| (*id, Err(why.clone()))).collect(),
         };
         let lens: Vec<Option<u64>> = {
