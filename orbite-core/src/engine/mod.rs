@@ -741,7 +741,11 @@ impl TransferEngine {
         &self.inner().config
     }
 
-    /// Allocates page-aligned, zeroed host memory charged to this engine.
+    /// Allocates page-aligned, zeroed host memory charged to this engine: a
+    /// private mapping of its own, which from 2 MiB on starts on a
+    /// huge-page boundary and is offered transparent huge pages
+    /// (`MADV_HUGEPAGE`; the kernel decides), so that copies, and cma's
+    /// page pinning above all, walk 2 MiB pages.
     pub fn allocate_host_memory(&self, len: usize) -> Result<HostMemory, Error> {
         let inner = self.inner();
         if inner.is_closed() {
