@@ -148,6 +148,12 @@ pub struct EngineConfig {
     /// connection. Default 4 (across hosts more parallel streams move
     /// more: measured with test/nixl/multihost.py --bench).
     pub connections_per_peer: u32,
+    /// Receive window of each tcp data connection, in bytes (its
+    /// `SO_RCVBUF`; the send buffer is twice it). 0 (the default): one
+    /// route task, `task_bytes`, at least 1 MiB and at most 64 MiB. Raise
+    /// it where one connection must cover a long round trip (its
+    /// throughput is at most a window per round trip).
+    pub tcp_window_bytes: u64,
     /// A peer that shows no sign of life for this many milliseconds while a
     /// request to it is outstanding (nothing received, nothing accepted
     /// for sending) is lost: its executions fail after local retirement.
@@ -205,6 +211,7 @@ impl Default for EngineConfig {
             advertise: None,
             auth: None,
             connections_per_peer: 4,
+            tcp_window_bytes: 0,
             peer_timeout_ms: 10_000,
             peer_min_bytes_per_s: MIB,
             max_frame_body: MIB,
@@ -286,6 +293,9 @@ impl EngineConfig {
         if !(1..=16).contains(&self.connections_per_peer) {
             return invalid("connections_per_peer", "must be 1 to 16");
         }
+        if self.tcp_window_bytes != 0 && !(4 * KIB..=GIB).contains(&self.tcp_window_bytes) {
+            return invalid("tcp_window_bytes", "must be 0 (automatic) or 4 KiB to 1 GiB");
+        }
         if self.peer_timeout_ms == 0 {
             return invalid("peer_timeout_ms", "must be at least 1");
         }
@@ -335,6 +345,15 @@ impl EngineConfig {
     /// How long workers and waiters poll before sleeping.
     pub fn spin(&self) -> Duration {
         Duration::from_micros(self.spin_us)
+    }
+
+    /// Each tcp data connection's receive window: `tcp_window_bytes`, or
+    /// when 0 one route task (`task_bytes`) within 1 MiB to 64 MiB.
+    pub fn tcp_window(&self) -> u64 {
+        match self.tcp_window_bytes {
+            0 => self.task_bytes.clamp(MIB, 64 * MIB),
+            n => n,
+        }
     }
 
     /// Bound on a peer's silence.
@@ -528,6 +547,16 @@ mod tests {
     }
 
     #[test]
+    fn the_tcp_window_follows_the_task_size_unless_set() {
+        let window = |json: &str| EngineConfig::from_json(json).unwrap().tcp_window();
+        assert_eq!(window("{}"), MIB);
+        assert_eq!(window(r#"{"task_bytes": 65536}"#), MIB, "at least 1 MiB");
+        assert_eq!(window(r#"{"task_bytes": 4194304}"#), 4 * MIB);
+        assert_eq!(window(r#"{"task_bytes": 1073741824, "max_bytes_in_flight": 1073741824}"#), 64 * MIB);
+        assert_eq!(window(r#"{"tcp_window_bytes": 8192, "task_bytes": 4194304}"#), 8192);
+    }
+
+    #[test]
     fn invalid_values_name_their_field() {
         for (json, field) in [
             (r#"{"max_executions": 0}"#, "max_executions"),
@@ -536,6 +565,8 @@ mod tests {
             (r#"{"local_route_workers": 65}"#, "local_route_workers"),
             (r#"{"inline_max_bytes": 1048577}"#, "inline_max_bytes"),
             (r#"{"staging_chunk_bytes": 4095}"#, "staging_chunk_bytes"),
+            (r#"{"tcp_window_bytes": 4095}"#, "tcp_window_bytes"),
+            (r#"{"tcp_window_bytes": 1073741825}"#, "tcp_window_bytes"),
             (r#"{"staging_chunk_bytes": 67108865}"#, "staging_chunk_bytes"),
             (r#"{"max_staging_bytes": 1048576}"#, "max_staging_bytes"),
             (r#"{"max_notification_bytes": 18446744073709551615}"#, "max_notification_bytes"),

@@ -38,6 +38,7 @@ impl EngineInner {
             min_rate: c.peer_min_bytes_per_s,
             limits: self.frame_limits(),
             max_descriptor: c.max_frame_body as usize,
+            window: c.tcp_window(),
             boot_id: self.boot_id,
         };
         use crate::transport::tcp::OpenError;

@@ -317,6 +317,7 @@ impl EngineInner {
             frame_timeout: Duration::from_millis(c.server_frame_timeout_ms),
             idle_timeout: (c.server_idle_timeout_ms > 0).then(|| Duration::from_millis(c.server_idle_timeout_ms)),
             min_rate: c.peer_min_bytes_per_s,
+            window: c.tcp_window(),
         }
     }
 

@@ -50,6 +50,8 @@ pub(crate) struct LinkOptions {
     pub min_rate: u64,
     pub limits: Limits,
     pub max_descriptor: usize,
+    /// Each data connection's receive window (`sock::tune`).
+    pub window: u64,
     /// This machine's boot id: a peer that reports it is asked to prove
     /// itself over its local socket.
     pub boot_id: [u8; 16],
@@ -345,7 +347,7 @@ impl<J: CopyJob> PeerLink<J> {
             let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
             let s =
                 TcpStream::connect_timeout(&addr, left).map_err(|e| OpenError::Connect(format!("{endpoint}: {e}")))?;
-            tune(&s);
+            tune(&s, opts.window);
             // The exchange at open blocks, waking every tick to check its
             // bounds; the drivers make the sockets non-blocking after.
             s.set_read_timeout(Some(tick)).map_err(|e| OpenError::Connect(e.to_string()))?;

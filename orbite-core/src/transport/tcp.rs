@@ -196,6 +196,8 @@ pub(crate) struct ServerLimits {
     pub idle_timeout: Option<Duration>,
     /// Slowest accepted peer, bytes per second (0: no rate bound).
     pub min_rate: u64,
+    /// Each accepted connection's receive window (`sock::tune`).
+    pub window: u64,
 }
 
 impl Default for ServerLimits {
@@ -206,6 +208,7 @@ impl Default for ServerLimits {
             frame_timeout: Duration::from_secs(10),
             idle_timeout: None,
             min_rate: 1 << 20,
+            window: 1 << 20,
         }
     }
 }
@@ -467,7 +470,7 @@ impl ServerShared {
                 }
                 *n += 1;
             }
-            tune(&stream);
+            tune(&stream, self.limits.window);
             self.admit(stream.into(), peer);
         }
         let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
