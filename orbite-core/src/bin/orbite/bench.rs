@@ -670,10 +670,14 @@ fn stream_references(quick: bool, n: u32, report: &mut Report) -> Result<(f64, f
     let dur = if quick { Duration::from_millis(200) } else { Duration::from_secs(2) };
     let (one, ok1) = limits::tcp_streams(1, dur)?;
     let (par, okn) = limits::tcp_streams(n as usize, dur)?;
+    // BBR paces a single loopback stream far below what CUBIC moves: the
+    // rows say which one this run had.
+    let congestion = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
+        .map_or_else(|_| "unknown".to_owned(), |s| s.trim().to_owned());
     for (route, streams, bps, ok) in [("socket", 1, one, ok1), ("socket-par", n, par, okn)] {
         report.emit(json!({
             "system": "reference", "route": route, "workload": "W1-write", "block_bytes": MIB, "streams": streams,
-            "gbps": round(bps / 1e9, 3), "verified": ok,
+            "gbps": round(bps / 1e9, 3), "verified": ok, "congestion_control": congestion,
         }));
     }
     Ok((one / 1e9, par / 1e9))
