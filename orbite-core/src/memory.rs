@@ -137,9 +137,10 @@ fn map_private(map_len: usize) -> Result<NonNull<u8>, MemoryError> {
         let e = std::io::Error::last_os_error();
         return Err(MemoryError::System(format!("allocation of {map_len} bytes failed: {e}")));
     }
-    let base = raw as usize;
-    let start = if huge { base.next_multiple_of(HUGE_PAGE) } else { base };
+    let mut start = raw as usize;
     if huge {
+        let base = start;
+        start = base.next_multiple_of(HUGE_PAGE);
         let (head, tail) = (start - base, reserve - (start - base) - map_len);
         // SAFETY: the unused head and tail of the reservation just made,
         // outside [start, start + map_len); nothing refers to them.
