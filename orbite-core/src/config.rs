@@ -119,6 +119,14 @@ pub struct EngineConfig {
     /// device to device. `false`: neither, and same-host device memory is
     /// staged over tcp. Default true.
     pub cuda_ipc: bool,
+    /// Host memory a device copy names (feature `cuda`): this engine's
+    /// host registrations, and a same-host peer's shared allocations
+    /// mapped here, are page-locked for the driver (`cuMemHostRegister`)
+    /// on the first device copy that names them and unpinned when they go,
+    /// so the copy engine reaches them without the driver's bounce
+    /// through its own buffers. Memory the driver refuses (already pinned
+    /// by its owner) stays as it is. `false`: never. Default true.
+    pub cuda_pin_host: bool,
     /// Handles a binding (the C ABI) may hold on this engine's objects at
     /// once: registrations, transfers, peers, shared allocations. Default
     /// 65 536.
@@ -205,6 +213,7 @@ impl Default for EngineConfig {
             staging_chunk_bytes: MIB,
             max_staging_bytes: GIB,
             cuda_ipc: true,
+            cuda_pin_host: true,
             max_binding_handles: 65_536,
             close_drain_timeout_ms: 5_000,
             listen: None,

@@ -133,8 +133,8 @@ impl fmt::Debug for DeviceRange {
 
 #[cfg(feature = "cuda")]
 pub(crate) use driver::{
-    ContextLease, DeviceAllocation, IpcMapping, PinnedBuffer, Stager, copy_on_stream, ipc_export,
-    release_thread_streams, validate,
+    ContextLease, DeviceAllocation, HostPin, IpcMapping, PinnedBuffer, Stager, Ticket, await_ticket, copy_on_stream,
+    ipc_export, issue_on_stream, release_thread_streams, validate, wait_ticket,
 };
 
 #[cfg(feature = "cuda")]
@@ -328,12 +328,16 @@ mod driver {
     /// waiting sleeps, and `CU_EVENT_DISABLE_TIMING` (2).
     const EVENT_FLAGS: u32 = 1 | 2;
 
-    /// A stream and an event of one device, owned by one route worker
-    /// thread: its copies run on it in order, and the event recorded after
-    /// them says when they are all done.
+    /// A stream of one device, owned by one route worker thread, with the
+    /// events it records after each batch of copies: its copies run on it
+    /// in order, and a batch's event says when it and everything before it
+    /// are done.
     struct WorkerStream {
         stream: sys::CUstream,
-        event: sys::CUevent,
+        /// Events not waited on by anyone (reused).
+        free: Vec<sys::CUevent>,
+        /// Events made (all back in `free` when the thread ends).
+        made: usize,
         lease: ContextLease,
     }
 
@@ -342,29 +346,37 @@ mod driver {
             let lease = ContextLease::retain(ordinal)?;
             let _current = lease.enter()?;
             let mut stream = std::ptr::null_mut();
-            let mut event = std::ptr::null_mut();
-            // SAFETY: a current context; valid out-pointers. Flags:
+            // SAFETY: a current context; a valid out-pointer. Flag
             // CU_STREAM_NON_BLOCKING (1): no implicit wait on the legacy
-            // default stream of a caller; events: EVENT_FLAGS.
-            unsafe {
-                check(sys::cuStreamCreate(&mut stream, 1), "cuStreamCreate")?;
-                if let Err(e) = check(sys::cuEventCreate(&mut event, EVENT_FLAGS), "cuEventCreate") {
-                    sys::cuStreamDestroy_v2(stream);
-                    return Err(e);
-                }
-            }
+            // default stream of a caller.
+            unsafe { check(sys::cuStreamCreate(&mut stream, 1), "cuStreamCreate")? };
             drop(_current);
-            Ok(WorkerStream { stream, event, lease })
+            Ok(WorkerStream { stream, free: Vec::new(), made: 0, lease })
+        }
+
+        /// A free event, or a new one (the context is current).
+        fn event(&mut self) -> Result<sys::CUevent, String> {
+            if let Some(e) = self.free.pop() {
+                return Ok(e);
+            }
+            let mut event = std::ptr::null_mut();
+            // SAFETY: a current context; a valid out-pointer.
+            check(unsafe { sys::cuEventCreate(&mut event, EVENT_FLAGS) }, "cuEventCreate")?;
+            self.made += 1;
+            Ok(event)
         }
     }
 
     impl Drop for WorkerStream {
         fn drop(&mut self) {
+            debug_assert_eq!(self.free.len(), self.made, "a ticket outlived its worker");
             if let Ok(_current) = self.lease.enter() {
-                // SAFETY: handles made in `new`, destroyed once; the thread
-                // waited for the last copy on them before it reported it.
+                // SAFETY: handles made here, destroyed once; the thread
+                // waited for every ticket before it ended.
                 unsafe {
-                    sys::cuEventDestroy_v2(self.event);
+                    for e in self.free.drain(..) {
+                        sys::cuEventDestroy_v2(e);
+                    }
                     sys::cuStreamDestroy_v2(self.stream);
                 }
             }
@@ -378,43 +390,53 @@ mod driver {
     }
 
     /// Destroys this thread's streams and events and gives back their
-    /// context references. A route worker calls it as it ends: in plain
-    /// code, not from a thread-local destructor, where the driver's own
-    /// per-thread state may already be gone.
+    /// context references. A route worker calls it as it ends (after its
+    /// last ticket): in plain code, not from a thread-local destructor,
+    /// where the driver's own per-thread state may already be gone.
     pub(crate) fn release_thread_streams() {
         let streams = STREAMS.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
         drop(streams);
     }
 
-    /// Runs `copies` (destination, source, bytes; device or host addresses,
-    /// unified addressing) on this thread's stream of device `ordinal`, in
-    /// order, and waits for the event recorded after them: when this
-    /// returns, the device touches none of the ranges any more. Returns the
-    /// bytes of the copies done, and the error that stopped the rest.
-    pub(crate) fn copy_on_stream(ordinal: u32, copies: &[(u64, u64, u64)]) -> (u64, Option<String>) {
+    /// Copies queued on this thread's stream of a device, not yet waited
+    /// for: [`wait_ticket`] on the same thread says when they are done.
+    /// Not `Send` (the stream is the thread's).
+    pub(crate) struct Ticket {
+        ordinal: u32,
+        event: sys::CUevent,
+    }
+
+    /// Runs `f` with this thread's stream of `ordinal` (made on first use)
+    /// and its context current.
+    fn with_stream<T>(ordinal: u32, f: impl FnOnce(&mut WorkerStream) -> Result<T, String>) -> Result<T, String> {
         STREAMS.with(|cell| {
             let mut streams = cell.borrow_mut();
             let at = match streams.iter().position(|(d, _)| *d == ordinal) {
                 Some(i) => i,
-                None => match WorkerStream::new(ordinal) {
-                    Ok(s) => {
-                        streams.push((ordinal, s));
-                        streams.len() - 1
-                    }
-                    Err(e) => return (0, Some(e)),
-                },
+                None => {
+                    streams.push((ordinal, WorkerStream::new(ordinal)?));
+                    streams.len() - 1
+                }
             };
-            let s = &streams[at].1;
-            let _current = match s.lease.enter() {
-                Ok(c) => c,
-                Err(e) => return (0, Some(e)),
-            };
+            let s = &mut streams[at].1;
+            let _current = s.lease.enter()?;
+            f(s)
+        })
+    }
+
+    /// Queues `copies` (destination, source, bytes; device or host
+    /// addresses, unified addressing) on this thread's stream of device
+    /// `ordinal`, in order, and records an event after them. On failure,
+    /// what was queued is waited for before this returns: `Err` carries
+    /// the bytes of the copies queued before the error, and the error.
+    pub(crate) fn issue_on_stream(ordinal: u32, copies: &[(u64, u64, u64)]) -> Result<Ticket, (u64, String)> {
+        let issued = with_stream(ordinal, |s| {
             let mut queued = 0u64;
             let mut failed = None;
             for &(dst, src, len) in copies {
                 // SAFETY: the caller's ranges are registered device or host
-                // memory that its transfer's loans keep alive until this
-                // returns, after the event says the copies are done.
+                // memory that its transfer's loans keep alive until the
+                // ticket is waited for.
                 let r = unsafe { sys::cuMemcpyAsync(dst, src, len as usize, s.stream) };
                 if let Err(e) = check(r, "cuMemcpyAsync") {
                     failed = Some(e);
@@ -422,20 +444,74 @@ mod driver {
                 }
                 queued += len;
             }
-            // Whatever was queued must be done before anyone is told.
-            // SAFETY: handles of this thread's stream.
-            if let Err(e) = check(unsafe { sys::cuEventRecord(s.event, s.stream) }, "cuEventRecord") {
-                // SAFETY: as above: without an event, wait for the stream.
+            let recorded = s.event().and_then(|event| {
+                // SAFETY: handles of this thread's stream.
+                match check(unsafe { sys::cuEventRecord(event, s.stream) }, "cuEventRecord") {
+                    Ok(()) => Ok(event),
+                    Err(e) => {
+                        s.free.push(event);
+                        Err(e)
+                    }
+                }
+            });
+            // On failure, whatever was queued is done before anyone is told.
+            // SAFETY (both syncs): this thread's stream.
+            Ok(match (recorded, failed) {
+                (Ok(event), None) => Ok(Ticket { ordinal, event }),
+                // The copies before the failed one landed.
+                (Ok(event), Some(e)) => {
+                    unsafe { sys::cuStreamSynchronize(s.stream) };
+                    s.free.push(event);
+                    Err((queued, e))
+                }
+                // No event: which copies completed is not known.
+                (Err(e), _) => {
+                    unsafe { sys::cuStreamSynchronize(s.stream) };
+                    Err((0, e))
+                }
+            })
+        });
+        issued.unwrap_or_else(|e| Err((0, e)))
+    }
+
+    /// Sleeps until the copies of `ticket` (and so every ticket of the
+    /// same stream before it) are done, without taking it; errors are left
+    /// for [`wait_ticket`].
+    pub(crate) fn await_ticket(ticket: &Ticket) {
+        let _ = wait_event(ticket.event);
+    }
+
+    /// Waits until the copies of `ticket` are done: when this returns, the
+    /// device touches none of their ranges any more (also on `Err`: the
+    /// stream is then synchronised).
+    pub(crate) fn wait_ticket(ticket: Ticket) -> Result<(), String> {
+        let Ticket { ordinal, event } = ticket;
+        with_stream(ordinal, |s| {
+            let r = wait_event(event);
+            if r.is_err() {
+                // SAFETY: this thread's stream: whatever still runs is done
+                // after this.
                 unsafe { sys::cuStreamSynchronize(s.stream) };
-                return (0, Some(e));
             }
-            if let Err(e) = wait_event(s.event) {
-                // SAFETY: as above: whatever still runs is done after this.
-                unsafe { sys::cuStreamSynchronize(s.stream) };
-                return (0, Some(e));
-            }
-            (queued, failed)
+            s.free.push(event);
+            r
         })
+    }
+
+    /// Runs `copies` on this thread's stream of device `ordinal` and waits
+    /// for them ([`issue_on_stream`], then [`wait_ticket`]). Returns the
+    /// bytes of the copies done, and the error that stopped the rest.
+    pub(crate) fn copy_on_stream(ordinal: u32, copies: &[(u64, u64, u64)]) -> (u64, Option<String>) {
+        match issue_on_stream(ordinal, copies) {
+            Ok(ticket) => {
+                let bytes = copies.iter().map(|c| c.2).sum();
+                match wait_ticket(ticket) {
+                    Ok(()) => (bytes, None),
+                    Err(e) => (0, Some(e)),
+                }
+            }
+            Err((done, e)) => (done, Some(e)),
+        }
     }
 
     /// Waits until `event` completed: a short spin (a copy that is nearly
@@ -618,6 +694,111 @@ mod driver {
                 // are done (they held this value).
                 unsafe { sys::cuMemFreeHost(self.ptr.cast()) };
             }
+        }
+    }
+
+    /// Host memory (a registration, or a peer's shared allocation mapped
+    /// here) page-locked for the driver the first time a device copy
+    /// names it (`cuMemHostRegister`, portable to every context): the
+    /// copy engine then reads or writes it directly, where pageable memory
+    /// costs the driver a bounce through its own buffers. Pinning is an
+    /// optimisation only: memory the driver refuses (already registered
+    /// by its owner or by an overlapping registration, or no driver)
+    /// stays pageable and copies still work. Unpinned by [`release`],
+    /// which the owner calls before the memory goes away.
+    ///
+    /// [`release`]: HostPin::release
+    pub(crate) struct HostPin {
+        /// The whole pages holding the range.
+        start: u64,
+        len: u64,
+        /// Set once the one attempt was made (the fast path of `ensure`).
+        tried: std::sync::atomic::AtomicBool,
+        state: parking_lot::Mutex<PinState>,
+    }
+
+    enum PinState {
+        Untried,
+        Pinned(ContextLease),
+        /// Refused (the driver's reason), or released: never tried again.
+        Not(String),
+    }
+
+    impl std::fmt::Debug for HostPin {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            let state = match &*self.state.lock() {
+                PinState::Untried => "not yet pinned".to_owned(),
+                PinState::Pinned(_) => "pinned".to_owned(),
+                PinState::Not(why) => why.clone(),
+            };
+            write!(f, "host range {:#x}+{} ({state})", self.start, self.len)
+        }
+    }
+
+    impl HostPin {
+        /// `addr..addr + len`, widened to whole pages.
+        pub(crate) fn new(addr: u64, len: u64) -> Self {
+            const PAGE: u64 = 4096;
+            let start = addr & !(PAGE - 1);
+            let end = addr.saturating_add(len).saturating_add(PAGE - 1) & !(PAGE - 1);
+            HostPin {
+                start,
+                len: end - start,
+                tried: std::sync::atomic::AtomicBool::new(false),
+                state: parking_lot::Mutex::new(PinState::Untried),
+            }
+        }
+
+        /// Pins the range the first time (in device `ordinal`'s context;
+        /// concurrent callers wait for that one attempt).
+        pub(crate) fn ensure(&self, ordinal: u32) {
+            use std::sync::atomic::Ordering;
+            if self.tried.load(Ordering::Acquire) {
+                return;
+            }
+            let mut state = self.state.lock();
+            if matches!(*state, PinState::Untried) {
+                *state = match self.pin(ordinal) {
+                    Ok(lease) => PinState::Pinned(lease),
+                    Err(why) => PinState::Not(why),
+                };
+            }
+            self.tried.store(true, Ordering::Release);
+        }
+
+        fn pin(&self, ordinal: u32) -> Result<ContextLease, String> {
+            if self.len == 0 {
+                return Err("empty".into());
+            }
+            let lease = ContextLease::retain(ordinal)?;
+            let _current = lease.enter()?;
+            // SAFETY: whole pages of memory its owner keeps mapped until it
+            // calls `release` (before unmapping or freeing it). Flag
+            // CU_MEMHOSTREGISTER_PORTABLE (1): pinned for every context.
+            let r = unsafe { sys::cuMemHostRegister_v2(self.start as *mut c_void, self.len as usize, 1) };
+            check(r, "cuMemHostRegister")?;
+            drop(_current);
+            Ok(lease)
+        }
+
+        /// Unpins the range if it was pinned here; never pinned again.
+        /// Called by the owner while the memory is still mapped, after the
+        /// last device copy that named it.
+        pub(crate) fn release(&self) {
+            let mut state = self.state.lock();
+            if let PinState::Pinned(lease) = std::mem::replace(&mut *state, PinState::Not("released".into())) {
+                if let Ok(_current) = lease.enter() {
+                    // SAFETY: the range registered in `pin`, unregistered
+                    // once; no copy names it any more.
+                    unsafe { sys::cuMemHostUnregister(self.start as *mut c_void) };
+                }
+            }
+        }
+    }
+
+    impl Drop for HostPin {
+        fn drop(&mut self) {
+            self.release();
         }
     }
 

@@ -337,6 +337,66 @@ mod with_the_feature {
         assert_eq!(e.stats(), base, "charges back to baseline");
     }
 
+    /// Host memory a device copy names is page-locked for the driver by
+    /// the worker of the first such task (the copy engine then reaches it
+    /// without the driver's bounce) and unpinned with its registration; a
+    /// second registration of the same pages is refused by the driver and
+    /// stays pageable, and its bytes still move; `cuda_pin_host: false`
+    /// never pins. Bytes checked each time, charges back to baseline.
+    #[test]
+    fn host_memory_is_pinned_for_device_copies_and_unpinned_with_its_registration() {
+        let Some((_, _turn)) = devices("host_memory_is_pinned_for_device_copies") else { return };
+        let Some(start) = shim() else {
+            println!("SKIP: counting the driver's host registrations needs the test shim");
+            return;
+        };
+        let pinned = || shim().unwrap().host_registrations - start.host_registrations;
+        let len = 1 << 20;
+        let rw = Permission::RemoteReadWrite;
+        for pin in [true, false] {
+            let e = engine(&format!(r#"{{"cuda_pin_host": {pin}}}"#));
+            let base = e.stats();
+            let m = e.allocate_cuda_memory(0, len).unwrap();
+            let v = e.register_memory_ranges(vec![MemoryRange::cuda(&m, 0, len, rw).unwrap()]).unwrap()[0];
+            let h = region(&e, len, rw);
+            // The same pages again (the second half), as a second registration.
+            let again =
+                e.register_memory_ranges(vec![MemoryRange::host(&h.mem, len / 2, len / 2, rw).unwrap()]).unwrap()[0];
+            let move_bytes = |op: Op, host: RegistrationId, at: u64, n: u64, seed: u64| {
+                fill(&h.mem, seed);
+                device_fill(&m, seed + 1);
+                let (hb, db) = (snapshot(&h.mem), device_bytes(&m));
+                let (l, r) = (descs(host, &[(0, n)]), descs(v, &[(at, n)]));
+                let t = e.prepare(&spec(op, &l, &r)).unwrap();
+                t.post().unwrap();
+                let res = wait_retired(&t);
+                assert_eq!(res.outcome.code, OutcomeCode::Success, "{res:?}");
+                let host_at = if host == h.id { 0 } else { len as u64 / 2 };
+                match op {
+                    Op::Write => assert_eq!(device_bytes(&m), expected(&hb, &[(host_at, n)], &db, &[(at, n)])),
+                    Op::Read => assert_eq!(snapshot(&h.mem), expected(&db, &[(at, n)], &hb, &[(host_at, n)])),
+                }
+                t.release().unwrap();
+            };
+            assert_eq!(pinned(), 0, "nothing is pinned before a device copy names it");
+            move_bytes(Op::Write, h.id, 4096, 300_000, 1);
+            assert_eq!(pinned(), u64::from(pin), "pinned by the first device copy (cuda_pin_host {pin})");
+            move_bytes(Op::Read, h.id, 0, len as u64, 3);
+            // Its pages are already the first registration's: the driver
+            // refuses, the bytes still move.
+            move_bytes(Op::Read, again, 1000, len as u64 / 2, 5);
+            move_bytes(Op::Write, again, 0, 70_000, 7);
+            assert_eq!(pinned(), u64::from(pin), "the second registration stays pageable");
+            e.deregister(again).unwrap();
+            e.deregister(h.id).unwrap();
+            assert_idle(&e);
+            assert_eq!(pinned(), 0, "unpinned with its registration");
+            e.deregister(v).unwrap();
+            drop((m, h));
+            assert_eq!(e.stats(), base, "charges back to baseline");
+        }
+    }
+
     /// Within one registration of device memory, source and destination
     /// may overlap: the bytes are those of a memmove (the driver's own
     /// copies are undefined there), forward and backward; an overlap that
@@ -515,10 +575,13 @@ mod with_the_feature {
     }
 
     /// VRAM to and from a same-host peer's memory: over shm (its shared
-    /// allocation) and cma (its ordinary memory), bounced through the
-    /// worker's pinned buffers with a small chunk so every task pipelines
-    /// several chunks; bytes and guards on both sides, both directions,
-    /// and the staging buffers charged until the engine shuts down.
+    /// allocation, mapped here) by driver copies straight into the mapping,
+    /// which is page-locked for the driver on first use and unpinned when
+    /// the segment closes; over cma (its ordinary memory) bounced through
+    /// the worker's pinned buffers with a small chunk so every task
+    /// pipelines several chunks. Bytes and guards on both sides, both
+    /// directions, and the staging buffers charged until the engine shuts
+    /// down.
     #[test]
     fn device_memory_moves_to_and_from_a_same_host_peer_through_staging() {
         let Some((_, _turn)) = devices("device_memory_moves_to_and_from_a_same_host_peer") else { return };
@@ -543,7 +606,11 @@ mod with_the_feature {
                 let (l, r) = (descs(v, &ll), descs(target, &rl));
                 let t = e.prepare(&TransferSpec::new(op, &l, &r, Target::Peer(&seg))).unwrap();
                 assert_eq!(t.route().route, want, "{}", t.route().reason);
-                assert!(t.route().reason.contains("page-locked buffers of 65536 bytes"), "{}", t.route().reason);
+                let how = match want {
+                    Route::Shm => "straight into the peer's shared memory",
+                    _ => "page-locked buffers of 65536 bytes",
+                };
+                assert!(t.route().reason.contains(how), "{}", t.route().reason);
                 t.post().unwrap();
                 let res = wait_retired(&t);
                 assert_eq!(res.outcome.code, OutcomeCode::Success, "{want:?} {op:?}: {res:?}");
@@ -566,10 +633,15 @@ mod with_the_feature {
         }
         let s = e.stats();
         assert!(s.staging_buffers >= 2 && s.staging_bytes == s.staging_buffers * 65536, "{s:?}");
+        let pinned = shim().map(|sh| sh.host_registrations);
         e.deregister(v).unwrap();
         drop(m);
         e.close_segment(&seg, WAIT).unwrap();
         drop(seg);
+        if let (Some(pinned), Some(sh)) = (pinned, shim()) {
+            assert!(pinned >= 1, "the peer's mapping was pinned for the driver");
+            assert_eq!(sh.host_registrations, 0, "unpinned with the segment: {sh:?}");
+        }
         e.close();
         let after = e.stats();
         assert_eq!((after.staging_buffers, after.staging_bytes), (0, 0), "staging given back at shutdown");
@@ -641,7 +713,9 @@ mod with_the_feature {
         use peer::{PeerProcess, REGION};
         cuda::availability().unwrap();
         let rw = Permission::RemoteReadWrite;
-        for route in ["tcp", "auto"] {
+        // tcp and cma stage; shm has the device copy straight into the
+        // peer's mapping, several tasks queued on each worker's stream.
+        for (route, shared) in [("tcp", false), ("auto", false), ("auto", true)] {
             for op in [Op::Write, Op::Read] {
                 let mut p = PeerProcess::spawn();
                 let e = engine(&format!(
@@ -651,11 +725,13 @@ mod with_the_feature {
                 let seg = p.open(&e);
                 let m = e.allocate_cuda_memory(0, REGION).unwrap();
                 let v = e.register_memory_ranges(vec![MemoryRange::cuda(&m, 0, REGION, rw).unwrap()]).unwrap()[0];
-                let (l, r) = (descs(v, &[(0, 4 << 20)]), descs(p.region, &[(0, 4 << 20)]));
+                let target = if shared { p.shm } else { p.region };
+                let (l, r) = (descs(v, &[(0, 4 << 20)]), descs(target, &[(0, 4 << 20)]));
                 let t = e.prepare(&TransferSpec::new(op, &l, &r, Target::Peer(&seg))).unwrap();
+                assert_eq!(t.route().route == Route::Shm, shared, "{}", t.route().reason);
                 t.post().unwrap();
                 // Every device copy takes 300 ms: the peer dies while tasks
-                // are staged.
+                // are staged (or on the device).
                 std::thread::sleep(std::time::Duration::from_millis(150));
                 p.kill();
                 let res = wait_retired(&t);
@@ -671,8 +747,8 @@ mod with_the_feature {
                 assert_eq!(e.stats(), base, "{route} {op:?}: charges back to baseline");
                 let sh = shim().unwrap();
                 assert_eq!(
-                    (sh.host_allocations, sh.device_allocations, sh.streams),
-                    (0, 0, 0),
+                    (sh.host_allocations, sh.host_registrations, sh.device_allocations, sh.streams),
+                    (0, 0, 0, 0),
                     "{route} {op:?}: {sh:?}"
                 );
             }
@@ -682,7 +758,8 @@ mod with_the_feature {
 
     /// A peer that dies while its tasks are being staged (slow device
     /// copies) fails the transfer; nothing the staging held leaks: buffers,
-    /// streams and charges back to baseline, over tcp and cma.
+    /// pinned mappings, streams and charges back to baseline, over tcp,
+    /// cma and shm.
     #[test]
     fn peer_loss_during_staged_copies_leaks_nothing() {
         if in_child() {

@@ -616,7 +616,12 @@ fn staging_noted(route: crate::RouteChoice, plan: &plan::Plan) -> crate::RouteCh
         use crate::transport::CopyKind;
         let mut route = route;
         let how = match &plan.program.kind {
-            CopyKind::Device { device } => Some(format!("CUDA device memory (device {device}) by driver copies")),
+            CopyKind::Device { device, peer_alive: None, .. } => {
+                Some(format!("CUDA device memory (device {device}) by driver copies"))
+            }
+            CopyKind::Device { device, .. } => Some(format!(
+                "CUDA device memory (device {device}) by driver copies straight into the peer's shared memory"
+            )),
             CopyKind::Staged { device, chunk, .. } => Some(format!(
                 "CUDA device memory (device {device}) staged through page-locked buffers of {chunk} bytes"
             )),

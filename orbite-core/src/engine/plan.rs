@@ -218,7 +218,25 @@ pub(crate) fn build(
     ids.sort_unstable();
     ids.dedup();
     let loans = ids.iter().map(|id| table.get(*id).cloned()).collect::<Result<Vec<_>, _>>()?;
-    let (kind, staging) = device_kind(kind, &loans, config, counters)?;
+    // The peer's shared allocations the target ranges lie in (a device
+    // copy into them pins them for the driver).
+    #[cfg(feature = "cuda")]
+    let shared = match &remote_side {
+        RemoteSide::Peer { regs, reach, .. } if matches!(kind, CopyKind::Mapped { .. }) => {
+            let mut names: Vec<&str> = spec
+                .remote
+                .iter()
+                .filter_map(|d| regs.get(&d.registration.to_raw())?.shm.as_ref().map(|(n, _)| n.as_str()))
+                .collect();
+            names.sort_unstable();
+            names.dedup();
+            names.iter().filter_map(|n| reach.maps.get(*n)?.as_ref().ok().cloned()).collect()
+        }
+        _ => Vec::new(),
+    };
+    #[cfg(not(feature = "cuda"))]
+    let shared = ();
+    let (kind, staging) = device_kind(kind, &loans, shared, config, counters)?;
     let program = build_program(spec.op, kind, &local, &remote, config.task_bytes);
     #[cfg(feature = "cuda")]
     if matches!(program.kind, CopyKind::Device { .. }) {
@@ -240,21 +258,45 @@ pub(crate) fn build(
 fn device_kind(
     kind: CopyKind,
     loans: &[Arc<Registration>],
+    #[cfg(feature = "cuda")] shared: Vec<Arc<crate::transport::mapping::ShmMapping>>,
+    #[cfg(not(feature = "cuda"))] shared: (),
     config: &EngineConfig,
     counters: &Arc<crate::charge::Counters>,
 ) -> Result<(CopyKind, Option<u32>), Error> {
+    #[cfg(feature = "cuda")]
+    let host_pins = || -> Vec<Arc<crate::cuda::HostPin>> {
+        if !config.cuda_pin_host {
+            return Vec::new();
+        }
+        loans.iter().filter_map(|r| r.pin.clone()).collect()
+    };
+    // Driver copies already, whatever the local side is.
+    #[cfg(feature = "cuda")]
+    if let CopyKind::Ipc { mappings, peer_alive, .. } = kind {
+        return Ok((CopyKind::Ipc { mappings, peer_alive, pins: host_pins() }, None));
+    }
     let Some(device) = loans.iter().find_map(|r| match r.kind {
         MemoryKind::Cuda { device } => Some(device),
         _ => None,
     }) else {
         return Ok((kind, None));
     };
-    let _ = (config, counters);
+    let _ = (config, counters, &shared);
     match kind {
         #[cfg(feature = "cuda")]
-        CopyKind::Memory => Ok((CopyKind::Device { device }, None)),
+        CopyKind::Memory => Ok((CopyKind::Device { device, pins: host_pins(), peer_alive: None }, None)),
+        // Straight into the peer's mapping: the device reaches any host
+        // memory of this process.
         #[cfg(feature = "cuda")]
-        inner @ (CopyKind::Mapped { .. } | CopyKind::Cma { .. }) => Ok((
+        CopyKind::Mapped { peer_alive } => {
+            let mut pins = host_pins();
+            if config.cuda_pin_host {
+                pins.extend(shared.into_iter().map(|m| m.pin.clone()));
+            }
+            Ok((CopyKind::Device { device, pins, peer_alive }, None))
+        }
+        #[cfg(feature = "cuda")]
+        inner @ CopyKind::Cma { .. } => Ok((
             CopyKind::Staged {
                 device,
                 chunk: config.staging_chunk_bytes,
@@ -266,9 +308,6 @@ fn device_kind(
         )),
         #[cfg(feature = "cuda")]
         CopyKind::Frames => Ok((CopyKind::Frames, Some(device))),
-        // Driver copies already, whatever the local side is.
-        #[cfg(feature = "cuda")]
-        inner @ CopyKind::Ipc { .. } => Ok((inner, None)),
         CopyKind::File(_) => Err(Error::NotSupported(format!(
             "CUDA device memory (device {device}) to a file: staging for files is not built yet"
         ))),

@@ -85,7 +85,7 @@ impl RouteImpl for CudaIpc {
             mappings.sort_unstable_by_key(|m| m.ptr);
             mappings.dedup_by_key(|m| m.ptr);
             let peer_alive = p.alive.map(|l| l.handle());
-            return CopyKind::Ipc { mappings, peer_alive };
+            return CopyKind::Ipc { mappings, peer_alive, pins: Vec::new() };
         }
         let _ = target;
         // `reaches` refused every other target at prepare.
@@ -97,19 +97,19 @@ impl RouteImpl for CudaIpc {
     }
 }
 
-/// Copies an IPC task's spans on this thread's stream of the device the
-/// first span's mapping is on. Every span's peer range must lie inside one
-/// of `mappings` (sorted by address; a local check, whatever prepare
-/// resolved); a WRITE is then checked against the peer's liveness, as for
-/// cma.
+/// The driver copies of an IPC task, for this thread's stream of the
+/// device the first span's mapping is on: `(device, copies)`, `None` for
+/// nothing to copy. Every span's peer range must lie inside one of
+/// `mappings` (sorted by address; a local check, whatever prepare
+/// resolved), or the task fails before any copy.
 #[cfg(feature = "cuda")]
-pub(crate) fn copy(
+#[allow(clippy::type_complexity, reason = "one use")]
+pub(crate) fn copies(
     mappings: &[Arc<crate::cuda::IpcMapping>],
-    peer_alive: Option<&crate::transport::liveness::LivenessCheck>,
     op: crate::types::Op,
     spans: &[crate::transport::Span],
     limit: u64,
-) -> (u64, Option<crate::types::TaskEnd>) {
+) -> Result<Option<(u32, Vec<(u64, u64, u64)>)>, crate::types::TaskEnd> {
     use crate::types::{Op, TaskEnd};
     // `mappings` are sorted by address and do not overlap.
     let inside = |addr: u64, len: u64| {
@@ -126,7 +126,7 @@ pub(crate) fn copy(
         }
         let n = s.len.min(left);
         let Some(m) = inside(s.remote, n) else {
-            return (0, Some(TaskEnd::Failed { effect_unknown: false }));
+            return Err(TaskEnd::Failed { effect_unknown: false });
         };
         device.get_or_insert(m.device);
         copies.push(match op {
@@ -135,9 +135,5 @@ pub(crate) fn copy(
         });
         left -= n;
     }
-    let Some(device) = device else { return (0, None) };
-    match crate::cuda::copy_on_stream(device, &copies) {
-        (done, None) => (done, crate::transport::liveness::after_one_sided(op, peer_alive)),
-        (done, Some(_why)) => (done, Some(TaskEnd::Failed { effect_unknown: true })),
-    }
+    Ok(device.map(|d| (d, copies)))
 }

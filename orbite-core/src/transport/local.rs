@@ -191,36 +191,133 @@ fn worker<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
     }
 }
 
+/// Device tasks (driver copies on the self connection, shm or CUDA IPC) a
+/// worker keeps queued on its streams at once: while the device runs task
+/// k, the worker has k + 1 .. queued behind it, so the copy engine never
+/// idles waiting for the worker to wake up and queue the next.
+#[cfg(feature = "cuda")]
+const DEVICE_DEPTH: usize = 8;
+
+/// A device task queued on this worker's stream.
+#[cfg(feature = "cuda")]
+struct InFlight<J> {
+    job: J,
+    planned: u64,
+    issued: crate::transport::Issued,
+}
+
 fn work<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
+    #[cfg(feature = "cuda")]
+    let mut in_flight: VecDeque<InFlight<J>> = VecDeque::new();
     loop {
-        let (job, forced) = {
-            let mut polled = false;
-            let mut q = shared.queue.lock();
-            loop {
-                if let Some((job, forced)) = q.jobs.pop_front() {
-                    shared.pending.fetch_sub(1, Ordering::AcqRel);
-                    if !q.jobs.is_empty() {
-                        shared.ready.notify_one(); // more work: a second pair of hands
+        #[cfg(feature = "cuda")]
+        if !in_flight.is_empty() {
+            // More only while there is room and a job is queued now;
+            // otherwise the oldest is waited for and reported.
+            // A full queue is waited for in halves: one wake-up reports
+            // DEVICE_DEPTH / 2 tasks while the other half keeps the
+            // device busy.
+            let next = if in_flight.len() < DEVICE_DEPTH { try_pop(shared) } else { None };
+            match next {
+                Some((job, forced)) => dispatch(shared, job, forced, &mut in_flight),
+                None => {
+                    let batch = if in_flight.len() == DEVICE_DEPTH { DEVICE_DEPTH / 2 } else { 1 };
+                    if let Some(last) = in_flight.get(batch - 1) {
+                        last.issued.await_done();
                     }
-                    break (job, shared.directive(forced));
+                    for f in in_flight.drain(..batch) {
+                        complete(shared, f);
+                    }
                 }
-                if q.shutdown {
-                    return;
-                }
-                if !polled && !shared.spin.is_zero() && claim(&shared.spinner) {
-                    // Poll once, unlocked, then look at the queue (and the
-                    // shutdown flag) again before sleeping. One worker
-                    // polls at a time; the others sleep at once.
-                    polled = true;
-                    parking_lot::MutexGuard::unlocked(&mut q, || poll(&shared.pending, shared.spin));
-                    shared.spinner.store(false, Ordering::Release);
-                    continue;
-                }
-                shared.ready.wait(&mut q);
             }
-        };
+            continue;
+        }
+        let Some((job, forced)) = pop(shared) else { return };
+        #[cfg(feature = "cuda")]
+        dispatch(shared, job, forced, &mut in_flight);
+        #[cfg(not(feature = "cuda"))]
         start(shared, job, forced);
     }
+}
+
+/// The next job and its directive, waiting for one; `None` at shutdown
+/// (once the queue is empty).
+fn pop<J: CopyJob>(shared: &Arc<RouteShared<J>>) -> Option<(J, Option<FaultDirective>)> {
+    let mut polled = false;
+    let mut q = shared.queue.lock();
+    loop {
+        if let Some((job, forced)) = q.jobs.pop_front() {
+            shared.pending.fetch_sub(1, Ordering::AcqRel);
+            if !q.jobs.is_empty() {
+                shared.ready.notify_one(); // more work: a second pair of hands
+            }
+            return Some((job, shared.directive(forced)));
+        }
+        if q.shutdown {
+            return None;
+        }
+        if !polled && !shared.spin.is_zero() && claim(&shared.spinner) {
+            // Poll once, unlocked, then look at the queue (and the
+            // shutdown flag) again before sleeping. One worker polls at a
+            // time; the others sleep at once.
+            polled = true;
+            parking_lot::MutexGuard::unlocked(&mut q, || poll(&shared.pending, shared.spin));
+            shared.spinner.store(false, Ordering::Release);
+            continue;
+        }
+        shared.ready.wait(&mut q);
+    }
+}
+
+/// The next job and its directive if one is queued now.
+#[cfg(feature = "cuda")]
+fn try_pop<J: CopyJob>(shared: &Arc<RouteShared<J>>) -> Option<(J, Option<FaultDirective>)> {
+    let mut q = shared.queue.lock();
+    let (job, forced) = q.jobs.pop_front()?;
+    shared.pending.fetch_sub(1, Ordering::AcqRel);
+    if !q.jobs.is_empty() {
+        shared.ready.notify_one();
+    }
+    Some((job, shared.directive(forced)))
+}
+
+/// Starts a job: a device task running free of fault directives is queued
+/// on the worker's stream (`in_flight`); anything else runs to its end now.
+#[cfg(feature = "cuda")]
+fn dispatch<J: CopyJob>(
+    shared: &Arc<RouteShared<J>>,
+    job: J,
+    directive: Option<FaultDirective>,
+    in_flight: &mut VecDeque<InFlight<J>>,
+) {
+    if !matches!(directive, None | Some(FaultDirective::Run)) {
+        return start(shared, job, directive);
+    }
+    let began = Instant::now();
+    let p = job.program();
+    let issued = p.kind.issue(p.op, job.spans(), u64::MAX);
+    shared.busy_ns.fetch_add(began.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    match issued {
+        None => start(shared, job, directive),
+        Some(Ok(issued)) => {
+            let planned = job.planned();
+            in_flight.push_back(InFlight { job, planned, issued });
+        }
+        Some(Err((done, failed))) => {
+            let planned = job.planned();
+            job.finish(TaskReport { planned, done, end: failed.unwrap_or(TaskEnd::Complete) });
+        }
+    }
+}
+
+/// Waits for a queued device task and reports it.
+#[cfg(feature = "cuda")]
+fn complete<J: CopyJob>(shared: &Arc<RouteShared<J>>, f: InFlight<J>) {
+    let began = Instant::now();
+    let p = f.job.program();
+    let (done, failed) = p.kind.complete(p.op, f.issued);
+    shared.busy_ns.fetch_add(began.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    f.job.finish(TaskReport { planned: f.planned, done, end: failed.unwrap_or(TaskEnd::Complete) });
 }
 
 /// Copies a task (at most `limit` bytes) by its program's kind. Returns

@@ -11,6 +11,10 @@ use crate::segment::ExportedRegistration;
 pub(crate) struct ShmMapping {
     pub ptr: *mut u8,
     pub len: usize,
+    /// Page-locked for the driver on the first device copy into or out of
+    /// it (feature `cuda`), unpinned before it is unmapped.
+    #[cfg(feature = "cuda")]
+    pub pin: Arc<crate::cuda::HostPin>,
 }
 
 // SAFETY: a shared mapping owned by this value; transfers access it only
@@ -21,6 +25,8 @@ unsafe impl Sync for ShmMapping {}
 
 impl Drop for ShmMapping {
     fn drop(&mut self) {
+        #[cfg(feature = "cuda")]
+        self.pin.release();
         // SAFETY: the mapping made in `map_shared`, unmapped once, after the
         // last transfer holding its peer is gone.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
@@ -67,7 +73,12 @@ pub(crate) fn map_fd(fd: std::os::fd::OwnedFd) -> Result<ShmMapping, String> {
     if raw == libc::MAP_FAILED {
         return Err(format!("cannot map the peer's shared memory: {}", std::io::Error::last_os_error()));
     }
-    Ok(ShmMapping { ptr: raw.cast(), len })
+    Ok(ShmMapping {
+        ptr: raw.cast(),
+        len,
+        #[cfg(feature = "cuda")]
+        pin: Arc::new(crate::cuda::HostPin::new(raw as u64, len as u64)),
+    })
 }
 
 /// The names of the shared allocations `regs` lie in that `maps` lacks,

@@ -84,10 +84,20 @@ pub(crate) enum CopyKind {
     /// both): driver copies on the worker's own stream of `device`, waited
     /// for with an event before the task reports (feature `cuda`). Never
     /// run on the posting thread.
+    /// A same-host peer's shared allocations mapped here (shm) with CUDA
+    /// device memory on the local side: the same driver copies straight
+    /// into or out of the mapping, no staging; checked after each task as
+    /// for `Mapped`.
+    ///
+    /// The host memory named (`pins`: this engine's host registrations,
+    /// or the peer's mappings) is page-locked for the driver on the first
+    /// task, so the copy engine reaches it without a bounce.
     #[cfg(feature = "cuda")]
     Device {
         /// The CUDA ordinal of the first device registration named.
         device: u32,
+        pins: Vec<Arc<crate::cuda::HostPin>>,
+        peer_alive: Option<LivenessCheck>,
     },
     /// A same-host route (`inner`: shm or cma) with CUDA device memory on
     /// the local side: each task is bounced through the worker's pinned
@@ -98,7 +108,12 @@ pub(crate) enum CopyKind {
     /// copied by the driver on the worker's stream; checked after each
     /// task as for `Cma`.
     #[cfg(feature = "cuda")]
-    Ipc { mappings: Vec<Arc<crate::cuda::IpcMapping>>, peer_alive: Option<LivenessCheck> },
+    Ipc {
+        mappings: Vec<Arc<crate::cuda::IpcMapping>>,
+        peer_alive: Option<LivenessCheck>,
+        /// This engine's host registrations named, pinned as for `Device`.
+        pins: Vec<Arc<crate::cuda::HostPin>>,
+    },
     #[cfg(feature = "cuda")]
     Staged {
         device: u32,
@@ -126,13 +141,69 @@ impl CopyKind {
                 (0, Some(TaskEnd::Failed { effect_unknown: false }))
             }
             #[cfg(feature = "cuda")]
-            CopyKind::Device { device } => device_copy(*device, op, spans, limit),
-            #[cfg(feature = "cuda")]
-            CopyKind::Ipc { mappings, peer_alive } => ipc::copy(mappings, peer_alive.as_ref(), op, spans, limit),
+            CopyKind::Device { .. } | CopyKind::Ipc { .. } => match self.issue(op, spans, limit) {
+                Some(Ok(issued)) => self.complete(op, issued),
+                Some(Err(ended)) => ended,
+                None => unreachable!("device kinds issue"),
+            },
             #[cfg(feature = "cuda")]
             CopyKind::Staged { device, chunk, limit: bound, counters, inner } => {
                 staged::copy(*device, *chunk, *bound, counters, inner, op, spans, limit)
             }
+        }
+    }
+
+    /// Device kinds (`Device`, `Ipc`): queues a task's driver copies on
+    /// this thread's stream without waiting for them; [`complete`] on the
+    /// same thread then waits and says how the task ended. A worker keeps
+    /// a few tasks queued so the device never idles between them. `None`
+    /// for every other kind; `Some(Err)`: the task already ended.
+    ///
+    /// [`complete`]: CopyKind::complete
+    #[cfg(feature = "cuda")]
+    pub(crate) fn issue(&self, op: Op, spans: &[Span], limit: u64) -> Option<Result<Issued, (u64, Option<TaskEnd>)>> {
+        let (device, copies) = match self {
+            CopyKind::Device { device, pins, .. } => {
+                for p in pins {
+                    p.ensure(*device);
+                }
+                (*device, device_copies(op, spans, limit))
+            }
+            CopyKind::Ipc { mappings, pins, .. } => match ipc::copies(mappings, op, spans, limit) {
+                Ok(Some(c)) => {
+                    for p in pins {
+                        p.ensure(c.0);
+                    }
+                    c
+                }
+                Ok(None) => return Some(Err((0, None))),
+                Err(end) => return Some(Err((0, Some(end)))),
+            },
+            _ => return None,
+        };
+        let bytes = copies.iter().map(|c| c.2).sum();
+        Some(match crate::cuda::issue_on_stream(device, &copies) {
+            Ok(ticket) => Ok(Issued { ticket, bytes }),
+            // The bytes of the copies before the failing one landed; whether
+            // the failing one wrote anything is not known.
+            Err((done, _why)) => Err((done, Some(TaskEnd::Failed { effect_unknown: true }))),
+        })
+    }
+
+    /// Waits for a task [`issue`](CopyKind::issue) queued: the bytes moved
+    /// and, on failure, how it ended (a same-host peer that died meanwhile
+    /// fails it, as for a CPU copy into its memory).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn complete(&self, op: Op, issued: Issued) -> (u64, Option<TaskEnd>) {
+        match crate::cuda::wait_ticket(issued.ticket) {
+            Ok(()) => {
+                let peer_alive = match self {
+                    CopyKind::Device { peer_alive, .. } | CopyKind::Ipc { peer_alive, .. } => peer_alive.as_ref(),
+                    _ => None,
+                };
+                (issued.bytes, liveness::after_one_sided(op, peer_alive))
+            }
+            Err(_why) => (0, Some(TaskEnd::Failed { effect_unknown: true })),
         }
     }
 
@@ -146,9 +217,9 @@ impl CopyKind {
     }
 }
 
-/// Copies spans through the CUDA driver on this thread's stream.
+/// The driver copies of a `Device` task: (destination, source, bytes).
 #[cfg(feature = "cuda")]
-fn device_copy(device: u32, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
+fn device_copies(op: Op, spans: &[Span], limit: u64) -> Vec<(u64, u64, u64)> {
     let mut copies = Vec::with_capacity(spans.len());
     let mut left = limit;
     for s in spans {
@@ -163,11 +234,23 @@ fn device_copy(device: u32, op: Op, spans: &[Span], limit: u64) -> (u64, Option<
         push_memmove(&mut copies, dst, src, n);
         left -= n;
     }
-    match crate::cuda::copy_on_stream(device, &copies) {
-        (done, None) => (done, None),
-        // The bytes of the copies before the failing one landed; whether the
-        // failing one wrote anything is not known.
-        (done, Some(_why)) => (done, Some(TaskEnd::Failed { effect_unknown: true })),
+    copies
+}
+
+/// A task's driver copies queued on the worker's stream
+/// ([`CopyKind::issue`]), to be completed on the same thread.
+#[cfg(feature = "cuda")]
+pub(crate) struct Issued {
+    ticket: crate::cuda::Ticket,
+    bytes: u64,
+}
+
+#[cfg(feature = "cuda")]
+impl Issued {
+    /// Sleeps until these copies (and those queued before them on the
+    /// same stream) are done.
+    pub(crate) fn await_done(&self) {
+        crate::cuda::await_ticket(&self.ticket);
     }
 }
 

@@ -536,7 +536,7 @@ fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Resul
             "limit": "cuda-pinned",
             "limit_gbps": round(limit[&op], 3),
             "x_limit": round(dg / limit[&op], 3),
-            "staged": rig.route != "local",
+            "staged": matches!(rig.route, "cma" | "tcp"),
             "device": m.device(),
         });
         emit_bulk(report, "orbite", rig.route, &w, block, n, total, &mut ds, verified, Some(extra));
