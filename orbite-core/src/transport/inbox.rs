@@ -106,7 +106,7 @@ impl Inbox {
         // The file may be longer than the ring (rounded to pages): the
         // header's capacity decides, and must fit in the mapping.
         let fits = cap >= 4096 && cap as usize <= len - HEADER;
-        (magic == MAGIC && e == epoch && fits).then_some(Inbox { base: inbox.base, len: HEADER + cap as usize })
+        (magic == MAGIC && e == epoch && fits).then(|| Inbox { base: inbox.base, len: HEADER + cap as usize })
     }
 
     fn header(&self) -> &Header {
@@ -395,6 +395,30 @@ mod tests {
             true
         });
         assert_eq!(again, 1, "the inbox works again");
+    }
+
+    /// Found by the `inbox` fuzz target: a sender that wrote a capacity near
+    /// `u64::MAX` into the header overflowed the view's length before the
+    /// capacity check refused it.
+    #[test]
+    fn a_hostile_capacity_in_the_header_is_refused() {
+        let len = HEADER + 4096;
+        let (_keep, base) = mapping(len);
+        // SAFETY: as in the test above.
+        let owner = unsafe { Inbox::create(base, len, 1, 1 << 20, 1 << 20) };
+        for cap in [u64::MAX, u64::MAX - HEADER as u64 + 1, (len - HEADER) as u64 + 1, 4095, 0] {
+            // SAFETY: the capacity field of the header, inside the buffer.
+            unsafe { (*(base as *mut Header)).capacity = cap };
+            // SAFETY: as above.
+            assert!(unsafe { Inbox::open(base, len, 1) }.is_none(), "capacity {cap}");
+        }
+        // SAFETY: as above.
+        unsafe { (*(base as *mut Header)).capacity = (len - HEADER) as u64 };
+        // SAFETY: as above.
+        let sender = unsafe { Inbox::open(base, len, 1) }.unwrap();
+        let env = Envelope { sender_epoch: 1, target_epoch: 1, sender_endpoint: "x".into(), payload: vec![1; 8] };
+        sender.append(&env).unwrap();
+        assert!(owner.has_entries());
     }
 
     #[test]
