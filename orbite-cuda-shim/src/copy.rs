@@ -1,6 +1,7 @@
 //! Copies and memsets. Device pointers go through the table (a range that
-//! runs past its allocation is `CUDA_ERROR_INVALID_VALUE` and nothing is
-//! copied); host pointers are used as they are. Everything is checked
+//! runs past its allocation, or VMM memory without the access the copy
+//! needs, is `CUDA_ERROR_INVALID_VALUE` and nothing is copied); host
+//! pointers are used as they are. Everything is checked
 //! before anything is queued, so an asynchronous call that fails queued
 //! nothing. A copy of 0 bytes does nothing and succeeds.
 //!
@@ -16,7 +17,7 @@ use std::ffi::c_void;
 
 use crate::context::require_current;
 use crate::ffi::*;
-use crate::memory::{Span, device_span, host_span, unified_span};
+use crate::memory::{Span, Usage, device_span, host_span, unified_span};
 use crate::stream::{Op, check_stream, run_sync, submit};
 
 fn copy(dst: Span, src: Span, n: usize, stream: Option<CUstream>) -> CuResult<()> {
@@ -56,17 +57,17 @@ fn checked(n: usize, stream: Option<CUstream>, spans: impl FnOnce() -> CuResult<
 /// allocation, host memory otherwise.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemcpy(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> CUresult {
-    entry(|| checked(n, None, || Ok((unified_span(dst, n)?, unified_span(src, n)?))))
+    entry(|| checked(n, None, || Ok((unified_span(dst, n, Usage::Write)?, unified_span(src, n, Usage::Read)?))))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemcpyAsync(dst: CUdeviceptr, src: CUdeviceptr, n: usize, stream: CUstream) -> CUresult {
-    entry(|| checked(n, Some(stream), || Ok((unified_span(dst, n)?, unified_span(src, n)?))))
+    entry(|| checked(n, Some(stream), || Ok((unified_span(dst, n, Usage::Write)?, unified_span(src, n, Usage::Read)?))))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: CUdeviceptr, src: *const c_void, n: usize) -> CUresult {
-    entry(|| checked(n, None, || Ok((device_span(dst, n)?, host_span(src as usize, n)?))))
+    entry(|| checked(n, None, || Ok((device_span(dst, n, Usage::Write)?, host_span(src as usize, n)?))))
 }
 
 #[unsafe(no_mangle)]
@@ -76,12 +77,12 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
     n: usize,
     stream: CUstream,
 ) -> CUresult {
-    entry(|| checked(n, Some(stream), || Ok((device_span(dst, n)?, host_span(src as usize, n)?))))
+    entry(|| checked(n, Some(stream), || Ok((device_span(dst, n, Usage::Write)?, host_span(src as usize, n)?))))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: CUdeviceptr, n: usize) -> CUresult {
-    entry(|| checked(n, None, || Ok((host_span(dst as usize, n)?, device_span(src, n)?))))
+    entry(|| checked(n, None, || Ok((host_span(dst as usize, n)?, device_span(src, n, Usage::Read)?))))
 }
 
 #[unsafe(no_mangle)]
@@ -91,12 +92,12 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
     n: usize,
     stream: CUstream,
 ) -> CUresult {
-    entry(|| checked(n, Some(stream), || Ok((host_span(dst as usize, n)?, device_span(src, n)?))))
+    entry(|| checked(n, Some(stream), || Ok((host_span(dst as usize, n)?, device_span(src, n, Usage::Read)?))))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemcpyDtoD_v2(dst: CUdeviceptr, src: CUdeviceptr, n: usize) -> CUresult {
-    entry(|| checked(n, None, || Ok((device_span(dst, n)?, device_span(src, n)?))))
+    entry(|| checked(n, None, || Ok((device_span(dst, n, Usage::Write)?, device_span(src, n, Usage::Read)?))))
 }
 
 #[unsafe(no_mangle)]
@@ -106,12 +107,12 @@ pub unsafe extern "C" fn cuMemcpyDtoDAsync_v2(
     n: usize,
     stream: CUstream,
 ) -> CUresult {
-    entry(|| checked(n, Some(stream), || Ok((device_span(dst, n)?, device_span(src, n)?))))
+    entry(|| checked(n, Some(stream), || Ok((device_span(dst, n, Usage::Write)?, device_span(src, n, Usage::Read)?))))
 }
 
 fn memset(dst: CUdeviceptr, value: u8, n: usize, stream: Option<CUstream>) -> CuResult<()> {
     check_target(stream)?;
-    let op = if n == 0 { Op::Noop } else { Op::Memset { dst: device_span(dst, n)?, value, n } };
+    let op = if n == 0 { Op::Noop } else { Op::Memset { dst: device_span(dst, n, Usage::Write)?, value, n } };
     match stream {
         None => run_sync(op),
         Some(h) => submit(h, op, false),

@@ -19,7 +19,9 @@
 //! - Pinned and registered host memory, pointer attributes, synchronous and
 //!   stream-ordered copies and memsets, streams (a worker thread each) and
 //!   events ([`stream`]), IPC memory handles between processes ([`ipc`]),
-//!   and counters for tests ([`stats::orbite_cuda_shim_stats`]).
+//!   the virtual memory management API with POSIX file descriptors as
+//!   shareable handles ([`vmm`]), and counters for tests
+//!   ([`stats::orbite_cuda_shim_stats`], [`stats::orbite_cuda_shim_vmm_stats`]).
 //!
 //! # Contract
 //!
@@ -27,12 +29,14 @@
 //! documented semantics for what it implements, with CUDA's `CUresult`
 //! codes. Every call before a successful cuInit is
 //! `CUDA_ERROR_NOT_INITIALIZED`, except cuDriverGetVersion, cuGetErrorName,
-//! cuGetErrorString and `orbite_cuda_shim_stats`, which work at any time.
-//! Calls that act in the current context (allocations and frees of every
-//! kind, IPC, stream and event creation, synchronous copies and memsets,
-//! anything on the null stream, cuCtxSynchronize, cuCtxGetDevice) need one
-//! that is retained: `CUDA_ERROR_INVALID_CONTEXT` otherwise. Pointer
-//! queries and operations on created streams and events do not.
+//! cuGetErrorString, `orbite_cuda_shim_stats` and
+//! `orbite_cuda_shim_vmm_stats`, which work at any time. Calls that act in
+//! the current context (cuMemAlloc, host allocations and registrations and
+//! their frees, IPC, stream and event creation, synchronous copies and
+//! memsets, anything on the null stream, cuCtxSynchronize, cuCtxGetDevice)
+//! need one that is retained: `CUDA_ERROR_INVALID_CONTEXT` otherwise.
+//! Pointer queries, the VMM calls and operations on created streams and
+//! events do not.
 //!
 //! Every other name cudarc 0.18's loader resolves (`symbols.txt`) is
 //! exported as a stub that returns `CUDA_ERROR_NOT_SUPPORTED` (see
@@ -61,6 +65,7 @@ pub mod ipc;
 pub mod memory;
 pub mod stats;
 pub mod stream;
+pub mod vmm;
 
 /// The stubs `build.rs` generates from `symbols.txt`.
 pub mod stubs {

@@ -5,8 +5,8 @@
 //! handed out as the `CUdeviceptr` (so any direct access by the process
 //! faults, and system calls given it fail with `EFAULT`), and read-write at
 //! an alias only the shim's copies use. The table maps every known range
-//! (device allocations, IPC imports, pinned host allocations, host
-//! registrations; never overlapping) to what it is.
+//! (device allocations, IPC imports, VMM mappings, pinned host allocations,
+//! host registrations; never overlapping) to what it is.
 
 use std::collections::BTreeMap;
 use std::ffi::{c_int, c_uint, c_void};
@@ -18,6 +18,7 @@ use crate::context::{Ctx, require_current};
 use crate::ffi::*;
 use crate::init::{DEVICE_MEMORY, MAX_DEVICES, config};
 use crate::stats::{self, Counter};
+use crate::vmm::{DeviceAccess, JoinedAlias, VmmMapping};
 
 pub fn page_size() -> usize {
     static PAGE: OnceLock<usize> = OnceLock::new();
@@ -105,6 +106,9 @@ pub enum Backing {
     Pinned(Arc<HostMapping>),
     /// cuMemHostRegister: the caller's memory.
     Registered,
+    /// cuMemMap: one mapping of a VMM allocation, and which devices
+    /// cuMemSetAccess let read or write it (copies check that).
+    Vmm { mapping: Arc<VmmMapping>, access: DeviceAccess },
 }
 
 #[derive(Clone)]
@@ -123,7 +127,17 @@ impl Region {
     }
 
     pub fn is_device(&self) -> bool {
-        matches!(self.backing, Backing::Alloc(_) | Backing::Import(_))
+        matches!(self.backing, Backing::Alloc(_) | Backing::Import(_) | Backing::Vmm { .. })
+    }
+
+    /// The context the memory belongs to, as CU_POINTER_ATTRIBUTE_CONTEXT
+    /// reports it: none (null) for VMM memory, which belongs to no
+    /// context in CUDA.
+    pub fn context(&self) -> CUcontext {
+        match self.backing {
+            Backing::Vmm { .. } => std::ptr::null_mut(),
+            _ => self.ctx.handle(),
+        }
     }
 
     pub fn contains(&self, addr: usize) -> bool {
@@ -136,6 +150,40 @@ pub static TABLE: Mutex<BTreeMap<usize, Region>> = Mutex::new(BTreeMap::new());
 /// Bytes allocated on each device.
 static USED: [AtomicU64; MAX_DEVICES] = [const { AtomicU64::new(0) }; MAX_DEVICES];
 static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Counts `bytes` against `device`'s memory: `CUDA_ERROR_OUT_OF_MEMORY`
+/// past [`DEVICE_MEMORY`].
+fn charge(device: u32, bytes: u64) -> CuResult<()> {
+    USED[device as usize]
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| u.checked_add(bytes).filter(|&v| v <= DEVICE_MEMORY))
+        .map(drop)
+        .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)
+}
+
+fn uncharge(device: u32, bytes: u64) {
+    USED[device as usize].fetch_sub(bytes, Ordering::AcqRel);
+}
+
+/// Bytes counted against a device's memory (what cuMemGetInfo reports
+/// as used) until dropped.
+pub struct DeviceCharge {
+    device: u32,
+    bytes: u64,
+}
+
+impl DeviceCharge {
+    /// `device` must be a configured device's ordinal.
+    pub fn take(device: u32, bytes: u64) -> CuResult<DeviceCharge> {
+        charge(device, bytes)?;
+        Ok(DeviceCharge { device, bytes })
+    }
+}
+
+impl Drop for DeviceCharge {
+    fn drop(&mut self) {
+        uncharge(self.device, self.bytes);
+    }
+}
 
 pub fn next_buffer_id() -> u64 {
     NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed)
@@ -164,6 +212,11 @@ enum Keep {
     Caller,
     Device(Arc<DeviceMapping>),
     Host(Arc<HostMapping>),
+    /// One VMM mapping's alias (cuMemUnmap and cuMemRelease leave it to
+    /// the copy).
+    Vmm(Arc<VmmMapping>),
+    /// VMM mappings back to back, joined in one alias for this copy.
+    Joined(JoinedAlias),
     /// A copy of pageable host memory taken when the operation was made.
     Staged(Vec<u8>),
 }
@@ -191,6 +244,9 @@ impl Span {
     }
 }
 
+/// The span at `addr` in a host region (pinned or registered memory), or
+/// in a device allocation or IPC import. VMM mappings go through
+/// [`vmm_span`], which checks their access.
 fn span_in(region: &Region, addr: usize) -> Span {
     let offset = addr - region.base;
     match &region.backing {
@@ -199,30 +255,92 @@ fn span_in(region: &Region, addr: usize) -> Span {
         }
         Backing::Pinned(h) => Span { ptr: addr as *mut u8, pageable: false, _keep: Keep::Host(Arc::clone(h)) },
         Backing::Registered => Span { ptr: addr as *mut u8, pageable: false, _keep: Keep::Caller },
+        Backing::Vmm { mapping, .. } => {
+            Span { ptr: (mapping.alias() + offset) as *mut u8, pageable: false, _keep: Keep::Vmm(Arc::clone(mapping)) }
+        }
     }
+}
+
+/// What a copy does to the device side of its span: VMM memory allows
+/// each only where cuMemSetAccess granted it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Usage {
+    Read,
+    Write,
 }
 
 /// `[addr, addr + n)` as the device side of a copy: inside one device
-/// allocation (or import), or inside pinned or registered host memory (the
-/// device pointer of mapped host memory is its host address). Anything else,
-/// including a range that runs past its allocation, is
-/// `CUDA_ERROR_INVALID_VALUE`.
-pub fn device_span(addr: CUdeviceptr, n: usize) -> CuResult<Span> {
+/// allocation (or import), inside VMM mappings that lie back to back (as
+/// the device sees one range across them) and grant the access `usage`
+/// needs, or inside pinned or registered host memory (the device pointer
+/// of mapped host memory is its host address). Anything else, including a
+/// range that runs past its allocation or into unmapped or inaccessible
+/// VMM memory, is `CUDA_ERROR_INVALID_VALUE`.
+pub fn device_span(addr: CUdeviceptr, n: usize, usage: Usage) -> CuResult<Span> {
     let addr = usize::try_from(addr).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
-    let table = lock(&TABLE);
-    let region = find(&table, addr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-    if n > region.end() - addr {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+    let end = addr.checked_add(n).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+    let parts = {
+        let table = lock(&TABLE);
+        let region = find(&table, addr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if !matches!(region.backing, Backing::Vmm { .. }) {
+            if end > region.end() {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            return Ok(span_in(region, addr));
+        }
+        vmm_parts(&table, region, end, usage)?
+    };
+    vmm_span(parts, addr)
+}
+
+/// The VMM mappings `[first.base, end)` runs through, each with its base:
+/// back to back, each granting `usage`.
+fn vmm_parts(
+    table: &BTreeMap<usize, Region>,
+    first: &Region,
+    end: usize,
+    usage: Usage,
+) -> CuResult<Vec<(usize, Arc<VmmMapping>)>> {
+    let mut parts = Vec::with_capacity(1);
+    let mut region = first;
+    loop {
+        let Backing::Vmm { mapping, access } = &region.backing else { return Err(CUDA_ERROR_INVALID_VALUE) };
+        if !access.allows(usage) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        parts.push((region.base, Arc::clone(mapping)));
+        if end <= region.end() {
+            return Ok(parts);
+        }
+        region = table.get(&region.end()).ok_or(CUDA_ERROR_INVALID_VALUE)?;
     }
-    Ok(span_in(region, addr))
+}
+
+/// The span at `addr` in VMM mappings found by [`vmm_parts`]: through the
+/// mapping's own alias when there is one, through an alias made for the
+/// copy that joins them otherwise (made here, outside the table's lock).
+fn vmm_span(parts: Vec<(usize, Arc<VmmMapping>)>, addr: usize) -> CuResult<Span> {
+    match <[_; 1]>::try_from(parts) {
+        Ok([(base, mapping)]) => {
+            Ok(Span { ptr: (mapping.alias() + (addr - base)) as *mut u8, pageable: false, _keep: Keep::Vmm(mapping) })
+        }
+        Err(parts) => {
+            let first = parts.first().map_or(addr, |p| p.0);
+            let joined = JoinedAlias::join(parts)?;
+            Ok(Span { ptr: (joined.addr() + (addr - first)) as *mut u8, pageable: false, _keep: Keep::Joined(joined) })
+        }
+    }
 }
 
 /// `[ptr, ptr + n)` as the host side of a copy: used as it is, except that
-/// null, or a range touching device memory (which a host access would
-/// fault on), is `CUDA_ERROR_INVALID_VALUE`. Pinned or registered when
-/// `ptr` is in such a range, pageable otherwise.
+/// null, or a range touching device memory or reserved VMM address space
+/// (which a host access would fault on), is `CUDA_ERROR_INVALID_VALUE`.
+/// Pinned or registered when `ptr` is in such a range, pageable otherwise.
 pub fn host_span(ptr: usize, n: usize) -> CuResult<Span> {
     if ptr == 0 || ptr.checked_add(n).is_none() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    if crate::vmm::touches_reservation(ptr, n) {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let table = lock(&TABLE);
@@ -241,10 +359,10 @@ pub fn host_span(ptr: usize, n: usize) -> CuResult<Span> {
 
 /// One side of a unified-addressing copy (`cuMemcpy`): device memory when
 /// `ptr` is in a device allocation, host memory otherwise.
-pub fn unified_span(ptr: CUdeviceptr, n: usize) -> CuResult<Span> {
+pub fn unified_span(ptr: CUdeviceptr, n: usize, usage: Usage) -> CuResult<Span> {
     let addr = usize::try_from(ptr).map_err(|_| CUDA_ERROR_INVALID_VALUE)?;
     let is_device = find(&lock(&TABLE), addr).is_some_and(Region::is_device);
-    if is_device { device_span(ptr, n) } else { host_span(addr, n) }
+    if is_device { device_span(ptr, n, usage) } else { host_span(addr, n) }
 }
 
 /// A memfd's name: the process's nonce and the buffer id, which an importer
@@ -280,11 +398,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(out: *mut CUdeviceptr, bytesize: usize) -
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let len = round_to_pages(bytesize).ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
-        let used = &USED[ctx.device() as usize];
-        used.fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
-            u.checked_add(bytesize as u64).filter(|&v| v <= DEVICE_MEMORY)
-        })
-        .map_err(|_| CUDA_ERROR_OUT_OF_MEMORY)?;
+        charge(ctx.device(), bytesize as u64)?;
         let made = alloc_device(ctx, bytesize, len);
         match made {
             Ok(ptr) => {
@@ -292,7 +406,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(out: *mut CUdeviceptr, bytesize: usize) -
                 unsafe { write_out(out, ptr as CUdeviceptr) }
             }
             Err(e) => {
-                used.fetch_sub(bytesize as u64, Ordering::AcqRel);
+                uncharge(ctx.device(), bytesize as u64);
                 Err(e)
             }
         }
@@ -338,15 +452,15 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
             }
         }
         .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        USED[region.ctx.device() as usize].fetch_sub(region.size as u64, Ordering::AcqRel);
+        uncharge(region.ctx.device(), region.size as u64);
         stats::sub(Counter::DeviceAllocations, 1);
         stats::sub(Counter::DeviceBytes, region.size as u64);
         Ok(())
     })
 }
 
-/// Base and size of the device allocation (or import) holding `dptr`;
-/// either out-parameter may be null.
+/// Base and size of the device allocation (or import, or VMM mapping)
+/// holding `dptr`; either out-parameter may be null.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemGetAddressRange_v2(
     base: *mut CUdeviceptr,
@@ -478,8 +592,9 @@ fn is_mapped(addr: usize, len: usize) -> bool {
 
 /// Records `[p, p + bytesize)` as registered host memory (no copy, no
 /// pinning). Overlapping a registration or pinned allocation is
-/// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`; device memory, unmapped
-/// pages, null or size 0 are `CUDA_ERROR_INVALID_VALUE`.
+/// `CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`; device memory, reserved VMM
+/// address space, unmapped pages, null or size 0 are
+/// `CUDA_ERROR_INVALID_VALUE`.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemHostRegister_v2(p: *mut c_void, bytesize: usize, flags: c_uint) -> CUresult {
     entry(|| {
@@ -487,6 +602,9 @@ pub unsafe extern "C" fn cuMemHostRegister_v2(p: *mut c_void, bytesize: usize, f
         let addr = p as usize;
         if p.is_null() || bytesize == 0 || flags & !CU_MEMHOSTREGISTER_ALL != 0 || addr.checked_add(bytesize).is_none()
         {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if crate::vmm::touches_reservation(addr, bytesize) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let mut table = lock(&TABLE);
@@ -573,6 +691,7 @@ const ATTR_IS_LEGACY_CUDA_IPC_CAPABLE: c_int = 10;
 const ATTR_RANGE_START_ADDR: c_int = 11;
 const ATTR_RANGE_SIZE: c_int = 12;
 const ATTR_MAPPED: c_int = 13;
+const ATTR_ALLOWED_HANDLE_TYPES: c_int = 14;
 
 /// One attribute's value, in the C type the driver writes for it.
 enum Value {
@@ -606,7 +725,7 @@ impl Value {
     fn zero(attribute: c_int) -> CuResult<Value> {
         Ok(match attribute {
             ATTR_CONTEXT | ATTR_HOST_POINTER => Value::Ptr(std::ptr::null_mut()),
-            ATTR_DEVICE_POINTER | ATTR_RANGE_START_ADDR | ATTR_BUFFER_ID => Value::U64(0),
+            ATTR_DEVICE_POINTER | ATTR_RANGE_START_ADDR | ATTR_BUFFER_ID | ATTR_ALLOWED_HANDLE_TYPES => Value::U64(0),
             ATTR_MEMORY_TYPE | ATTR_SYNC_MEMOPS | ATTR_IS_MANAGED | ATTR_IS_LEGACY_CUDA_IPC_CAPABLE | ATTR_MAPPED => {
                 Value::U32(0)
             }
@@ -621,11 +740,12 @@ impl Value {
 /// attribute does not apply (host pointer of device memory), which
 /// cuPointerGetAttribute reports as `CUDA_ERROR_INVALID_VALUE` and
 /// cuPointerGetAttributes as zero. Booleans are written as `unsigned int`
-/// (4 bytes), like the driver.
+/// (4 bytes), like the driver. A VMM mapping is its own range (RANGE_*,
+/// BUFFER_ID) and belongs to no context (null CONTEXT).
 fn attribute_value(region: &Region, addr: usize, attribute: c_int) -> CuResult<Option<Value>> {
     let device = region.is_device();
     Ok(Some(match attribute {
-        ATTR_CONTEXT => Value::Ptr(region.ctx.handle()),
+        ATTR_CONTEXT => Value::Ptr(region.context()),
         ATTR_MEMORY_TYPE => Value::U32(if device { CU_MEMORYTYPE_DEVICE } else { CU_MEMORYTYPE_HOST }),
         ATTR_DEVICE_POINTER => Value::U64(addr as u64),
         ATTR_HOST_POINTER if device => return Ok(None),
@@ -638,6 +758,10 @@ fn attribute_value(region: &Region, addr: usize, attribute: c_int) -> CuResult<O
         ATTR_RANGE_START_ADDR => Value::U64(region.base as u64),
         ATTR_RANGE_SIZE => Value::Size(region.size),
         ATTR_MAPPED => Value::U32(1),
+        ATTR_ALLOWED_HANDLE_TYPES => Value::U64(match &region.backing {
+            Backing::Vmm { mapping, .. } => u64::from(mapping.physical().handle_types()),
+            _ => 0,
+        }),
         _ => return Err(CUDA_ERROR_NOT_SUPPORTED),
     }))
 }

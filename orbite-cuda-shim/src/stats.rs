@@ -1,4 +1,7 @@
-//! Counters for tests: what is live, and how much was copied.
+//! Counters for tests: what is live, and how much was copied. Two calls:
+//! `orbite_cuda_shim_stats` (the original ten counters, a layout other
+//! crates read and which never changes) and `orbite_cuda_shim_vmm_stats`
+//! (the virtual memory management API's).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -52,9 +55,13 @@ pub enum Counter {
     Events,
     AsyncCopies,
     CopiedBytes,
+    VmmHandles,
+    VmmMappings,
+    VmmReservations,
+    VmmBytes,
 }
 
-static COUNTERS: [AtomicU64; 9] = [const { AtomicU64::new(0) }; 9];
+static COUNTERS: [AtomicU64; 13] = [const { AtomicU64::new(0) }; 13];
 
 pub fn add(c: Counter, n: u64) {
     COUNTERS[c as usize].fetch_add(n, Ordering::Relaxed);
@@ -85,6 +92,49 @@ pub unsafe extern "C" fn orbite_cuda_shim_stats(out: *mut OrbiteCudaShimStats) -
             copied_bytes: get(Counter::CopiedBytes),
         };
         // SAFETY: `out` is null or points to an OrbiteCudaShimStats.
+        unsafe { write_out(out, stats) }
+    })
+}
+
+/// What `orbite_cuda_shim_vmm_stats` fills in:
+///
+/// ```c
+/// struct OrbiteCudaShimVmmStats {     /* all uint64_t, in this order */
+///     uint64_t vmm_handles;           /* live allocation handles: cuMemCreate,
+///                                        cuMemImportFromShareableHandle or
+///                                        cuMemRetainAllocationHandle (of a released
+///                                        handle) made them, cuMemRelease of the last
+///                                        reference has not dropped them */
+///     uint64_t vmm_mappings;          /* live cuMemMap mappings */
+///     uint64_t vmm_reservations;      /* live cuMemAddressReserve ranges */
+///     uint64_t vmm_bytes;             /* bytes of live physical allocations, created
+///                                        or imported (an allocation lives while a
+///                                        handle, a mapping or a copy in flight holds it) */
+/// };
+/// int32_t orbite_cuda_shim_vmm_stats(struct OrbiteCudaShimVmmStats *out);  /* CUDA_SUCCESS, or
+///                                       CUDA_ERROR_INVALID_VALUE for null; works before cuInit */
+/// ```
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OrbiteCudaShimVmmStats {
+    pub vmm_handles: u64,
+    pub vmm_mappings: u64,
+    pub vmm_reservations: u64,
+    pub vmm_bytes: u64,
+}
+
+/// Test-only: the shim's counters of the virtual memory management API
+/// (see [`OrbiteCudaShimVmmStats`]).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn orbite_cuda_shim_vmm_stats(out: *mut OrbiteCudaShimVmmStats) -> CUresult {
+    entry(|| {
+        let stats = OrbiteCudaShimVmmStats {
+            vmm_handles: get(Counter::VmmHandles),
+            vmm_mappings: get(Counter::VmmMappings),
+            vmm_reservations: get(Counter::VmmReservations),
+            vmm_bytes: get(Counter::VmmBytes),
+        };
+        // SAFETY: `out` is null or points to an OrbiteCudaShimVmmStats.
         unsafe { write_out(out, stats) }
     })
 }

@@ -34,6 +34,19 @@ pub struct OrbiteCudaShimStats {
 
 type StatsFn = unsafe extern "C" fn(*mut OrbiteCudaShimStats) -> i32;
 
+/// The virtual memory management API's counters
+/// (`orbite_cuda_shim_vmm_stats`), declared as the shim documents them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OrbiteCudaShimVmmStats {
+    pub vmm_handles: u64,
+    pub vmm_mappings: u64,
+    pub vmm_reservations: u64,
+    pub vmm_bytes: u64,
+}
+
+type VmmStatsFn = unsafe extern "C" fn(*mut OrbiteCudaShimVmmStats) -> i32;
+
 struct Shim {
     /// dlopen handle of the libcuda.so the loader finds.
     handle: usize,
@@ -173,6 +186,17 @@ pub fn stats() -> OrbiteCudaShimStats {
         std::mem::transmute::<*mut c_void, StatsFn>(sym)
     };
     let mut s = OrbiteCudaShimStats::default();
+    // SAFETY: out-pointer to a local of the documented layout.
+    assert_eq!(unsafe { f(&mut s) }, 0);
+    s
+}
+
+pub fn vmm_stats() -> OrbiteCudaShimVmmStats {
+    let sym = symbol(c"orbite_cuda_shim_vmm_stats");
+    assert!(!sym.is_null());
+    // SAFETY: the symbol has the documented signature.
+    let f = unsafe { std::mem::transmute::<*mut c_void, VmmStatsFn>(sym) };
+    let mut s = OrbiteCudaShimVmmStats::default();
     // SAFETY: out-pointer to a local of the documented layout.
     assert_eq!(unsafe { f(&mut s) }, 0);
     s
