@@ -118,6 +118,10 @@ pub(crate) struct DeviceRange {
     /// The driver's id of that allocation (a freed and reused address gets
     /// a new one).
     pub buffer_id: u64,
+    /// Physical allocations the range spans: 1, or more for consecutive
+    /// mappings of the virtual memory management API (`alloc_base` and
+    /// `alloc_len` are then the first one's).
+    pub chunks: u64,
 }
 
 #[cfg(feature = "cuda")]
@@ -125,16 +129,16 @@ impl fmt::Debug for DeviceRange {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "device {} allocation {:#x}+{} (buffer {})",
-            self.device, self.alloc_base, self.alloc_len, self.buffer_id
+            "device {} allocation {:#x}+{} (buffer {}, {} physical allocations)",
+            self.device, self.alloc_base, self.alloc_len, self.buffer_id, self.chunks
         )
     }
 }
 
 #[cfg(feature = "cuda")]
 pub(crate) use driver::{
-    ContextLease, DeviceAllocation, HostPin, IpcMapping, PinnedBuffer, Stager, Ticket, await_ticket, copy_on_stream,
-    ipc_export, issue_on_stream, release_thread_streams, validate, wait_ticket,
+    ContextLease, DeviceAllocation, HostPin, IpcHandle, IpcMapping, PinnedBuffer, Stager, Ticket, await_ticket,
+    copy_on_stream, ipc_export, issue_on_stream, release_thread_streams, validate, wait_ticket,
 };
 
 #[cfg(feature = "cuda")]
@@ -277,14 +281,9 @@ mod driver {
         }
     }
 
-    /// Checks with the driver that `ptr..ptr + len` is device memory of
-    /// device `ordinal`, inside one allocation. Checked arithmetic only.
-    pub(crate) fn validate(ordinal: u32, ptr: u64, len: u64) -> Result<DeviceRange, String> {
-        driver()?;
-        if len == 0 || ptr == 0 {
-            return Err("a null or empty device range".into());
-        }
-        let end = ptr.checked_add(len).ok_or_else(|| format!("{ptr:#x}+{len} wraps the address space"))?;
+    /// What the driver says of the allocation holding `ptr`: memory type,
+    /// device ordinal, start and size of the allocation, buffer id.
+    fn attributes(ptr: u64) -> Result<(u32, i32, u64, u64, u64), String> {
         use sys::CUpointer_attribute_enum as A;
         let mut attrs = [
             A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
@@ -309,19 +308,79 @@ mod driver {
         // the driver writes for it.
         let r = unsafe { sys::cuPointerGetAttributes(5, attrs.as_mut_ptr(), data.as_mut_ptr(), ptr) };
         check(r, "cuPointerGetAttributes")?;
-        if memtype != sys::CUmemorytype_enum::CU_MEMORYTYPE_DEVICE as u32 {
-            return Err(format!("{ptr:#x} is not CUDA device memory (memory type {memtype})"));
+        Ok((memtype, device, start, size as u64, buffer))
+    }
+
+    /// Whether `addr` lies in memory of the virtual memory management API
+    /// (a `cuMemMap` mapping of a `cuMemCreate` allocation).
+    fn is_vmm(addr: u64) -> bool {
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: a valid out-pointer; the driver checks the address.
+        let r = unsafe { sys::cuMemRetainAllocationHandle(&mut handle, addr as *mut c_void) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return false;
         }
-        if device < 0 || device as u32 != ordinal {
-            return Err(format!("{ptr:#x} is memory of CUDA device {device}, not of device {ordinal}"));
+        // SAFETY: balances the retain, once.
+        unsafe { sys::cuMemRelease(handle) };
+        true
+    }
+
+    /// Most physical allocations one registration of VMM memory spans.
+    const MAX_CHUNKS: u64 = 1 << 20;
+
+    /// Checks with the driver that `ptr..ptr + len` is device memory of
+    /// device `ordinal`, inside one allocation; or, for memory of the
+    /// virtual memory management API (PyTorch's expandable segments map
+    /// many physical allocations back to back), inside consecutive VMM
+    /// mappings of that device with no gap. Checked arithmetic only.
+    pub(crate) fn validate(ordinal: u32, ptr: u64, len: u64) -> Result<DeviceRange, String> {
+        driver()?;
+        if len == 0 || ptr == 0 {
+            return Err("a null or empty device range".into());
         }
-        let alloc_end = start.checked_add(size as u64).ok_or_else(|| "the allocation wraps".to_owned())?;
-        if ptr < start || end > alloc_end {
-            return Err(format!(
+        let end = ptr.checked_add(len).ok_or_else(|| format!("{ptr:#x}+{len} wraps the address space"))?;
+        let device_memory = |at: u64| -> Result<(u64, u64, u64), String> {
+            let (memtype, device, start, size, buffer) = attributes(at)?;
+            if memtype != sys::CUmemorytype_enum::CU_MEMORYTYPE_DEVICE as u32 {
+                return Err(format!("{at:#x} is not CUDA device memory (memory type {memtype})"));
+            }
+            if device < 0 || device as u32 != ordinal {
+                return Err(format!("{at:#x} is memory of CUDA device {device}, not of device {ordinal}"));
+            }
+            Ok((start, size, buffer))
+        };
+        let (start, size, buffer) = device_memory(ptr)?;
+        let alloc_end = start.checked_add(size).ok_or_else(|| "the allocation wraps".to_owned())?;
+        let range = DeviceRange { device: ordinal, alloc_base: start, alloc_len: size, buffer_id: buffer, chunks: 1 };
+        if ptr < start {
+            return Err(format!("{ptr:#x} lies before its allocation {start:#x}+{size}"));
+        }
+        if end <= alloc_end {
+            return Ok(range);
+        }
+        let crosses = || {
+            format!(
                 "{ptr:#x}+{len} crosses its allocation {start:#x}+{size}: a registration lies inside one allocation"
-            ));
+            )
+        };
+        if !is_vmm(ptr) {
+            return Err(crosses());
         }
-        Ok(DeviceRange { device: ordinal, alloc_base: start, alloc_len: size as u64, buffer_id: buffer })
+        // VMM memory: the next physical allocation must be mapped right
+        // after this one, on the same device, until the range ends.
+        let (mut at, mut chunks) = (alloc_end, 1u64);
+        while at < end {
+            if chunks == MAX_CHUNKS || !is_vmm(at) {
+                return Err(format!("{} (no VMM mapping at {at:#x})", crosses()));
+            }
+            let (next, size, _) = device_memory(at).map_err(|e| format!("{}: {e}", crosses()))?;
+            if next != at || size == 0 {
+                return Err(format!("{}: the mapping at {at:#x} starts at {next:#x}", crosses()));
+            }
+            at = next.checked_add(size).ok_or_else(|| "the allocation wraps".to_owned())?;
+            chunks += 1;
+        }
+        Ok(DeviceRange { chunks, ..range })
     }
 
     /// Flags of the engine's events: `CU_EVENT_BLOCKING_SYNC` (1), so that
@@ -882,32 +941,118 @@ mod driver {
         Ok(None)
     }
 
+    /// How a target hands a same-host peer the allocation holding a
+    /// device registration.
+    pub(crate) enum IpcHandle {
+        /// A legacy CUDA IPC handle (`cuIpcGetMemHandle`).
+        Legacy([u8; 64]),
+        /// A shareable handle of the virtual memory management API
+        /// (`cuMemExportToShareableHandle`, a POSIX file descriptor): memory
+        /// made with `cuMemCreate` (PyTorch's expandable segments), which
+        /// has no legacy handle.
+        Shareable(std::os::fd::OwnedFd),
+    }
+
     /// What a target hands a same-host peer for one device registration:
-    /// the IPC handle of the allocation holding it.
+    /// a handle of the allocation holding it.
     pub(crate) struct IpcExport {
-        pub handle: [u8; 64],
+        pub handle: IpcHandle,
         pub uuid: [u8; 16],
         pub alloc_base: u64,
         pub alloc_len: u64,
     }
 
-    /// Exports the allocation of device `ordinal` holding `ptr` as a legacy
-    /// CUDA IPC handle (memory of the virtual memory management API, which
-    /// has no such handle, is refused by the driver).
-    pub(crate) fn ipc_export(ordinal: u32, ptr: u64) -> Result<IpcExport, String> {
-        let range = validate(ordinal, ptr, 1)?;
+    /// Exports the allocation of device `ordinal` holding `ptr`: as a
+    /// legacy CUDA IPC handle, or else (memory of the virtual memory
+    /// management API) as a POSIX file descriptor, which the allocation
+    /// must have been made to allow (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`
+    /// among its requested handle types).
+    pub(crate) fn ipc_export(ordinal: u32, ptr: u64, len: u64) -> Result<IpcExport, String> {
+        let range = validate(ordinal, ptr, len)?;
+        if range.chunks > 1 {
+            return Err(format!(
+                "it spans {} physical allocations of the virtual memory management API: CUDA IPC takes a registration inside one",
+                range.chunks
+            ));
+        }
         let lease = ContextLease::retain(ordinal)?;
         let _current = lease.enter()?;
-        let mut handle = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        let mut legacy = sys::CUipcMemHandle_st { reserved: [0; 64] };
         // SAFETY: a current context; the start of a live allocation (just
         // checked); a valid out-pointer.
-        check(unsafe { sys::cuIpcGetMemHandle(&mut handle, range.alloc_base) }, "cuIpcGetMemHandle")?;
-        Ok(IpcExport {
-            handle: handle.reserved.map(|b| b as u8),
-            uuid: uuid_of(ordinal)?,
-            alloc_base: range.alloc_base,
-            alloc_len: range.alloc_len,
-        })
+        let handle = match check(unsafe { sys::cuIpcGetMemHandle(&mut legacy, range.alloc_base) }, "cuIpcGetMemHandle")
+        {
+            Ok(()) => IpcHandle::Legacy(legacy.reserved.map(|b| b as u8)),
+            Err(no_legacy) => match export_shareable(range.alloc_base) {
+                Ok(fd) => IpcHandle::Shareable(fd),
+                Err(no_shareable) => return Err(format!("{no_legacy}; {no_shareable}")),
+            },
+        };
+        Ok(IpcExport { handle, uuid: uuid_of(ordinal)?, alloc_base: range.alloc_base, alloc_len: range.alloc_len })
+    }
+
+    /// The POSIX file descriptor of the VMM allocation mapped at `base`
+    /// (a context is current).
+    fn export_shareable(base: u64) -> Result<std::os::fd::OwnedFd, String> {
+        use std::os::fd::FromRawFd;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: a valid out-pointer; the driver checks the address.
+        let r = unsafe { sys::cuMemRetainAllocationHandle(&mut handle, base as *mut c_void) };
+        check(r, "cuMemRetainAllocationHandle").map_err(|e| format!("{e} (not memory of cuMemCreate either)"))?;
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: the handle just retained; an int out-value, as the POSIX
+        // descriptor type asks.
+        let r = unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                handle,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        };
+        // SAFETY: balances the retain above, once.
+        unsafe { sys::cuMemRelease(handle) };
+        check(r, "cuMemExportToShareableHandle").map_err(|e| {
+            format!(
+                "{e} (a cuMemCreate allocation needs CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR requested to be shared)"
+            )
+        })?;
+        if fd < 0 {
+            return Err("cuMemExportToShareableHandle gave no descriptor".into());
+        }
+        // SAFETY: a descriptor the driver just made for this process.
+        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// An imported VMM allocation mapped here, undone in reverse order on
+    /// drop as far as it got (the context of `lease` current).
+    struct VmmImport {
+        handle: sys::CUmemGenericAllocationHandle,
+        /// The reservation (0: none yet).
+        va: u64,
+        len: u64,
+        mapped: bool,
+    }
+
+    impl VmmImport {
+        fn undo(&mut self) {
+            // SAFETY: each step undoes one done in `import_shareable`, once;
+            // no copy names the mapping any more (its holders are gone).
+            unsafe {
+                if self.mapped {
+                    sys::cuMemUnmap(self.va, self.len as usize);
+                    self.mapped = false;
+                }
+                if self.va != 0 {
+                    sys::cuMemAddressFree(self.va, self.len as usize);
+                    self.va = 0;
+                }
+                if self.handle != 0 {
+                    sys::cuMemRelease(self.handle);
+                    self.handle = 0;
+                }
+            }
+        }
     }
 
     /// A peer's allocation opened here from its IPC handle, in the primary
@@ -920,6 +1065,8 @@ mod driver {
         pub len: u64,
         /// The local ordinal of its device.
         pub device: u32,
+        /// Imported from a shareable handle (else opened from a legacy one).
+        vmm: Option<VmmImport>,
         lease: ContextLease,
         _charge: crate::charge::Charge,
     }
@@ -951,7 +1098,7 @@ mod driver {
             check(r, "cuIpcOpenMemHandle")?;
             drop(current);
             let _charge = crate::charge::Charge::unlimited(counters, crate::charge::Counter::CudaImports, 1);
-            let mut m = IpcMapping { ptr, len: 0, device, lease, _charge };
+            let mut m = IpcMapping { ptr, len: 0, device, vmm: None, lease, _charge };
             // The local proof of the mapping's extent.
             let range = validate(device, ptr, 1)?;
             if range.alloc_base != ptr {
@@ -962,12 +1109,108 @@ mod driver {
         }
     }
 
+    impl IpcMapping {
+        /// Imports a VMM allocation of `alloc_len` bytes from its POSIX file
+        /// descriptor (`fd`, closed here) on the device with `uuid`: the
+        /// handle, a reservation of that many bytes, the mapping, read and
+        /// write access for the device. The mapping's extent is then what
+        /// this driver reports for it (never what the peer said).
+        pub(crate) fn import_shareable(
+            fd: std::os::fd::OwnedFd,
+            uuid: &[u8; 16],
+            alloc_len: u64,
+            counters: &std::sync::Arc<crate::charge::Counters>,
+        ) -> Result<Self, String> {
+            use std::os::fd::AsRawFd;
+            let device = device_by_uuid(uuid)?
+                .ok_or_else(|| "the peer's device is not visible to this process (CUDA_VISIBLE_DEVICES?)".to_owned())?;
+            let lease = ContextLease::retain(device)?;
+            let current = lease.enter()?;
+            let location =
+                sys::CUmemLocation_st { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device as i32 };
+            // SAFETY: a plain C struct, all zeros is a valid value for it.
+            let mut prop: sys::CUmemAllocationProp_st = unsafe { std::mem::zeroed() };
+            prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+            prop.location = location;
+            let mut granularity = 0usize;
+            // SAFETY: valid in- and out-pointers.
+            check(
+                unsafe {
+                    sys::cuMemGetAllocationGranularity(
+                        &mut granularity,
+                        &prop,
+                        sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+                    )
+                },
+                "cuMemGetAllocationGranularity",
+            )?;
+            if alloc_len == 0 || granularity == 0 || alloc_len % granularity as u64 != 0 {
+                return Err(format!(
+                    "the peer's allocation of {alloc_len} bytes is no multiple of the granularity {granularity}"
+                ));
+            }
+            let mut v = VmmImport { handle: 0, va: 0, len: alloc_len, mapped: false };
+            let done = (|| {
+                // SAFETY: the descriptor stays open for the call (the driver
+                // keeps what it needs); a valid out-pointer.
+                check(
+                    unsafe {
+                        sys::cuMemImportFromShareableHandle(
+                            &mut v.handle,
+                            fd.as_raw_fd() as usize as *mut c_void,
+                            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                        )
+                    },
+                    "cuMemImportFromShareableHandle",
+                )?;
+                // SAFETY: a valid out-pointer; size checked above.
+                check(
+                    unsafe { sys::cuMemAddressReserve(&mut v.va, alloc_len as usize, 0, 0, 0) },
+                    "cuMemAddressReserve",
+                )?;
+                // SAFETY: the whole fresh reservation, the imported handle;
+                // the driver refuses a size beyond the allocation.
+                check(unsafe { sys::cuMemMap(v.va, alloc_len as usize, 0, v.handle, 0) }, "cuMemMap")?;
+                v.mapped = true;
+                let access = sys::CUmemAccessDesc_st {
+                    location,
+                    flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                };
+                // SAFETY: the mapping just made; one valid descriptor.
+                check(unsafe { sys::cuMemSetAccess(v.va, alloc_len as usize, &access, 1) }, "cuMemSetAccess")
+            })();
+            drop(fd);
+            if let Err(e) = done {
+                v.undo();
+                return Err(e);
+            }
+            drop(current);
+            let ptr = v.va;
+            let _charge = crate::charge::Charge::unlimited(counters, crate::charge::Counter::CudaImports, 1);
+            let m = IpcMapping { ptr, len: alloc_len, device, vmm: Some(v), lease, _charge };
+            // The local proof of the mapping's extent.
+            let range = validate(device, ptr, 1)?;
+            if range.alloc_base != ptr || range.alloc_len != alloc_len {
+                return Err(format!(
+                    "the driver reports the imported mapping at {ptr:#x}+{alloc_len} as {:#x}+{}",
+                    range.alloc_base, range.alloc_len
+                ));
+            }
+            Ok(m)
+        }
+    }
+
     impl Drop for IpcMapping {
         fn drop(&mut self) {
             if let Ok(_current) = self.lease.enter() {
-                // SAFETY: the mapping opened in `open`, closed once; no copy
-                // names it any more (they held this value).
-                unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+                match &mut self.vmm {
+                    Some(v) => v.undo(),
+                    // SAFETY: the mapping opened in `open`, closed once; no
+                    // copy names it any more (they held this value).
+                    None => unsafe {
+                        sys::cuIpcCloseMemHandle(self.ptr);
+                    },
+                }
             }
         }
     }

@@ -672,8 +672,31 @@ pub enum IpcEntry {
         /// against it, and the registration against both).
         alloc_len: u64,
     },
+    /// Exported as a shareable handle of the virtual memory management
+    /// API (memory made with `cuMemCreate`, which has no legacy handle): a
+    /// POSIX file descriptor attached to the reply (`SCM_RIGHTS`, with its
+    /// first byte, one per such entry, in entry order).
+    Shareable {
+        /// The UUID of the device the allocation is on.
+        uuid: [u8; 16],
+        /// Where the allocation is mapped in the exporter: entries with the
+        /// same value name one allocation (the importer maps it once).
+        alloc_base: u64,
+        /// Offset of the registration's first byte in the allocation.
+        offset: u64,
+        /// Bytes of the allocation (the importer maps that many and checks
+        /// the registration against its own mapping).
+        alloc_len: u64,
+    },
     /// Not exported, and why.
     Refused(String),
+}
+
+impl IpcEntry {
+    /// Whether a descriptor comes with it.
+    pub fn has_fd(&self) -> bool {
+        matches!(self, IpcEntry::Shareable { .. })
+    }
 }
 
 /// IpcHandles body: the target epoch (8), a count (2), then the raw
@@ -708,10 +731,13 @@ pub fn decode_ipc_handles(body: &[u8]) -> Result<(u64, Vec<u64>), WireError> {
 }
 
 /// IpcHandlesReply body: a count (2), then per registration a status (1:
-/// 0 exported, 1 refused) and, if exported, the device UUID (16), the
-/// handle (64), the offset (8) and the allocation's length (8); if
-/// refused, a reason length (2, at most [`MAX_ERROR_DETAIL`]) and the
-/// reason (UTF-8).
+/// 0 exported, 1 refused, 2 shareable) and, if exported, the device UUID
+/// (16), the handle (64), the offset (8) and the allocation's length (8);
+/// if refused, a reason length (2, at most [`MAX_ERROR_DETAIL`]) and the
+/// reason (UTF-8); if shareable, the device UUID (16), the allocation's
+/// address in the exporter (8), the offset (8) and the allocation's length
+/// (8), its descriptor attached to the reply. At most
+/// [`MAX_SHARED_FDS`] entries are shareable.
 pub fn encode_ipc_handles_reply(out: &mut Vec<u8>, entries: &[IpcEntry]) {
     out.clear();
     codec::put_u16(out, entries.len() as u16);
@@ -721,6 +747,13 @@ pub fn encode_ipc_handles_reply(out: &mut Vec<u8>, entries: &[IpcEntry]) {
                 out.push(0);
                 out.extend_from_slice(uuid);
                 out.extend_from_slice(handle);
+                codec::put_u64(out, *offset);
+                codec::put_u64(out, *alloc_len);
+            }
+            IpcEntry::Shareable { uuid, alloc_base, offset, alloc_len } => {
+                out.push(2);
+                out.extend_from_slice(uuid);
+                codec::put_u64(out, *alloc_base);
                 codec::put_u64(out, *offset);
                 codec::put_u64(out, *alloc_len);
             }
@@ -744,8 +777,9 @@ fn truncate_detail(s: &str) -> &str {
     &s[..end]
 }
 
-/// Decodes an IpcHandlesReply for `asked` registrations. An exported entry
-/// whose offset lies outside its allocation is malformed.
+/// Decodes an IpcHandlesReply for `asked` registrations. An exported or
+/// shareable entry whose offset lies outside its allocation is malformed,
+/// and so are more than [`MAX_SHARED_FDS`] shareable entries.
 pub fn decode_ipc_handles_reply(body: &[u8], asked: usize) -> Result<Vec<IpcEntry>, WireError> {
     let bad = WireError::Malformed("ipc handles reply");
     let mut r = Reader::new(body);
@@ -753,6 +787,7 @@ pub fn decode_ipc_handles_reply(body: &[u8], asked: usize) -> Result<Vec<IpcEntr
         return Err(bad);
     }
     let mut out = Vec::with_capacity(asked.min(MAX_IPC_HANDLES));
+    let mut shareable = 0;
     for _ in 0..asked {
         match r.u8().map_err(|_| bad.clone())? {
             0 => {
@@ -764,6 +799,17 @@ pub fn decode_ipc_handles_reply(body: &[u8], asked: usize) -> Result<Vec<IpcEntr
                     return Err(bad);
                 }
                 out.push(IpcEntry::Exported { uuid, handle, offset, alloc_len });
+            }
+            2 => {
+                let uuid = r.array::<16>().map_err(|_| bad.clone())?;
+                let alloc_base = r.u64().map_err(|_| bad.clone())?;
+                let offset = r.u64().map_err(|_| bad.clone())?;
+                let alloc_len = r.u64().map_err(|_| bad.clone())?;
+                if offset >= alloc_len || shareable == MAX_SHARED_FDS {
+                    return Err(bad);
+                }
+                shareable += 1;
+                out.push(IpcEntry::Shareable { uuid, alloc_base, offset, alloc_len });
             }
             1 => {
                 let n = r.u16().map_err(|_| bad.clone())? as usize;
@@ -869,6 +915,23 @@ mod tests {
             [IpcEntry::Exported { uuid: [0; 16], handle: [0; IPC_HANDLE_LEN], offset: 8192, alloc_len: 8192 }];
         encode_ipc_handles_reply(&mut out, &outside);
         assert!(decode_ipc_handles_reply(&out, 1).is_err(), "an offset outside its allocation");
+        let shareable = vec![
+            IpcEntry::Shareable { uuid: [4; 16], alloc_base: 1 << 40, offset: 12, alloc_len: 2 << 20 },
+            IpcEntry::Refused("no handle".into()),
+            IpcEntry::Exported { uuid: [3; 16], handle: [9; IPC_HANDLE_LEN], offset: 0, alloc_len: 8192 },
+        ];
+        encode_ipc_handles_reply(&mut out, &shareable);
+        assert_eq!(decode_ipc_handles_reply(&out, 3).unwrap(), shareable);
+        assert_eq!(shareable.iter().filter(|e| e.has_fd()).count(), 1);
+        let outside = [IpcEntry::Shareable { uuid: [0; 16], alloc_base: 0, offset: 4096, alloc_len: 4096 }];
+        encode_ipc_handles_reply(&mut out, &outside);
+        assert!(decode_ipc_handles_reply(&out, 1).is_err(), "a shareable offset outside its allocation");
+        let many =
+            vec![IpcEntry::Shareable { uuid: [0; 16], alloc_base: 0, offset: 0, alloc_len: 1 }; MAX_SHARED_FDS + 1];
+        encode_ipc_handles_reply(&mut out, &many);
+        assert!(decode_ipc_handles_reply(&out, many.len()).is_err(), "more descriptors than one reply carries");
+        encode_ipc_handles_reply(&mut out, &many[..MAX_SHARED_FDS]);
+        assert_eq!(decode_ipc_handles_reply(&out, MAX_SHARED_FDS).unwrap().len(), MAX_SHARED_FDS);
         let long = IpcEntry::Refused("\u{e9}".repeat(200));
         encode_ipc_handles_reply(&mut out, &[long]);
         assert!(out.len() <= 2 + IPC_ENTRY_MAX);

@@ -71,20 +71,41 @@ mod with_the_feature {
         copied_bytes: u64,
     }
 
+    /// The shim's VMM counters (`orbite_cuda_shim_vmm_stats`), in its order.
+    #[repr(C)]
+    #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+    struct VmmStats {
+        handles: u64,
+        mappings: u64,
+        reservations: u64,
+        bytes: u64,
+    }
+
     /// The shim's counters, if the loaded driver is the shim.
     fn shim() -> Option<ShimStats> {
-        type F = unsafe extern "C" fn(*mut ShimStats) -> i32;
+        shim_call(c"orbite_cuda_shim_stats")
+    }
+
+    /// The shim's VMM counters, if the loaded driver is the shim.
+    fn vmm_shim() -> Option<VmmStats> {
+        shim_call(c"orbite_cuda_shim_vmm_stats")
+    }
+
+    /// Calls the shim's stats function `symbol`, which fills a `T`.
+    fn shim_call<T: Default>(symbol: &std::ffi::CStr) -> Option<T> {
+        type F<T> = unsafe extern "C" fn(*mut T) -> i32;
         for name in [c"libcuda.so", c"libcuda.so.1"] {
             // SAFETY: looks up an already loaded library (RTLD_NOLOAD) and
-            // one of its symbols; the handle's reference is dropped again.
+            // one of its symbols, whose C type fills a `T`; the handle's
+            // reference is dropped again.
             unsafe {
                 let h = libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD);
                 if h.is_null() {
                     continue;
                 }
-                let f = libc::dlsym(h, c"orbite_cuda_shim_stats".as_ptr());
-                let mut s = ShimStats::default();
-                let ok = !f.is_null() && std::mem::transmute::<*mut libc::c_void, F>(f)(&mut s) == 0;
+                let f = libc::dlsym(h, symbol.as_ptr());
+                let mut s = T::default();
+                let ok = !f.is_null() && std::mem::transmute::<*mut libc::c_void, F<T>>(f)(&mut s) == 0;
                 libc::dlclose(h);
                 if ok {
                     return Some(s);
@@ -395,6 +416,73 @@ mod with_the_feature {
             drop((m, h));
             assert_eq!(e.stats(), base, "charges back to baseline");
         }
+    }
+
+    /// A caller's range of VMM memory may span physical allocations mapped
+    /// back to back (PyTorch's expandable segments): it registers, and
+    /// bytes move across the boundary both ways on the self connection,
+    /// guards kept. A range running past the last mapping, or starting in
+    /// ordinary device memory and running on, is still refused.
+    #[test]
+    fn vmm_memory_spanning_physical_allocations_registers_and_moves() {
+        let Some((_, _turn)) = devices("vmm_memory_spanning_physical_allocations") else { return };
+        let e = engine("{}");
+        let base = e.stats();
+        let rw = Permission::RemoteReadWrite;
+        let chunk = 2 << 20;
+        let m = VmmAlloc::chunked(chunk, 3, false);
+        let mut rng = Rng(5);
+        let mut dev: Vec<u8> = (0..m.len).map(|_| rng.next() as u8).collect();
+        m.write(&dev);
+        // SAFETY: the mappings outlive the registration (deregistered and
+        // idle before `m` drops).
+        let v = e
+            .register_memory_ranges(vec![
+                unsafe { MemoryRange::cuda_borrowed(0, m.ptr + 4096, m.len as u64 - 8192, rw) }.unwrap(),
+            ])
+            .unwrap()[0];
+        let h = region(&e, 3 << 20, rw);
+        for (round, op) in [Op::Write, Op::Read, Op::Write].into_iter().enumerate() {
+            fill(&h.mem, 90 + round as u64);
+            let host = snapshot(&h.mem);
+            // Across the first boundary (2 MiB into the mapping) and the
+            // second one (4 MiB), in pieces.
+            let ll = [(1000, 1_500_000), (2_000_000, 1_000_000)];
+            let dl = [(chunk as u64 - 700_000, 1_500_000), (2 * chunk as u64 - 600_000, 1_000_000)];
+            let (l, r) = (descs(h.id, &ll), descs(v, &dl));
+            let t = e.prepare(&spec(op, &l, &r)).unwrap();
+            t.post().unwrap();
+            assert_eq!(wait_retired(&t).outcome.code, OutcomeCode::Success, "round {round}");
+            // Offsets in `dev` are the registration's plus 4096.
+            let dl_abs: Vec<(u64, u64)> = dl.iter().map(|&(o, n)| (o + 4096, n)).collect();
+            match op {
+                Op::Write => {
+                    dev = expected(&host, &ll, &dev, &dl_abs);
+                    assert_eq!(m.read(), dev, "round {round}: device bytes or guards");
+                }
+                Op::Read => {
+                    assert_eq!(snapshot(&h.mem), expected(&dev, &dl_abs, &host, &ll), "round {round}: host bytes");
+                    assert_eq!(m.read(), dev, "round {round}: the source changed");
+                }
+            }
+            t.release().unwrap();
+        }
+        e.deregister(v).unwrap();
+        // Past the last mapping (the reservation ends there): refused.
+        // SAFETY: refused before use.
+        let past = unsafe { MemoryRange::cuda_borrowed(0, m.ptr + chunk as u64, 2 * chunk as u64 + 1, rw) };
+        assert!(matches!(past, Err(MemoryError::InvalidRange(_))), "{:?}", past.err());
+        // Ordinary device memory does not run on into anything.
+        let a = e.allocate_cuda_memory(0, 1 << 20).unwrap();
+        // SAFETY: refused before use.
+        let over = unsafe { MemoryRange::cuda_borrowed(0, a.device_ptr(), (1 << 20) + 1, rw) };
+        assert!(matches!(over, Err(MemoryError::InvalidRange(_))));
+        drop(a);
+        e.deregister(h.id).unwrap();
+        drop(h);
+        assert_idle(&e);
+        assert_eq!(e.stats(), base, "charges back to baseline");
+        drop(m);
     }
 
     /// Within one registration of device memory, source and destination
@@ -782,8 +870,129 @@ mod with_the_feature {
     const SUB_AT: usize = 65536 + 512;
     const SUB_LEN: usize = 200_000;
 
+    /// Device memory made with the virtual memory management API, as
+    /// PyTorch's expandable segments make it: `chunks` physical
+    /// allocations of `chunk` bytes mapped back to back in one
+    /// reservation and opened to device 0 (`shareable`: with POSIX file
+    /// descriptors requested, so they can be exported). Undone on drop.
+    struct VmmAlloc {
+        ptr: u64,
+        len: usize,
+        chunk: usize,
+        handles: Vec<u64>,
+        device: cudarc::driver::sys::CUdevice,
+        ctx: cudarc::driver::sys::CUcontext,
+    }
+
+    fn ok(r: cudarc::driver::sys::CUresult, what: &str) {
+        assert_eq!(r, cudarc::driver::sys::CUresult::CUDA_SUCCESS, "{what}");
+    }
+
+    impl VmmAlloc {
+        fn new(len: usize, shareable: bool) -> VmmAlloc {
+            Self::chunked(len, 1, shareable)
+        }
+
+        fn chunked(chunk: usize, chunks: usize, shareable: bool) -> VmmAlloc {
+            use cudarc::driver::sys;
+            let location = sys::CUmemLocation_st { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: 0 };
+            let len = chunk * chunks;
+            // SAFETY: plain driver calls with valid in- and out-pointers; a
+            // plain C struct starts as zeros.
+            unsafe {
+                let mut m = VmmAlloc { ptr: 0, len, chunk, handles: Vec::new(), device: 0, ctx: std::ptr::null_mut() };
+                ok(sys::cuDeviceGet(&mut m.device, 0), "cuDeviceGet");
+                ok(sys::cuDevicePrimaryCtxRetain(&mut m.ctx, m.device), "cuDevicePrimaryCtxRetain");
+                ok(sys::cuCtxSetCurrent(m.ctx), "cuCtxSetCurrent");
+                let mut prop: sys::CUmemAllocationProp_st = std::mem::zeroed();
+                prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+                prop.location = location;
+                if shareable {
+                    prop.requestedHandleTypes =
+                        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+                }
+                ok(sys::cuMemAddressReserve(&mut m.ptr, len, 0, 0, 0), "cuMemAddressReserve");
+                for i in 0..chunks {
+                    let mut h = 0;
+                    ok(sys::cuMemCreate(&mut h, chunk, &prop, 0), "cuMemCreate");
+                    m.handles.push(h);
+                    ok(sys::cuMemMap(m.ptr + (i * chunk) as u64, chunk, 0, h, 0), "cuMemMap");
+                }
+                let access = sys::CUmemAccessDesc_st {
+                    location,
+                    flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                };
+                ok(sys::cuMemSetAccess(m.ptr, len, &access, 1), "cuMemSetAccess");
+                m
+            }
+        }
+
+        fn write(&self, bytes: &[u8]) {
+            assert_eq!(bytes.len(), self.len);
+            // SAFETY: the mappings, their length; a live source.
+            unsafe {
+                ok(cudarc::driver::sys::cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent");
+                ok(cudarc::driver::sys::cuMemcpyHtoD_v2(self.ptr, bytes.as_ptr().cast(), self.len), "cuMemcpyHtoD");
+            }
+        }
+
+        fn read(&self) -> Vec<u8> {
+            let mut out = vec![0u8; self.len];
+            // SAFETY: the mappings, their length; a live destination.
+            unsafe {
+                ok(cudarc::driver::sys::cuCtxSetCurrent(self.ctx), "cuCtxSetCurrent");
+                ok(cudarc::driver::sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), self.ptr, self.len), "cuMemcpyDtoH");
+            }
+            out
+        }
+    }
+
+    impl Drop for VmmAlloc {
+        fn drop(&mut self) {
+            use cudarc::driver::sys;
+            // SAFETY: undoes `chunked`, once; nothing copies to it any more.
+            unsafe {
+                sys::cuCtxSetCurrent(self.ctx);
+                for (i, h) in self.handles.iter().enumerate() {
+                    sys::cuMemUnmap(self.ptr + (i * self.chunk) as u64, self.chunk);
+                    sys::cuMemRelease(*h);
+                }
+                sys::cuMemAddressFree(self.ptr, self.len);
+                sys::cuDevicePrimaryCtxRelease_v2(self.device);
+            }
+        }
+    }
+
+    /// The device peer's memory: the engine's (`cuMemAlloc`), or VMM
+    /// memory the peer made itself and registered as a caller's range.
+    enum PeerMem {
+        Engine(CudaMemory),
+        Vmm(VmmAlloc),
+    }
+
+    impl PeerMem {
+        fn fill(&self, seed: u64) {
+            match self {
+                PeerMem::Engine(m) => device_fill(m, seed),
+                PeerMem::Vmm(m) => {
+                    let mut rng = Rng(seed);
+                    m.write(&(0..m.len).map(|_| rng.next() as u8).collect::<Vec<u8>>());
+                }
+            }
+        }
+
+        fn bytes(&self) -> Vec<u8> {
+            match self {
+                PeerMem::Engine(m) => device_bytes(m),
+                PeerMem::Vmm(m) => m.read(),
+            }
+        }
+    }
+
     /// The device peer's side (a child): an engine with a device
-    /// registration peers may read and write, on stdin commands.
+    /// registration peers may read and write, on stdin commands. With
+    /// `ORBITE_CUDA_PEER_VMM` (`shareable` or `private`) its memory is
+    /// VMM memory it made itself.
     #[test]
     fn device_peer_entry() {
         if std::env::var_os("ORBITE_CUDA_PEER").is_none() {
@@ -794,15 +1003,31 @@ mod with_the_feature {
         let config = std::env::var("ORBITE_CUDA_PEER_CONFIG")
             .unwrap_or_else(|_| r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000}"#.into());
         let e = engine(&config);
-        let m = e.allocate_cuda_memory(0, PEER_VRAM).unwrap();
-        device_fill(&m, 0xD1);
-        let v = e
-            .register_memory_ranges(vec![MemoryRange::cuda(&m, 0, PEER_VRAM, Permission::RemoteReadWrite).unwrap()])
-            .unwrap()[0];
-        // A second registration inside the same allocation, at an offset.
-        let sub = e
-            .register_memory_ranges(vec![MemoryRange::cuda(&m, SUB_AT, SUB_LEN, Permission::RemoteReadWrite).unwrap()])
-            .unwrap()[0];
+        let rw = Permission::RemoteReadWrite;
+        let (m, v, sub) = match std::env::var("ORBITE_CUDA_PEER_VMM").as_deref() {
+            Ok(kind) => {
+                let m = VmmAlloc::new(PEER_VRAM, kind == "shareable");
+                // SAFETY: the mapping lives until this process ends (the
+                // peer never drops it before exiting).
+                let ranges = unsafe {
+                    vec![
+                        MemoryRange::cuda_borrowed(0, m.ptr, PEER_VRAM as u64, rw).unwrap(),
+                        MemoryRange::cuda_borrowed(0, m.ptr + SUB_AT as u64, SUB_LEN as u64, rw).unwrap(),
+                    ]
+                };
+                let ids = e.register_memory_ranges(ranges).unwrap();
+                (PeerMem::Vmm(m), ids[0], ids[1])
+            }
+            Err(_) => {
+                let m = e.allocate_cuda_memory(0, PEER_VRAM).unwrap();
+                let v = e.register_memory_ranges(vec![MemoryRange::cuda(&m, 0, PEER_VRAM, rw).unwrap()]).unwrap()[0];
+                // A second registration inside the same allocation, at an offset.
+                let sub =
+                    e.register_memory_ranges(vec![MemoryRange::cuda(&m, SUB_AT, SUB_LEN, rw).unwrap()]).unwrap()[0];
+                (PeerMem::Engine(m), v, sub)
+            }
+        };
+        m.fill(0xD1);
         // Host memory too: what a same-host initiator probes CMA with.
         let host = region(&e, 4096, Permission::RemoteReadWrite);
         let mut out = std::io::stdout();
@@ -813,19 +1038,22 @@ mod with_the_feature {
         for line in std::io::stdin().lock().lines() {
             let Ok(line) = line else { break };
             match line.trim() {
-                "hash" => writeln!(out, "HASH {}", m.as_ref().map_or(0, |m| fnv(&device_bytes(m)))).unwrap(),
+                "hash" => writeln!(out, "HASH {}", m.as_ref().map_or(0, |m| fnv(&m.bytes()))).unwrap(),
                 "reset" => {
                     if let Some(m) = &m {
-                        device_fill(m, 0xD1);
+                        m.fill(0xD1);
                     }
                     writeln!(out, "HASH reset").unwrap()
                 }
                 "staging" => writeln!(out, "STAGING {}", e.stats().staging_buffers).unwrap(),
-                // Deregisters and drops its own handle on the memory: what
-                // keeps it alive after this is the initiator's borrow.
+                // Deregisters and drops its own handle on the engine's
+                // memory: what keeps it alive after this is the initiator's
+                // borrow (a caller's VMM memory stays until exit).
                 "dereg" => {
                     let r = e.deregister(v).and(e.deregister(sub));
-                    drop(m.take());
+                    if matches!(m, Some(PeerMem::Engine(_))) {
+                        drop(m.take());
+                    }
                     writeln!(out, "DEREG {}", if r.is_ok() { "ok" } else { "failed" }).unwrap()
                 }
                 "shim" => writeln!(out, "SHIM {}", shim().map_or(0, |s| s.device_allocations)).unwrap(),
@@ -833,6 +1061,7 @@ mod with_the_feature {
             }
             out.flush().unwrap();
         }
+        drop(e);
         drop(m.take());
         std::process::exit(0);
     }
@@ -852,7 +1081,16 @@ mod with_the_feature {
 
     impl DevicePeer {
         fn spawn(config: Option<&str>) -> DevicePeer {
+            Self::spawn_with(config, None)
+        }
+
+        /// `vmm`: the peer's memory is VMM memory (`shareable` or
+        /// `private`).
+        fn spawn_with(config: Option<&str>, vmm: Option<&str>) -> DevicePeer {
             let mut cmd = Command::new(std::env::current_exe().unwrap());
+            if let Some(kind) = vmm {
+                cmd.env("ORBITE_CUDA_PEER_VMM", kind);
+            }
             cmd.args(["--exact", "with_the_feature::device_peer_entry", "--nocapture", "--test-threads", "1"])
                 .env("ORBITE_CUDA_PEER", "1")
                 .env_remove("ORBITE_CUDA_REQUIRED")
@@ -1060,6 +1298,93 @@ mod with_the_feature {
         if let (Some(before), Some(now)) = (shim_before, shim()) {
             assert_eq!(now.ipc_imports, before.ipc_imports, "the shim has no import left");
         }
+        p.quit();
+    }
+
+    /// Memory of the virtual memory management API (PyTorch's expandable
+    /// segments) has no legacy IPC handle. A same-host peer whose
+    /// allocation allows POSIX descriptors hands one over its local socket;
+    /// this engine imports and maps the allocation once (its own driver's
+    /// extent is the proof), and every pairing goes device to device over
+    /// `cuda-ipc`, a registration at an offset included; the import is
+    /// undone with the segment. An allocation made without shareable
+    /// handles is staged over tcp, and the reason says why.
+    #[test]
+    fn a_same_host_peers_vmm_memory_is_imported_through_a_shareable_handle() {
+        if std::env::var_os("ORBITE_CUDA_PEER").is_some() || in_child() {
+            return;
+        }
+        let Some((_, _turn)) = devices("a_same_host_peers_vmm_memory_is_imported") else { return };
+        let vmm_before = vmm_shim();
+        let config = r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000, "task_bytes": 262144}"#;
+        let mut p = DevicePeer::spawn_with(None, Some("shareable"));
+        let e = engine(config);
+        let base = e.stats();
+        let seg = e.open_segment(&p.endpoint, Some(p.epoch), std::time::Duration::from_secs(10)).unwrap();
+        assert_eq!(e.stats().cuda_imports, 1, "both registrations lie in one allocation, imported once");
+        if let (Some(before), Some(now)) = (vmm_before, vmm_shim()) {
+            assert_eq!((now.mappings, now.reservations), (before.mappings + 1, before.reservations + 1), "{now:?}");
+        }
+        rounds_with_the_device_peer(&e, &seg, &mut p, None, Route::CudaIpc);
+        assert_eq!(p.ask("staging"), "STAGING 0", "nothing staged at the peer");
+        p.ask("reset");
+        let mut remote = {
+            let mut rng = Rng(0xD1);
+            (0..PEER_VRAM).map(|_| rng.next() as u8).collect::<Vec<u8>>()
+        };
+        let src = region(&e, SUB_LEN, Permission::RemoteReadWrite);
+        fill(&src.mem, 78);
+        let (l, r) = (descs(src.id, &[(0, SUB_LEN as u64)]), descs(p.sub, &[(0, SUB_LEN as u64)]));
+        let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+        assert_eq!(t.route().route, Route::CudaIpc, "{}", t.route().reason);
+        t.post().unwrap();
+        assert_eq!(wait_retired(&t).outcome.code, OutcomeCode::Success);
+        remote[SUB_AT..SUB_AT + SUB_LEN].copy_from_slice(&snapshot(&src.mem));
+        assert_eq!(p.ask("hash"), format!("HASH {}", fnv(&remote)), "bytes at the registration's offset, guards kept");
+        t.release().unwrap();
+        e.deregister(src.id).unwrap();
+        drop(src);
+        assert_eq!(e.stats().cuda_imports, 1, "still one import");
+        e.close_segment(&seg, WAIT).unwrap();
+        drop(seg);
+        e.close();
+        assert_eq!(e.stats(), base, "charges back to baseline: the import is undone");
+        if let (Some(before), Some(now)) = (vmm_before, vmm_shim()) {
+            assert_eq!(
+                (now.handles, now.mappings, now.reservations),
+                (before.handles, before.mappings, before.reservations)
+            );
+        }
+        p.quit();
+
+        // Without shareable handles requested: staged over tcp, with why.
+        let mut p = DevicePeer::spawn_with(None, Some("private"));
+        let e = engine(config);
+        let base = e.stats();
+        let seg = e.open_segment(&p.endpoint, Some(p.epoch), std::time::Duration::from_secs(10)).unwrap();
+        assert_eq!(e.stats().cuda_imports, 0, "nothing to import");
+        let h = region(&e, 65536, Permission::RemoteReadWrite);
+        fill(&h.mem, 79);
+        p.ask("reset");
+        let mut remote = {
+            let mut rng = Rng(0xD1);
+            (0..PEER_VRAM).map(|_| rng.next() as u8).collect::<Vec<u8>>()
+        };
+        let (l, r) = (descs(h.id, &[(0, 65536)]), descs(p.vram, &[(4096, 65536)]));
+        let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+        assert_eq!(t.route().route, Route::Tcp, "{}", t.route().reason);
+        assert!(t.route().reason.contains("cuMemExportToShareableHandle"), "{}", t.route().reason);
+        t.post().unwrap();
+        assert_eq!(wait_retired(&t).outcome.code, OutcomeCode::Success);
+        remote[4096..4096 + 65536].copy_from_slice(&snapshot(&h.mem));
+        assert_eq!(p.ask("hash"), format!("HASH {}", fnv(&remote)));
+        t.release().unwrap();
+        e.deregister(h.id).unwrap();
+        drop(h);
+        e.close_segment(&seg, WAIT).unwrap();
+        drop(seg);
+        e.close();
+        assert_eq!(e.stats(), base, "charges back to baseline");
         p.quit();
     }
 

@@ -262,8 +262,8 @@ impl<J: CopyJob> Peer<J> {
         ids.iter()
             .zip(entries)
             .zip(lens)
-            .map(|((raw, entry), len)| {
-                let r = open_entry(entry, len, &counters, &mut opened);
+            .map(|((raw, (entry, fd)), len)| {
+                let r = open_entry(entry, fd, len, &counters, &mut opened);
                 (*raw, r.map(Arc::new))
             })
             .collect()
@@ -300,26 +300,47 @@ fn importable<'a>(
         .collect()
 }
 
+/// An allocation opened from a peer's answer, by what names it there: a
+/// legacy handle, or (a shareable handle) the allocation's address in the
+/// peer.
+#[cfg(feature = "cuda")]
+#[derive(PartialEq, Eq)]
+enum Opened {
+    Legacy([u8; 64]),
+    Shareable(u64),
+}
+
 /// One registration's IPC handle opened (an allocation opened once per
-/// peer: `opened` holds those opened so far), checked against what this
+/// answer: `opened` holds those opened so far), checked against what this
 /// process's driver says of the mapping.
 #[cfg(feature = "cuda")]
 fn open_entry(
     entry: crate::wire::IpcEntry,
+    fd: Option<std::os::fd::OwnedFd>,
     len: Option<u64>,
     counters: &Arc<crate::charge::Counters>,
-    opened: &mut Vec<([u8; 64], Arc<crate::cuda::IpcMapping>)>,
+    opened: &mut Vec<(Opened, Arc<crate::cuda::IpcMapping>)>,
 ) -> Result<crate::transport::mapping::Imported, String> {
-    let (uuid, handle, offset, alloc_len) = match entry {
-        crate::wire::IpcEntry::Exported { uuid, handle, offset, alloc_len } => (uuid, handle, offset, alloc_len),
-        crate::wire::IpcEntry::Refused(why) => return Err(format!("the peer did not export it: {why}")),
+    use crate::cuda::IpcMapping;
+    use crate::wire::IpcEntry;
+    let (key, uuid, offset, alloc_len) = match &entry {
+        IpcEntry::Exported { uuid, handle, offset, alloc_len } => (Opened::Legacy(*handle), uuid, *offset, *alloc_len),
+        IpcEntry::Shareable { uuid, alloc_base, offset, alloc_len } => {
+            (Opened::Shareable(*alloc_base), uuid, *offset, *alloc_len)
+        }
+        IpcEntry::Refused(why) => return Err(format!("the peer did not export it: {why}")),
     };
     let len = len.ok_or_else(|| "the peer no longer has it".to_owned())?;
-    let mapping = match opened.iter().find(|(h, _)| *h == handle) {
+    let mapping = match opened.iter().find(|(k, _)| *k == key) {
         Some((_, m)) => m.clone(),
         None => {
-            let m = Arc::new(crate::cuda::IpcMapping::open(&handle, &uuid, counters)?);
-            opened.push((handle, m.clone()));
+            let m = match (&key, fd) {
+                (Opened::Legacy(handle), _) => IpcMapping::open(handle, uuid, counters)?,
+                (Opened::Shareable(_), Some(fd)) => IpcMapping::import_shareable(fd, uuid, alloc_len, counters)?,
+                (Opened::Shareable(_), None) => return Err("the peer sent no descriptor for it".into()),
+            };
+            let m = Arc::new(m);
+            opened.push((key, m.clone()));
             m
         }
     };
@@ -335,9 +356,10 @@ fn open_entry(
 #[cfg(not(feature = "cuda"))]
 fn open_entry(
     _entry: crate::wire::IpcEntry,
+    _fd: Option<std::os::fd::OwnedFd>,
     _len: Option<u64>,
     _counters: &Arc<crate::charge::Counters>,
-    _opened: &mut Vec<([u8; 64], ())>,
+    _opened: &mut Vec<((), ())>,
 ) -> Result<crate::transport::mapping::Imported, String> {
     Err("built without feature cuda".into())
 }

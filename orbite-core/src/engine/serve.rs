@@ -149,15 +149,15 @@ impl TargetSide for EngineInner {
         Ok(())
     }
 
-    fn ipc_export(&self, ids: &[u64]) -> Vec<crate::wire::IpcEntry> {
+    fn ipc_export(&self, ids: &[u64]) -> (Vec<crate::wire::IpcEntry>, Vec<std::os::fd::OwnedFd>) {
         use crate::wire::IpcEntry;
         let refused = |why: &str| IpcEntry::Refused(why.to_owned());
         if !self.config.cuda_ipc {
-            return ids.iter().map(|_| refused("CUDA IPC is off on this target (cuda_ipc)")).collect();
+            return (ids.iter().map(|_| refused("CUDA IPC is off on this target (cuda_ipc)")).collect(), Vec::new());
         }
-        // (id, device, address) of live, remotely reachable device
+        // (device, address, length) of live, remotely reachable device
         // registrations; the driver is asked outside the registry lock.
-        let found: Vec<Result<(u32, u64), String>> = {
+        let found: Vec<Result<(u32, u64, u64), String>> = {
             let table = self.registry.lock();
             ids.iter()
                 .map(|&raw| {
@@ -166,7 +166,7 @@ impl TargetSide for EngineInner {
                     let reachable = reg.permission.remote_read() || reg.permission.remote_write();
                     match reg.kind {
                         crate::memory::MemoryKind::Cuda { device } if reachable && !reg.is_fenced() => {
-                            Ok((device, reg.base as u64))
+                            Ok((device, reg.base as u64, reg.len))
                         }
                         crate::memory::MemoryKind::Cuda { .. } => Err(format!("{id} is not open to peers")),
                         _ => Err(format!("{id} is not CUDA device memory")),
@@ -174,24 +174,41 @@ impl TargetSide for EngineInner {
                 })
                 .collect()
         };
-        found
+        #[cfg_attr(not(feature = "cuda"), allow(unused_mut, reason = "descriptors only with feature cuda"))]
+        let mut fds = Vec::new();
+        let entries = found
             .into_iter()
             .map(|f| match f {
                 Err(why) => refused(&why),
                 #[cfg(feature = "cuda")]
-                Ok((device, addr)) => match crate::cuda::ipc_export(device, addr) {
-                    Ok(x) => IpcEntry::Exported {
-                        uuid: x.uuid,
-                        handle: x.handle,
-                        offset: addr - x.alloc_base,
-                        alloc_len: x.alloc_len,
+                Ok((device, addr, len)) => match crate::cuda::ipc_export(device, addr, len) {
+                    Ok(x) => match x.handle {
+                        crate::cuda::IpcHandle::Legacy(handle) => IpcEntry::Exported {
+                            uuid: x.uuid,
+                            handle,
+                            offset: addr - x.alloc_base,
+                            alloc_len: x.alloc_len,
+                        },
+                        crate::cuda::IpcHandle::Shareable(_) if fds.len() == crate::wire::MAX_SHARED_FDS => {
+                            refused("too many descriptors for one answer: ask again for this one")
+                        }
+                        crate::cuda::IpcHandle::Shareable(fd) => {
+                            fds.push(fd);
+                            IpcEntry::Shareable {
+                                uuid: x.uuid,
+                                alloc_base: x.alloc_base,
+                                offset: addr - x.alloc_base,
+                                alloc_len: x.alloc_len,
+                            }
+                        }
                     },
                     Err(why) => refused(&why),
                 },
                 #[cfg(not(feature = "cuda"))]
                 Ok(_) => refused("built without feature cuda"),
             })
-            .collect()
+            .collect();
+        (entries, fds)
     }
 
     fn remote_gate(&self) {

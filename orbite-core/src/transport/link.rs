@@ -485,23 +485,7 @@ impl<J: CopyJob> PeerLink<J> {
             wire::encode_share_fds(&mut body, chunk.iter().copied());
             let s = self.ask_local(Kind::ShareFds, &body, &patience)?;
             let fd = s.as_raw_fd();
-            // The descriptors come with the reply's first byte.
-            let mut fds = Vec::new();
-            let mut hb = [0u8; wire::HEADER_LEN];
-            let mut got = 0;
-            while got < hb.len() {
-                match crate::transport::unix::recv_with_fds(fd, &mut hb[got..], chunk.len(), &mut fds) {
-                    Ok(0) => return Err("the peer closed its local socket".into()),
-                    Ok(n) => got += n,
-                    Err(e) if matches!(e.kind(), io::ErrorKind::Interrupted) => {}
-                    Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
-                        if Instant::now() >= patience.until.unwrap_or_else(Instant::now) {
-                            return Err("the peer did not hand over its shared memory in time".into());
-                        }
-                    }
-                    Err(e) => return Err(format!("shared memory: {e}")),
-                }
-            }
+            let (hb, fds) = header_with_fds(fd, chunk.len(), &patience, "its shared memory")?;
             let limits = Limits { max_body: (2 + wire::MAX_SHARED_FDS) as u32, max_data: 0 };
             let h = wire::decode_header(&hb, limits).map_err(|e| e.to_string())?;
             let mut body = vec![0u8; h.body_len as usize];
@@ -528,16 +512,19 @@ impl<J: CopyJob> PeerLink<J> {
     /// registrations `ids` (raw), over a fresh connection to its local
     /// socket, which must lead to the same process: per id, what it
     /// answered. Bounded by the peer timeout.
-    pub fn fetch_ipc(&self, ids: &[u64]) -> Result<Vec<wire::IpcEntry>, String> {
+    /// A shareable entry comes with its descriptor (the peer attaches one
+    /// per such entry; an answer whose descriptors do not match its
+    /// entries is refused whole).
+    pub fn fetch_ipc(&self, ids: &[u64]) -> Result<Vec<(wire::IpcEntry, Option<OwnedFd>)>, String> {
         let patience = self.local_patience();
         let mut out = Vec::with_capacity(ids.len());
         let mut body = Vec::new();
-        for chunk in ids.chunks(wire::MAX_IPC_HANDLES) {
+        // Every answer could carry a descriptor per entry.
+        for chunk in ids.chunks(wire::MAX_IPC_HANDLES.min(wire::MAX_SHARED_FDS)) {
             wire::encode_ipc_handles(&mut body, self.descriptor.epoch, chunk);
             let s = self.ask_local(Kind::IpcHandles, &body, &patience)?;
             let fd = s.as_raw_fd();
-            let mut hb = [0u8; wire::HEADER_LEN];
-            read_exact_within(fd, &mut hb, Some(&patience)).map_err(|e| format!("IPC handles: {e}"))?;
+            let (hb, fds) = header_with_fds(fd, chunk.len(), &patience, "IPC handles")?;
             // The longest answer: every entry refused with the longest
             // reason (an exported entry is shorter), or an error frame.
             let max_body = (2 + chunk.len() * wire::IPC_ENTRY_MAX).max(4 + wire::MAX_ERROR_DETAIL);
@@ -547,7 +534,15 @@ impl<J: CopyJob> PeerLink<J> {
             read_exact_within(fd, &mut body, Some(&patience)).map_err(|e| e.to_string())?;
             match h.kind {
                 Kind::IpcHandlesReply if h.data_len == 0 => {
-                    out.extend(wire::decode_ipc_handles_reply(&body, chunk.len()).map_err(|e| e.to_string())?)
+                    let entries = wire::decode_ipc_handles_reply(&body, chunk.len()).map_err(|e| e.to_string())?;
+                    if entries.iter().filter(|e| e.has_fd()).count() != fds.len() {
+                        return Err("the peer's IPC answer does not match the descriptors it sent".into());
+                    }
+                    let mut fds = fds.into_iter();
+                    out.extend(entries.into_iter().map(|e| {
+                        let fd = if e.has_fd() { fds.next() } else { None };
+                        (e, fd)
+                    }));
                 }
                 Kind::Error => {
                     let (status, detail) = wire::decode_error(&body).map_err(|e| e.to_string())?;
@@ -1350,4 +1345,32 @@ fn failure() -> Failed {
         io::ErrorKind::WouldBlock => Failed::Block,
         _ => Failed::Lost(format!("connection lost: {e}")),
     }
+}
+
+/// Reads a reply's header from the local socket `fd`, taking the
+/// descriptors that come with its first byte (at most `max_fds`), within
+/// the peer timeout.
+fn header_with_fds(
+    fd: std::os::fd::RawFd,
+    max_fds: usize,
+    patience: &Patience,
+    what: &str,
+) -> Result<([u8; wire::HEADER_LEN], Vec<OwnedFd>), String> {
+    let mut fds = Vec::new();
+    let mut hb = [0u8; wire::HEADER_LEN];
+    let mut got = 0;
+    while got < hb.len() {
+        match crate::transport::unix::recv_with_fds(fd, &mut hb[got..], max_fds, &mut fds) {
+            Ok(0) => return Err("the peer closed its local socket".into()),
+            Ok(n) => got += n,
+            Err(e) if matches!(e.kind(), io::ErrorKind::Interrupted) => {}
+            Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+                if Instant::now() >= patience.until.unwrap_or_else(Instant::now) {
+                    return Err(format!("the peer did not hand over {what} in time"));
+                }
+            }
+            Err(e) => return Err(format!("{what}: {e}")),
+        }
+    }
+    Ok((hb, fds))
 }

@@ -69,9 +69,11 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
         Err((RemoteStatus::PermissionDenied, "this target lends no device memory".into()))
     }
     /// CUDA IPC handles of the device registrations `ids` (raw), for a
-    /// same-host peer on the local socket.
-    fn ipc_export(&self, ids: &[u64]) -> Vec<crate::wire::IpcEntry> {
-        ids.iter().map(|_| crate::wire::IpcEntry::Refused("this target exports no IPC handles".into())).collect()
+    /// same-host peer on the local socket, with the descriptors of the
+    /// shareable ones in entry order (at most [`crate::wire::MAX_SHARED_FDS`]).
+    fn ipc_export(&self, ids: &[u64]) -> (Vec<crate::wire::IpcEntry>, Vec<std::os::fd::OwnedFd>) {
+        let refused = ids.iter().map(|_| crate::wire::IpcEntry::Refused("this target exports no IPC handles".into()));
+        (refused.collect(), Vec::new())
     }
     /// Queues a notification, or refuses it.
     fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)>;
@@ -566,10 +568,12 @@ impl ServerConn {
                 } else if epoch != side.epoch() {
                     self.epoch_mismatch(h.request, side);
                 } else {
-                    let entries = side.ipc_export(&ids);
+                    let (entries, fds) = side.ipc_export(&ids);
                     let mut body = Vec::new();
                     wire::encode_ipc_handles_reply(&mut body, &entries);
                     self.reply(Kind::IpcHandlesReply, h.request, &body);
+                    debug_assert_eq!(fds.len(), entries.iter().filter(|e| e.has_fd()).count());
+                    self.out_fds = fds;
                 }
             }
             Kind::Describe => {
