@@ -81,5 +81,5 @@ pub use types::{Exhausted, Intent, Op, Permission, RegistrationId, Resource, Rou
 /// Test-only fault hooks (feature `fault-injection`).
 #[cfg(feature = "fault-injection")]
 pub mod fault {
-    pub use crate::transport::fault::{FaultDirective, FaultHooks};
+    pub use crate::transport::fault::{FaultDirective, FaultHooks, IpcForgery};
 }

@@ -53,6 +53,7 @@ fn without_the_feature_vram_is_refused_naming_the_feature() {
 #[cfg(feature = "cuda")]
 mod with_the_feature {
     use super::*;
+    use orbite_core::fault::IpcForgery;
     use std::process::Command;
 
     /// The shim's counters (`orbite_cuda_shim_stats`), in its order.
@@ -1003,6 +1004,11 @@ mod with_the_feature {
         let config = std::env::var("ORBITE_CUDA_PEER_CONFIG")
             .unwrap_or_else(|_| r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000}"#.into());
         let e = engine(&config);
+        // A hostile peer: its answers for IPC handles are falsified.
+        if let Ok(name) = std::env::var("ORBITE_CUDA_PEER_FORGE") {
+            let forgery = IpcForgery::ALL.into_iter().find(|f| format!("{f:?}") == name).unwrap();
+            e.forge_ipc_answers_for_tests(Some(forgery));
+        }
         let rw = Permission::RemoteReadWrite;
         let (m, v, sub) = match std::env::var("ORBITE_CUDA_PEER_VMM").as_deref() {
             Ok(kind) => {
@@ -1087,7 +1093,13 @@ mod with_the_feature {
         /// `vmm`: the peer's memory is VMM memory (`shareable` or
         /// `private`).
         fn spawn_with(config: Option<&str>, vmm: Option<&str>) -> DevicePeer {
+            Self::spawn_env(config, vmm, &[])
+        }
+
+        /// As [`Self::spawn_with`], with more of the child's environment.
+        fn spawn_env(config: Option<&str>, vmm: Option<&str>, env: &[(&str, &str)]) -> DevicePeer {
             let mut cmd = Command::new(std::env::current_exe().unwrap());
+            cmd.envs(env.iter().copied());
             if let Some(kind) = vmm {
                 cmd.env("ORBITE_CUDA_PEER_VMM", kind);
             }
@@ -1386,6 +1398,91 @@ mod with_the_feature {
         e.close();
         assert_eq!(e.stats(), base, "charges back to baseline");
         p.quit();
+    }
+
+    /// Descriptors in this process that lead to a forged memfd or to the
+    /// shim's VMM memory.
+    fn ipc_fds() -> usize {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|d| std::fs::read_link(d.ok()?.path()).ok())
+            .filter(|l| {
+                l.to_string_lossy().contains("orbite-forged-ipc")
+                    || l.to_string_lossy().contains("orbite-cuda-shim-vmm")
+            })
+            .count()
+    }
+
+    /// A hostile same-host peer falsifies its answers for the CUDA IPC
+    /// handles of its VMM memory: a descriptor no driver made, lengths
+    /// that are too long, unaligned or absurd, a registration outside its
+    /// allocation, another device, descriptors missing or in excess, a
+    /// made-up legacy handle. Each
+    /// is refused before any copy, with the reason in the route; the
+    /// transfer is staged over tcp and lands exactly; no descriptor,
+    /// mapping, reservation, import or charge is left behind here.
+    #[test]
+    fn forged_ipc_answers_are_refused_and_the_transfer_staged() {
+        if std::env::var_os("ORBITE_CUDA_PEER").is_some() || in_child() {
+            return;
+        }
+        let Some((_, _turn)) = devices("forged_ipc_answers_are_refused") else { return };
+        let config = r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000, "task_bytes": 262144}"#;
+        for forgery in IpcForgery::ALL {
+            let why = match forgery {
+                IpcForgery::ForeignDescriptor => "cuMemImportFromShareableHandle",
+                IpcForgery::InflatedLength => "cuMemMap",
+                IpcForgery::UnalignedLength => "granularity",
+                IpcForgery::HugeLength => "cuMemAddressReserve",
+                IpcForgery::OffsetOutside => "lies outside the peer's allocation",
+                IpcForgery::WrongDevice => "not visible to this process",
+                IpcForgery::MissingDescriptors => "does not match the descriptors",
+                IpcForgery::ExtraDescriptor => "more descriptors than asked for",
+                IpcForgery::MadeUpLegacyHandle => "cuIpcOpenMemHandle",
+            };
+            let (vmm_before, fds_before) = (vmm_shim(), ipc_fds());
+            let name = format!("{forgery:?}");
+            let mut p = DevicePeer::spawn_env(None, Some("shareable"), &[("ORBITE_CUDA_PEER_FORGE", &name)]);
+            let e = engine(config);
+            let base = e.stats();
+            let seg = e.open_segment(&p.endpoint, Some(p.epoch), std::time::Duration::from_secs(10)).unwrap();
+            assert_eq!(e.stats().cuda_imports, 0, "{name}: nothing imported");
+            if let (Some(before), Some(now)) = (vmm_before, vmm_shim()) {
+                assert_eq!(
+                    (now.handles, now.mappings, now.reservations),
+                    (before.handles, before.mappings, before.reservations),
+                    "{name}: a refused import leaves nothing in the driver"
+                );
+            }
+            assert_eq!(ipc_fds(), fds_before, "{name}: the peer's descriptors are closed");
+            p.ask("reset");
+            let mut remote = {
+                let mut rng = Rng(0xD1);
+                (0..PEER_VRAM).map(|_| rng.next() as u8).collect::<Vec<u8>>()
+            };
+            let h = region(&e, SUB_LEN, Permission::RemoteReadWrite);
+            fill(&h.mem, 81);
+            for (reg, at) in [(p.vram, 8192usize), (p.sub, 0)] {
+                let (l, r) = (descs(h.id, &[(0, SUB_LEN as u64)]), descs(reg, &[(at as u64, SUB_LEN as u64)]));
+                let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+                assert_eq!(t.route().route, Route::Tcp, "{name}: {}", t.route().reason);
+                assert!(t.route().reason.contains(why), "{name}: {} (wanted {why:?})", t.route().reason);
+                t.post().unwrap();
+                assert_eq!(wait_retired(&t).outcome.code, OutcomeCode::Success, "{name}");
+                let at = if reg == p.sub { SUB_AT } else { at };
+                remote[at..at + SUB_LEN].copy_from_slice(&snapshot(&h.mem));
+                t.release().unwrap();
+            }
+            assert_eq!(p.ask("hash"), format!("HASH {}", fnv(&remote)), "{name}: bytes and guards at the peer");
+            e.deregister(h.id).unwrap();
+            drop(h);
+            e.close_segment(&seg, WAIT).unwrap();
+            drop(seg);
+            e.close();
+            assert_eq!(e.stats(), base, "{name}: charges back to baseline");
+            p.quit();
+            assert_eq!(ipc_fds(), fds_before, "{name}: no descriptor left");
+        }
     }
 
     /// Where CUDA IPC cannot be had, the transfer is staged over tcp and

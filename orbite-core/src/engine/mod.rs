@@ -1134,6 +1134,13 @@ impl TransferEngine {
         self.fault_control().deny_cma(on);
     }
 
+    /// Test-only: this engine's answers to peers' requests for CUDA IPC
+    /// handles of VMM memory are falsified as `forgery` says (`None`:
+    /// honest again), as a hostile target's would be.
+    pub fn forge_ipc_answers_for_tests(&self, forgery: Option<crate::transport::fault::IpcForgery>) {
+        self.fault_control().forge_ipc(forgery);
+    }
+
     /// Test-only fault hooks of the local route.
     pub fn fault_hooks(&self) -> crate::transport::fault::FaultHooks<'_> {
         crate::transport::fault::FaultHooks { ctl: self.fault_control() }

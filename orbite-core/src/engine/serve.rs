@@ -174,9 +174,9 @@ impl TargetSide for EngineInner {
                 })
                 .collect()
         };
-        #[cfg_attr(not(feature = "cuda"), allow(unused_mut, reason = "descriptors only with feature cuda"))]
+        // Descriptors go with shareable entries (feature cuda), one each.
         let mut fds = Vec::new();
-        let entries = found
+        let mut entries = found
             .into_iter()
             .map(|f| match f {
                 Err(why) => refused(&why),
@@ -207,7 +207,11 @@ impl TargetSide for EngineInner {
                 #[cfg(not(feature = "cuda"))]
                 Ok(_) => refused("built without feature cuda"),
             })
-            .collect();
+            .collect::<Vec<_>>();
+        debug_assert_eq!(fds.len(), entries.iter().filter(|e| e.has_fd()).count());
+        if let Some(h) = &self.hooks {
+            h.ipc_answer(&mut entries, &mut fds);
+        }
         (entries, fds)
     }
 

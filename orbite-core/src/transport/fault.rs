@@ -40,6 +40,102 @@ pub(crate) struct FaultState<J> {
     /// Whether peer requests are held, and how many wait in the hold now.
     remote_hold: (Mutex<(bool, usize)>, Condvar),
     deny_cma: AtomicBool,
+    forge_ipc: Mutex<Option<IpcForgery>>,
+}
+
+/// How a target falsifies its answers to requests for CUDA IPC handles of
+/// VMM memory (shareable entries): a hostile peer, for the importer's
+/// tests. Each must be refused by the importer, which then stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IpcForgery {
+    /// Every descriptor replaced by a memfd of the claimed size that is
+    /// no CUDA allocation (named `orbite-forged-ipc`).
+    ForeignDescriptor,
+    /// Each allocation claimed twice its size.
+    InflatedLength,
+    /// Each allocation claimed one byte longer (no multiple of the
+    /// granularity).
+    UnalignedLength,
+    /// Each allocation claimed 4 EiB long.
+    HugeLength,
+    /// Each registration placed 4 KiB before the end of its allocation,
+    /// so that it runs past it.
+    OffsetOutside,
+    /// Each allocation placed on a device of another UUID.
+    WrongDevice,
+    /// The descriptors left out.
+    MissingDescriptors,
+    /// One descriptor more than the entries call for.
+    ExtraDescriptor,
+    /// Each entry turned into a legacy handle of made-up bytes (and the
+    /// descriptors left out).
+    MadeUpLegacyHandle,
+}
+
+impl IpcForgery {
+    /// Every forgery, in a fixed order.
+    pub const ALL: [IpcForgery; 9] = [
+        IpcForgery::ForeignDescriptor,
+        IpcForgery::InflatedLength,
+        IpcForgery::UnalignedLength,
+        IpcForgery::HugeLength,
+        IpcForgery::OffsetOutside,
+        IpcForgery::WrongDevice,
+        IpcForgery::MissingDescriptors,
+        IpcForgery::ExtraDescriptor,
+        IpcForgery::MadeUpLegacyHandle,
+    ];
+
+    fn apply(self, entries: &mut [crate::wire::IpcEntry], fds: &mut Vec<std::os::fd::OwnedFd>) {
+        use crate::wire::IpcEntry;
+        for e in entries.iter_mut() {
+            if let (IpcForgery::MadeUpLegacyHandle, IpcEntry::Shareable { uuid, offset, alloc_len, .. }) = (self, &e) {
+                *e = IpcEntry::Exported { uuid: *uuid, handle: [0x5a; 64], offset: *offset, alloc_len: *alloc_len };
+            }
+            let IpcEntry::Shareable { uuid, offset, alloc_len, .. } = e else { continue };
+            match self {
+                IpcForgery::InflatedLength => *alloc_len = alloc_len.saturating_mul(2),
+                IpcForgery::UnalignedLength => *alloc_len = alloc_len.saturating_add(1),
+                IpcForgery::HugeLength => *alloc_len = 1 << 62,
+                IpcForgery::OffsetOutside => *offset = alloc_len.saturating_sub(4096),
+                IpcForgery::WrongDevice => uuid.iter_mut().for_each(|b| *b = !*b),
+                _ => {}
+            }
+        }
+        match self {
+            IpcForgery::ForeignDescriptor => {
+                let lens: Vec<u64> = entries
+                    .iter()
+                    .filter_map(|e| match e {
+                        IpcEntry::Shareable { alloc_len, .. } => Some(*alloc_len),
+                        _ => None,
+                    })
+                    .collect();
+                *fds = lens.into_iter().filter_map(forged_memfd).collect();
+            }
+            IpcForgery::MissingDescriptors | IpcForgery::MadeUpLegacyHandle => fds.clear(),
+            IpcForgery::ExtraDescriptor => {
+                if let Some(extra) = forged_memfd(4096) {
+                    fds.push(extra);
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A memfd of `len` bytes that no driver made.
+fn forged_memfd(len: u64) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: a NUL-terminated name; a fresh descriptor on success.
+    let fd = unsafe { libc::memfd_create(c"orbite-forged-ipc".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: just made, owned by nobody else.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    // SAFETY: a descriptor owned here.
+    (unsafe { libc::ftruncate(std::os::fd::AsRawFd::as_raw_fd(&fd), len as libc::off_t) } == 0).then_some(fd)
 }
 
 impl<J> Default for FaultState<J> {
@@ -55,6 +151,7 @@ impl<J> Default for FaultState<J> {
             changed: Condvar::new(),
             remote_hold: (Mutex::new((false, 0)), Condvar::new()),
             deny_cma: AtomicBool::new(false),
+            forge_ipc: Mutex::new(None),
         }
     }
 }
@@ -104,6 +201,12 @@ impl<J: Send + 'static> Hooks<J> for FaultState<J> {
         probe
     }
 
+    fn ipc_answer(&self, entries: &mut Vec<crate::wire::IpcEntry>, fds: &mut Vec<std::os::fd::OwnedFd>) {
+        if let Some(f) = *self.forge_ipc.lock() {
+            f.apply(entries, fds);
+        }
+    }
+
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
     }
@@ -121,6 +224,7 @@ pub(crate) trait FaultControl: Send + Sync {
     fn hold_remote(&self, on: bool);
     fn wait_remote_held(&self, n: usize, timeout: Duration) -> bool;
     fn deny_cma(&self, on: bool);
+    fn forge_ipc(&self, f: Option<IpcForgery>);
 }
 
 impl<J: Send + 'static> FaultControl for FaultState<J> {
@@ -198,6 +302,9 @@ impl<J: Send + 'static> FaultControl for FaultState<J> {
     }
     fn deny_cma(&self, on: bool) {
         self.deny_cma.store(on, Ordering::Release);
+    }
+    fn forge_ipc(&self, f: Option<IpcForgery>) {
+        *self.forge_ipc.lock() = f;
     }
 }
 

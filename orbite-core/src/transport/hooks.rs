@@ -59,6 +59,13 @@ pub(crate) trait Hooks<J>: Send + Sync {
         probe
     }
 
+    /// May rewrite this engine's answer to a peer's request for CUDA IPC
+    /// handles (entries and the descriptors that go with them) before it
+    /// is sent: a hostile target, for tests of the importer.
+    fn ipc_answer(&self, entries: &mut Vec<crate::wire::IpcEntry>, fds: &mut Vec<std::os::fd::OwnedFd>) {
+        let _ = (entries, fds);
+    }
+
     /// The hooks as `Any`, for the test handle.
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         None
