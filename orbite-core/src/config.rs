@@ -102,16 +102,20 @@ pub struct EngineConfig {
     /// no hand-off to a worker. Its execution may then already be retired
     /// when `post` returns. At most 1 MiB; 0 disables. Default 16 384.
     pub inline_max_bytes: u64,
-    /// Bytes of each of the two page-locked host buffers a route worker
-    /// bounces CUDA device memory through on shm and cma (feature `cuda`;
-    /// charged to `staging_buffers`/`staging_bytes` from first use until
-    /// the worker ends). 4 KiB to 64 MiB. Default 1 MiB.
+    /// Bytes of each page-locked host buffer CUDA device memory is bounced
+    /// through on cma (feature `cuda`), taken from the staging pool: a
+    /// task that fits one takes one (a worker keeps up to 8 such tasks in
+    /// flight, so the device copy of one overlaps the CPU copy of
+    /// another); a larger task takes two and goes through them chunk by
+    /// chunk. 4 KiB to 64 MiB. Default 1 MiB (the default `task_bytes`).
     pub staging_chunk_bytes: u64,
     /// Page-locked host memory all staging of CUDA device memory may hold
-    /// at once (feature `cuda`): the workers' buffers and the pool tcp
-    /// tasks and peers' requests stage through. A staged task that finds
-    /// no room fails; a peer's request beyond it is answered
-    /// `ResourceExhausted`. Default 1 GiB.
+    /// at once (feature `cuda`): the staging pool cma and tcp tasks and
+    /// peers' requests stage through (free buffers kept for reuse until
+    /// close). A worker whose next cma task finds no room completes its
+    /// oldest staged task first; a staged task that still finds none
+    /// fails; a peer's request beyond it is answered `ResourceExhausted`.
+    /// Default 1 GiB.
     pub max_staging_bytes: u64,
     /// CUDA IPC with same-host peers (feature `cuda`): this engine hands
     /// its device registrations' IPC handles to peers proven to run on
@@ -297,7 +301,7 @@ impl EngineConfig {
             return invalid("staging_chunk_bytes", "must be 4096 to 67108864");
         }
         if self.max_staging_bytes < 2 * self.staging_chunk_bytes {
-            return invalid("max_staging_bytes", "must hold a worker's two staging chunks");
+            return invalid("max_staging_bytes", "must hold two staging chunks (a task larger than one)");
         }
         if !(1..=16).contains(&self.connections_per_peer) {
             return invalid("connections_per_peer", "must be 1 to 16");

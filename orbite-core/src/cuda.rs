@@ -593,33 +593,24 @@ mod driver {
         }
     }
 
-    /// Two pinned host buffers of one device, with a stream and an event
-    /// each slot: the staging of one route worker. Device copies into or
-    /// out of a slot run on the stream; `wait(slot)` returns once they
-    /// are done, so the slot's buffer may be reused. Freed on drop, after
-    /// waiting for anything still queued.
+    /// A stream of one device with an event per slot: the staging of one
+    /// route worker through two buffers of the caller's. Device copies
+    /// into or out of a slot's buffer run on the stream; `wait(slot)`
+    /// returns once they are done, so the buffer may be reused. Freed on
+    /// drop, after waiting for anything still queued.
     pub(crate) struct Stager {
         stream: sys::CUstream,
         events: [sys::CUevent; 2],
-        buffers: [*mut u8; 2],
         queued: [bool; 2],
-        chunk: u64,
         lease: ContextLease,
     }
 
     impl Stager {
-        /// Buffers of `chunk` bytes each (page-locked: `cuMemHostAlloc`).
-        pub(crate) fn new(ordinal: u32, chunk: u64) -> Result<Self, String> {
+        pub(crate) fn new(ordinal: u32) -> Result<Self, String> {
             let lease = ContextLease::retain(ordinal)?;
             let current = lease.enter()?;
-            let mut s = Stager {
-                stream: std::ptr::null_mut(),
-                events: [std::ptr::null_mut(); 2],
-                buffers: [std::ptr::null_mut(); 2],
-                queued: [false; 2],
-                chunk,
-                lease,
-            };
+            let mut s =
+                Stager { stream: std::ptr::null_mut(), events: [std::ptr::null_mut(); 2], queued: [false; 2], lease };
             // SAFETY: a current context; valid out-pointers. Whatever was
             // made before a failure is freed by `Drop` (null handles are
             // skipped there).
@@ -627,22 +618,10 @@ mod driver {
                 check(sys::cuStreamCreate(&mut s.stream, 1), "cuStreamCreate")?;
                 for i in 0..2 {
                     check(sys::cuEventCreate(&mut s.events[i], EVENT_FLAGS), "cuEventCreate")?;
-                    let mut p = std::ptr::null_mut();
-                    check(sys::cuMemHostAlloc(&mut p, chunk as usize, 0), "cuMemHostAlloc")?;
-                    s.buffers[i] = p.cast();
                 }
             }
             drop(current);
             Ok(s)
-        }
-
-        pub(crate) fn chunk(&self) -> u64 {
-            self.chunk
-        }
-
-        /// The host address of slot `slot`'s buffer.
-        pub(crate) fn buffer(&self, slot: usize) -> u64 {
-            self.buffers[slot] as u64
         }
 
         /// Queues `copies` (destination, source, bytes) on the stream and
@@ -651,7 +630,7 @@ mod driver {
             let _current = self.lease.enter()?;
             for &(dst, src, len) in copies {
                 // SAFETY: the ranges are registered memory kept alive by the
-                // caller's loans, or this stager's buffer, until `wait`.
+                // caller's loans, or the caller's buffer, until `wait`.
                 check(unsafe { sys::cuMemcpyAsync(dst, src, len as usize, self.stream) }, "cuMemcpyAsync")?;
                 self.queued[slot] = true;
             }
@@ -693,13 +672,10 @@ mod driver {
         fn drop(&mut self) {
             self.drain();
             if let Ok(_current) = self.lease.enter() {
-                // SAFETY: handles and buffers made in `new`, freed once;
-                // the stream is idle (drained above).
+                // SAFETY: handles made in `new`, destroyed once; the stream
+                // is idle (drained above).
                 unsafe {
                     for i in 0..2 {
-                        if !self.buffers[i].is_null() {
-                            sys::cuMemFreeHost(self.buffers[i].cast());
-                        }
                         if !self.events[i].is_null() {
                             sys::cuEventDestroy_v2(self.events[i]);
                         }

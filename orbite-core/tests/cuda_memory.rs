@@ -667,18 +667,32 @@ mod with_the_feature {
     /// allocation, mapped here) by driver copies straight into the mapping,
     /// which is page-locked for the driver on first use and unpinned when
     /// the segment closes; over cma (its ordinary memory) bounced through
-    /// the worker's pinned buffers with a small chunk so every task
-    /// pipelines several chunks. Bytes and guards on both sides, both
+    /// the worker's pinned buffers: with a small chunk, so every task
+    /// pipelines several chunks, and with tasks that fit one buffer, which
+    /// pipeline across tasks. Bytes and guards on both sides, both
     /// directions, and the staging buffers charged until the engine shuts
     /// down.
     #[test]
     fn device_memory_moves_to_and_from_a_same_host_peer_through_staging() {
         let Some((_, _turn)) = devices("device_memory_moves_to_and_from_a_same_host_peer") else { return };
+        // Tasks larger than a staging buffer (chunk by chunk through two),
+        // and tasks that fit one (pipelined across tasks through the
+        // worker's ring).
+        // With one worker and room for two buffers, the pipeline waits
+        // for its oldest task's buffer rather than failing the next.
+        for (chunk, more) in
+            [(65536u64, ""), (262144, ""), (262144, r#", "local_route_workers": 1, "max_staging_bytes": 524288"#)]
+        {
+            staged_rounds_with_a_same_host_peer(chunk, more);
+        }
+    }
+
+    fn staged_rounds_with_a_same_host_peer(chunk: u64, more: &str) {
         use peer::{PeerProcess, REGION};
         let mut p = PeerProcess::spawn();
-        let e = engine(
-            r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000, "staging_chunk_bytes": 65536, "task_bytes": 262144}"#,
-        );
+        let e = engine(&format!(
+            r#"{{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000, "staging_chunk_bytes": {chunk}, "task_bytes": 262144{more}}}"#
+        ));
         let base = e.stats();
         let seg = p.open(&e);
         let rw = Permission::RemoteReadWrite;
@@ -697,7 +711,7 @@ mod with_the_feature {
                 assert_eq!(t.route().route, want, "{}", t.route().reason);
                 let how = match want {
                     Route::Shm => "straight into the peer's shared memory",
-                    _ => "page-locked buffers of 65536 bytes",
+                    _ => &format!("page-locked buffers of {chunk} bytes"),
                 };
                 assert!(t.route().reason.contains(how), "{}", t.route().reason);
                 t.post().unwrap();
@@ -721,7 +735,8 @@ mod with_the_feature {
             }
         }
         let s = e.stats();
-        assert!(s.staging_buffers >= 2 && s.staging_bytes == s.staging_buffers * 65536, "{s:?}");
+        assert!(s.staging_buffers >= 1 && s.staging_bytes == s.staging_buffers * chunk, "{s:?}");
+        assert!(s.staging_bytes <= e.config().max_staging_bytes, "{s:?}");
         let pinned = shim().map(|sh| sh.host_registrations);
         e.deregister(v).unwrap();
         drop(m);

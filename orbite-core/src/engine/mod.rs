@@ -919,7 +919,11 @@ impl TransferEngine {
                 _ => plan::RemoteSide::Loopback,
             };
             let table = inner.registry.lock();
-            let (plan, loans) = plan::build(spec, remote_side, kind, &table, &inner.config, &inner.counters)?;
+            #[cfg(feature = "cuda")]
+            let pool = &inner.staging_pool;
+            #[cfg(not(feature = "cuda"))]
+            let pool = ();
+            let (plan, loans) = plan::build(spec, remote_side, kind, &table, &inner.config, pool)?;
             let route = staging_noted(route, &plan);
             (plan, loans, way, route)
         };

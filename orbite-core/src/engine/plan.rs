@@ -163,7 +163,8 @@ pub(crate) fn build(
     kind: CopyKind,
     table: &Table,
     config: &EngineConfig,
-    counters: &Arc<crate::charge::Counters>,
+    #[cfg(feature = "cuda")] pool: &Arc<crate::transport::staged::StagingPool>,
+    #[cfg(not(feature = "cuda"))] pool: (),
 ) -> Result<(Plan, Loans), Error> {
     let mut ids = Vec::new();
     let (local, local_total) = resolve("local", spec.local, config, None, |id| local_view(table, id), &mut ids)?;
@@ -236,7 +237,7 @@ pub(crate) fn build(
     };
     #[cfg(not(feature = "cuda"))]
     let shared = ();
-    let (kind, staging) = device_kind(kind, &loans, shared, config, counters)?;
+    let (kind, staging) = device_kind(kind, &loans, shared, config, pool)?;
     let program = build_program(spec.op, kind, &local, &remote, config.task_bytes);
     #[cfg(feature = "cuda")]
     if matches!(program.kind, CopyKind::Device { .. }) {
@@ -261,7 +262,8 @@ fn device_kind(
     #[cfg(feature = "cuda")] shared: Vec<Arc<crate::transport::mapping::ShmMapping>>,
     #[cfg(not(feature = "cuda"))] shared: (),
     config: &EngineConfig,
-    counters: &Arc<crate::charge::Counters>,
+    #[cfg(feature = "cuda")] pool: &Arc<crate::transport::staged::StagingPool>,
+    #[cfg(not(feature = "cuda"))] pool: (),
 ) -> Result<(CopyKind, Option<u32>), Error> {
     #[cfg(feature = "cuda")]
     let host_pins = || -> Vec<Arc<crate::cuda::HostPin>> {
@@ -281,7 +283,7 @@ fn device_kind(
     }) else {
         return Ok((kind, None));
     };
-    let _ = (config, counters, &shared);
+    let _ = (config, &pool, &shared);
     match kind {
         #[cfg(feature = "cuda")]
         CopyKind::Memory => Ok((CopyKind::Device { device, pins: host_pins(), peer_alive: None }, None)),
@@ -297,13 +299,7 @@ fn device_kind(
         }
         #[cfg(feature = "cuda")]
         inner @ CopyKind::Cma { .. } => Ok((
-            CopyKind::Staged {
-                device,
-                chunk: config.staging_chunk_bytes,
-                limit: config.max_staging_bytes,
-                counters: counters.clone(),
-                inner: Box::new(inner),
-            },
+            CopyKind::Staged { device, chunk: config.staging_chunk_bytes, pool: pool.clone(), inner: Box::new(inner) },
             None,
         )),
         #[cfg(feature = "cuda")]

@@ -13,11 +13,9 @@
 
 use std::sync::Arc;
 
-use parking_lot::Mutex;
-
-use crate::charge::{Charge, Counter, Counters};
-use crate::cuda::PinnedBuffer;
 use crate::transport::Span;
+use crate::transport::staged::Pooled;
+pub(crate) use crate::transport::staged::StagingPool;
 use crate::types::{Op, TaskEnd, TaskReport};
 
 /// Where a staged task is.
@@ -154,84 +152,6 @@ fn pairs(dev: &[Span], host: &[Span], limit: u64, order: impl Fn(u64, u64) -> (u
         left -= n;
     }
     out
-}
-
-/// Page-locked buffers for staged tcp tasks, kept for reuse.
-pub(crate) struct StagingPool {
-    free: Mutex<Vec<Item>>,
-    counters: Arc<Counters>,
-    /// `max_staging_bytes`.
-    limit: u64,
-}
-
-struct Item {
-    device: u32,
-    buffer: PinnedBuffer,
-    _charge: Charge,
-}
-
-impl StagingPool {
-    pub fn new(counters: Arc<Counters>, limit: u64) -> Self {
-        StagingPool { free: Mutex::new(Vec::new()), counters, limit }
-    }
-
-    /// A buffer of device `device` of at least `len` bytes: a free one, or
-    /// a new one (outside the pool's lock: allocation is slow).
-    pub(super) fn take(self: &Arc<Self>, device: u32, len: u64) -> Result<Pooled, String> {
-        let found = {
-            let mut free = self.free.lock();
-            free.iter().position(|i| i.device == device && i.buffer.len() >= len).map(|at| free.swap_remove(at))
-        };
-        let item = match found {
-            Some(i) => i,
-            None => {
-                let bound = Some((crate::types::Resource::StagingBytes, self.limit));
-                let charge = match Charge::try_new(
-                    &self.counters,
-                    [(Counter::StagingBuffers, 1, None), (Counter::StagingBytes, len, bound)],
-                ) {
-                    Ok(c) => c,
-                    Err(e) => {
-                        // Free buffers of other sizes or devices make room.
-                        self.clear();
-                        Charge::try_new(
-                            &self.counters,
-                            [(Counter::StagingBuffers, 1, None), (Counter::StagingBytes, len, bound)],
-                        )
-                        .map_err(|_| e.to_string())?
-                    }
-                };
-                Item { device, buffer: PinnedBuffer::new(device, len)?, _charge: charge }
-            }
-        };
-        Ok(Pooled { pool: self.clone(), item: Some(item) })
-    }
-
-    /// Frees every buffer not in use (at close, after the workers ended).
-    pub fn clear(&self) {
-        let items = std::mem::take(&mut *self.free.lock());
-        drop(items);
-    }
-}
-
-/// A buffer taken from the pool; back in it on drop.
-pub(super) struct Pooled {
-    pool: Arc<StagingPool>,
-    item: Option<Item>,
-}
-
-impl Pooled {
-    pub(super) fn addr(&self) -> u64 {
-        self.item.as_ref().map_or(0, |i| i.buffer.addr())
-    }
-}
-
-impl Drop for Pooled {
-    fn drop(&mut self) {
-        if let Some(item) = self.item.take() {
-            self.pool.free.lock().push(item);
-        }
-    }
 }
 
 /// The target's staging of a peer's WRITE or READ that names its device

@@ -191,10 +191,12 @@ fn worker<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
     }
 }
 
-/// Device tasks (driver copies on the self connection, shm or CUDA IPC) a
-/// worker keeps queued on its streams at once: while the device runs task
-/// k, the worker has k + 1 .. queued behind it, so the copy engine never
-/// idles waiting for the worker to wake up and queue the next.
+/// Device tasks (driver copies on the self connection, shm or CUDA IPC,
+/// and staged cma tasks) a worker keeps queued on its streams at once:
+/// while the device runs task k, the worker has k + 1 .. queued behind
+/// it, so the copy engine never idles waiting for the worker to wake up
+/// and queue the next (and a staged task's CPU copy overlaps the next
+/// one's device copy).
 #[cfg(feature = "cuda")]
 const DEVICE_DEPTH: usize = 8;
 
@@ -219,7 +221,17 @@ fn work<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
             // device busy.
             let next = if in_flight.len() < DEVICE_DEPTH { try_pop(shared) } else { None };
             match next {
-                Some((job, forced)) => dispatch(shared, job, forced, &mut in_flight),
+                Some((job, forced)) => {
+                    // A staged task needs a free buffer of the worker's
+                    // ring: while none can be had within the staging
+                    // bound, the oldest task in flight gives its back.
+                    while !in_flight.is_empty() && !job.program().kind.staging_room(job.spans()) {
+                        if let Some(f) = in_flight.pop_front() {
+                            complete(shared, f);
+                        }
+                    }
+                    dispatch(shared, job, forced, &mut in_flight)
+                }
                 None => {
                     let batch = if in_flight.len() == DEVICE_DEPTH { DEVICE_DEPTH / 2 } else { 1 };
                     if let Some(last) = in_flight.get(batch - 1) {

@@ -99,9 +99,6 @@ pub(crate) enum CopyKind {
         pins: Vec<Arc<crate::cuda::HostPin>>,
         peer_alive: Option<LivenessCheck>,
     },
-    /// A same-host route (`inner`: shm or cma) with CUDA device memory on
-    /// the local side: each task is bounced through the worker's pinned
-    /// buffers of `chunk` bytes (`staged`), charged to `counters`.
     /// A same-host peer's device memory opened through CUDA IPC: `remote`
     /// are addresses of `mappings` (sorted by address, kept open while the
     /// program lives),
@@ -114,13 +111,16 @@ pub(crate) enum CopyKind {
         /// This engine's host registrations named, pinned as for `Device`.
         pins: Vec<Arc<crate::cuda::HostPin>>,
     },
+    /// A same-host route that cannot reach device memory (`inner`: cma)
+    /// with CUDA device memory on the local side: each task is bounced
+    /// through page-locked buffers of `chunk` bytes from `pool`
+    /// ([`staged`]).
     #[cfg(feature = "cuda")]
     Staged {
         device: u32,
+        /// `staging_chunk_bytes`.
         chunk: u64,
-        /// `max_staging_bytes`.
-        limit: u64,
-        counters: Arc<crate::charge::Counters>,
+        pool: Arc<staged::StagingPool>,
         inner: Box<CopyKind>,
     },
 }
@@ -147,8 +147,8 @@ impl CopyKind {
                 None => unreachable!("device kinds issue"),
             },
             #[cfg(feature = "cuda")]
-            CopyKind::Staged { device, chunk, limit: bound, counters, inner } => {
-                staged::copy(*device, *chunk, *bound, counters, inner, op, spans, limit)
+            CopyKind::Staged { device, chunk, pool, inner } => {
+                staged::copy(pool, *device, *chunk, inner, op, spans, limit)
             }
         }
     }
@@ -179,11 +179,15 @@ impl CopyKind {
                 Ok(None) => return Some(Err((0, None))),
                 Err(end) => return Some(Err((0, Some(end)))),
             },
+            CopyKind::Staged { device, chunk, pool, inner } => {
+                return staged::issue(pool, *device, *chunk, inner, op, spans, limit)
+                    .map(|r| r.map(|(ticket, bytes, task)| Issued { ticket, bytes, staged: Some(task) }));
+            }
             _ => return None,
         };
         let bytes = copies.iter().map(|c| c.2).sum();
         Some(match crate::cuda::issue_on_stream(device, &copies) {
-            Ok(ticket) => Ok(Issued { ticket, bytes }),
+            Ok(ticket) => Ok(Issued { ticket, bytes, staged: None }),
             // The bytes of the copies before the failing one landed; whether
             // the failing one wrote anything is not known.
             Err((done, _why)) => Err((done, Some(TaskEnd::Failed { effect_unknown: true }))),
@@ -195,15 +199,32 @@ impl CopyKind {
     /// fails it, as for a CPU copy into its memory).
     #[cfg(feature = "cuda")]
     pub(crate) fn complete(&self, op: Op, issued: Issued) -> (u64, Option<TaskEnd>) {
-        match crate::cuda::wait_ticket(issued.ticket) {
+        let Issued { ticket, bytes, staged } = issued;
+        let waited = crate::cuda::wait_ticket(ticket);
+        if let (Some(task), CopyKind::Staged { inner, .. }) = (staged, self) {
+            return staged::complete(waited, inner, bytes, task);
+        }
+        match waited {
             Ok(()) => {
                 let peer_alive = match self {
                     CopyKind::Device { peer_alive, .. } | CopyKind::Ipc { peer_alive, .. } => peer_alive.as_ref(),
                     _ => None,
                 };
-                (issued.bytes, liveness::after_one_sided(op, peer_alive))
+                (bytes, liveness::after_one_sided(op, peer_alive))
             }
             Err(_why) => (0, Some(TaskEnd::Failed { effect_unknown: true })),
+        }
+    }
+
+    /// Whether a staged task of `spans` that fits one buffer can have one
+    /// now (it is then reserved for it); true for every other task.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn staging_room(&self, spans: &[Span]) -> bool {
+        match self {
+            CopyKind::Staged { device, chunk, pool, .. } => {
+                spans.iter().map(|s| s.len).sum::<u64>() > *chunk || staged::room(pool, *device, *chunk)
+            }
+            _ => true,
         }
     }
 
@@ -243,6 +264,8 @@ fn device_copies(op: Op, spans: &[Span], limit: u64) -> Vec<(u64, u64, u64)> {
 pub(crate) struct Issued {
     ticket: crate::cuda::Ticket,
     bytes: u64,
+    /// A staged task's buffer and what is left to do after the device.
+    staged: Option<staged::StagedTask>,
 }
 
 #[cfg(feature = "cuda")]

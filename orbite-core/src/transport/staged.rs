@@ -1,31 +1,150 @@
 //! Staging (feature `cuda`): a task whose local side is CUDA device memory
-//! on a same-host route (shm, cma), bounced through two page-locked host
-//! buffers of the route worker. WRITE copies chunk k + 1 from the device
-//! into one buffer while the CPU copies chunk k out of the other; READ
-//! copies chunk k into one buffer while the device takes chunk k - 1 from
-//! the other. A task reports only after its last device copy completed.
+//! on a same-host route that cannot reach it (cma: the peer's private
+//! memory is not mapped here), bounced through page-locked host buffers
+//! of the route worker.
 //!
-//! Each worker's buffers (two of `staging_chunk_bytes` per device it
-//! staged for) are charged to `staging_buffers`/`staging_bytes` and given
-//! back when the worker ends.
+//! A task that fits one buffer (`staging_chunk_bytes`, the default with
+//! `task_bytes` at its default) is pipelined across tasks: the worker
+//! queues task k + 1's device copy into a buffer of its ring (WRITE) while
+//! it copies task k out of another to the peer, or copies task k + 1 in
+//! from the peer while the device takes task k (READ); up to the tasks it
+//! keeps in flight ([`issue`], [`complete`], `local::work`). A larger task
+//! is pipelined within itself through two buffers ([`copy`]): WRITE copies
+//! chunk k + 1 from the device into one buffer while the CPU copies chunk
+//! k out of the other; READ copies chunk k into one buffer while the
+//! device takes chunk k - 1 from the other. Either way a task reports only
+//! after its last device copy completed.
+//!
+//! Buffers come from the engine's staging pool ([`StagingPool`], which
+//! tcp staging and peers' staged requests share): charged to
+//! `staging_buffers`/`staging_bytes` within `max_staging_bytes` while
+//! they exist, held by a task only while it runs, free ones kept for
+//! reuse by any worker until the engine closes.
 
 use std::cell::RefCell;
 use std::sync::Arc;
 
+use parking_lot::Mutex;
+
 use crate::charge::{Charge, Counter, Counters};
-use crate::cuda::Stager;
+use crate::cuda::{PinnedBuffer, Stager, Ticket};
 use crate::transport::{CopyKind, Span};
 use crate::types::{Op, TaskEnd};
 
 thread_local! {
-    /// This worker's stagers, by device and chunk size.
-    static STAGERS: RefCell<Vec<(u32, Stager, Charge)>> = const { RefCell::new(Vec::new()) };
+    /// This worker's stagers (a stream and two events), by device.
+    static STAGERS: RefCell<Vec<(u32, Stager)>> = const { RefCell::new(Vec::new()) };
+    /// A buffer this worker took from the pool for its next pipelined task
+    /// ([`room`]), so that the task finds it.
+    static RESERVED: RefCell<Option<Pooled>> = const { RefCell::new(None) };
 }
 
-/// Gives back this thread's staging buffers (a route worker, as it ends).
+/// Gives back this thread's stagers and reserved buffer (a route worker,
+/// as it ends, after its last task completed).
 pub(crate) fn release_thread_stagers() {
     let stagers = STAGERS.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
     drop(stagers);
+    let reserved = RESERVED.with(|cell| cell.borrow_mut().take());
+    drop(reserved);
+}
+
+/// Whether this worker can have a staging buffer of `chunk` bytes for
+/// `device` now: one is reserved, or the pool gives one (reserved for the
+/// next [`issue`]). False when `max_staging_bytes` leaves no room or the
+/// driver refuses the memory.
+pub(crate) fn room(pool: &Arc<StagingPool>, device: u32, chunk: u64) -> bool {
+    RESERVED.with(|cell| {
+        let mut r = cell.borrow_mut();
+        if r.as_ref().is_some_and(|b| b.device() == device && b.len() >= chunk) {
+            return true;
+        }
+        *r = None;
+        *r = pool.take(device, chunk).ok();
+        r.is_some()
+    })
+}
+
+/// The reserved buffer if it suits, else one from the pool.
+fn take(pool: &Arc<StagingPool>, device: u32, chunk: u64) -> Option<Pooled> {
+    let reserved = RESERVED.with(|cell| cell.borrow_mut().take());
+    match reserved {
+        Some(b) if b.device() == device && b.len() >= chunk => Some(b),
+        _ => pool.take(device, chunk).ok(),
+    }
+}
+
+/// A pipelined task in flight: its ring buffer (no device copy and no
+/// CPU copy touches it once the task completed) and its spans with the
+/// local side in the buffer.
+pub(crate) struct StagedTask {
+    /// Back in the pool when the task is dropped (after its device copy
+    /// was waited for).
+    _buffer: Pooled,
+    op: Op,
+    host: Vec<Span>,
+}
+
+/// Starts a task that fits one staging buffer (`chunk` bytes): WRITE
+/// queues its device copy into the buffer on this worker's stream; READ
+/// copies it in from the route (`inner`) and queues the device copy out
+/// of the buffer. `None` when the task does not fit one buffer (the caller
+/// copies it through [`copy`]); `Err` when it already ended (no buffer to
+/// be had fails it, as for [`copy`]).
+#[allow(clippy::type_complexity, reason = "the shape of CopyKind::issue")]
+pub(crate) fn issue(
+    pool: &Arc<StagingPool>,
+    device: u32,
+    chunk: u64,
+    inner: &CopyKind,
+    op: Op,
+    spans: &[Span],
+    limit: u64,
+) -> Option<Result<(Ticket, u64, StagedTask), (u64, Option<TaskEnd>)>> {
+    let total = spans.iter().map(|s| s.len).sum::<u64>().min(limit);
+    if total == 0 || total > chunk {
+        return None;
+    }
+    let Some(buffer) = take(pool, device, chunk) else {
+        return Some(Err((0, Some(TaskEnd::Failed { effect_unknown: false }))));
+    };
+    let mut c = chunks(spans, limit, chunk);
+    let c = c.pop()?;
+    let addr = buffer.addr();
+    let task = StagedTask { _buffer: buffer, op, host: c.host_spans(addr) };
+    if op == Op::Read {
+        let (_, end) = inner.copy(Op::Read, &task.host, u64::MAX);
+        if let Some(end) = end {
+            // What reached the buffer never reached the device.
+            return Some(Err((0, Some(end))));
+        }
+    }
+    Some(match crate::cuda::issue_on_stream(device, &c.device_copies(op, addr)) {
+        Ok(ticket) => Ok((ticket, total, task)),
+        // WRITE: nothing was sent. READ: the copies before the failing one
+        // reached the device; whether it wrote anything is not known.
+        Err((done, _)) => Err(match op {
+            Op::Write => (0, Some(TaskEnd::Failed { effect_unknown: false })),
+            Op::Read => (done, Some(TaskEnd::Failed { effect_unknown: true })),
+        }),
+    })
+}
+
+/// Ends a task [`issue`] started, once its device copy was waited for
+/// (`device`: how that ended): WRITE copies the buffer out through the
+/// route; READ is done.
+pub(crate) fn complete(
+    device: Result<(), String>,
+    inner: &CopyKind,
+    bytes: u64,
+    task: StagedTask,
+) -> (u64, Option<TaskEnd>) {
+    match (task.op, device) {
+        (Op::Write, Ok(())) => inner.copy(Op::Write, &task.host, u64::MAX),
+        // Nothing was sent.
+        (Op::Write, Err(_)) => (0, Some(TaskEnd::Failed { effect_unknown: false })),
+        (Op::Read, Ok(())) => (bytes, None),
+        (Op::Read, Err(_)) => (0, Some(TaskEnd::Failed { effect_unknown: true })),
+    }
 }
 
 /// One chunk: pieces of the task's spans, laid out back to back in a
@@ -94,60 +213,54 @@ impl Chunk {
     }
 }
 
-/// Copies a task through this worker's stager of `device`: the bytes moved
-/// (a prefix) and, on failure, how the task ended.
-#[allow(clippy::too_many_arguments)]
+/// Copies a task larger than one buffer through two buffers of `chunk`
+/// bytes from the pool and this worker's stager of `device`: the bytes
+/// moved (a prefix) and, on failure, how the task ended. No buffer to be
+/// had within `max_staging_bytes` fails the task (nothing moved).
 pub(crate) fn copy(
+    pool: &Arc<StagingPool>,
     device: u32,
     chunk: u64,
-    bound: u64,
-    counters: &Arc<Counters>,
     inner: &CopyKind,
     op: Op,
     spans: &[Span],
     limit: u64,
 ) -> (u64, Option<TaskEnd>) {
+    let failed = (0, Some(TaskEnd::Failed { effect_unknown: false }));
+    let (Some(b0), Some(b1)) = (take(pool, device, chunk), pool.take(device, chunk).ok()) else { return failed };
     STAGERS.with(|cell| {
         let mut stagers = cell.borrow_mut();
-        let at = match stagers.iter().position(|(d, s, _)| *d == device && s.chunk() == chunk) {
+        let at = match stagers.iter().position(|(d, _)| *d == device) {
             Some(i) => i,
-            None => {
-                let charge = Charge::try_new(
-                    counters,
-                    [
-                        (Counter::StagingBuffers, 2, None),
-                        (Counter::StagingBytes, 2 * chunk, Some((crate::types::Resource::StagingBytes, bound))),
-                    ],
-                );
-                // Charged first: over the bound, nothing is allocated.
-                let Ok(charge) = charge else { return (0, Some(TaskEnd::Failed { effect_unknown: false })) };
-                match Stager::new(device, chunk) {
-                    Ok(s) => {
-                        stagers.push((device, s, charge));
-                        stagers.len() - 1
-                    }
-                    Err(_) => return (0, Some(TaskEnd::Failed { effect_unknown: false })),
+            None => match Stager::new(device) {
+                Ok(s) => {
+                    stagers.push((device, s));
+                    stagers.len() - 1
                 }
-            }
+                Err(_) => return failed,
+            },
         };
         let st = &mut stagers[at].1;
         let chunks = chunks(spans, limit, chunk);
+        let buffers = [b0.addr(), b1.addr()];
         let result = match op {
-            Op::Write => write(st, inner, &chunks),
-            Op::Read => read(st, inner, &chunks),
+            Op::Write => write(st, &buffers, inner, &chunks),
+            Op::Read => read(st, &buffers, inner, &chunks),
         };
         if result.1.is_some() {
             st.drain(); // nothing of this task may still run
         }
+        // Only now may the buffers go back to the pool.
+        drop((b0, b1));
         result
     })
 }
 
 /// Device to buffer (chunk k + 1) while the route copies chunk k out.
-fn write(st: &mut Stager, inner: &CopyKind, chunks: &[Chunk]) -> (u64, Option<TaskEnd>) {
+fn write(st: &mut Stager, buffers: &[u64; 2], inner: &CopyKind, chunks: &[Chunk]) -> (u64, Option<TaskEnd>) {
     let device_failed = Some(TaskEnd::Failed { effect_unknown: false });
     if let Some(first) = chunks.first() {
-        if st.enqueue(0, &first.device_copies(Op::Write, st.buffer(0))).is_err() {
+        if st.enqueue(0, &first.device_copies(Op::Write, buffers[0])).is_err() {
             return (0, device_failed);
         }
     }
@@ -159,11 +272,11 @@ fn write(st: &mut Stager, inner: &CopyKind, chunks: &[Chunk]) -> (u64, Option<Ta
         }
         if let Some(next) = chunks.get(k + 1) {
             let other = (k + 1) % 2;
-            if st.enqueue(other, &next.device_copies(Op::Write, st.buffer(other))).is_err() {
+            if st.enqueue(other, &next.device_copies(Op::Write, buffers[other])).is_err() {
                 return (done, device_failed);
             }
         }
-        let (n, end) = inner.copy(Op::Write, &c.host_spans(st.buffer(slot)), u64::MAX);
+        let (n, end) = inner.copy(Op::Write, &c.host_spans(buffers[slot]), u64::MAX);
         done += n;
         if end.is_some() {
             return (done, end);
@@ -173,7 +286,7 @@ fn write(st: &mut Stager, inner: &CopyKind, chunks: &[Chunk]) -> (u64, Option<Ta
 }
 
 /// Route into a buffer (chunk k) while the device takes chunk k - 1.
-fn read(st: &mut Stager, inner: &CopyKind, chunks: &[Chunk]) -> (u64, Option<TaskEnd>) {
+fn read(st: &mut Stager, buffers: &[u64; 2], inner: &CopyKind, chunks: &[Chunk]) -> (u64, Option<TaskEnd>) {
     // A failed device copy into local memory: what it wrote is not known.
     let device_failed = Some(TaskEnd::Failed { effect_unknown: true });
     let (mut landed, mut pending) = (0u64, [0u64; 2]);
@@ -184,7 +297,7 @@ fn read(st: &mut Stager, inner: &CopyKind, chunks: &[Chunk]) -> (u64, Option<Tas
             return (landed, device_failed);
         }
         landed += std::mem::take(&mut pending[slot]);
-        let (_, end) = inner.copy(Op::Read, &c.host_spans(st.buffer(slot)), u64::MAX);
+        let (_, end) = inner.copy(Op::Read, &c.host_spans(buffers[slot]), u64::MAX);
         if let Some(end) = end {
             // What reached the buffer never reached the device; the chunks
             // before it land first.
@@ -195,7 +308,7 @@ fn read(st: &mut Stager, inner: &CopyKind, chunks: &[Chunk]) -> (u64, Option<Tas
             landed += pending[other];
             return (landed, Some(end));
         }
-        if st.enqueue(slot, &c.device_copies(Op::Read, st.buffer(slot))).is_err() {
+        if st.enqueue(slot, &c.device_copies(Op::Read, buffers[slot])).is_err() {
             return (landed, device_failed);
         }
         pending[slot] = c.bytes();
@@ -207,6 +320,99 @@ fn read(st: &mut Stager, inner: &CopyKind, chunks: &[Chunk]) -> (u64, Option<Tas
         landed += std::mem::take(&mut pending[slot]);
     }
     (landed, None)
+}
+
+/// Page-locked buffers for staging (cma and tcp tasks, peers' requests),
+/// kept for reuse by every worker.
+pub(crate) struct StagingPool {
+    free: Mutex<Vec<Item>>,
+    counters: Arc<Counters>,
+    /// `max_staging_bytes`.
+    limit: u64,
+}
+
+struct Item {
+    device: u32,
+    buffer: PinnedBuffer,
+    _charge: Charge,
+}
+
+impl std::fmt::Debug for StagingPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StagingPool").field("free", &self.free.lock().len()).field("limit", &self.limit).finish()
+    }
+}
+
+impl StagingPool {
+    pub fn new(counters: Arc<Counters>, limit: u64) -> Self {
+        StagingPool { free: Mutex::new(Vec::new()), counters, limit }
+    }
+
+    /// A buffer of device `device` of at least `len` bytes: a free one, or
+    /// a new one (outside the pool's lock: allocation is slow).
+    pub(crate) fn take(self: &Arc<Self>, device: u32, len: u64) -> Result<Pooled, String> {
+        let found = {
+            let mut free = self.free.lock();
+            free.iter().position(|i| i.device == device && i.buffer.len() >= len).map(|at| free.swap_remove(at))
+        };
+        let item = match found {
+            Some(i) => i,
+            None => {
+                let bound = Some((crate::types::Resource::StagingBytes, self.limit));
+                let charge = match Charge::try_new(
+                    &self.counters,
+                    [(Counter::StagingBuffers, 1, None), (Counter::StagingBytes, len, bound)],
+                ) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        // Free buffers of other sizes or devices make room.
+                        self.clear();
+                        Charge::try_new(
+                            &self.counters,
+                            [(Counter::StagingBuffers, 1, None), (Counter::StagingBytes, len, bound)],
+                        )
+                        .map_err(|_| e.to_string())?
+                    }
+                };
+                Item { device, buffer: PinnedBuffer::new(device, len)?, _charge: charge }
+            }
+        };
+        Ok(Pooled { pool: self.clone(), item: Some(item) })
+    }
+
+    /// Frees every buffer not in use (at close, after the workers ended).
+    pub fn clear(&self) {
+        let items = std::mem::take(&mut *self.free.lock());
+        drop(items);
+    }
+}
+
+/// A buffer taken from the pool; back in it on drop.
+pub(crate) struct Pooled {
+    pool: Arc<StagingPool>,
+    item: Option<Item>,
+}
+
+impl Pooled {
+    pub(crate) fn addr(&self) -> u64 {
+        self.item.as_ref().map_or(0, |i| i.buffer.addr())
+    }
+
+    fn device(&self) -> u32 {
+        self.item.as_ref().map_or(u32::MAX, |i| i.device)
+    }
+
+    fn len(&self) -> u64 {
+        self.item.as_ref().map_or(0, |i| i.buffer.len())
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        if let Some(item) = self.item.take() {
+            self.pool.free.lock().push(item);
+        }
+    }
 }
 
 #[cfg(test)]
