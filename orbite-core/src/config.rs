@@ -104,9 +104,9 @@ pub struct EngineConfig {
     pub inline_max_bytes: u64,
     /// Bytes of each page-locked host buffer CUDA device memory is bounced
     /// through on cma (feature `cuda`), taken from the staging pool: a
-    /// task that fits one takes one (a worker keeps up to 8 such tasks in
-    /// flight, so the device copy of one overlaps the CPU copy of
-    /// another); a larger task takes two and goes through them chunk by
+    /// task that fits one takes one (a worker keeps two such tasks in
+    /// flight, so the device copy of one overlaps the CPU copy of the
+    /// other); a larger task takes two and goes through them chunk by
     /// chunk. 4 KiB to 64 MiB. Default 1 MiB (the default `task_bytes`).
     pub staging_chunk_bytes: u64,
     /// Page-locked host memory all staging of CUDA device memory may hold

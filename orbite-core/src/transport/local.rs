@@ -200,6 +200,12 @@ fn worker<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
 #[cfg(feature = "cuda")]
 const DEVICE_DEPTH: usize = 8;
 
+/// Staged tasks (cma with device memory, one buffer each) a worker keeps
+/// in flight: two overlap one task's device copy with the other's CPU
+/// copy, and the buffers they cycle through stay in cache.
+#[cfg(feature = "cuda")]
+const STAGED_DEPTH: usize = 2;
+
 /// A device task queued on this worker's stream.
 #[cfg(feature = "cuda")]
 struct InFlight<J> {
@@ -222,12 +228,20 @@ fn work<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
             let next = if in_flight.len() < DEVICE_DEPTH { try_pop(shared) } else { None };
             match next {
                 Some((job, forced)) => {
-                    // A staged task needs a free buffer of the worker's
-                    // ring: while none can be had within the staging
-                    // bound, the oldest task in flight gives its back.
-                    while !in_flight.is_empty() && !job.program().kind.staging_room(job.spans()) {
-                        if let Some(f) = in_flight.pop_front() {
-                            complete(shared, f);
+                    // A staged task takes a buffer: at most STAGED_DEPTH
+                    // at once per worker (the same few, still in cache
+                    // for its CPU copies), and only one the staging bound
+                    // has room for; until then the oldest task in flight
+                    // completes and gives its buffer back.
+                    let kind = &job.program().kind;
+                    if kind.stages_in_one(job.spans()) {
+                        while !in_flight.is_empty()
+                            && (in_flight.iter().filter(|f| f.issued.is_staged()).count() >= STAGED_DEPTH
+                                || !kind.staging_room(job.spans()))
+                        {
+                            if let Some(f) = in_flight.pop_front() {
+                                complete(shared, f);
+                            }
                         }
                     }
                     dispatch(shared, job, forced, &mut in_flight)

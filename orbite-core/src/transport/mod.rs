@@ -216,6 +216,13 @@ impl CopyKind {
         }
     }
 
+    /// Whether a task of `spans` is staged through one buffer, pipelined
+    /// across tasks ([`staged::issue`]).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn stages_in_one(&self, spans: &[Span]) -> bool {
+        matches!(self, CopyKind::Staged { chunk, .. } if spans.iter().map(|s| s.len).sum::<u64>() <= *chunk)
+    }
+
     /// Whether a staged task of `spans` that fits one buffer can have one
     /// now (it is then reserved for it); true for every other task.
     #[cfg(feature = "cuda")]
@@ -270,6 +277,11 @@ pub(crate) struct Issued {
 
 #[cfg(feature = "cuda")]
 impl Issued {
+    /// Whether a staging buffer is held until it completes.
+    pub(crate) fn is_staged(&self) -> bool {
+        self.staged.is_some()
+    }
+
     /// Sleeps until these copies (and those queued before them on the
     /// same stream) are done.
     pub(crate) fn await_done(&self) {

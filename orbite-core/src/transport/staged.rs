@@ -1,14 +1,13 @@
 //! Staging (feature `cuda`): a task whose local side is CUDA device memory
 //! on a same-host route that cannot reach it (cma: the peer's private
-//! memory is not mapped here), bounced through page-locked host buffers
-//! of the route worker.
+//! memory is not mapped here), bounced through page-locked host buffers.
 //!
 //! A task that fits one buffer (`staging_chunk_bytes`, the default with
 //! `task_bytes` at its default) is pipelined across tasks: the worker
-//! queues task k + 1's device copy into a buffer of its ring (WRITE) while
-//! it copies task k out of another to the peer, or copies task k + 1 in
-//! from the peer while the device takes task k (READ); up to the tasks it
-//! keeps in flight ([`issue`], [`complete`], `local::work`). A larger task
+//! queues task k + 1's device copy into one buffer (WRITE) while it
+//! copies task k out of another to the peer, or copies task k + 1 in
+//! from the peer while the device takes task k (READ); two such tasks in
+//! flight per worker ([`issue`], [`complete`], `local::work`). A larger task
 //! is pipelined within itself through two buffers ([`copy`]): WRITE copies
 //! chunk k + 1 from the device into one buffer while the CPU copies chunk
 //! k out of the other; READ copies chunk k into one buffer while the
@@ -73,7 +72,7 @@ fn take(pool: &Arc<StagingPool>, device: u32, chunk: u64) -> Option<Pooled> {
     }
 }
 
-/// A pipelined task in flight: its ring buffer (no device copy and no
+/// A pipelined task in flight: its buffer (no device copy and no
 /// CPU copy touches it once the task completed) and its spans with the
 /// local side in the buffer.
 pub(crate) struct StagedTask {
@@ -353,7 +352,9 @@ impl StagingPool {
     pub(crate) fn take(self: &Arc<Self>, device: u32, len: u64) -> Result<Pooled, String> {
         let found = {
             let mut free = self.free.lock();
-            free.iter().position(|i| i.device == device && i.buffer.len() >= len).map(|at| free.swap_remove(at))
+            // The most recently freed first: its bytes may still be in the
+            // cache the next CPU copy runs in.
+            free.iter().rposition(|i| i.device == device && i.buffer.len() >= len).map(|at| free.remove(at))
         };
         let item = match found {
             Some(i) => i,
