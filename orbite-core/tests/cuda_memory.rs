@@ -1429,20 +1429,20 @@ mod with_the_feature {
     }
 
     /// A hostile same-host peer falsifies its answers for the CUDA IPC
-    /// handles of its VMM memory: a descriptor no driver made, lengths
-    /// that are too long, unaligned or absurd, a registration outside its
-    /// allocation, another device, descriptors missing or in excess, a
-    /// made-up legacy handle. Each
-    /// is refused before any copy, with the reason in the route; the
-    /// transfer is staged over tcp and lands exactly; no descriptor,
-    /// mapping, reservation, import or charge is left behind here.
+    /// handles of its device memory, VMM memory (descriptors) and
+    /// engine-allocated memory (legacy handles): a descriptor no driver
+    /// made, lengths that are too long, unaligned or absurd, a
+    /// registration outside its allocation, another device, descriptors
+    /// missing or in excess, a made-up legacy handle. Each is refused
+    /// before any copy, with the reason in the route; the transfer is
+    /// staged over tcp and lands exactly; no descriptor, mapping,
+    /// reservation, import or charge is left behind here.
     #[test]
     fn forged_ipc_answers_are_refused_and_the_transfer_staged() {
         if std::env::var_os("ORBITE_CUDA_PEER").is_some() || in_child() {
             return;
         }
         let Some((_, _turn)) = devices("forged_ipc_answers_are_refused") else { return };
-        let config = r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000, "task_bytes": 262144}"#;
         for forgery in IpcForgery::ALL {
             let why = match forgery {
                 IpcForgery::ForeignDescriptor => "cuMemImportFromShareableHandle",
@@ -1455,49 +1455,70 @@ mod with_the_feature {
                 IpcForgery::ExtraDescriptor => "more descriptors than asked for",
                 IpcForgery::MadeUpLegacyHandle => "cuIpcOpenMemHandle",
             };
-            let (vmm_before, fds_before) = (vmm_shim(), ipc_fds());
-            let name = format!("{forgery:?}");
-            let mut p = DevicePeer::spawn_env(None, Some("shareable"), &[("ORBITE_CUDA_PEER_FORGE", &name)]);
-            let e = engine(config);
-            let base = e.stats();
-            let seg = e.open_segment(&p.endpoint, Some(p.epoch), std::time::Duration::from_secs(10)).unwrap();
-            assert_eq!(e.stats().cuda_imports, 0, "{name}: nothing imported");
-            if let (Some(before), Some(now)) = (vmm_before, vmm_shim()) {
-                assert_eq!(
-                    (now.handles, now.mappings, now.reservations),
-                    (before.handles, before.mappings, before.reservations),
-                    "{name}: a refused import leaves nothing in the driver"
-                );
-            }
-            assert_eq!(ipc_fds(), fds_before, "{name}: the peer's descriptors are closed");
-            p.ask("reset");
-            let mut remote = {
-                let mut rng = Rng(0xD1);
-                (0..PEER_VRAM).map(|_| rng.next() as u8).collect::<Vec<u8>>()
+            forged_ipc_round(forgery, Some("shareable"), why);
+            // Legacy handles: no descriptor to forge or leave out; the
+            // sizes are checked against what this driver opened.
+            let legacy = match forgery {
+                IpcForgery::ForeignDescriptor | IpcForgery::MissingDescriptors => continue,
+                IpcForgery::InflatedLength | IpcForgery::UnalignedLength | IpcForgery::HugeLength => {
+                    "the peer says its allocation has"
+                }
+                IpcForgery::ExtraDescriptor => "does not match the descriptors",
+                _ => why,
             };
-            let h = region(&e, SUB_LEN, Permission::RemoteReadWrite);
-            fill(&h.mem, 81);
-            for (reg, at) in [(p.vram, 8192usize), (p.sub, 0)] {
-                let (l, r) = (descs(h.id, &[(0, SUB_LEN as u64)]), descs(reg, &[(at as u64, SUB_LEN as u64)]));
-                let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
-                assert_eq!(t.route().route, Route::Tcp, "{name}: {}", t.route().reason);
-                assert!(t.route().reason.contains(why), "{name}: {} (wanted {why:?})", t.route().reason);
-                t.post().unwrap();
-                assert_eq!(wait_retired(&t).outcome.code, OutcomeCode::Success, "{name}");
-                let at = if reg == p.sub { SUB_AT } else { at };
-                remote[at..at + SUB_LEN].copy_from_slice(&snapshot(&h.mem));
-                t.release().unwrap();
-            }
-            assert_eq!(p.ask("hash"), format!("HASH {}", fnv(&remote)), "{name}: bytes and guards at the peer");
-            e.deregister(h.id).unwrap();
-            drop(h);
-            e.close_segment(&seg, WAIT).unwrap();
-            drop(seg);
-            e.close();
-            assert_eq!(e.stats(), base, "{name}: charges back to baseline");
-            p.quit();
-            assert_eq!(ipc_fds(), fds_before, "{name}: no descriptor left");
+            forged_ipc_round(forgery, None, legacy);
         }
+    }
+
+    /// One peer forging its answers with `forgery` (`vmm`: its memory, as
+    /// for [`DevicePeer::spawn_with`]); the route must say `why`.
+    fn forged_ipc_round(forgery: IpcForgery, vmm: Option<&str>, why: &str) {
+        let config = r#"{"listen": "127.0.0.1:0", "peer_timeout_ms": 30000, "task_bytes": 262144}"#;
+        let (vmm_before, shim_before, fds_before) = (vmm_shim(), shim(), ipc_fds());
+        let name = format!("{forgery:?} ({})", vmm.unwrap_or("legacy"));
+        let mut p = DevicePeer::spawn_env(None, vmm, &[("ORBITE_CUDA_PEER_FORGE", &format!("{forgery:?}"))]);
+        let e = engine(config);
+        let base = e.stats();
+        let seg = e.open_segment(&p.endpoint, Some(p.epoch), std::time::Duration::from_secs(10)).unwrap();
+        assert_eq!(e.stats().cuda_imports, 0, "{name}: nothing imported");
+        if let (Some(before), Some(now)) = (vmm_before, vmm_shim()) {
+            assert_eq!(
+                (now.handles, now.mappings, now.reservations),
+                (before.handles, before.mappings, before.reservations),
+                "{name}: a refused import leaves nothing in the driver"
+            );
+        }
+        if let (Some(before), Some(now)) = (shim_before, shim()) {
+            assert_eq!(now.ipc_imports, before.ipc_imports, "{name}: no legacy handle left open");
+        }
+        assert_eq!(ipc_fds(), fds_before, "{name}: the peer's descriptors are closed");
+        p.ask("reset");
+        let mut remote = {
+            let mut rng = Rng(0xD1);
+            (0..PEER_VRAM).map(|_| rng.next() as u8).collect::<Vec<u8>>()
+        };
+        let h = region(&e, SUB_LEN, Permission::RemoteReadWrite);
+        fill(&h.mem, 81);
+        for (reg, at) in [(p.vram, 8192usize), (p.sub, 0)] {
+            let (l, r) = (descs(h.id, &[(0, SUB_LEN as u64)]), descs(reg, &[(at as u64, SUB_LEN as u64)]));
+            let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+            assert_eq!(t.route().route, Route::Tcp, "{name}: {}", t.route().reason);
+            assert!(t.route().reason.contains(why), "{name}: {} (wanted {why:?})", t.route().reason);
+            t.post().unwrap();
+            assert_eq!(wait_retired(&t).outcome.code, OutcomeCode::Success, "{name}");
+            let at = if reg == p.sub { SUB_AT } else { at };
+            remote[at..at + SUB_LEN].copy_from_slice(&snapshot(&h.mem));
+            t.release().unwrap();
+        }
+        assert_eq!(p.ask("hash"), format!("HASH {}", fnv(&remote)), "{name}: bytes and guards at the peer");
+        e.deregister(h.id).unwrap();
+        drop(h);
+        e.close_segment(&seg, WAIT).unwrap();
+        drop(seg);
+        e.close();
+        assert_eq!(e.stats(), base, "{name}: charges back to baseline");
+        p.quit();
+        assert_eq!(ipc_fds(), fds_before, "{name}: no descriptor left");
     }
 
     /// Where CUDA IPC cannot be had, the transfer is staged over tcp and

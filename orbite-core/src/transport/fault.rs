@@ -43,9 +43,11 @@ pub(crate) struct FaultState<J> {
     forge_ipc: Mutex<Option<IpcForgery>>,
 }
 
-/// How a target falsifies its answers to requests for CUDA IPC handles of
-/// VMM memory (shareable entries): a hostile peer, for the importer's
-/// tests. Each must be refused by the importer, which then stages.
+/// How a target falsifies its answers to requests for CUDA IPC handles (a
+/// hostile peer, for the importer's tests): each must be refused by the
+/// importer, which then stages. The descriptor forgeries concern
+/// shareable entries (VMM memory); the others apply to legacy entries
+/// too.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IpcForgery {
     /// Every descriptor replaced by a memfd of the claimed size that is
@@ -67,8 +69,8 @@ pub enum IpcForgery {
     MissingDescriptors,
     /// One descriptor more than the entries call for.
     ExtraDescriptor,
-    /// Each entry turned into a legacy handle of made-up bytes (and the
-    /// descriptors left out).
+    /// Each entry a legacy handle of made-up bytes (the descriptors left
+    /// out).
     MadeUpLegacyHandle,
 }
 
@@ -92,7 +94,16 @@ impl IpcForgery {
             if let (IpcForgery::MadeUpLegacyHandle, IpcEntry::Shareable { uuid, offset, alloc_len, .. }) = (self, &e) {
                 *e = IpcEntry::Exported { uuid: *uuid, handle: [0x5a; 64], offset: *offset, alloc_len: *alloc_len };
             }
-            let IpcEntry::Shareable { uuid, offset, alloc_len, .. } = e else { continue };
+            let (uuid, offset, alloc_len) = match e {
+                IpcEntry::Shareable { uuid, offset, alloc_len, .. } => (uuid, offset, alloc_len),
+                IpcEntry::Exported { uuid, handle, offset, alloc_len } => {
+                    if self == IpcForgery::MadeUpLegacyHandle {
+                        *handle = [0x5a; 64];
+                    }
+                    (uuid, offset, alloc_len)
+                }
+                IpcEntry::Refused(_) => continue,
+            };
             match self {
                 IpcForgery::InflatedLength => *alloc_len = alloc_len.saturating_mul(2),
                 IpcForgery::UnalignedLength => *alloc_len = alloc_len.saturating_add(1),
