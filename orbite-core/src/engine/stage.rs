@@ -158,7 +158,8 @@ fn pairs(dev: &[Span], host: &[Span], limit: u64, order: impl Fn(u64, u64) -> (u
 /// memory (tcp): a buffer of the pool the request's device ranges go
 /// through; a READ's device bytes are copied into it before the reply is
 /// sent, a WRITE's are copied out of it once the payload is in
-/// ([`Landing::land`]). The server thread waits for those copies.
+/// ([`Landing::land`](crate::transport::proto::server::Landing::land)).
+/// The server thread waits for those copies.
 pub(crate) struct ServerStage {
     pub(super) device: u32,
     pub(super) buffer: Pooled,
