@@ -267,6 +267,13 @@ impl Registry {
             pending.push((r, charge));
         }
         let mut table = self.table.lock();
+        // Slots retire once every 2^32 registrations of one slot; an index
+        // space used up is refused (before anything is registered), never
+        // reused.
+        let fresh = pending.len().saturating_sub(table.free.len());
+        if (table.slots.len() as u64).saturating_add(fresh as u64) > 1 << 32 {
+            return Err(MemoryError::System("every registration slot has retired".into()));
+        }
         let mut ids = Vec::with_capacity(pending.len());
         for (r, charge) in pending {
             let added_at = table.bump();
@@ -319,11 +326,19 @@ impl Registry {
             table.get(id)?;
             let slot = &mut table.slots[id.index as usize];
             let reg = slot.registration.take();
-            slot.generation = slot.generation.wrapping_add(1);
+            // A slot whose generation would wrap retires: its next id
+            // would name what an old id named (peers may still hold it).
+            // It stays empty, so every id of it is stale from now on.
+            let retire = slot.generation == u32::MAX;
+            if !retire {
+                slot.generation += 1;
+            }
             if let Some(r) = &reg {
                 table.by_version.remove(&r.added_at);
             }
-            table.free.push(id.index);
+            if !retire {
+                table.free.push(id.index);
+            }
             let version = table.bump();
             if reg.as_ref().is_some_and(|r| r.is_exported()) {
                 if table.tombstones.len() == TOMBSTONES {
@@ -416,6 +431,35 @@ mod tests {
         want.sort();
         seen.sort();
         assert_eq!(seen, want);
+    }
+
+    #[test]
+    fn a_slot_whose_generation_would_wrap_retires() {
+        let (reg, counters, mem, ids) = setup(1);
+        let config = EngineConfig::default();
+        let range = || vec![MemoryRange::host(&mem, 0, 4096, Permission::RemoteRead).unwrap()];
+        reg.deregister(ids[0], &counters).unwrap();
+        // Fast-forward the slot to its last generations (4 billion
+        // register/deregister cycles would take minutes).
+        reg.lock().slots[0].generation = u32::MAX - 1;
+        let before_last = reg.register(range(), &counters, &config).unwrap()[0];
+        assert_eq!((before_last.index, before_last.generation), (0, u32::MAX - 1));
+        reg.deregister(before_last, &counters).unwrap();
+        let last = reg.register(range(), &counters, &config).unwrap()[0];
+        assert_eq!((last.index, last.generation), (0, u32::MAX), "the last generation is still used");
+        reg.deregister(last, &counters).unwrap();
+        // The slot retired: the next registration takes a new slot, and no
+        // id of the old one (the wrapped generation included) resolves.
+        let next = reg.register(range(), &counters, &config).unwrap()[0];
+        assert_eq!(next.index, 1, "a retired slot is never reused");
+        for generation in [0, 1, u32::MAX - 1, u32::MAX] {
+            let old = RegistrationId { index: 0, generation };
+            assert_eq!(reg.lock().get(old).err(), Some(RegistryError::Stale(old)));
+        }
+        assert!(reg.lock().free.is_empty());
+        reg.deregister(next, &counters).unwrap();
+        assert_eq!(reg.lock().free, vec![1]);
+        assert_eq!(counters.get(Counter::Registrations), 0, "charges back to baseline");
     }
 
     #[test]
