@@ -849,6 +849,30 @@ fn validation_unsupported_explicit_style_fails_before_allocation() {
 }
 
 #[test]
+fn validation_switched_off_capabilities_are_refused_and_change_nothing() {
+    let f =
+        Fixture::info(KvConnectorInfo { explicit_release: false, session_lookup: false, ..KvConnectorInfo::default() });
+    let s = f.svc.allocate(&request("v-caps", ContextFirst)).unwrap();
+    let before = f.e.stats();
+    assert_eq!(f.svc.get(s.session_id), Err(KvError::CapabilityOff("session_lookup")));
+    assert_eq!(f.svc.release(s.session_id), Err(KvError::CapabilityOff("explicit_release")));
+    assert_eq!(f.svc.release(f.sid(99)), Err(KvError::CapabilityOff("explicit_release")), "checked first");
+    assert_eq!((f.svc.live_count(), f.e.stats()), (1, before), "nothing changed");
+    assert_eq!(f.svc.abort(s.session_id).unwrap().state, KvSessionState::Cancelled, "it was still live");
+    f.finish();
+    let e = KvError::CapabilityOff("explicit_release");
+    assert_eq!((e.status().reason, e.metadata()), ("CAPABILITY_OFF", vec![("capability", "explicit_release".into())]));
+
+    let g = Fixture::info(KvConnectorInfo { caller_allocation: false, ..KvConnectorInfo::default() });
+    let before = g.e.stats();
+    assert_eq!(g.svc.allocate(&request("v-caps", ContextFirst)), Err(KvError::CapabilityOff("caller_allocation")));
+    let no_key = AllocateRequest { idempotency_key: String::new(), ..request("v-caps", ContextFirst) };
+    assert_eq!(g.svc.allocate(&no_key), Err(KvError::CapabilityOff("caller_allocation")), "before the fields");
+    assert_eq!((g.svc.live_count(), g.e.stats()), (0, before));
+    g.finish();
+}
+
+#[test]
 fn validation_absent_lease_gets_the_advertised_default_as_an_absolute_expiry() {
     let f = Fixture::info(KvConnectorInfo { default_lease_ms: 2500, ..KvConnectorInfo::default() });
     assert_eq!(f.svc.info().default_lease_ms, 2500);

@@ -1788,6 +1788,48 @@ def server_restricted_config(ctx):
         srv.kill()
 
 
+@case("server.capabilities_off", orbite=True)
+def server_capabilities_off(ctx):
+    """A capability the deployment switches off is advertised as off and
+    refused: FAILED_PRECONDITION, CAPABILITY_OFF naming it, nothing
+    changes (docs/api.md)."""
+    off = own_server(ctx, config={"sessions": {"explicit_release": False, "session_lookup": False}})
+    try:
+        c = kvconf.Client(off.addr)
+        i = c.info()
+        eq((i.caller_allocation, i.explicit_release, i.session_lookup), (True, False, False),
+           "caller_allocation, explicit_release, session_lookup")
+        s = c.allocate("caps-1", lease_ms=60_000)
+        before = c.stats()
+        expect_err(lambda: c.get(s.session_id), SC.FAILED_PRECONDITION, "CAPABILITY_OFF",
+                   {"capability": "session_lookup"}, "get with session_lookup off")
+        expect_err(lambda: c.release(s.session_id), SC.FAILED_PRECONDITION, "CAPABILITY_OFF",
+                   {"capability": "explicit_release"}, "release with explicit_release off")
+        expect_err(lambda: c.release("0000000000000000-1"), SC.FAILED_PRECONDITION, "CAPABILITY_OFF",
+                   {"capability": "explicit_release"}, "release of an unknown id: the capability is checked first")
+        after = c.stats()
+        eq((after.live_sessions, after.tombstones), (before.live_sessions, before.tombstones),
+           "live sessions and tombstones after the refusals")
+        state_is(c.abort(s.session_id), S["CANCELLED"], "abort of the session the refusals left live")
+        c.close()
+    finally:
+        off.kill()
+    no_alloc = own_server(ctx, config={"sessions": {"caller_allocation": False}})
+    try:
+        c = kvconf.Client(no_alloc.addr)
+        eq(c.info().caller_allocation, False, "caller_allocation")
+        expect_err(lambda: c.allocate("caps-2"), SC.FAILED_PRECONDITION, "CAPABILITY_OFF",
+                   {"capability": "caller_allocation"}, "allocate with caller_allocation off")
+        req = c.allocate_req("caps-3")
+        req.idempotency_key = ""
+        expect_err(lambda: c.allocate(req=req), SC.FAILED_PRECONDITION, "CAPABILITY_OFF",
+                   {"capability": "caller_allocation"}, "the capability comes before the fields")
+        eq(c.stats().live_sessions, 0, "live sessions after the refusals")
+        c.close()
+    finally:
+        no_alloc.kill()
+
+
 @case("server.lazy_expiry", orbite=True)
 def server_lazy_expiry(ctx):
     """With the reaper slowed to minutes, every call still checks the lease

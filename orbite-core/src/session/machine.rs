@@ -155,6 +155,7 @@ impl SessionMachine {
         idempotency_key: &str,
         layout: &str,
     ) -> Result<(), KvError> {
+        self.offered("caller_allocation", self.info.caller_allocation)?;
         for (name, value) in [("request_id", request_id), ("model", model), ("idempotency_key", idempotency_key)] {
             if value.is_empty() {
                 return Err(KvError::MissingField(name));
@@ -270,9 +271,22 @@ impl SessionMachine {
         Ok(self.entries.get_mut(&id).expect("checked"))
     }
 
-    /// The session, live or a tombstone within its retention.
+    /// The session, live or a tombstone within its retention (a caller's
+    /// lookup: refused where `session_lookup` is off).
     pub fn get(&self, id: SessionId, now: u64) -> Result<KvSession, KvError> {
+        self.offered("session_lookup", self.info.session_lookup)?;
+        self.session(id, now)
+    }
+
+    /// [`Self::get`] for the service itself, whatever is advertised.
+    pub(crate) fn session(&self, id: SessionId, now: u64) -> Result<KvSession, KvError> {
         Ok(self.entry(id, now)?.session.clone())
+    }
+
+    /// `Ok` if capability `name` is on (`on`), else why the operation is
+    /// refused.
+    fn offered(&self, name: &'static str, on: bool) -> Result<(), KvError> {
+        if on { Ok(()) } else { Err(KvError::CapabilityOff(name)) }
     }
 
     /// Extends the lease of a live session to `now + lease`.
@@ -419,6 +433,7 @@ impl SessionMachine {
     /// [`Self::release`], also saying whether this call ended the session
     /// (false: it had ended before, or its lease had run out).
     pub fn release_reporting(&mut self, id: SessionId, now: u64) -> Result<(KvSession, bool), KvError> {
+        self.offered("explicit_release", self.info.explicit_release)?;
         let _ = self.live_entry(id, now); // a due lease ends it as Expired first
         let e = self.entry(id, now)?;
         if e.session.state.is_terminal() {

@@ -359,6 +359,11 @@ pub enum KvError {
     /// Disposition `Bypass` where conditional bypass is not advertised.
     #[error("conditional bypass is not supported")]
     BypassNotSupported,
+    /// An operation whose capability this service advertises as off
+    /// (`caller_allocation`, `explicit_release`, `session_lookup`): it is
+    /// refused before anything is looked at, and nothing changes.
+    #[error("{0} is switched off on this service (see GetKvConnectorInfo)")]
+    CapabilityOff(&'static str),
     /// A lease of zero or less.
     #[error("lease of {0} ms is invalid (must be positive)")]
     InvalidLease(i64),

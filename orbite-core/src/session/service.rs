@@ -408,7 +408,7 @@ impl KvSessionService {
         if result.is_ok() {
             let mut inner = self.inner.lock();
             // Still live (checked under this lock): keep the pin with it.
-            if inner.machine.get(id, self.clock.now_ms()).is_ok_and(|s| !s.state.is_terminal()) {
+            if inner.machine.session(id, self.clock.now_ms()).is_ok_and(|s| !s.state.is_terminal()) {
                 inner.resources.entry(id).or_default().pin = pin.take();
             }
         }

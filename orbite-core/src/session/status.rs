@@ -67,6 +67,7 @@ pub const STATUS_TABLE: &[StatusRow] = &[
     row("IdempotencyConflict", "IDEMPOTENCY_CONFLICT", GrpcCode::AlreadyExists),
     row("UnsupportedStyle", "UNSUPPORTED_STYLE", GrpcCode::FailedPrecondition),
     row("BypassNotSupported", "BYPASS_NOT_SUPPORTED", GrpcCode::FailedPrecondition),
+    row("CapabilityOff", "CAPABILITY_OFF", GrpcCode::FailedPrecondition),
     row("NotFound", "SESSION_NOT_FOUND", GrpcCode::NotFound),
     row("OtherIncarnation", "OTHER_INCARNATION", GrpcCode::NotFound),
     row("Terminal", "SESSION_ENDED", GrpcCode::FailedPrecondition),
@@ -92,6 +93,7 @@ impl KvError {
             KvError::IdempotencyConflict { .. } => "IdempotencyConflict",
             KvError::UnsupportedStyle(_) => "UnsupportedStyle",
             KvError::BypassNotSupported => "BypassNotSupported",
+            KvError::CapabilityOff(_) => "CapabilityOff",
             KvError::NotFound(_) => "NotFound",
             KvError::OtherIncarnation { .. } => "OtherIncarnation",
             KvError::Terminal { .. } => "Terminal",
@@ -130,6 +132,7 @@ impl KvError {
                 vec![("idempotency_key", key.clone()), ("session_id", session.to_string())]
             }
             KvError::UnsupportedStyle(s) => vec![("style", format!("{s:?}"))],
+            KvError::CapabilityOff(c) => vec![("capability", (*c).to_owned())],
             KvError::BypassNotSupported | KvError::SessionRequired | KvError::Draining | KvError::Engine(_) => vec![],
             KvError::NotFound(id) | KvError::NotReady(id) => vec![("session_id", id.to_string())],
             KvError::OtherIncarnation { session, incarnation } => {
@@ -187,6 +190,7 @@ mod tests {
             KvError::IdempotencyConflict { key: "k".into(), session: id },
             KvError::UnsupportedStyle(KvScheduleStyle::Concurrent),
             KvError::BypassNotSupported,
+            KvError::CapabilityOff("session_lookup"),
             KvError::NotFound(id),
             KvError::OtherIncarnation { session: id.to_string(), incarnation: 8 },
             KvError::Terminal { session: id, state: KvSessionState::Expired },
