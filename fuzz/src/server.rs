@@ -62,7 +62,7 @@ fn check_replies(mut bytes: &[u8]) {
                 Delta::decode(body).expect("delta replies decode");
             }
             Kind::AuthChallenge => {
-                wire::decode_auth_challenge(body).expect("challenges decode");
+                wire::AuthChallenge::decode(body).expect("challenges decode");
             }
             Kind::ReadReply => assert!(body.is_empty(), "a read reply carries data only"),
             Kind::DescribeReply => {}

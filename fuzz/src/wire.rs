@@ -99,12 +99,12 @@ pub fn bodies(body: &[u8]) {
         assert_eq!(out, body, "changed round trip");
         check_delta(delta);
     }
-    if let Ok((nonce, epoch)) = wire::decode_auth_hello(body) {
-        wire::encode_auth_hello(&mut out, &nonce, epoch);
+    if let Ok(hello) = wire::AuthHello::decode(body) {
+        hello.encode(&mut out);
         assert_eq!(out, body, "auth hello round trip");
     }
-    if let Ok((nonce, epoch, mac)) = wire::decode_auth_challenge(body) {
-        wire::encode_auth_challenge(&mut out, &nonce, epoch, &mac);
+    if let Ok(challenge) = wire::AuthChallenge::decode(body) {
+        challenge.encode(&mut out);
         assert_eq!(out, body, "auth challenge round trip");
     }
     if let Ok(mac) = wire::decode_auth_proof(body) {
@@ -194,9 +194,17 @@ pub fn sample_frames(epoch: u64) -> Vec<Vec<u8>> {
     wire::encode_changed(&mut body, epoch, 1, &delta.to_bytes());
     frames.push(frame(Kind::Changed, &body, &[], 10));
     frames.push(frame(Kind::DescribeDelta, &delta.to_bytes(), &[], 11));
-    wire::encode_auth_hello(&mut body, &[1; wire::AUTH_NONCE], 7);
+    let hello = wire::AuthHello {
+        nonce: [1; wire::AUTH_NONCE],
+        initiator_epoch: 7,
+        responder_epoch: epoch,
+        dialed: "host:7000".into(),
+        reached: "127.0.0.1:7000".into(),
+    };
+    hello.encode(&mut body);
     frames.push(frame(Kind::AuthHello, &body, &[], 12));
-    wire::encode_auth_challenge(&mut body, &[2; wire::AUTH_NONCE], epoch, &[3; wire::AUTH_MAC]);
+    let challenge = wire::AuthChallenge { nonce: [2; wire::AUTH_NONCE], responder_epoch: epoch, mac: [3; wire::AUTH_MAC] };
+    challenge.encode(&mut body);
     frames.push(frame(Kind::AuthChallenge, &body, &[], 13));
     frames.push(frame(Kind::AuthProof, &[4; wire::AUTH_MAC], &[], 14));
     frames.push(frame(Kind::WriteAck, &[], &[], 15));

@@ -18,7 +18,7 @@
  ABI minor: additive changes (new entry points, new feature bits, new
  record versions negotiated by size).
  */
-#define ORBITE_ABI_MINOR 3
+#define ORBITE_ABI_MINOR 4
 
 #if defined(ORBITE_TEST_HOOKS)
 /*
@@ -669,6 +669,30 @@ typedef struct OrbiteStats {
    Peers' CUDA IPC allocations imported.
    */
   uint64_t cuda_imports;
+  /*
+   Peer connections the listener holds (ABI 1.4).
+   */
+  uint64_t connections;
+  /*
+   Connections closed at accept by a cap (a count: it only grows).
+   */
+  uint64_t connections_refused;
+  /*
+   Bytes of frame and reply buffers held by the listener's connections.
+   */
+  uint64_t frame_buffer_bytes;
+  /*
+   Borrows peers hold on this engine's registrations.
+   */
+  uint64_t borrows;
+  /*
+   Bytes of their bookkeeping.
+   */
+  uint64_t borrow_bytes;
+  /*
+   Peers subscribed to this engine's registration changes.
+   */
+  uint64_t watchers;
 } OrbiteStats;
 
 /*
@@ -1179,8 +1203,9 @@ OrbiteStatus orbite_engine_release(struct OrbiteEngine engine);
 
  A caller built against ABI 1.1 passes the record of that version (112
  bytes, without `pinned_ranges` and `auth_failures`), one built against
- 1.2 the record of 1.2 (128 bytes, without the CUDA counters): each gets
- its prefix.
+ 1.2 the record of 1.2 (128 bytes, without the CUDA counters), one built
+ against 1.3 the record of 1.3 (168 bytes, without the listener's
+ counters): each gets its prefix.
 
  Checked: a null or misaligned `out`, its size and version; the handle may
  be any value: it is checked.

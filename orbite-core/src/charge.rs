@@ -49,8 +49,8 @@ macro_rules! counters {
         }
 
         /// What the engine holds right now. Every field returns to its baseline
-        /// once all work has drained and all handles are released, except
-        /// `auth_failures`, a count.
+        /// once all work has drained, all handles are released and peers are
+        /// gone, except `auth_failures` and `connections_refused`, counts.
         #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
         pub struct Stats {
             $($(#[doc = $doc])+ pub $field: u64,)+
@@ -111,6 +111,23 @@ counters! {
     staging_bytes: StagingBytes,
     /// Peers' CUDA IPC allocations imported and not yet closed.
     cuda_imports: CudaImports,
+    /// Peer connections this engine's listener holds (authenticated or
+    /// not, tcp and local socket).
+    connections: Connections,
+    /// Peer connections closed at accept because a cap was full
+    /// (`max_connections`, `max_connections_per_address`,
+    /// `max_unauthenticated_connections`): a count, it only grows.
+    connections_refused: ConnectionsRefused,
+    /// Bytes of frame and reply buffers the listener's connections hold
+    /// beyond their small resting size (`max_frame_buffer_bytes`).
+    frame_buffer_bytes: FrameBufferBytes,
+    /// Borrows peers hold on this engine's registrations (`max_borrows`).
+    borrows: Borrows,
+    /// Bytes of the bookkeeping of those borrows (`max_borrow_bytes`).
+    borrow_bytes: BorrowBytes,
+    /// Peers subscribed to this engine's registration changes
+    /// (`max_watchers`).
+    watchers: Watchers,
 }
 
 impl Counters {

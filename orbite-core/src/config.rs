@@ -66,20 +66,61 @@ pub struct EngineConfig {
     /// Registrations one borrow may keep alive (each counted once).
     /// Default 1 024.
     pub max_registrations_per_borrow: u64,
+    /// Borrows all peers together may hold on this engine's registrations
+    /// (each counted in `borrows`); one more is refused
+    /// `ResourceExhausted`. Default 65 536.
+    pub max_borrows: u64,
+    /// Bytes of the bookkeeping of those borrows (a pointer per
+    /// registration a borrow keeps, plus 64 bytes a borrow; counted in
+    /// `borrow_bytes`); a borrow beyond it is refused `ResourceExhausted`.
+    /// Default 64 MiB.
+    pub max_borrow_bytes: u64,
+    /// Peers subscribed to this engine's registration changes, at once (a
+    /// watch connection per opened peer; counted in `watchers`). One more
+    /// is refused `ResourceExhausted`, and that peer asks for changes
+    /// instead of being told. Default 1 024.
+    pub max_watchers: u64,
+    /// Watchers from one peer address (the local socket counts as one).
+    /// Default 64.
+    pub max_watchers_per_address: u64,
+    /// Bytes of frame and reply buffers all of the listener's connections
+    /// together may hold beyond the 4 KiB each keeps (a frame body or a
+    /// reply such as a Describe of many registrations; counted in
+    /// `frame_buffer_bytes`). A frame beyond it is read, dropped and
+    /// refused `ResourceExhausted`; the process does not grow. Buffers go
+    /// back when their exchange is over. Default 256 MiB.
+    pub max_frame_buffer_bytes: u64,
     /// Peer connections this engine's listener holds at once; one more is
     /// closed at accept. Default 4 096.
     pub max_connections: u64,
     /// Peer connections from one address at once. Default 512.
     pub max_connections_per_address: u64,
-    /// A request frame that started arriving (and, with `auth`, a new
-    /// connection's handshake) must be in, and its reply taken, within this plus its
-    /// bytes at `peer_min_bytes_per_s`, in milliseconds; else the
-    /// connection is closed and what it held is given back. Default
-    /// 10 000.
+    /// With `auth`: connections that have not finished their handshake, at
+    /// once (they count in `max_connections` too). A new connection beyond
+    /// it closes the oldest of them (counted in `connections_refused`), so
+    /// connections that never authenticate cannot take the slots
+    /// authenticated peers hold, and a genuine handshake (a round trip)
+    /// gets through a flood of them. Default 256.
+    pub max_unauthenticated_connections: u64,
+    /// A request frame that started arriving must be in, and its reply
+    /// taken, within this plus its bytes at `peer_min_bytes_per_s`, in
+    /// milliseconds; with `auth`, a new connection's whole handshake, from
+    /// accept to its end, within this (a late one counts in
+    /// `auth_failures`). Else the connection is closed and what it held is
+    /// given back. Default 10 000.
     pub server_frame_timeout_ms: u64,
     /// A peer connection with no exchange for this long is closed, in
-    /// milliseconds; 0: never. Default 0.
+    /// milliseconds; 0: never. Initiators keep their idle connections
+    /// alive (`peer_keepalive_ms`), and a subscribed watch connection is
+    /// never idle, so this closes connections that hold a slot and say
+    /// nothing; keep it above the peers' `peer_keepalive_ms`. Default
+    /// 60 000.
     pub server_idle_timeout_ms: u64,
+    /// An idle connection to a peer sends it a keepalive (a header-only
+    /// frame, no reply) after this many milliseconds without traffic, so
+    /// that the peer's `server_idle_timeout_ms` does not close it; 0:
+    /// never. Default 20 000.
+    pub peer_keepalive_ms: u64,
     /// Run the optional progress worker, which drives admission and
     /// deadlines for callers that do not poll. Default false.
     pub progress_worker: bool,
@@ -205,10 +246,17 @@ impl Default for EngineConfig {
             notification_queue_len: 65_536,
             max_borrows_per_connection: 4_096,
             max_registrations_per_borrow: 1_024,
+            max_borrows: 65_536,
+            max_borrow_bytes: 64 * MIB,
+            max_watchers: 1_024,
+            max_watchers_per_address: 64,
+            max_frame_buffer_bytes: 256 * MIB,
             max_connections: 4_096,
             max_connections_per_address: 512,
+            max_unauthenticated_connections: 256,
             server_frame_timeout_ms: 10_000,
-            server_idle_timeout_ms: 0,
+            server_idle_timeout_ms: 60_000,
+            peer_keepalive_ms: 20_000,
             progress_worker: false,
             progress_interval_us: 1_000,
             local_route_workers: 0,
@@ -267,8 +315,14 @@ impl EngineConfig {
             ("notification_queue_len", self.notification_queue_len),
             ("max_borrows_per_connection", self.max_borrows_per_connection),
             ("max_registrations_per_borrow", self.max_registrations_per_borrow),
+            ("max_borrows", self.max_borrows),
+            ("max_borrow_bytes", self.max_borrow_bytes),
+            ("max_watchers", self.max_watchers),
+            ("max_watchers_per_address", self.max_watchers_per_address),
+            ("max_frame_buffer_bytes", self.max_frame_buffer_bytes),
             ("max_connections", self.max_connections),
             ("max_connections_per_address", self.max_connections_per_address),
+            ("max_unauthenticated_connections", self.max_unauthenticated_connections),
             ("server_frame_timeout_ms", self.server_frame_timeout_ms),
         ];
         for (field, value) in positive {

@@ -13,9 +13,9 @@ use std::sync::Arc;
 
 use crate::registry::Registration;
 use crate::segment::Delta;
-use crate::transport::auth::{Handshake, Secret};
+use crate::transport::auth::{Dialed, Initiator, Secret};
 use crate::transport::inbox::{self, Envelope, Inbox};
-use crate::transport::proto::server::{ServerConn, TargetSide};
+use crate::transport::proto::server::{ConnEnd, ServerConn, TargetSide};
 use crate::transport::sock::iov;
 use crate::wire::{self, Kind, Limits, NotifyEnvelope, RemoteStatus, Request};
 
@@ -263,7 +263,11 @@ impl Server {
             })
             .collect();
         Server {
-            conn: ServerConn::new(Default::default(), secret.clone(), false),
+            conn: ServerConn::new(
+                Default::default(),
+                secret.clone(),
+                ConnEnd::Tcp(SERVER_ADDRESS.parse().expect("an address")),
+            ),
             side: FakeTarget { mem, notifications: Default::default() },
             secret,
         }
@@ -274,13 +278,14 @@ impl Server {
     /// handshake are consumed.
     pub fn handshake(&mut self, epoch_i: u64) -> bool {
         let Some(secret) = self.secret.clone() else { return false };
-        let nonce_i = [7u8; wire::AUTH_NONCE];
+        let dialed = Dialed { name: SERVER_ADDRESS.into(), reached: SERVER_ADDRESS.parse().ok() };
+        let handshake = Initiator::new(secret, epoch_i, None, &dialed, [7u8; wire::AUTH_NONCE]);
         let mut body = Vec::new();
-        wire::encode_auth_hello(&mut body, &nonce_i, epoch_i);
+        handshake.hello().encode(&mut body);
         let run = self.run(&frame(Kind::AuthHello, &body, 1), &[usize::MAX]);
         let Some((Kind::AuthChallenge, challenge)) = first_reply(&run.replies) else { return false };
-        let Ok((nonce_t, epoch_t, _)) = wire::decode_auth_challenge(&challenge) else { return false };
-        let proof = secret.initiator_proof(&Handshake { nonce_i, nonce_t, epoch_i, epoch_t });
+        let Ok(challenge) = wire::AuthChallenge::decode(&challenge) else { return false };
+        let Ok(proof) = handshake.on_challenge(&challenge) else { return false };
         let run = self.run(&frame(Kind::AuthProof, &proof, 2), &[usize::MAX]);
         matches!(first_reply(&run.replies), Some((Kind::AuthOk, _)))
     }
@@ -360,6 +365,10 @@ fn first_reply(bytes: &[u8]) -> Option<(Kind, Vec<u8>)> {
     let body = bytes.get(wire::HEADER_LEN..wire::HEADER_LEN + h.body_len as usize)?;
     Some((h.kind, body.to_vec()))
 }
+
+/// The address the fuzzed server's connection came in at (what an
+/// initiator names in its hello).
+pub const SERVER_ADDRESS: &str = "127.0.0.1:7000";
 
 /// A secret as the engine loads it: from a file, which is removed again.
 fn load_secret(bytes: &[u8]) -> Secret {

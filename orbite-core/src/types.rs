@@ -176,6 +176,13 @@ pub enum Resource {
     /// Page-locked staging buffers for CUDA device memory
     /// (`max_staging_bytes`).
     StagingBytes,
+    /// Frame and reply buffers of the listener's connections
+    /// (`max_frame_buffer_bytes`).
+    FrameBufferBytes,
+    /// Borrows peers hold on this engine's registrations (`max_borrows`).
+    Borrows,
+    /// Bytes of the bookkeeping of those borrows (`max_borrow_bytes`).
+    BorrowBytes,
 }
 
 impl std::fmt::Display for Resource {
@@ -193,6 +200,9 @@ impl std::fmt::Display for Resource {
             Resource::NotificationQueue => "queued notifications",
             Resource::BindingHandles => "binding handles",
             Resource::StagingBytes => "staging bytes",
+            Resource::FrameBufferBytes => "frame buffer bytes",
+            Resource::Borrows => "borrows",
+            Resource::BorrowBytes => "borrow bytes",
         };
         f.write_str(name)
     }

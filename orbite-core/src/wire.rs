@@ -19,8 +19,9 @@ use crate::codec::{self, Reader, Short};
 pub const MAGIC: u32 = u32::from_be_bytes(*b"ORBT");
 /// Major version: a peer with another major is refused.
 pub const MAJOR: u8 = 1;
-/// Minor version: additive changes (1: delta refresh and watch).
-pub const MINOR: u8 = 1;
+/// Minor version: additive changes (1: delta refresh and watch; 2: the
+/// authentication hello names the responder, keepalives).
+pub const MINOR: u8 = 2;
 /// Length of every frame header.
 pub const HEADER_LEN: usize = 24;
 /// Bytes of one remote descriptor in a request body.
@@ -91,6 +92,9 @@ pub enum Kind {
     IpcHandles = 24,
     /// Per registration its IPC handle, or why not.
     IpcHandlesReply = 25,
+    /// Initiator, on an idle connection (minor 2): it is alive. No body,
+    /// no reply.
+    Keepalive = 26,
 }
 
 impl Kind {
@@ -121,6 +125,7 @@ impl Kind {
             23 => Kind::ShareFdsReply,
             24 => Kind::IpcHandles,
             25 => Kind::IpcHandlesReply,
+            26 => Kind::Keepalive,
             _ => return None,
         })
     }
@@ -522,47 +527,104 @@ pub fn decode_notify(body: &[u8]) -> Result<NotifyEnvelope<'_>, WireError> {
 pub const AUTH_NONCE: usize = 32;
 /// Bytes of an authentication proof (HMAC-SHA256).
 pub const AUTH_MAC: usize = 32;
-/// Largest body a connection may send before it authenticated.
-pub const AUTH_MAX_BODY: u32 = 128;
+/// Longest endpoint name an AuthHello carries (a host name of 253 bytes,
+/// `:` and a port; an IPv6 address in brackets; a local socket's name).
+pub const MAX_AUTH_NAME: usize = 262;
+/// Largest body a connection may send before it authenticated (the
+/// longest AuthHello).
+pub const AUTH_MAX_BODY: u32 = (AUTH_NONCE + 8 + 8 + 2 + MAX_AUTH_NAME + 2 + MAX_AUTH_NAME) as u32;
 
-/// AuthHello body: the initiator's nonce and epoch.
-pub fn encode_auth_hello(out: &mut Vec<u8>, nonce: &[u8; AUTH_NONCE], epoch: u64) {
-    out.clear();
-    out.extend_from_slice(nonce);
-    codec::put_u64(out, epoch);
+/// The initiator's first frame on a connection that authenticates: who it
+/// is, and which responder it means (so that a proof made for one
+/// responder authenticates no other connection).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct AuthHello {
+    /// The initiator's fresh nonce.
+    pub nonce: [u8; AUTH_NONCE],
+    /// The initiator's epoch.
+    pub initiator_epoch: u64,
+    /// The responder's epoch the initiator expects (0: not known yet).
+    pub responder_epoch: u64,
+    /// The endpoint the initiator dialed, as it was named: a tcp
+    /// `host:port` (as the responder advertises it), or the local socket's
+    /// name.
+    pub dialed: String,
+    /// The address the initiator's tcp connection reached, numeric
+    /// (`ip:port`); empty on a local socket.
+    pub reached: String,
 }
 
-/// Decodes an AuthHello body.
-pub fn decode_auth_hello(body: &[u8]) -> Result<([u8; AUTH_NONCE], u64), WireError> {
-    let mut r = Reader::new(body);
-    let short = |_| WireError::Malformed("auth hello");
-    let nonce = r.array::<AUTH_NONCE>().map_err(short)?;
-    let epoch = r.u64().map_err(short)?;
-    if !r.is_empty() {
-        return Err(WireError::Malformed("auth hello"));
+impl AuthHello {
+    /// Its body.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.clear();
+        out.extend_from_slice(&self.nonce);
+        codec::put_u64(out, self.initiator_epoch);
+        codec::put_u64(out, self.responder_epoch);
+        for name in [&self.dialed, &self.reached] {
+            let n = &name.as_bytes()[..name.len().min(MAX_AUTH_NAME)];
+            codec::put_u16(out, n.len() as u16);
+            out.extend_from_slice(n);
+        }
     }
-    Ok((nonce, epoch))
-}
 
-/// AuthChallenge body: the target's nonce, epoch and proof.
-pub fn encode_auth_challenge(out: &mut Vec<u8>, nonce: &[u8; AUTH_NONCE], epoch: u64, mac: &[u8; AUTH_MAC]) {
-    out.clear();
-    out.extend_from_slice(nonce);
-    codec::put_u64(out, epoch);
-    out.extend_from_slice(mac);
-}
-
-/// Decodes an AuthChallenge body.
-pub fn decode_auth_challenge(body: &[u8]) -> Result<([u8; AUTH_NONCE], u64, [u8; AUTH_MAC]), WireError> {
-    let mut r = Reader::new(body);
-    let short = |_| WireError::Malformed("auth challenge");
-    let nonce = r.array::<AUTH_NONCE>().map_err(short)?;
-    let epoch = r.u64().map_err(short)?;
-    let mac = r.array::<AUTH_MAC>().map_err(short)?;
-    if !r.is_empty() {
-        return Err(WireError::Malformed("auth challenge"));
+    /// Decodes an AuthHello body (names of at most [`MAX_AUTH_NAME`]
+    /// bytes of UTF-8, nothing after them).
+    pub fn decode(body: &[u8]) -> Result<AuthHello, WireError> {
+        let bad = WireError::Malformed("auth hello");
+        let mut r = Reader::new(body);
+        let nonce = r.array::<AUTH_NONCE>().map_err(|_| bad.clone())?;
+        let initiator_epoch = r.u64().map_err(|_| bad.clone())?;
+        let responder_epoch = r.u64().map_err(|_| bad.clone())?;
+        let mut name = || -> Result<String, WireError> {
+            let n = r.u16().map_err(|_| bad.clone())? as usize;
+            if n > MAX_AUTH_NAME {
+                return Err(bad.clone());
+            }
+            let b = r.take(n).map_err(|_| bad.clone())?;
+            String::from_utf8(b.to_vec()).map_err(|_| bad.clone())
+        };
+        let (dialed, reached) = (name()?, name()?);
+        if !r.is_empty() {
+            return Err(bad);
+        }
+        Ok(AuthHello { nonce, initiator_epoch, responder_epoch, dialed, reached })
     }
-    Ok((nonce, epoch, mac))
+}
+
+/// The responder's answer to an AuthHello: its nonce, its epoch and its
+/// proof over the whole exchange so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AuthChallenge {
+    /// The responder's fresh nonce.
+    pub nonce: [u8; AUTH_NONCE],
+    /// The responder's epoch.
+    pub responder_epoch: u64,
+    /// Its proof (`transport::auth`).
+    pub mac: [u8; AUTH_MAC],
+}
+
+impl AuthChallenge {
+    /// Its body.
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.clear();
+        out.extend_from_slice(&self.nonce);
+        codec::put_u64(out, self.responder_epoch);
+        out.extend_from_slice(&self.mac);
+    }
+
+    /// Decodes an AuthChallenge body.
+    pub fn decode(body: &[u8]) -> Result<AuthChallenge, WireError> {
+        let mut r = Reader::new(body);
+        let short = |_| WireError::Malformed("auth challenge");
+        let nonce = r.array::<AUTH_NONCE>().map_err(short)?;
+        let responder_epoch = r.u64().map_err(short)?;
+        let mac = r.array::<AUTH_MAC>().map_err(short)?;
+        if !r.is_empty() {
+            return Err(WireError::Malformed("auth challenge"));
+        }
+        Ok(AuthChallenge { nonce, responder_epoch, mac })
+    }
 }
 
 /// Decodes an AuthProof body.

@@ -83,6 +83,11 @@ fn peers_sharing_the_secret_move_bytes_and_others_are_refused() {
     assert!(wait_retired(&x).outcome.is_success());
     drop(x);
     e.close_segment(&seg, WAIT).unwrap();
+    // The target sees the link's connections go as they close.
+    let start = std::time::Instant::now();
+    while t.stats().connections > 0 && start.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let after = t.stats();
     assert!(after.auth_failures >= 1);
     assert_eq!(Stats { auth_failures: base.auth_failures, ..after }, base);
@@ -134,7 +139,14 @@ fn an_unauthenticated_connection_costs_one_bounded_frame() {
     // A wrong proof: refused and closed.
     let mut s = connect();
     let mut b = Vec::new();
-    wire::encode_auth_hello(&mut b, &[7u8; wire::AUTH_NONCE], 42);
+    let hello = wire::AuthHello {
+        nonce: [7u8; wire::AUTH_NONCE],
+        initiator_epoch: 42,
+        responder_epoch: 0,
+        dialed: t.endpoint().unwrap(),
+        reached: s.peer_addr().unwrap().to_string(),
+    };
+    hello.encode(&mut b);
     s.write_all(&frame(Kind::AuthHello, &b, 1)).unwrap();
     let mut h = [0u8; wire::HEADER_LEN];
     s.read_exact(&mut h).unwrap();

@@ -164,6 +164,12 @@ impl World {
             staging_buffers: 0,
             staging_bytes: 0,
             cuda_imports: 0,
+            connections: 0,
+            connections_refused: 0,
+            frame_buffer_bytes: 0,
+            borrows: 0,
+            borrow_bytes: 0,
+            watchers: 0,
         }
     }
 

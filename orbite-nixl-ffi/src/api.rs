@@ -257,6 +257,12 @@ fn stats_record(s: Stats) -> OrbiteStats {
         staging_buffers: s.staging_buffers,
         staging_bytes: s.staging_bytes,
         cuda_imports: s.cuda_imports,
+        connections: s.connections,
+        connections_refused: s.connections_refused,
+        frame_buffer_bytes: s.frame_buffer_bytes,
+        borrows: s.borrows,
+        borrow_bytes: s.borrow_bytes,
+        watchers: s.watchers,
     }
 }
 
@@ -544,8 +550,9 @@ pub extern "C" fn orbite_engine_release(engine: OrbiteEngine) -> OrbiteStatus {
 ///
 /// A caller built against ABI 1.1 passes the record of that version (112
 /// bytes, without `pinned_ranges` and `auth_failures`), one built against
-/// 1.2 the record of 1.2 (128 bytes, without the CUDA counters): each gets
-/// its prefix.
+/// 1.2 the record of 1.2 (128 bytes, without the CUDA counters), one built
+/// against 1.3 the record of 1.3 (168 bytes, without the listener's
+/// counters): each gets its prefix.
 ///
 /// Checked: a null or misaligned `out`, its size and version; the handle may
 /// be any value: it is checked.
@@ -557,7 +564,9 @@ pub unsafe extern "C" fn orbite_engine_stats(engine: OrbiteEngine, out: *mut Orb
         // SAFETY: caller's contract: `out` is readable for its header.
         let [size, version] = unsafe { std::ptr::read(out.cast::<[u32; 2]>()) };
         let mut record = stats_record(e.engine.stats());
-        if [STATS_1_1_SIZE, STATS_1_2_SIZE].contains(&(size as usize)) && version == ORBITE_RECORD_VERSION {
+        if [STATS_1_1_SIZE, STATS_1_2_SIZE, STATS_1_3_SIZE].contains(&(size as usize))
+            && version == ORBITE_RECORD_VERSION
+        {
             record.size = size;
             // SAFETY: caller's contract: a writable record of `size` bytes,
             // a prefix of this one (the same fields, in the same places).
@@ -581,6 +590,8 @@ pub unsafe extern "C" fn orbite_engine_stats(engine: OrbiteEngine, out: *mut Orb
 const STATS_1_1_SIZE: usize = std::mem::offset_of!(OrbiteStats, pinned_ranges);
 /// `sizeof(OrbiteStats)` in ABI 1.2 (before the CUDA counters).
 const STATS_1_2_SIZE: usize = std::mem::offset_of!(OrbiteStats, device_allocations);
+/// `sizeof(OrbiteStats)` in ABI 1.3 (before the listener's counters).
+const STATS_1_3_SIZE: usize = std::mem::offset_of!(OrbiteStats, connections);
 
 /// Writes the engine's peer information (endpoint and epoch) for another
 /// process's `orbite_peer_open`, or for this engine's own self peer.
@@ -1835,6 +1846,12 @@ mod tests {
             staging_buffers: 18,
             staging_bytes: 19,
             cuda_imports: 20,
+            connections: 21,
+            connections_refused: 22,
+            frame_buffer_bytes: 23,
+            borrows: 24,
+            borrow_bytes: 25,
+            watchers: 26,
         };
         let values: Vec<u64> = s.fields().iter().map(|&(_, v)| v).collect();
         assert_eq!(values, (1..=Stats::FIELDS.len() as u64).collect::<Vec<_>>(), "distinct values");

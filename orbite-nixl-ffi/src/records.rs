@@ -477,6 +477,18 @@ pub struct OrbiteStats {
     pub staging_bytes: u64,
     /// Peers' CUDA IPC allocations imported.
     pub cuda_imports: u64,
+    /// Peer connections the listener holds (ABI 1.4).
+    pub connections: u64,
+    /// Connections closed at accept by a cap (a count: it only grows).
+    pub connections_refused: u64,
+    /// Bytes of frame and reply buffers held by the listener's connections.
+    pub frame_buffer_bytes: u64,
+    /// Borrows peers hold on this engine's registrations.
+    pub borrows: u64,
+    /// Bytes of their bookkeeping.
+    pub borrow_bytes: u64,
+    /// Peers subscribed to this engine's registration changes.
+    pub watchers: u64,
 }
 
 /// Output of `orbite_notifs_drain`.

@@ -111,6 +111,7 @@ impl From<Error> for Failure {
                     OrbiteStatus::NotFound
                 }
                 PeerError::NotificationTooLarge { .. } => OrbiteStatus::OutOfRange,
+                PeerError::OwnEngine { .. } => OrbiteStatus::InvalidArgument,
                 // The peer answered: say what it refused, not that it is gone.
                 PeerError::Refused { status, .. } => match status {
                     RemoteStatus::UnknownRegistration | RemoteStatus::StaleRegistration => OrbiteStatus::NotFound,

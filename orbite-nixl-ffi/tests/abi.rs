@@ -738,7 +738,7 @@ fn deployment_engines_listen_on_all_interfaces_and_say_what_they_advertise() {
 /// A caller built against ABI 1.1 passes the 112-byte stats record of that
 /// version: it gets the fields it knows, and nothing after them is written.
 #[test]
-fn a_stats_record_of_abi_1_1_gets_its_prefix() {
+fn a_stats_record_of_an_older_abi_gets_its_prefix() {
     let e = engine("{}");
     let mut raw = [0xEEu8; 128];
     raw[..4].copy_from_slice(&112u32.to_le_bytes());
@@ -760,6 +760,13 @@ fn a_stats_record_of_abi_1_1_gets_its_prefix() {
     assert_eq!(raw2[0] as u32, 128);
     assert_eq!(raw2[1], full.registrations);
     assert!(raw2[16..].iter().all(|w| *w == 0xEE), "written past the caller's 1.2 record");
+    // A caller of ABI 1.3: 168 bytes, without the listener's counters.
+    let mut raw3 = [0xEEu64; 27];
+    raw3[0] = 168 | (1 << 32);
+    ok(unsafe { orbite_engine_stats(e, raw3.as_mut_ptr().cast::<OrbiteStats>()) });
+    assert_eq!(raw3[0] as u32, 168);
+    assert_eq!(raw3[1], full.registrations);
+    assert!(raw3[21..].iter().all(|w| *w == 0xEE), "written past the caller's 1.3 record");
     let mut odd = OrbiteStats { size: 120, version: 1, ..Default::default() };
     assert_eq!(unsafe { orbite_engine_stats(e, &mut odd) }, OrbiteStatus::VersionMismatch);
     close_and_release(e);

@@ -117,6 +117,12 @@ fn rust_layout() -> BTreeSet<String> {
             staging_buffers,
             staging_bytes,
             cuda_imports,
+            connections,
+            connections_refused,
+            frame_buffer_bytes,
+            borrows,
+            borrow_bytes,
+            watchers,
         }
     );
     layout!(s, OrbiteDrainResult { size, version, count, written, next_needed });

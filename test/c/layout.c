@@ -120,7 +120,7 @@ _Static_assert(sizeof(OrbiteStatus) == 4, "OrbiteStatus is 32 bits");
     F(OrbiteCloseReport, drained, 8)              \
     F(OrbiteCloseReport, reserved, 12)            \
     F(OrbiteCloseReport, unquiesced, 16)          \
-    S(OrbiteStats, 168)                           \
+    S(OrbiteStats, 216)                           \
     F(OrbiteStats, size, 0)                       \
     F(OrbiteStats, version, 4)                    \
     F(OrbiteStats, registrations, 8)              \
@@ -143,6 +143,12 @@ _Static_assert(sizeof(OrbiteStatus) == 4, "OrbiteStatus is 32 bits");
     F(OrbiteStats, staging_buffers, 144)          \
     F(OrbiteStats, staging_bytes, 152)            \
     F(OrbiteStats, cuda_imports, 160)             \
+    F(OrbiteStats, connections, 168)              \
+    F(OrbiteStats, connections_refused, 176)      \
+    F(OrbiteStats, frame_buffer_bytes, 184)       \
+    F(OrbiteStats, borrows, 192)                  \
+    F(OrbiteStats, borrow_bytes, 200)             \
+    F(OrbiteStats, watchers, 208)                 \
     S(OrbiteDrainResult, 32)                      \
     F(OrbiteDrainResult, size, 0)                 \
     F(OrbiteDrainResult, version, 4)              \

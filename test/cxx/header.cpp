@@ -28,7 +28,8 @@ static_assert(sizeof(OrbiteMemRegion) == 56);
 static_assert(sizeof(OrbiteDesc) == 24);
 static_assert(sizeof(OrbiteXferSpec) == 88 && offsetof(OrbiteXferSpec, peer) == 32);
 static_assert(sizeof(OrbiteXferState) == 72);
-static_assert(sizeof(OrbiteStats) == 168 && offsetof(OrbiteStats, binding_handles) == 104 && offsetof(OrbiteStats, auth_failures) == 120);
+static_assert(sizeof(OrbiteStats) == 216 && offsetof(OrbiteStats, binding_handles) == 104 && offsetof(OrbiteStats, auth_failures) == 120 &&
+              offsetof(OrbiteStats, connections) == 168);
 static_assert(sizeof(OrbiteNotifView) == 48);
 
 // The entry points have C language linkage: their addresses fit pointers

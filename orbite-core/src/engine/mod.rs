@@ -687,8 +687,10 @@ impl TransferEngine {
         if let Some(bind) = inner.config.listen.clone() {
             let side: Weak<dyn crate::transport::proto::server::TargetSide> = Arc::downgrade(&inner) as _;
             let local = crate::transport::unix::socket_name(inner.epoch);
-            let server = Server::start(&bind, Some(&local), side, inner.server_limits(), inner.listener.secret.clone())
-                .map_err(|e| Error::System(format!("cannot listen on {bind}: {e}")))?;
+            let budget = inner.server_budget();
+            let server =
+                Server::start(&bind, Some(&local), side, inner.server_limits(), budget, inner.listener.secret.clone())
+                    .map_err(|e| Error::System(format!("cannot listen on {bind}: {e}")))?;
             let bound = server.local_addr();
             if inner.listener.secret.is_none() {
                 eprintln!(

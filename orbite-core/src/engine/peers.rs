@@ -31,6 +31,9 @@ impl EngineInner {
         if self.is_closed() {
             return Err(Error::Closed);
         }
+        if expected_epoch == Some(self.epoch) {
+            return Err(PeerError::OwnEngine { epoch: self.epoch }.into());
+        }
         let c = &self.config;
         let opts = crate::transport::tcp::LinkOptions {
             connections: c.connections_per_peer,
@@ -40,6 +43,8 @@ impl EngineInner {
             max_descriptor: c.max_frame_body as usize,
             window: c.tcp_window(),
             boot_id: self.boot_id,
+            own_socket: self.listener.local_socket.get().map(|s| Arc::from(s.as_str())),
+            keepalive: (c.peer_keepalive_ms > 0).then(|| Duration::from_millis(c.peer_keepalive_ms)),
         };
         use crate::transport::tcp::OpenError;
         let drivers = self.initiators().map_err(|e| PeerError::Connect(format!("initiator threads: {e}")))?;
@@ -53,6 +58,7 @@ impl EngineInner {
                     self.note_auth_failure(endpoint, &format!("failed authentication: {m}"));
                     PeerError::Unauthenticated(m)
                 }
+                OpenError::OwnEngine => PeerError::OwnEngine { epoch: self.epoch },
             },
         )?;
         let same_host = self.same_host(&link);

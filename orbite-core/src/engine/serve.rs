@@ -31,7 +31,7 @@ pub(crate) struct Listener {
     pub watchers: OnceLock<Arc<Watchers>>,
     /// The shared secret every peer connection proves (`auth`).
     pub secret: Option<Arc<crate::transport::auth::Secret>>,
-    /// Peers whose failed authentication was logged (once each).
+    /// Peers whose refusal was logged (once each).
     pub auth_logged: Mutex<std::collections::HashSet<String>>,
 }
 
@@ -105,8 +105,29 @@ impl TargetSide for EngineInner {
         self.frame_limits()
     }
 
-    fn auth_failed(&self, from: &str) {
-        self.note_auth_failure(from, "did not authenticate");
+    fn auth_failed(&self, from: &str, why: &str) {
+        self.note_auth_failure(from, &format!("did not authenticate: {why}"));
+    }
+
+    fn connection_refused(&self, from: &str, why: &str) {
+        self.counters.connections_refused.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.log_once(
+            &format!("{from} {why}"),
+            &format!("a connection from {from} was closed at accept: {why} is full"),
+        );
+    }
+
+    fn responder(&self, at: crate::transport::proto::server::ConnEnd) -> crate::transport::auth::ResponderSelf {
+        use crate::transport::proto::server::ConnEnd;
+        crate::transport::auth::ResponderSelf {
+            epoch: self.epoch,
+            advertised: self.listener.endpoint.get().map(|a| a.endpoint.clone()),
+            local_socket: self.listener.local_socket.get().cloned(),
+            reached_at: match at {
+                ConnEnd::Tcp(a) => Some(a),
+                ConnEnd::Local => None,
+            },
+        }
     }
 
     fn shared_fd(&self, name: &str) -> Option<std::os::fd::OwnedFd> {
@@ -322,9 +343,15 @@ impl EngineInner {
 
     pub(crate) fn note_auth_failure(&self, who: &str, what: &str) {
         self.counters.auth_failures.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.log_once(who, &format!("peer {who} {what}"));
+    }
+
+    /// Logs a refusal of a peer once per `key` (at most [`MAX_AUTH_LOGGED`]
+    /// keys): a peer that repeats it is counted, not logged again.
+    fn log_once(&self, key: &str, what: &str) {
         let mut logged = self.listener.auth_logged.lock();
-        if logged.len() < MAX_AUTH_LOGGED && logged.insert(who.to_owned()) {
-            eprintln!("orbite: engine {:#x}: peer {who} {what} (logged once per peer)", self.epoch);
+        if logged.len() < MAX_AUTH_LOGGED && logged.insert(key.to_owned()) {
+            eprintln!("orbite: engine {:#x}: {what} (logged once)", self.epoch);
         }
     }
 
@@ -336,9 +363,25 @@ impl EngineInner {
             max_connections: count(c.max_connections),
             per_address: count(c.max_connections_per_address),
             frame_timeout: Duration::from_millis(c.server_frame_timeout_ms),
+            unauthenticated: count(c.max_unauthenticated_connections),
             idle_timeout: (c.server_idle_timeout_ms > 0).then(|| Duration::from_millis(c.server_idle_timeout_ms)),
             min_rate: c.peer_min_bytes_per_s,
             window: c.tcp_window(),
+            watchers: crate::transport::watchers::WatcherLimits {
+                total: count(c.max_watchers),
+                per_address: count(c.max_watchers_per_address),
+            },
+        }
+    }
+
+    /// What the listener's connections may make this engine hold.
+    pub(crate) fn server_budget(&self) -> crate::transport::proto::server::ServerBudget {
+        let c = &self.config;
+        crate::transport::proto::server::ServerBudget {
+            counters: self.counters.clone(),
+            frame_buffer_bytes: c.max_frame_buffer_bytes,
+            borrows: c.max_borrows,
+            borrow_bytes: c.max_borrow_bytes,
         }
     }
 

@@ -32,7 +32,7 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::segment::{Delta, SegmentDescriptor};
 use crate::transport::CopyJob;
-use crate::transport::auth::{Handshake, Secret};
+use crate::transport::auth::{Dialed, Initiator, Secret};
 use crate::transport::proto::FrameIn;
 use crate::transport::proto::client::{ClientConn, PeerJob, unsent};
 use crate::transport::sock::{Patience, Stream, epoll_ctl, iov, owned, read_exact_within, tune, writev_within};
@@ -41,7 +41,7 @@ use crate::transport::unix::Credentials;
 use crate::wire::{self, Kind, Limits};
 
 /// Options of a link.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct LinkOptions {
     pub connections: u32,
     /// Longest silence of a peer while a request is outstanding.
@@ -55,6 +55,12 @@ pub(crate) struct LinkOptions {
     /// This machine's boot id: a peer that reports it is asked to prove
     /// itself over its local socket.
     pub boot_id: [u8; 16],
+    /// This engine's own local socket (never a peer's).
+    pub own_socket: Option<Arc<str>>,
+    /// A data connection with nothing to send for this long sends a
+    /// keepalive (`peer_keepalive_ms`; `None`: never, or a peer of wire
+    /// minor 1, which does not know them).
+    pub keepalive: Option<Duration>,
 }
 
 impl LinkOptions {
@@ -92,11 +98,22 @@ pub(crate) enum OpenError {
     /// The handshake failed: the peer refused this engine's proof (or
     /// wants one it does not have), or could not prove the secret.
     Unauthenticated(String),
+    /// The peer is this engine itself (it describes or proves this
+    /// engine's own epoch).
+    OwnEngine,
 }
 
 /// Runs the initiator's side of the authentication exchange on a fresh,
-/// blocking connection: the target's epoch it proved.
-fn authenticate(fd: i32, secret: &Secret, my_epoch: u64, patience: &Patience) -> Result<u64, OpenError> {
+/// blocking connection to the endpoint it `dialed`, expecting the
+/// responder's epoch `expect` when it knows it: the epoch it proved.
+fn authenticate(
+    fd: i32,
+    secret: &Arc<Secret>,
+    my_epoch: u64,
+    expect: Option<u64>,
+    dialed: &Dialed,
+    patience: &Patience,
+) -> Result<u64, OpenError> {
     let io = |e: io::Error| OpenError::Connect(e.to_string());
     let limits = Limits { max_body: wire::AUTH_MAX_BODY, max_data: 0 };
     let send = |kind: Kind, body: &[u8]| -> Result<(), OpenError> {
@@ -120,30 +137,28 @@ fn authenticate(fd: i32, secret: &Secret, my_epoch: u64, patience: &Patience) ->
             k => Err(OpenError::Protocol(format!("unexpected {k:?} during authentication"))),
         }
     };
-    let nonce_i = crate::transport::auth::nonce();
+    let handshake = Initiator::new(secret.clone(), my_epoch, expect, dialed, crate::transport::auth::nonce());
     let mut body = Vec::new();
-    wire::encode_auth_hello(&mut body, &nonce_i, my_epoch);
+    handshake.hello().encode(&mut body);
     send(Kind::AuthHello, &body)?;
-    let (nonce_t, epoch_t, mac) = wire::decode_auth_challenge(&recv(Kind::AuthChallenge)?)
+    let challenge = wire::AuthChallenge::decode(&recv(Kind::AuthChallenge)?)
         .map_err(|e| OpenError::Protocol(format!("authentication: {e}")))?;
-    let hs = Handshake { nonce_i, nonce_t, epoch_i: my_epoch, epoch_t };
-    if !secret.check_target(&hs, &mac) {
-        return Err(OpenError::Unauthenticated("the peer could not prove the shared secret".into()));
-    }
-    send(Kind::AuthProof, &secret.initiator_proof(&hs))?;
+    let proof = handshake.on_challenge(&challenge).map_err(|why| OpenError::Unauthenticated(why.to_string()))?;
+    send(Kind::AuthProof, &proof)?;
     recv(Kind::AuthOk)?;
-    Ok(epoch_t)
+    Ok(challenge.responder_epoch)
 }
 
 /// Runs the Describe exchange on a fresh, blocking connection (after its
-/// handshake, if any): the target's descriptor.
+/// handshake, if any): the target's descriptor, and the wire minor its
+/// reply came with.
 fn describe(
     fd: i32,
     my_epoch: u64,
     expected_epoch: Option<u64>,
     opts: &LinkOptions,
     patience: &Patience,
-) -> Result<SegmentDescriptor, OpenError> {
+) -> Result<(SegmentDescriptor, u8), OpenError> {
     let mut body = Vec::new();
     wire::encode_describe(&mut body, my_epoch, expected_epoch.unwrap_or(0));
     let hb = wire::encode_header(&wire::header(Kind::Describe, body.len(), 0, 1));
@@ -176,7 +191,10 @@ fn describe(
             return Err(OpenError::EpochMismatch { expected, found: descriptor.epoch });
         }
     }
-    Ok(descriptor)
+    if descriptor.epoch == my_epoch {
+        return Err(OpenError::OwnEngine);
+    }
+    Ok((descriptor, h.minor))
 }
 
 /// What an [`OpenError`] says, for a reason string.
@@ -184,6 +202,7 @@ fn said(e: OpenError) -> String {
     match e {
         OpenError::Connect(m) | OpenError::Protocol(m) | OpenError::Unauthenticated(m) => m,
         OpenError::EpochMismatch { expected, found } => format!("epoch {found:#x} where {expected:#x} was expected"),
+        OpenError::OwnEngine => "the peer is this engine itself".into(),
     }
 }
 
@@ -205,16 +224,17 @@ fn connect_local(
     name: &str,
     epoch: u64,
     my_epoch: u64,
-    secret: Option<&Secret>,
+    secret: Option<&Arc<Secret>>,
     opts: &LinkOptions,
     patience: &Patience,
 ) -> Result<(Stream, Credentials), String> {
+    if opts.own_socket.as_deref() == Some(name) {
+        return Err("the peer names this engine's own local socket".into());
+    }
     let (s, cred) = crate::transport::unix::connect(name, opts.tick())?;
     if let Some(secret) = secret {
-        let proved = authenticate(s.as_raw_fd(), secret, my_epoch, patience).map_err(said)?;
-        if proved != epoch {
-            return Err(format!("the process behind the local socket proved epoch {proved:#x}, not {epoch:#x}"));
-        }
+        let dialed = Dialed { name: name.to_owned(), reached: None };
+        authenticate(s.as_raw_fd(), secret, my_epoch, Some(epoch), &dialed, patience).map_err(said)?;
     }
     Ok((s.into(), cred))
 }
@@ -227,7 +247,7 @@ fn connect_local(
 fn prove_local(
     claimed: &SegmentDescriptor,
     my_epoch: u64,
-    secret: Option<&Secret>,
+    secret: Option<&Arc<Secret>>,
     opts: &LinkOptions,
     patience: &Patience,
 ) -> Result<LocalProof, String> {
@@ -241,7 +261,7 @@ fn prove_local(
     // The engine behind the socket describes itself, under the claimed
     // epoch or not at all. It may be another engine of this very process
     // (two NIXL agents in one process): its registrations are its own.
-    let descriptor = describe(stream.as_raw_fd(), my_epoch, Some(claimed.epoch), opts, patience)
+    let (descriptor, _) = describe(stream.as_raw_fd(), my_epoch, Some(claimed.epoch), opts, patience)
         .map_err(|e| format!("the process behind the local socket: {}", said(e)))?;
     Ok(LocalProof { cred, stream, descriptor })
 }
@@ -329,7 +349,7 @@ impl<J: CopyJob> PeerLink<J> {
         opts: LinkOptions,
         shared_secret: Option<Arc<Secret>>,
     ) -> Result<Arc<Self>, OpenError> {
-        let secret = shared_secret.as_deref();
+        let secret = shared_secret.as_ref();
         let deadline = crate::time::deadline_after(timeout);
         let addr = endpoint
             .to_socket_addrs()
@@ -353,7 +373,11 @@ impl<J: CopyJob> PeerLink<J> {
             s.set_read_timeout(Some(tick)).map_err(|e| OpenError::Connect(e.to_string()))?;
             s.set_write_timeout(Some(tick)).map_err(|e| OpenError::Connect(e.to_string()))?;
             if let Some(secret) = secret {
-                let epoch = authenticate(s.as_raw_fd(), secret, my_epoch, &open_patience)?;
+                // The endpoint as named, and the address it reached: the
+                // responder answers only a hello meant for it.
+                let dialed = Dialed { name: endpoint.to_owned(), reached: s.peer_addr().ok() };
+                let expect = expected_epoch.or(proven.get());
+                let epoch = authenticate(s.as_raw_fd(), secret, my_epoch, expect, &dialed, &open_patience)?;
                 match proven.get() {
                     Some(p) if p != epoch => {
                         return Err(OpenError::Protocol("the peer's connections proved different epochs".into()));
@@ -364,7 +388,9 @@ impl<J: CopyJob> PeerLink<J> {
             Ok(s)
         };
         let first = connect()?;
-        let claimed = describe(first.as_raw_fd(), my_epoch, expected_epoch, &opts, &open_patience)?;
+        let (claimed, minor) = describe(first.as_raw_fd(), my_epoch, expected_epoch, &opts, &open_patience)?;
+        // A peer of minor 1 does not know keepalives (it would close).
+        let keepalive = opts.keepalive.filter(|_| minor >= 2);
         if proven.get().is_some_and(|p| p != claimed.epoch) {
             return Err(OpenError::Protocol("the peer described another epoch than it proved".into()));
         }
@@ -401,13 +427,22 @@ impl<J: CopyJob> PeerLink<J> {
         let wfd = watch.as_raw_fd();
         // SAFETY: both entries borrow live local buffers for the call.
         unsafe { writev_within(wfd, &mut v, Some(&open_patience)) }.map_err(|e| OpenError::Connect(e.to_string()))?;
-        let first = read_first_changes(wfd, &opts.limits, descriptor.epoch, &open_patience)?
-            .filter(|(base, d)| *base == descriptor.registry_version && d.version >= *base)
-            .ok_or_else(|| OpenError::Protocol("no answer to the watch".into()))?;
-        for s in streams.iter().chain([&watch]).chain(control.as_ref()) {
+        // A target whose watchers are full refuses: this link then asks for
+        // changes instead of being told (every lookup of a range it does
+        // not know refreshes).
+        let (first, watch) = match read_first_changes(wfd, &opts.limits, descriptor.epoch, &open_patience)? {
+            FirstChanges::Full => (None, None),
+            FirstChanges::Changes(first) => {
+                let first = Some(first)
+                    .filter(|(base, d)| *base == descriptor.registry_version && d.version >= *base)
+                    .ok_or_else(|| OpenError::Protocol("no answer to the watch".into()))?;
+                (Some(first), Some(watch))
+            }
+        };
+        for s in streams.iter().chain(watch.as_ref()).chain(control.as_ref()) {
             s.set_nonblocking().map_err(|e| OpenError::Connect(e.to_string()))?;
         }
-        let since = first.1.version;
+        let since = first.as_ref().map_or(ANNOUNCE_UNKNOWN, |f| f.1.version);
         let link = Arc::new(PeerLink {
             descriptor,
             local,
@@ -422,13 +457,13 @@ impl<J: CopyJob> PeerLink<J> {
                 closing: false,
                 hungry: Vec::new(),
             }),
-            opts,
+            opts: LinkOptions { keepalive, ..opts },
             next_request: AtomicU64::new(2),
             lost_flag: AtomicBool::new(false),
             announced: AtomicU64::new(since),
-            watch: Mutex::new(Some(watch)),
+            watch: Mutex::new(watch),
             sink: OnceLock::new(),
-            first: Mutex::new(Some(first)),
+            first: Mutex::new(first),
             drivers: drivers.clone(),
             conns: Mutex::new(Vec::new()),
             gone: Condvar::new(),
@@ -436,14 +471,14 @@ impl<J: CopyJob> PeerLink<J> {
         if let Some(s) = control {
             // The local control connection takes control jobs only: data
             // tasks of the tcp route stay on TCP.
-            let m = ClientConn::new(link.descriptor.epoch, opts.limits);
+            let m = ClientConn::new(link.descriptor.epoch, link.opts.limits);
             let me = drivers.add(&link, s, Role::Data(Box::new(m)));
             let mut q = link.queue.lock();
             q.control = Some(me);
             q.control_only = true;
         }
         for s in streams {
-            let m = ClientConn::new(link.descriptor.epoch, opts.limits);
+            let m = ClientConn::new(link.descriptor.epoch, link.opts.limits);
             let me = drivers.add(&link, s, Role::Data(Box::new(m)));
             link.queue.lock().control.get_or_insert(me);
         }
@@ -462,7 +497,7 @@ impl<J: CopyJob> PeerLink<J> {
         let cred = self.local.as_ref().map_err(Clone::clone)?;
         let d = &self.descriptor;
         let (s, again) =
-            connect_local(&d.local_socket, d.epoch, self.my_epoch, self.secret.as_deref(), &self.opts, patience)?;
+            connect_local(&d.local_socket, d.epoch, self.my_epoch, self.secret.as_ref(), &self.opts, patience)?;
         if again.pid != cred.pid {
             return Err("the peer's local socket changed hands".into());
         }
@@ -726,21 +761,27 @@ impl<J: CopyJob> PeerLink<J> {
     }
 }
 
-/// Reads the first Changed frame of the subscription, within `patience`.
-fn read_first_changes(
-    fd: i32,
-    limits: &Limits,
-    epoch: u64,
-    patience: &Patience,
-) -> Result<Option<(u64, Delta)>, OpenError> {
+/// What a subscription's first answer says.
+enum FirstChanges {
+    /// What changed since the version given.
+    Changes((u64, Delta)),
+    /// The target has all the watchers it takes.
+    Full,
+}
+
+/// Reads the first answer of the subscription, within `patience`.
+fn read_first_changes(fd: i32, limits: &Limits, epoch: u64, patience: &Patience) -> Result<FirstChanges, OpenError> {
     let mut hb = [0u8; wire::HEADER_LEN];
-    if read_exact_within(fd, &mut hb, Some(patience)).is_err() {
-        return Ok(None);
-    }
+    read_exact_within(fd, &mut hb, Some(patience))
+        .map_err(|e| OpenError::Protocol(format!("no answer to the watch: {e}")))?;
     let h = wire::decode_header(&hb, *limits).map_err(|e| OpenError::Protocol(e.to_string()))?;
     let mut body = vec![0u8; h.body_len as usize];
     read_exact_within(fd, &mut body, Some(patience)).map_err(|e| OpenError::Protocol(e.to_string()))?;
-    changes_of(&h, &body, epoch).map(Some).map_err(OpenError::Protocol)
+    if h.kind == Kind::Error && wire::decode_error(&body).is_ok_and(|(s, _)| s == wire::RemoteStatus::ResourceExhausted)
+    {
+        return Ok(FirstChanges::Full);
+    }
+    changes_of(&h, &body, epoch).map(FirstChanges::Changes).map_err(OpenError::Protocol)
 }
 
 /// Decodes one Changed frame of the subscription (request 1) for `epoch`.
@@ -1014,7 +1055,7 @@ impl<J: CopyJob> Driver<J> {
                     }
                 }
                 outstanding += conn.outstanding() as usize;
-                if let Some(d) = conn.deadline() {
+                if let Some(d) = conn.deadline().or(conn.keepalive_at()) {
                     next_deadline = Some(next_deadline.map_or(d, |n| n.min(d)));
                 }
             }
@@ -1027,7 +1068,10 @@ impl<J: CopyJob> Driver<J> {
                     if let Some(why) = conn.expired(now) {
                         conn.lose(&why);
                         ready.push(*id);
-                    } else if let Some(d) = conn.deadline() {
+                    } else if conn.keep_alive(now) {
+                        ready.push(*id);
+                    }
+                    if let Some(d) = conn.deadline().or(conn.keepalive_at()) {
                         next_deadline = Some(next_deadline.map_or(d, |n| n.min(d)));
                     }
                 }
@@ -1117,6 +1161,25 @@ impl<J: CopyJob> Conn<J> {
         }
         let stall = self.last_io.checked_add(self.link.opts.stall());
         [stall, self.send_until, self.reply_until].into_iter().flatten().min()
+    }
+
+    /// When this idle data connection sends its next keepalive (`None`:
+    /// it is not idle, or sends none).
+    fn keepalive_at(&self) -> Option<Instant> {
+        let Role::Data(m) = &self.role else { return None };
+        let every = self.link.opts.keepalive?;
+        (self.open && m.in_flight() == 0).then(|| self.last_io.checked_add(every)).flatten()
+    }
+
+    /// Puts a keepalive on the wire if one is due at `now`: true if it did
+    /// (the connection then has something to send).
+    fn keep_alive(&mut self, now: Instant) -> bool {
+        if self.keepalive_at().is_none_or(|at| now < at) {
+            return false;
+        }
+        let Role::Data(m) = &mut self.role else { return false };
+        self.last_io = now;
+        m.keepalive()
     }
 
     /// Why the peer is lost at `now`, if a bound passed.
@@ -1310,7 +1373,7 @@ impl<J: CopyJob> Conn<J> {
                 Ok(None) => continue,
                 Err(_) => return After::Close,
             };
-            let Ok((base, delta)) = changes_of(&h, &w.frame.body, epoch) else { return After::Close };
+            let Ok((base, delta)) = changes_of(&h, w.frame.body(), epoch) else { return After::Close };
             if delta.version <= base {
                 return After::Close; // a push that moves nothing is not one this subscription sends
             }

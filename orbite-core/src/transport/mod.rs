@@ -4,6 +4,7 @@
 pub(crate) mod auth;
 pub(crate) mod cma;
 pub(crate) mod file;
+pub(crate) mod framebuf;
 pub(crate) mod inbox;
 pub(crate) mod ipc;
 pub(crate) mod link;
@@ -21,6 +22,7 @@ pub(crate) mod spin;
 pub(crate) mod staged;
 pub(crate) mod tcp;
 pub(crate) mod unix;
+pub(crate) mod watchers;
 
 #[cfg(feature = "fault-injection")]
 pub mod fault;
@@ -438,6 +440,14 @@ pub enum PeerError {
     /// one the peer cannot prove.
     #[error("authentication failed: {0}")]
     Unauthenticated(String),
+    /// The peer is this very engine: it describes (or proves) this
+    /// engine's own epoch. Transfers within one engine use
+    /// `Target::Loopback`.
+    #[error("the peer is this engine itself (epoch {epoch:#x}): use Target::Loopback within one engine")]
+    OwnEngine {
+        /// This engine's epoch.
+        epoch: u64,
+    },
     /// A control exchange with the peer got no answer in time.
     #[error("peer did not answer: {0}")]
     Timeout(String),

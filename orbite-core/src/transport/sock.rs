@@ -216,6 +216,22 @@ pub(crate) fn tune(stream: &TcpStream, window: u64) {
     }
 }
 
+/// Sets a socket's send buffer (`SO_SNDBUF`; the kernel doubles it for its
+/// bookkeeping).
+pub(crate) fn set_send_buffer(socket: &impl AsRawFd, bytes: usize) {
+    let bytes = bytes.min(i32::MAX as usize / 2) as libc::c_int;
+    // SAFETY: setsockopt with a pointer to a live c_int of the right size.
+    unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUF,
+            (&bytes as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        );
+    }
+}
+
 /// A connected stream socket, TCP or Unix-domain: what the drivers read
 /// and write (raw `readv`/`writev` on its descriptor).
 pub(crate) struct Stream(OwnedFd);

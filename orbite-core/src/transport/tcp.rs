@@ -22,16 +22,19 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
+use crate::charge::{Charge, Counter};
 use crate::segment::ExportedRegistration;
 use crate::transport::CopyKind;
 use crate::transport::auth::Secret;
 pub(crate) use crate::transport::link::{ANNOUNCE_UNKNOWN, Initiators, LinkOptions, OpenError, PeerLink};
 pub(crate) use crate::transport::proto::client::{ControlDone, ControlJob, PeerFailure, PeerJob};
-use crate::transport::proto::server::{BorrowCount, Close, Event, ServerConn, TargetSide};
+use crate::transport::proto::server::{Close, ConnEnd, Event, ServerBudget, ServerConn, TargetSide};
 use crate::transport::route::{PeerReach, Reach, RouteImpl, Runs, Serves};
 use crate::transport::sock::{Stream, epoll_ctl, owned, tune};
+use crate::transport::watchers::WatcherLimits;
+pub(crate) use crate::transport::watchers::Watchers;
 use crate::types::{Desc, Route};
-use crate::wire::{self, Kind};
+use crate::wire;
 
 /// The tcp route.
 pub(crate) struct Tcp;
@@ -66,108 +69,6 @@ impl RouteImpl for Tcp {
     }
 }
 
-/// Initiators subscribed to this engine's registration changes, each on a
-/// watch connection of its own: every change is pushed to each of them as
-/// it happens, as what changed since the last push that went out.
-pub(crate) struct Watchers {
-    subs: Mutex<Vec<Arc<Subscriber>>>,
-}
-
-/// One subscribed watch connection.
-struct Subscriber {
-    conn: u64,
-    epoch: u64,
-    request: u64,
-    /// Largest delta to push (what the watcher accepts, at most
-    /// `PUSH_BUDGET`).
-    budget: usize,
-    /// The connection (its socket stays open while this holds it, even
-    /// after the server closed the connection: a push then fails).
-    served: Arc<ServedConn>,
-    /// The registry version pushed so far. Its lock also keeps two pushes
-    /// to this socket from interleaving; a push never blocks (a full
-    /// socket skips it, and the next change sends everything since).
-    pushed: Mutex<u64>,
-}
-
-/// The changes after a registry version, in at most a budget of encoded
-/// bytes (what the target side computes for a subscriber).
-pub(crate) type ChangesSince<'a> = &'a dyn Fn(u64, usize) -> crate::segment::Delta;
-
-impl Subscriber {
-    /// Pushes what changed since the last push, if the registry moved past
-    /// it (`now`); the first push (`first`) goes out even if nothing did:
-    /// it confirms the subscription.
-    fn push(&self, now: u64, changes: ChangesSince<'_>, first: bool) {
-        let mut pushed = self.pushed.lock();
-        if *pushed >= now && !first {
-            return;
-        }
-        let delta = changes(*pushed, self.budget);
-        if delta.version <= *pushed && !first {
-            return;
-        }
-        let mut body = Vec::new();
-        wire::encode_changed(&mut body, self.epoch, *pushed, &delta.to_bytes());
-        let mut frame = wire::encode_header(&wire::header(Kind::Changed, body.len(), 0, self.request)).to_vec();
-        frame.extend_from_slice(&body);
-        // SAFETY: a live buffer of `frame.len()` bytes.
-        let n = unsafe {
-            libc::send(
-                self.served.stream.as_raw_fd(),
-                frame.as_ptr().cast(),
-                frame.len(),
-                libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
-            )
-        };
-        if n == frame.len() as isize {
-            *pushed = delta.version;
-        } else if n > 0 {
-            // Half a frame would desynchronise the stream: the watcher
-            // loses its connection (and falls back to asking).
-            self.served.stream.shutdown();
-        }
-        // n < 0: the socket is full (the watcher is not reading); the next
-        // change pushes everything since `pushed`.
-    }
-}
-
-impl Watchers {
-    fn new() -> Self {
-        Watchers { subs: Mutex::new(Vec::new()) }
-    }
-
-    /// Subscribes a watch connection and brings it up to date.
-    fn subscribe(&self, sub: Subscriber, now: u64, changes: ChangesSince<'_>) {
-        let sub = Arc::new(sub);
-        {
-            let mut subs = self.subs.lock();
-            subs.retain(|x| x.conn != sub.conn);
-            subs.push(sub.clone());
-        }
-        sub.push(now, changes, true);
-    }
-
-    /// The registry reached `version`: pushes what changed to every
-    /// subscriber, with no lock of this table held while sending.
-    pub fn changed(&self, version: u64, changes: ChangesSince<'_>) {
-        let subs: Vec<Arc<Subscriber>> = self.subs.lock().clone();
-        for sub in subs {
-            sub.push(version, changes, false);
-        }
-    }
-
-    fn forget(&self, conn: u64) {
-        let gone: Vec<Arc<Subscriber>> = {
-            let mut subs = self.subs.lock();
-            let (gone, keep) = std::mem::take(&mut *subs).into_iter().partition(|x| x.conn == conn);
-            *subs = keep;
-            gone
-        };
-        drop(gone);
-    }
-}
-
 /// The listening side: every accepted connection's [`ServerConn`], driven
 /// by a fixed set of threads over one epoll set, so the thread count does
 /// not grow with connections.
@@ -187,10 +88,14 @@ pub(crate) struct ServerLimits {
     /// Connections at once from one peer address
     /// (`max_connections_per_address`).
     pub per_address: usize,
-    /// A frame that started (and an authenticating connection's
-    /// handshake, from accept) must be in, and its reply out, within this
-    /// plus its bytes at `min_rate` (`server_frame_timeout_ms`).
+    /// A frame that started must be in, and its reply out, within this
+    /// plus its bytes at `min_rate`; an authenticating connection's whole
+    /// handshake, from accept to AuthOk, within this
+    /// (`server_frame_timeout_ms`).
     pub frame_timeout: Duration,
+    /// Connections that have not authenticated yet, at once
+    /// (`max_unauthenticated_connections`; with a secret only).
+    pub unauthenticated: usize,
     /// A connection with no exchange for this long is closed
     /// (`server_idle_timeout_ms`; `None`: never).
     pub idle_timeout: Option<Duration>,
@@ -198,6 +103,8 @@ pub(crate) struct ServerLimits {
     pub min_rate: u64,
     /// Each accepted connection's receive window (`sock::tune`).
     pub window: u64,
+    /// Watch connections at once.
+    pub watchers: WatcherLimits,
 }
 
 impl Default for ServerLimits {
@@ -206,9 +113,11 @@ impl Default for ServerLimits {
             max_connections: 4096,
             per_address: 512,
             frame_timeout: Duration::from_secs(10),
+            unauthenticated: 256,
             idle_timeout: None,
             min_rate: 1 << 20,
             window: 1 << 20,
+            watchers: WatcherLimits { total: 1024, per_address: 64 },
         }
     }
 }
@@ -248,6 +157,8 @@ struct ServerShared {
     accept_resume: Mutex<Option<Instant>>,
     /// Connections per peer address.
     addresses: Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
+    /// Connections that still owe their handshake, oldest first.
+    unauthenticated: Mutex<std::collections::VecDeque<u64>>,
     /// Written once at shutdown; level-triggered, so every thread sees it.
     stop: OwnedFd,
     listener: TcpListener,
@@ -256,23 +167,32 @@ struct ServerShared {
     side: Weak<dyn TargetSide>,
     conns: Mutex<std::collections::HashMap<u64, Arc<ServedConn>>>,
     next_conn: AtomicU64,
-    borrowed: BorrowCount,
+    budget: ServerBudget,
     watchers: Arc<Watchers>,
 }
 
 /// One accepted connection: its socket and its machine. Armed one-shot in
 /// the epoll set, so one thread at a time serves it.
 struct ServedConn {
-    stream: Stream,
+    stream: Arc<Stream>,
     /// The peer's address (`None`: the local socket, where only this
     /// user's processes are accepted).
     peer: Option<std::net::IpAddr>,
     machine: Mutex<Served>,
+    /// Counted in `connections` while it lives.
+    _counted: Charge,
 }
 
 /// A connection's machine and its clock.
 struct Served {
     m: ServerConn,
+    /// When it was accepted.
+    accepted: Instant,
+    /// True while it counts as owing its handshake.
+    owes_handshake: bool,
+    /// A subscribed watch connection: the initiator only listens on it, so
+    /// it is never idle (watchers have caps of their own).
+    watching: bool,
     /// When the exchange in progress started (a new connection's first
     /// frame counts from its accept); `None` between exchanges.
     busy_since: Option<Instant>,
@@ -307,9 +227,10 @@ impl Server {
         local: Option<&str>,
         side: Weak<dyn TargetSide>,
         limits: ServerLimits,
+        budget: ServerBudget,
         secret: Option<Arc<Secret>>,
     ) -> io::Result<Server> {
-        Self::start_with(bind, local, side, TURN_BYTES, limits, secret)
+        Self::start_with(bind, local, side, TURN_BYTES, limits, budget, secret)
     }
 
     /// [`Server::start`] with connections taking turns of `turn` bytes.
@@ -319,6 +240,7 @@ impl Server {
         side: Weak<dyn TargetSide>,
         turn: usize,
         limits: ServerLimits,
+        budget: ServerBudget,
         secret: Option<Arc<Secret>>,
     ) -> io::Result<Server> {
         let listener = TcpListener::bind(bind)?;
@@ -342,7 +264,7 @@ impl Server {
         let timer =
             owned(unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_CLOEXEC | libc::TFD_NONBLOCK) })?;
         epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, timer.as_raw_fd(), oneshot, TIMER)?;
-        let watchers = Arc::new(Watchers::new());
+        let watchers = Arc::new(Watchers::new(limits.watchers, budget.counters.clone()));
         let shared = Arc::new(ServerShared {
             turn: turn.max(1),
             limits,
@@ -351,6 +273,7 @@ impl Server {
             timer_armed: Mutex::new(false),
             accept_resume: Mutex::new(None),
             addresses: Mutex::new(std::collections::HashMap::new()),
+            unauthenticated: Mutex::new(std::collections::VecDeque::new()),
             epoll,
             stop,
             listener,
@@ -358,7 +281,7 @@ impl Server {
             side,
             conns: Mutex::new(std::collections::HashMap::new()),
             next_conn: AtomicU64::new(1),
-            borrowed: BorrowCount::default(),
+            budget,
             watchers: watchers.clone(),
         });
         let server =
@@ -459,6 +382,7 @@ impl ServerShared {
             // The caps come before any buffer or machine is spent: a
             // connection beyond them is closed at once.
             if self.conns.lock().len() >= self.limits.max_connections {
+                self.refused(&from.ip().to_string(), "max_connections");
                 continue;
             }
             let peer = Some(from.ip());
@@ -466,12 +390,18 @@ impl ServerShared {
                 let mut a = self.addresses.lock();
                 let n = a.entry(from.ip()).or_insert(0);
                 if *n >= self.limits.per_address {
+                    drop(a);
+                    self.refused(&from.ip().to_string(), "max_connections_per_address");
                     continue;
                 }
                 *n += 1;
             }
             tune(&stream, self.limits.window);
-            self.admit(stream.into(), peer);
+            let Ok(here) = stream.local_addr() else {
+                self.forget_address(from.ip());
+                continue;
+            };
+            self.admit(stream.into(), peer, ConnEnd::Tcp(here));
         }
         let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
         let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_MOD, self.listener.as_raw_fd(), oneshot, LISTENER);
@@ -495,17 +425,51 @@ impl ServerShared {
             };
             let mine = crate::transport::unix::peer_credentials(stream.as_raw_fd())
                 .is_ok_and(|c| c.uid == crate::transport::unix::my_uid());
-            if !mine || self.conns.lock().len() >= self.limits.max_connections {
+            if !mine {
                 continue;
             }
-            self.admit(stream.into(), None);
+            if self.conns.lock().len() >= self.limits.max_connections {
+                self.refused("the local socket", "max_connections");
+                continue;
+            }
+            self.admit(stream.into(), None, ConnEnd::Local);
         }
         let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
         let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_MOD, local.as_raw_fd(), oneshot, LOCAL);
     }
 
+    /// Makes room for one more connection that owes its handshake
+    /// (`max_unauthenticated_connections`, with a secret): the oldest such
+    /// connection is closed and counted. Connections that never
+    /// authenticate so never take the slots authenticated peers hold, and
+    /// a genuine handshake, done within a round trip, outlives a flood of
+    /// them unless the cap's worth of connections arrives meanwhile.
+    fn evict_an_unauthenticated(&self) {
+        let oldest = {
+            let pending = self.unauthenticated.lock();
+            if pending.len() < self.limits.unauthenticated {
+                return;
+            }
+            pending.front().copied()
+        };
+        let Some(id) = oldest else { return };
+        let from = self.conns.lock().get(&id).map(|c| c.peer);
+        self.close(id);
+        if let Some(peer) = from {
+            let from = peer.map_or_else(|| "the local socket".to_owned(), |ip| ip.to_string());
+            self.refused(&from, "max_unauthenticated_connections (its oldest handshake was closed)");
+        }
+    }
+
+    /// A connection from `from` was closed at accept: over the cap `why`.
+    fn refused(&self, from: &str, why: &str) {
+        if let Some(side) = self.side.upgrade() {
+            side.connection_refused(from, why);
+        }
+    }
+
     /// Serves an accepted connection (within the caps, already counted).
-    fn admit(&self, stream: Stream, peer: Option<std::net::IpAddr>) {
+    fn admit(&self, stream: Stream, peer: Option<std::net::IpAddr>, at: ConnEnd) {
         let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
         let fd = stream.as_raw_fd();
         let now = Instant::now();
@@ -513,13 +477,23 @@ impl ServerShared {
         // once (the initiator sends it on connect); without a secret a
         // fresh connection is just idle (a link's data connections
         // stay silent until they have work).
+        let owes_handshake = self.secret.is_some();
+        if owes_handshake {
+            self.evict_an_unauthenticated();
+            self.unauthenticated.lock().push_back(id);
+        }
         let served = Served {
-            m: ServerConn::new(self.borrowed.clone(), self.secret.clone(), peer.is_none()),
-            busy_since: self.secret.is_some().then_some(now),
+            m: ServerConn::new(self.budget.clone(), self.secret.clone(), at),
+            accepted: now,
+            owes_handshake,
+            watching: false,
+            busy_since: owes_handshake.then_some(now),
             frames_seen: 0,
             last: now,
         };
-        let conn = Arc::new(ServedConn { stream, peer, machine: Mutex::new(served) });
+        let counted = Charge::unlimited(&self.budget.counters, Counter::Connections, 1);
+        let conn =
+            Arc::new(ServedConn { stream: Arc::new(stream), peer, machine: Mutex::new(served), _counted: counted });
         self.conns.lock().insert(id, conn.clone());
         let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
         if conn.stream.set_nonblocking().is_err()
@@ -560,11 +534,21 @@ impl ServerShared {
         let now = Instant::now();
         let conns: Vec<(u64, Arc<ServedConn>)> = self.conns.lock().iter().map(|(i, c)| (*i, c.clone())).collect();
         let mut expired = Vec::new();
+        let mut handshakes = Vec::new();
         for (id, conn) in &conns {
             let Some(g) = conn.machine.try_lock() else { continue };
-            let late = match g.busy_since {
-                Some(since) => now.duration_since(since) > self.limits.allowance(g.m.work_bytes()),
-                None => self.limits.idle_timeout.is_some_and(|t| now.duration_since(g.last) > t),
+            let late = if g.owes_handshake {
+                // The whole handshake, from accept, within the frame bound.
+                let late = now.duration_since(g.accepted) > self.limits.frame_timeout;
+                if late {
+                    handshakes.push(conn.peer);
+                }
+                late
+            } else {
+                match g.busy_since {
+                    Some(since) => now.duration_since(since) > self.limits.allowance(g.m.work_bytes()),
+                    None => !g.watching && self.limits.idle_timeout.is_some_and(|t| now.duration_since(g.last) > t),
+                }
             };
             if late {
                 expired.push(*id);
@@ -573,6 +557,16 @@ impl ServerShared {
         drop(conns);
         for id in expired {
             self.close(id);
+        }
+        // Watchers that were behind get what they missed, if they read now.
+        if let Some(side) = self.side.upgrade() {
+            self.watchers.resync(side.registry_version(), &|since, budget| side.changes(since, budget));
+        }
+        if let Some(side) = self.side.upgrade() {
+            for peer in handshakes {
+                let from = peer.map_or_else(|| "the local socket".to_owned(), |ip| ip.to_string());
+                side.auth_failed(&from, "did not finish its handshake within server_frame_timeout_ms");
+            }
         }
         let resume = {
             let mut r = self.accept_resume.lock();
@@ -666,9 +660,14 @@ impl ServerShared {
             match m.received(r as usize, side.as_ref()) {
                 Ok(None) => {}
                 Ok(Some(Event::Subscribe { epoch, request, budget, since })) => {
-                    let served = conn.clone();
-                    let sub = Subscriber { conn: id, epoch, request, budget, served, pushed: Mutex::new(since) };
-                    self.watchers.subscribe(sub, side.registry_version(), &|since, budget| side.changes(since, budget));
+                    let socket = conn.stream.clone();
+                    let now = side.registry_version();
+                    let changes = |since, budget| side.changes(since, budget);
+                    match self.watchers.subscribe(id, conn.peer, (epoch, request, budget, since), socket, now, &changes)
+                    {
+                        Ok(()) => served.watching = true,
+                        Err(why) => m.refuse_request(request, wire::RemoteStatus::ResourceExhausted, &why),
+                    }
                 }
                 Err(Close::Unauthenticated) => {
                     // Say why (what fits the socket now), then close.
@@ -677,7 +676,7 @@ impl ServerShared {
                         unsafe { libc::writev(fd, out.as_ptr(), out.len().min(1024) as i32) };
                     }
                     let from = conn.peer.map_or_else(|| "the local socket".to_owned(), |ip| ip.to_string());
-                    side.auth_failed(&from);
+                    side.auth_failed(&from, m.refusal().unwrap_or("refused"));
                     break 0;
                 }
                 Err(Close::Malformed) => break 0, // malformed: close this connection only
@@ -693,8 +692,11 @@ impl ServerShared {
             served.frames_seen = served.m.frames();
             served.busy_since = Some(now);
         }
-        let owes_handshake = self.secret.is_some() && served.m.frames() == 0;
-        if served.m.is_idle() && !owes_handshake {
+        if served.owes_handshake && served.m.authenticated() {
+            served.owes_handshake = false;
+            self.unauthenticated.lock().retain(|c| *c != id);
+        }
+        if served.m.is_idle() && !served.owes_handshake {
             served.busy_since = None;
         } else if served.busy_since.is_none() {
             served.busy_since = Some(now);
@@ -710,17 +712,28 @@ impl ServerShared {
         }
     }
 
+    /// One connection from `ip` less.
+    fn forget_address(&self, ip: std::net::IpAddr) {
+        let mut a = self.addresses.lock();
+        if let Some(n) = a.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                a.remove(&ip);
+            }
+        }
+    }
+
     /// Closes connection `id`: its machine (and the loans of a request in
     /// progress), its subscription and its borrows end.
     fn close(&self, id: u64) {
         let Some(conn) = self.conns.lock().remove(&id) else { return };
         if let Some(ip) = conn.peer {
-            let mut a = self.addresses.lock();
-            if let Some(n) = a.get_mut(&ip) {
-                *n -= 1;
-                if *n == 0 {
-                    a.remove(&ip);
-                }
+            self.forget_address(ip);
+        }
+        {
+            let mut g = conn.machine.lock();
+            if std::mem::take(&mut g.owes_handshake) {
+                self.unauthenticated.lock().retain(|c| *c != id);
             }
         }
         let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_DEL, conn.stream.as_raw_fd(), 0, id);
@@ -737,7 +750,7 @@ mod tests {
     use super::*;
     use crate::registry::Registration;
     use crate::transport::sock::iov;
-    use crate::wire::{Limits, NotifyEnvelope, RemoteDesc, RemoteStatus, Request};
+    use crate::wire::{Kind, Limits, NotifyEnvelope, RemoteDesc, RemoteStatus, Request};
     use std::io::{Read, Write};
     use std::net::TcpStream;
 
@@ -807,8 +820,16 @@ mod tests {
     fn a_turn_that_ends_with_a_reply_pending_still_sends_it() {
         let mem: &'static mut [u8] = Box::leak(vec![0u8; LEN].into_boxed_slice());
         let side: Arc<dyn TargetSide> = Arc::new(Side { base: mem.as_mut_ptr() as usize });
-        let server =
-            Server::start_with("127.0.0.1:0", None, Arc::downgrade(&side), 1, ServerLimits::default(), None).unwrap();
+        let server = Server::start_with(
+            "127.0.0.1:0",
+            None,
+            Arc::downgrade(&side),
+            1,
+            ServerLimits::default(),
+            ServerBudget::default(),
+            None,
+        )
+        .unwrap();
         let mut s = TcpStream::connect(server.local_addr()).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let payload = vec![7u8; 256 << 10];

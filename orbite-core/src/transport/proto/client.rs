@@ -200,6 +200,20 @@ impl<J: CopyJob> ClientConn<J> {
         self.out_iovs[self.out_first.min(self.out_iovs.len())..].iter().map(|v| v.iov_len as u64).sum()
     }
 
+    /// Puts a keepalive on the wire if the connection is idle (nothing
+    /// outstanding, nothing being sent): true if it did. It has no reply.
+    pub fn keepalive(&mut self) -> bool {
+        if !self.inflight.is_empty() || self.out_first < self.out_iovs.len() {
+            return false;
+        }
+        self.out.clear();
+        self.out.extend_from_slice(&wire::encode_header(&wire::header(Kind::Keepalive, 0, 0, 0)));
+        self.out_iovs.clear();
+        self.out_iovs.push(iov(self.out.as_ptr() as u64, self.out.len() as u64));
+        self.out_first = 0;
+        true
+    }
+
     /// What to send next; `None`: the last request is all out.
     pub fn send_buf(&mut self) -> Option<&mut [libc::iovec]> {
         (self.out_first < self.out_iovs.len()).then(|| &mut self.out_iovs[self.out_first..])
@@ -275,7 +289,7 @@ impl<J: CopyJob> ClientConn<J> {
                 let planned = j.planned();
                 let op = j.program().op;
                 let report = match (op, h.kind) {
-                    (_, Kind::Error) => match wire::decode_error(&self.frame.body) {
+                    (_, Kind::Error) => match wire::decode_error(self.frame.body()) {
                         // The target validates everything before any byte moves.
                         Ok(_) => TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: false } },
                         Err(e) => {
@@ -307,8 +321,8 @@ impl<J: CopyJob> ClientConn<J> {
             }
             PeerJob::Control(n) => {
                 let result = match h.kind {
-                    k if k == n.expected_reply() && h.data_len == 0 => Ok(std::mem::take(&mut self.frame.body)),
-                    Kind::Error => match wire::decode_error(&self.frame.body) {
+                    k if k == n.expected_reply() && h.data_len == 0 => Ok(self.frame.take_body()),
+                    Kind::Error => match wire::decode_error(self.frame.body()) {
                         Ok((status, detail)) => Err(PeerFailure::Refused(status, detail)),
                         Err(e) => {
                             self.inflight.push_front((PeerJob::Control(n), id));

@@ -17,10 +17,13 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+
+use crate::charge::{Charge, Counter, Counters};
+use crate::transport::framebuf::{BufferBudget, FrameBuf};
+use crate::types::Resource;
 
 use crate::registry::Registration;
-use crate::transport::auth::{Handshake, Secret};
+use crate::transport::auth::{Responder, ResponderSelf, Secret};
 use crate::transport::proto::FrameIn;
 use crate::transport::sock::{advance, iov};
 use crate::wire::{self, Header, Kind, Limits, NotifyEnvelope, RemoteStatus, Request, WireError};
@@ -87,8 +90,25 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
     /// Test hook: blocks while remote requests are held (after their loans
     /// were taken, before any byte moves).
     fn remote_gate(&self) {}
-    /// A connection from `from` did not authenticate (it was refused).
-    fn auth_failed(&self, _from: &str) {}
+    /// What this engine answers to as a responder of the authentication
+    /// handshake, on a connection whose end here is `at`.
+    fn responder(&self, at: ConnEnd) -> ResponderSelf {
+        ResponderSelf {
+            epoch: self.epoch(),
+            advertised: None,
+            local_socket: None,
+            reached_at: match at {
+                ConnEnd::Tcp(a) => Some(a),
+                ConnEnd::Local => None,
+            },
+        }
+    }
+    /// A connection from `from` did not authenticate (it was refused:
+    /// `why`).
+    fn auth_failed(&self, _from: &str, _why: &str) {}
+    /// A connection from `from` was closed at accept: it would exceed the
+    /// cap `why` (a configuration field's name).
+    fn connection_refused(&self, _from: &str, _why: &str) {}
     /// What borrowers may make this target hold.
     fn borrow_limits(&self) -> BorrowLimits {
         BorrowLimits { per_connection: 4096, registrations_per_borrow: 1024 }
@@ -119,13 +139,45 @@ pub(crate) struct BorrowLimits {
     pub registrations_per_borrow: usize,
 }
 
-/// Borrows held by every connection of one server (each connection holds
-/// its own, keyed by id: only the borrower returns a borrow, and a
-/// connection's borrows end with it).
-pub(crate) type BorrowCount = Arc<std::sync::atomic::AtomicUsize>;
+/// What the listener's connections may make this engine hold, all of them
+/// together, and where it is counted: frame and reply buffers, borrows and
+/// their bookkeeping. (Each connection holds its own borrows, keyed by id:
+/// only the borrower returns a borrow, and a connection's borrows end with
+/// it.)
+#[derive(Debug, Clone)]
+pub(crate) struct ServerBudget {
+    pub counters: Arc<Counters>,
+    /// `max_frame_buffer_bytes`.
+    pub frame_buffer_bytes: u64,
+    /// `max_borrows`.
+    pub borrows: u64,
+    /// `max_borrow_bytes`.
+    pub borrow_bytes: u64,
+}
 
-/// Most borrows one server holds at once, all connections together.
-pub(crate) const MAX_BORROWS: usize = 65_536;
+impl Default for ServerBudget {
+    fn default() -> Self {
+        ServerBudget {
+            counters: Arc::default(),
+            frame_buffer_bytes: 256 << 20,
+            borrows: 65_536,
+            borrow_bytes: 64 << 20,
+        }
+    }
+}
+
+impl ServerBudget {
+    fn buffers(&self) -> BufferBudget {
+        BufferBudget { counters: self.counters.clone(), limit: self.frame_buffer_bytes }
+    }
+}
+
+/// Bytes a borrow's bookkeeping costs besides a pointer per registration
+/// (its entry in the connection's table, its vector).
+pub(crate) const BORROW_OVERHEAD: u64 = 64;
+
+/// I/O vectors a connection keeps between exchanges.
+const RESTING_IOVS: usize = 256;
 
 /// Most bytes of changes pushed at once; a watcher further behind gets the
 /// first part and asks for the rest.
@@ -133,6 +185,15 @@ pub(crate) const PUSH_BUDGET: usize = 64 << 10;
 
 /// Bytes of a Changed frame besides its delta.
 pub(crate) const CHANGED_OVERHEAD: usize = 16;
+
+/// Where a connection came in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ConnEnd {
+    /// Over tcp, at this local address (`getsockname`).
+    Tcp(std::net::SocketAddr),
+    /// Over the local socket (only this user's processes reach it).
+    Local,
+}
 
 /// Why a connection must close.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,9 +212,11 @@ enum Auth {
     /// The first frame must be an AuthHello.
     Hello(Arc<Secret>),
     /// The challenge went out; the next frame must be the AuthProof.
-    Proof(Arc<Secret>, Handshake),
+    Proof(Box<Responder>),
     /// Authenticated.
     Done,
+    /// The handshake was refused: the connection closes.
+    Refused,
 }
 
 impl From<WireError> for Close {
@@ -192,7 +255,7 @@ pub(crate) struct ServerConn {
     /// Range loans of the request being served (landing or sending).
     loans: Vec<Arc<Registration>>,
     /// Outgoing: the reply's header and body.
-    out: Vec<u8>,
+    out: FrameBuf,
     /// Outgoing: what remains to send (into `out`, or registered memory).
     out_iovs: Vec<libc::iovec>,
     out_first: usize,
@@ -203,26 +266,22 @@ pub(crate) struct ServerConn {
     /// A READ reply's staging buffer, until every byte is out.
     out_landing: Option<Box<dyn Landing>>,
     scratch: Vec<u8>,
-    /// Borrows this connection holds: id to the registrations it keeps.
-    borrows: HashMap<u64, Vec<Arc<Registration>>>,
+    /// Borrows this connection holds: id to the registrations it keeps,
+    /// and what they are charged.
+    borrows: HashMap<u64, (Vec<Arc<Registration>>, Charge)>,
     /// Frames received whole so far.
     frames: u64,
     /// Payload or reply bytes the exchange in progress moves.
     work: u64,
     auth: Auth,
-    /// The server's count of borrows.
-    borrowed: BorrowCount,
-    /// True on the local socket (only this user's processes reach it).
-    local: bool,
+    /// What all connections together may hold.
+    budget: ServerBudget,
+    /// Where the connection came in.
+    at: ConnEnd,
+    /// Why the handshake was refused, once it was.
+    refused: Option<String>,
     /// Descriptors to attach to the reply's first byte (`SCM_RIGHTS`).
     out_fds: Vec<std::os::fd::OwnedFd>,
-}
-
-impl Drop for ServerConn {
-    fn drop(&mut self) {
-        // The borrower is gone with its connection: its loans end.
-        self.borrowed.fetch_sub(self.borrows.len(), Ordering::AcqRel);
-    }
 }
 
 // SAFETY: the raw pointers in the iovecs point into buffers this value owns
@@ -233,28 +292,32 @@ unsafe impl Send for ServerConn {}
 /// Largest piece of a refused payload dropped per read.
 const DISCARD_CHUNK: usize = 64 * 1024;
 
+/// Why a frame or reply the buffer budget cannot take is refused.
+const BUFFERS_FULL: &str = "this engine's frame buffers are full (max_frame_buffer_bytes): try again";
+
 impl ServerConn {
     /// A machine for connection `conn` (an id unique in the server).
     /// With a `secret`, the connection must authenticate before anything
     /// else (and until it has, its frames are bounded to a few bytes).
-    /// `local`: the connection came over the local socket.
-    pub fn new(borrowed: BorrowCount, secret: Option<Arc<Secret>>, local: bool) -> Self {
+    /// `at`: where the connection came in.
+    pub fn new(budget: ServerBudget, secret: Option<Arc<Secret>>, at: ConnEnd) -> Self {
         ServerConn {
-            local,
+            at,
+            refused: None,
             out_fds: Vec::new(),
             auth: secret.map_or(Auth::Open, Auth::Hello),
             borrows: HashMap::new(),
             frames: 0,
             work: 0,
-            borrowed,
             input: Input::Frame,
-            frame: FrameIn::new(),
+            frame: FrameIn::with_budget(Some(budget.buffers())),
+            budget,
             discard: Vec::new(),
             in_iovs: Vec::new(),
             loans: Vec::new(),
             landing: None,
             out_landing: None,
-            out: Vec::new(),
+            out: FrameBuf::default(),
             out_iovs: Vec::new(),
             out_first: 0,
             out_loans: Vec::new(),
@@ -265,6 +328,22 @@ impl ServerConn {
     /// True between exchanges: no frame partly in, no reply partly out.
     pub fn is_idle(&self) -> bool {
         matches!(self.input, Input::Frame) && self.frame.is_empty() && self.out_first >= self.out_iovs.len()
+    }
+
+    /// True once the connection may send requests: authenticated, or no
+    /// secret is needed.
+    pub fn authenticated(&self) -> bool {
+        matches!(self.auth, Auth::Open | Auth::Done)
+    }
+
+    /// Why the handshake was refused (after [`Close::Unauthenticated`]).
+    pub fn refusal(&self) -> Option<&str> {
+        self.refused.as_deref()
+    }
+
+    /// True on the local socket.
+    fn local(&self) -> bool {
+        self.at == ConnEnd::Local
     }
 
     /// Frames received whole so far.
@@ -302,7 +381,11 @@ impl ServerConn {
     pub fn received(&mut self, n: usize, side: &dyn TargetSide) -> Result<Option<Event>, Close> {
         match &mut self.input {
             Input::Frame => match self.frame.received(n, self.frame_limits(side))? {
-                Some(h) => self.on_frame(h, side),
+                Some(h) => {
+                    let event = self.on_frame(h, side);
+                    self.frame.release(); // the body was used
+                    event
+                }
                 None => Ok(None),
             },
             Input::Payload { h, first } => {
@@ -353,16 +436,35 @@ impl ServerConn {
         if self.out_first >= self.out_iovs.len() {
             self.out_landing = None; // its staging buffer goes back
             self.out_loans.clear(); // a READ's bytes are out: its loans end
+            self.rest();
+        }
+    }
+
+    /// The exchange is over: buffers go back to their resting size (what
+    /// an idle connection holds is a few KiB, whatever it carried).
+    fn rest(&mut self) {
+        self.out.release();
+        for v in [&mut self.in_iovs, &mut self.out_iovs] {
+            if v.capacity() > RESTING_IOVS {
+                *v = Vec::new();
+            }
+        }
+        self.out_iovs.clear();
+        self.out_first = 0;
+        if !matches!(self.input, Input::Discard { .. }) {
+            self.discard = Vec::new();
         }
     }
 
     fn reply(&mut self, kind: Kind, request: u64, body: &[u8]) {
-        let h = wire::header(kind, body.len(), 0, request);
-        self.out.clear();
-        self.out.extend_from_slice(&wire::encode_header(&h));
-        self.out.extend_from_slice(body);
+        let h = wire::encode_header(&wire::header(kind, body.len(), 0, request));
+        if self.out.set(&[&h, body], Some(&self.budget.buffers())).is_err() {
+            // A reply the buffer budget cannot take: a short refusal instead.
+            return self.error(request, RemoteStatus::ResourceExhausted, BUFFERS_FULL);
+        }
         self.out_iovs.clear();
-        self.out_iovs.push(iov(self.out.as_ptr() as u64, self.out.len() as u64));
+        let out = self.out.as_slice();
+        self.out_iovs.push(iov(out.as_ptr() as u64, out.len() as u64));
         self.out_first = 0;
     }
 
@@ -371,6 +473,13 @@ impl ServerConn {
         wire::encode_error(&mut body, status, detail);
         self.reply(Kind::Error, request, &body);
         self.scratch = body;
+    }
+
+    /// Refuses request `request` (the driver could not do what the
+    /// machine asked for it, such as a subscription beyond a cap): a typed
+    /// error reply.
+    pub fn refuse_request(&mut self, request: u64, status: RemoteStatus, detail: &str) {
+        self.error(request, status, detail);
     }
 
     fn epoch_mismatch(&mut self, request: u64, side: &dyn TargetSide) {
@@ -400,12 +509,23 @@ impl ServerConn {
                 format!("a connection may hold {} borrows", limits.per_connection),
             ));
         }
-        if self.borrowed.fetch_add(1, Ordering::AcqRel) >= MAX_BORROWS {
-            self.borrowed.fetch_sub(1, Ordering::AcqRel);
-            return Some((RemoteStatus::ResourceExhausted, "too many borrows".to_owned()));
-        }
+        // Charged, count and bookkeeping bytes, to what all borrowers of
+        // this engine may hold together.
+        let bytes = (loans.len() * size_of::<Arc<Registration>>()) as u64 + BORROW_OVERHEAD;
+        let b = &self.budget;
+        let charge = Charge::try_new(
+            &b.counters,
+            [
+                (Counter::Borrows, 1, Some((Resource::Borrows, b.borrows))),
+                (Counter::BorrowBytes, bytes, Some((Resource::BorrowBytes, b.borrow_bytes))),
+            ],
+        );
+        let charge = match charge {
+            Ok(c) => c,
+            Err(e) => return Some((RemoteStatus::ResourceExhausted, e.to_string())),
+        };
         loans.shrink_to_fit();
-        self.borrows.insert(id, loans);
+        self.borrows.insert(id, (loans, charge));
         None
     }
 
@@ -413,7 +533,7 @@ impl ServerConn {
     /// authenticated, so an unauthenticated peer costs one bounded frame.
     fn frame_limits(&self, side: &dyn TargetSide) -> Limits {
         match self.auth {
-            Auth::Hello(_) | Auth::Proof(..) => Limits { max_body: wire::AUTH_MAX_BODY, max_data: 0 },
+            Auth::Hello(_) | Auth::Proof(..) | Auth::Refused => Limits { max_body: wire::AUTH_MAX_BODY, max_data: 0 },
             Auth::Open | Auth::Done => side.limits(),
         }
     }
@@ -432,52 +552,84 @@ impl ServerConn {
                 Ok(false)
             }
             Auth::Done => Ok(false),
+            Auth::Refused => {
+                self.auth = Auth::Refused;
+                Err(Close::Unauthenticated)
+            }
             Auth::Hello(secret) => {
                 let hello = if h.kind == Kind::AuthHello && h.data_len == 0 {
-                    wire::decode_auth_hello(&self.frame.body)
+                    wire::AuthHello::decode(self.frame.body()).ok()
                 } else {
-                    Err(WireError::Malformed("auth hello"))
+                    None
                 };
-                let Ok((nonce_i, epoch_i)) = hello else {
-                    self.error(h.request, RemoteStatus::Unauthenticated, "authenticate first");
-                    return Err(Close::Unauthenticated);
+                let Some(hello) = hello else {
+                    let why = match h.kind {
+                        Kind::AuthHello => "authenticate first: a hello of authentication v2 (wire minor 2)",
+                        _ => "authenticate first",
+                    };
+                    return self.refuse(h.request, why.to_owned());
                 };
-                let hs =
-                    Handshake { nonce_i, nonce_t: crate::transport::auth::nonce(), epoch_i, epoch_t: side.epoch() };
-                let mut body = Vec::new();
-                wire::encode_auth_challenge(&mut body, &hs.nonce_t, hs.epoch_t, &secret.target_proof(&hs));
-                self.reply(Kind::AuthChallenge, h.request, &body);
-                self.auth = Auth::Proof(secret, hs);
-                Ok(true)
-            }
-            Auth::Proof(secret, hs) => {
-                let proven = h.kind == Kind::AuthProof
-                    && h.data_len == 0
-                    && wire::decode_auth_proof(&self.frame.body).is_ok_and(|mac| secret.check_initiator(&hs, &mac));
-                if !proven {
-                    self.error(
-                        h.request,
-                        RemoteStatus::Unauthenticated,
-                        "the proof does not match this engine's secret",
-                    );
-                    return Err(Close::Unauthenticated);
+                let me = side.responder(self.at);
+                match Responder::on_hello(secret, &me, hello, crate::transport::auth::nonce()) {
+                    Ok((responder, challenge)) => {
+                        let mut body = std::mem::take(&mut self.scratch);
+                        challenge.encode(&mut body);
+                        self.reply(Kind::AuthChallenge, h.request, &body);
+                        self.scratch = body;
+                        self.auth = Auth::Proof(Box::new(responder));
+                        Ok(true)
+                    }
+                    Err(why) => self.refuse(h.request, why.to_string()),
                 }
-                self.reply(Kind::AuthOk, h.request, &[]);
-                Ok(true)
+            }
+            Auth::Proof(responder) => {
+                let proven = match h.kind {
+                    Kind::AuthProof if h.data_len == 0 => {
+                        responder.on_proof(self.frame.body()).map_err(|e| e.to_string())
+                    }
+                    _ => Err("the proof does not match this engine's secret".to_owned()),
+                };
+                match proven {
+                    Ok(_) => {
+                        self.reply(Kind::AuthOk, h.request, &[]);
+                        Ok(true)
+                    }
+                    Err(why) => self.refuse(h.request, why),
+                }
             }
         }
+    }
+
+    /// Refuses the handshake: an error frame saying `why`, then the
+    /// connection closes.
+    fn refuse(&mut self, request: u64, why: String) -> Result<bool, Close> {
+        self.error(request, RemoteStatus::Unauthenticated, &why);
+        self.refused = Some(why);
+        self.auth = Auth::Refused;
+        Err(Close::Unauthenticated)
     }
 
     fn on_frame(&mut self, h: Header, side: &dyn TargetSide) -> Result<Option<Event>, Close> {
         self.input = Input::Frame;
         self.frames += 1;
         self.work = h.data_len as u64;
+        if self.frame.over_budget() {
+            // Its body was dropped: refused, and a WRITE's payload dropped
+            // too, so the stream stays in sync.
+            let (status, detail) = (RemoteStatus::ResourceExhausted, BUFFERS_FULL.to_owned());
+            if h.data_len > 0 {
+                self.input = Input::Discard { h, left: h.data_len as u64, status, detail };
+            } else {
+                self.error(h.request, status, &detail);
+            }
+            return Ok(None);
+        }
         if self.authenticate(h, side)? {
             return Ok(None);
         }
         match h.kind {
             Kind::Watch => {
-                let (epoch, since, max_reply) = wire::decode_watch(&self.frame.body)?;
+                let (epoch, since, max_reply) = wire::decode_watch(self.frame.body())?;
                 if h.data_len != 0 {
                     return Err(Close::Malformed);
                 }
@@ -495,7 +647,7 @@ impl ServerConn {
                 return Ok(Some(Event::Subscribe { epoch, request: h.request, budget, since }));
             }
             Kind::Borrow => {
-                let (borrow_id, req) = wire::decode_borrow(&self.frame.body)?;
+                let (borrow_id, req) = wire::decode_borrow(self.frame.body())?;
                 if h.data_len != 0 {
                     return Err(Close::Malformed);
                 }
@@ -504,7 +656,7 @@ impl ServerConn {
                 let mut iovs = Vec::new();
                 let refusal = if req.target_epoch != side.epoch() {
                     Some((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
-                } else if device && !self.local {
+                } else if device && !self.local() {
                     Some((RemoteStatus::PermissionDenied, "device memory is lent on the local socket only".into()))
                 } else if device {
                     side.lend_device(&req, write, &mut self.loans).err()
@@ -519,16 +671,14 @@ impl ServerConn {
                 }
             }
             Kind::Return => {
-                let borrow_id = wire::decode_return(&self.frame.body)?;
+                let borrow_id = wire::decode_return(self.frame.body())?;
                 // Only this connection's own borrows: another connection
                 // cannot end them.
-                if self.borrows.remove(&borrow_id).is_some() {
-                    self.borrowed.fetch_sub(1, Ordering::AcqRel);
-                }
+                self.borrows.remove(&borrow_id); // its charge ends with it
                 self.reply(Kind::ReturnAck, h.request, &[]);
             }
             Kind::DescribeSince => {
-                let d = wire::decode_describe_since(&self.frame.body)?;
+                let d = wire::decode_describe_since(self.frame.body())?;
                 if h.data_len != 0 {
                     return Err(Close::Malformed);
                 }
@@ -544,11 +694,11 @@ impl ServerConn {
                 }
             }
             Kind::ShareFds => {
-                let names = wire::decode_share_fds(&self.frame.body)?;
+                let names = wire::decode_share_fds(self.frame.body())?;
                 if h.data_len != 0 {
                     return Err(Close::Malformed);
                 }
-                if !self.local {
+                if !self.local() {
                     self.error(h.request, RemoteStatus::Other, "shared memory is handed over on the local socket only");
                     return Ok(None);
                 }
@@ -559,11 +709,11 @@ impl ServerConn {
                 self.out_fds = fds.into_iter().flatten().collect();
             }
             Kind::IpcHandles => {
-                let (epoch, ids) = wire::decode_ipc_handles(&self.frame.body)?;
+                let (epoch, ids) = wire::decode_ipc_handles(self.frame.body())?;
                 if h.data_len != 0 {
                     return Err(Close::Malformed);
                 }
-                if !self.local {
+                if !self.local() {
                     self.error(h.request, RemoteStatus::PermissionDenied, "IPC handles go to the local socket only");
                 } else if epoch != side.epoch() {
                     self.epoch_mismatch(h.request, side);
@@ -575,8 +725,14 @@ impl ServerConn {
                     self.out_fds = fds;
                 }
             }
+            Kind::Keepalive => {
+                // The peer is alive (the driver's clock saw the bytes).
+                if h.body_len != 0 || h.data_len != 0 {
+                    return Err(Close::Malformed);
+                }
+            }
             Kind::Describe => {
-                wire::decode_describe(&self.frame.body)?;
+                wire::decode_describe(self.frame.body())?;
                 if h.data_len != 0 {
                     return Err(Close::Malformed);
                 }
@@ -585,7 +741,7 @@ impl ServerConn {
             }
             Kind::Write | Kind::Read => {
                 let write = h.kind == Kind::Write;
-                let req = Request::decode(&self.frame.body)?;
+                let req = Request::decode(self.frame.body())?;
                 let total = req.total_len().ok_or(Close::Malformed)?;
                 self.work = total;
                 // A WRITE's payload length must match its descriptors, or the
@@ -628,15 +784,11 @@ impl ServerConn {
                         self.input = Input::Payload { h, first: 0 };
                     }
                 } else {
-                    self.out.clear();
-                    self.out.extend_from_slice(&wire::encode_header(&wire::header(
-                        Kind::ReadReply,
-                        0,
-                        total,
-                        h.request,
-                    )));
+                    let head = wire::encode_header(&wire::header(Kind::ReadReply, 0, total, h.request));
+                    let _ = self.out.set(&[&head], None); // a header: never charged
                     self.out_iovs.clear();
-                    self.out_iovs.push(iov(self.out.as_ptr() as u64, self.out.len() as u64));
+                    let out = self.out.as_slice();
+                    self.out_iovs.push(iov(out.as_ptr() as u64, out.len() as u64));
                     self.out_iovs.extend(iovs.iter().copied());
                     self.out_first = 0;
                     self.out_loans.clear();
@@ -646,7 +798,7 @@ impl ServerConn {
                 }
             }
             Kind::Notify => {
-                let env = wire::decode_notify(&self.frame.body)?;
+                let env = wire::decode_notify(self.frame.body())?;
                 if h.data_len != 0 {
                     return Err(Close::Malformed);
                 }
@@ -910,7 +1062,7 @@ mod tests {
     fn run(frames: &[Frame], cuts: &[usize]) -> (Vec<Expect>, [[u8; 256]; 2]) {
         let side = FakeSide { mem: UnsafeCell::new([[0u8; 256]; 2]) };
         let input: Vec<u8> = frames.iter().enumerate().flat_map(|(i, f)| encode(f, i as u64 + 1)).collect();
-        let mut m = ServerConn::new(Default::default(), None, false);
+        let mut m = ServerConn::new(Default::default(), None, ConnEnd::Local);
         let (mut pos, mut out, mut closed) = (0usize, Vec::new(), false);
         let mut cut = cuts.iter().cycle();
         loop {

@@ -1,0 +1,228 @@
+//! Initiators subscribed to this engine's registration changes, each on a
+//! watch connection of its own: every change is pushed to each of them as
+//! it happens, as what changed since the last push that went out.
+//!
+//! A push never blocks, and a watcher that does not read costs the
+//! registering caller almost nothing: once its socket is full it is
+//! *behind*, and a change then costs that caller one flag check for it (no
+//! system call, no copy). The server's sweep tries a behind watcher again
+//! (a frame half sent is finished first), pushing everything since the
+//! last version it took, so it resynchronises once it reads again. What a
+//! watcher leaves unsent is bounded: its socket's send buffer (set to
+//! [`PUSH_BUDGET`] at subscription) plus at most one frame. Watchers are
+//! capped in total and per peer address.
+
+use std::net::IpAddr;
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use parking_lot::Mutex;
+
+use crate::charge::{Charge, Counter, Counters};
+use crate::transport::proto::server::PUSH_BUDGET;
+use crate::transport::sock::Stream;
+use crate::wire::{self, Kind};
+
+/// The changes after a registry version, in at most a budget of encoded
+/// bytes (what the target side computes for a subscriber).
+pub(crate) type ChangesSince<'a> = &'a dyn Fn(u64, usize) -> crate::segment::Delta;
+
+/// How many watchers may subscribe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WatcherLimits {
+    /// All together (`max_watchers`).
+    pub total: usize,
+    /// From one peer address (`max_watchers_per_address`; the local socket
+    /// counts as one address).
+    pub per_address: usize,
+}
+
+/// One subscribed watch connection.
+pub(crate) struct Subscriber {
+    /// The server's id of the connection.
+    pub conn: u64,
+    /// The peer's address (`None`: the local socket).
+    pub peer: Option<IpAddr>,
+    pub epoch: u64,
+    pub request: u64,
+    /// Largest delta to push (what the watcher accepts, at most
+    /// [`PUSH_BUDGET`]).
+    pub budget: usize,
+    /// The connection's socket (it stays open while this holds it, even
+    /// after the server closed the connection: a push then fails).
+    pub socket: Arc<Stream>,
+    push: Mutex<PushState>,
+    /// Its socket was full at the last push.
+    behind: AtomicBool,
+    /// Counted in `watchers` while it lives.
+    _counted: Charge,
+}
+
+/// What went out to one watcher. Its lock also keeps two pushes to one
+/// socket from interleaving.
+struct PushState {
+    /// The registry version pushed so far (a frame half sent counts: it
+    /// is finished before anything else goes out).
+    pushed: u64,
+    /// The frame being sent, and how much of it went out.
+    frame: Vec<u8>,
+    sent: usize,
+}
+
+impl Subscriber {
+    /// Pushes what changed since the last push, if the registry moved past
+    /// it (`now`); the first push (`first`) goes out even if nothing did:
+    /// it confirms the subscription. A frame half sent before is finished
+    /// first.
+    fn push(&self, now: u64, changes: ChangesSince<'_>, first: bool) {
+        let mut st = self.push.lock();
+        if !st.frame.is_empty() && !self.send_rest(&mut st) {
+            return;
+        }
+        if st.pushed >= now && !first {
+            return;
+        }
+        let delta = changes(st.pushed, self.budget);
+        if delta.version <= st.pushed && !first {
+            return;
+        }
+        let mut body = Vec::new();
+        wire::encode_changed(&mut body, self.epoch, st.pushed, &delta.to_bytes());
+        st.frame.extend_from_slice(&wire::encode_header(&wire::header(Kind::Changed, body.len(), 0, self.request)));
+        st.frame.extend_from_slice(&body);
+        st.sent = 0;
+        if self.send_rest(&mut st) || st.sent > 0 {
+            // Out, or committed: its rest goes before anything else.
+            st.pushed = delta.version;
+        } else {
+            // None of it went: it is made again, with what changed since.
+            st.frame.clear();
+        }
+    }
+
+    /// Sends what is left of the frame: true when all of it went out;
+    /// false when the socket is full (the watcher is then behind, and the
+    /// frame stays as it is).
+    fn send_rest(&self, st: &mut PushState) -> bool {
+        while st.sent < st.frame.len() {
+            let rest = &st.frame[st.sent..];
+            // SAFETY: a live buffer of `rest.len()` bytes.
+            let n = unsafe {
+                libc::send(
+                    self.socket.as_raw_fd(),
+                    rest.as_ptr().cast(),
+                    rest.len(),
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+            if n <= 0 {
+                if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                // Full, or gone: behind until the sweep finds room.
+                self.behind.store(true, Ordering::Release);
+                return false;
+            }
+            st.sent += n as usize;
+        }
+        st.frame.clear();
+        if st.frame.capacity() > PUSH_BUDGET {
+            st.frame.shrink_to(PUSH_BUDGET);
+        }
+        st.sent = 0;
+        self.behind.store(false, Ordering::Release);
+        true
+    }
+}
+
+/// Every subscribed watcher of one server.
+pub(crate) struct Watchers {
+    /// A snapshot the registering caller walks without holding a lock;
+    /// replaced whole when a watcher comes or goes.
+    subs: Mutex<Arc<Vec<Arc<Subscriber>>>>,
+    limits: WatcherLimits,
+    counters: Arc<Counters>,
+}
+
+impl Watchers {
+    pub fn new(limits: WatcherLimits, counters: Arc<Counters>) -> Self {
+        Watchers { subs: Mutex::new(Arc::default()), limits, counters }
+    }
+
+    /// Subscribes watch connection `conn` of `peer` on `socket` and brings
+    /// it up to date; `Err(why)` when a cap is full (nothing changed).
+    #[allow(clippy::too_many_arguments, reason = "one subscription's fields")]
+    pub fn subscribe(
+        &self,
+        conn: u64,
+        peer: Option<IpAddr>,
+        (epoch, request, budget, since): (u64, u64, usize, u64),
+        socket: Arc<Stream>,
+        now: u64,
+        changes: ChangesSince<'_>,
+    ) -> Result<(), String> {
+        let sub = {
+            let mut subs = self.subs.lock();
+            let others = subs.iter().filter(|x| x.conn != conn);
+            if others.clone().count() >= self.limits.total {
+                return Err(format!("this engine has {} watchers (max_watchers)", self.limits.total));
+            }
+            if others.filter(|x| x.peer == peer).count() >= self.limits.per_address {
+                let n = self.limits.per_address;
+                return Err(format!("{n} watchers from one address (max_watchers_per_address)"));
+            }
+            // What the watcher leaves unsent stays in its socket, bounded.
+            crate::transport::sock::set_send_buffer(&socket, PUSH_BUDGET);
+            let sub = Arc::new(Subscriber {
+                conn,
+                peer,
+                epoch,
+                request,
+                budget,
+                socket,
+                push: Mutex::new(PushState { pushed: since, frame: Vec::new(), sent: 0 }),
+                behind: AtomicBool::new(false),
+                _counted: Charge::unlimited(&self.counters, Counter::Watchers, 1),
+            });
+            let mut next: Vec<Arc<Subscriber>> = subs.iter().filter(|x| x.conn != conn).cloned().collect();
+            next.push(sub.clone());
+            *subs = Arc::new(next);
+            sub
+        };
+        sub.push(now, changes, true);
+        Ok(())
+    }
+
+    /// The registry reached `version`: pushes what changed to every
+    /// subscriber that is not behind, with no lock of this table held.
+    pub fn changed(&self, version: u64, changes: ChangesSince<'_>) {
+        let subs = self.subs.lock().clone();
+        for sub in subs.iter() {
+            if !sub.behind.load(Ordering::Acquire) {
+                sub.push(version, changes, false);
+            }
+        }
+    }
+
+    /// The server's sweep: tries every watcher that is behind again.
+    pub fn resync(&self, version: u64, changes: ChangesSince<'_>) {
+        let subs = self.subs.lock().clone();
+        for sub in subs.iter().filter(|s| s.behind.load(Ordering::Acquire)) {
+            sub.push(version, changes, false);
+        }
+    }
+
+    /// Connection `conn` is gone.
+    pub fn forget(&self, conn: u64) {
+        let gone = {
+            let mut subs = self.subs.lock();
+            if !subs.iter().any(|x| x.conn == conn) {
+                return;
+            }
+            let next: Vec<Arc<Subscriber>> = subs.iter().filter(|x| x.conn != conn).cloned().collect();
+            std::mem::replace(&mut *subs, Arc::new(next))
+        };
+        drop(gone); // outside the lock
+    }
+}
