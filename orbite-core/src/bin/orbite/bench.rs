@@ -46,6 +46,8 @@ enum Workload {
     Sessions,
     /// Metadata refresh: importing registrations made after the exchange.
     Refresh,
+    /// Registration calls with watchers that never read, against none.
+    Watchers,
     /// 64 initiator processes writing into one target, against one.
     FanIn,
     /// The KV session service over gRPC against an echo RPC (feature grpc).
@@ -80,6 +82,7 @@ impl BenchArgs {
                 Workload::Idle,
                 Workload::Sessions,
                 Workload::Refresh,
+                Workload::Watchers,
                 Workload::FanIn,
             ],
             quick: false,
@@ -159,6 +162,7 @@ impl BenchArgs {
                             "idle" => Ok(Workload::Idle),
                             "sessions" => Ok(Workload::Sessions),
                             "refresh" => Ok(Workload::Refresh),
+                            "watchers" => Ok(Workload::Watchers),
                             "fan-in" | "fanin" => Ok(Workload::FanIn),
                             "rpc" => Ok(Workload::Rpc),
                             "vram" => Ok(Workload::Vram),
@@ -195,10 +199,9 @@ fn progress(msg: &str) {
 pub fn run(args: BenchArgs) -> Result<(), String> {
     let mut report = Report { json: args.json, rows: Vec::new() };
     let started = Instant::now();
-    let route_work = args
-        .workloads
-        .iter()
-        .any(|w| !matches!(w, Workload::Sessions | Workload::Refresh | Workload::FanIn | Workload::Rpc));
+    let route_work = args.workloads.iter().any(|w| {
+        !matches!(w, Workload::Sessions | Workload::Refresh | Workload::Watchers | Workload::FanIn | Workload::Rpc)
+    });
     for &route in args.routes.iter().filter(|_| route_work) {
         let config = args.config.clone();
         let mut rig = match route.policy() {
@@ -227,7 +230,7 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
                 }
                 Workload::Idle => idle(&mut rig, args.quick, &mut report)?,
                 Workload::Vram => vram_w1(&mut rig, &args.ops, args.quick, &mut report)?,
-                Workload::Sessions | Workload::Refresh | Workload::FanIn | Workload::Rpc => {}
+                Workload::Sessions | Workload::Refresh | Workload::Watchers | Workload::FanIn | Workload::Rpc => {}
             }
         }
         if let Some(probe) = rss {
@@ -259,6 +262,10 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
     if args.workloads.contains(&Workload::Refresh) {
         progress("refresh: importing 1 000 registrations made after the exchange, 10 000 at open");
         report.emit(crate::refresh::run(args.quick)?);
+    }
+    if args.workloads.contains(&Workload::Watchers) {
+        progress("watchers: 2 000 registrations and deregistrations with 200 watchers that never read, and none");
+        report.emit(crate::watchers::run(args.quick)?);
     }
     if args.workloads.contains(&Workload::FanIn) {
         progress("fan-in: 64 initiator processes writing 16 KiB blocks into one target, and one alone");

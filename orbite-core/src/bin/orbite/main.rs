@@ -17,6 +17,7 @@ mod rpc;
 #[cfg(feature = "grpc")]
 mod serve;
 mod sessions;
+mod watchers;
 
 use std::process::ExitCode;
 
@@ -29,8 +30,8 @@ commands:
                                 local,shm,cma,tcp); peer routes spawn their
                                 target as a child process on loopback
           --workload LIST       comma list of W1,W2,W3,idle,sessions,refresh,
-                                fan-in,rpc (default: all; rpc needs a build
-                                with --features grpc)
+                                watchers,fan-in,rpc (default: all; rpc needs
+                                a build with --features grpc)
           --quick               short run (under 30 s)
           --blocks LIST         W1 descriptor sizes in bytes, comma list
                                 (default 4 KiB, 16 KiB, 64 KiB, 1 MiB, 16 MiB)
