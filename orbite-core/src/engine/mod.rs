@@ -187,13 +187,11 @@ impl EngineInner {
         self.closed.load(Ordering::Acquire)
     }
 
-    /// Tells watching peers the registry's current version, with what
-    /// changed since each one's view.
+    /// Tells watching peers the registry changed: a server thread pushes
+    /// each what changed since its view (this call only wakes it).
     fn announce_registry(&self) {
         if let Some(w) = self.listener.watchers.get() {
-            use crate::transport::proto::server::TargetSide;
-            let version = self.registry.lock().version();
-            w.changed(version, &|since, budget| self.changes(since, budget));
+            w.changed();
         }
     }
 

@@ -208,6 +208,7 @@ const LISTENER: u64 = u64::MAX;
 const STOP: u64 = u64::MAX - 1;
 const TIMER: u64 = u64::MAX - 2;
 const LOCAL: u64 = u64::MAX - 3;
+const WATCHERS: u64 = u64::MAX - 4;
 
 /// Bytes one connection may move per turn before others get theirs.
 const TURN_BYTES: usize = 8 << 20;
@@ -264,7 +265,8 @@ impl Server {
         let timer =
             owned(unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_CLOEXEC | libc::TFD_NONBLOCK) })?;
         epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, timer.as_raw_fd(), oneshot, TIMER)?;
-        let watchers = Arc::new(Watchers::new(limits.watchers, budget.counters.clone()));
+        let watchers = Arc::new(Watchers::new(limits.watchers, budget.counters.clone())?);
+        epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, watchers.wake_fd().as_raw_fd(), oneshot, WATCHERS)?;
         let shared = Arc::new(ServerShared {
             turn: turn.max(1),
             limits,
@@ -357,10 +359,21 @@ impl ServerShared {
                     LISTENER => self.accept(),
                     LOCAL => self.accept_local(),
                     TIMER => self.sweep(),
+                    WATCHERS => self.push_round(),
                     id => self.serve(id),
                 }
             }
         }
+    }
+
+    /// A push round to the watchers, then re-arms their wake-up.
+    fn push_round(&self) {
+        if let Some(side) = self.side.upgrade() {
+            self.watchers.push_round(&|| side.registry_version(), &|since, budget| side.changes(since, budget));
+        }
+        let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
+        let fd = self.watchers.wake_fd().as_raw_fd();
+        let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_MOD, fd, oneshot, WATCHERS);
     }
 
     /// Accepts every waiting connection within the caps, then re-arms the

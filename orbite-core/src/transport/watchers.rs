@@ -2,20 +2,23 @@
 //! watch connection of its own: every change is pushed to each of them as
 //! it happens, as what changed since the last push that went out.
 //!
-//! A push never blocks, and a watcher that does not read costs the
-//! registering caller almost nothing: once its socket is full it is
-//! *behind*, and a change then costs that caller one flag check for it (no
-//! system call, no copy). The server's sweep tries a behind watcher again
-//! (a frame half sent is finished first), pushing everything since the
-//! last version it took, so it resynchronises once it reads again. What a
-//! watcher leaves unsent is bounded: its socket's send buffer (set to
-//! [`PUSH_BUDGET`] at subscription) plus at most one frame. Watchers are
-//! capped in total and per peer address.
+//! The registering caller does no push itself: a change marks the
+//! watchers dirty and, if they were not already, wakes a server thread (an
+//! eventfd write), which pushes to every watcher at once what changed
+//! since its last push, each delta encoded once per round for all the
+//! watchers at the same version. A push never blocks: a watcher whose
+//! socket is full is *behind*, skipped by those rounds (a flag check), and
+//! tried again by the server's sweep (a frame half sent is finished
+//! first), with everything since the last version it took, so it
+//! resynchronises once it reads again. What a watcher leaves unsent is
+//! bounded: its socket's send buffer (set to [`PUSH_BUDGET`] at
+//! subscription) plus at most one frame. Watchers are capped in total and
+//! per peer address.
 
 use std::net::IpAddr;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
@@ -75,7 +78,7 @@ impl Subscriber {
     /// it (`now`); the first push (`first`) goes out even if nothing did:
     /// it confirms the subscription. A frame half sent before is finished
     /// first.
-    fn push(&self, now: u64, changes: ChangesSince<'_>, first: bool) {
+    fn push(&self, now: u64, deltas: &mut Deltas<'_>, first: bool) {
         let mut st = self.push.lock();
         if !st.frame.is_empty() && !self.send_rest(&mut st) {
             return;
@@ -83,18 +86,18 @@ impl Subscriber {
         if st.pushed >= now && !first {
             return;
         }
-        let delta = changes(st.pushed, self.budget);
-        if delta.version <= st.pushed && !first {
+        let (version, delta) = deltas.after(st.pushed, self.budget);
+        if version <= st.pushed && !first {
             return;
         }
         let mut body = Vec::new();
-        wire::encode_changed(&mut body, self.epoch, st.pushed, &delta.to_bytes());
+        wire::encode_changed(&mut body, self.epoch, st.pushed, delta);
         st.frame.extend_from_slice(&wire::encode_header(&wire::header(Kind::Changed, body.len(), 0, self.request)));
         st.frame.extend_from_slice(&body);
         st.sent = 0;
         if self.send_rest(&mut st) || st.sent > 0 {
             // Out, or committed: its rest goes before anything else.
-            st.pushed = delta.version;
+            st.pushed = version;
         } else {
             // None of it went: it is made again, with what changed since.
             st.frame.clear();
@@ -136,23 +139,74 @@ impl Subscriber {
     }
 }
 
+/// The deltas of one round of pushes, each computed and encoded once for
+/// all the watchers at the same version (with the same budget).
+pub(crate) struct Deltas<'a> {
+    changes: ChangesSince<'a>,
+    made: Vec<Made>,
+}
+
+/// One delta of a round: (since, budget), then the version it brings and
+/// its encoding.
+type Made = ((u64, usize), (u64, Vec<u8>));
+
+impl<'a> Deltas<'a> {
+    pub fn new(changes: ChangesSince<'a>) -> Self {
+        Deltas { changes, made: Vec::new() }
+    }
+
+    /// What changed after `since` in at most `budget` bytes: the version it
+    /// brings, and the encoded delta.
+    fn after(&mut self, since: u64, budget: usize) -> (u64, &[u8]) {
+        let i = match self.made.iter().position(|(k, _)| *k == (since, budget)) {
+            Some(i) => i,
+            None => {
+                let d = (self.changes)(since, budget);
+                self.made.push(((since, budget), (d.version, d.to_bytes())));
+                self.made.len() - 1
+            }
+        };
+        let (version, bytes) = &self.made[i].1;
+        (*version, bytes)
+    }
+}
+
 /// Every subscribed watcher of one server.
 pub(crate) struct Watchers {
-    /// A snapshot the registering caller walks without holding a lock;
-    /// replaced whole when a watcher comes or goes.
+    /// A snapshot walked without holding a lock; replaced whole when a
+    /// watcher comes or goes.
     subs: Mutex<Arc<Vec<Arc<Subscriber>>>>,
+    /// How many there are (read by registering callers without the lock).
+    count: AtomicUsize,
+    /// A change waits to be pushed (a server thread was woken for it).
+    dirty: AtomicBool,
+    /// What wakes a server thread to push (in the server's epoll set).
+    wake: OwnedFd,
     limits: WatcherLimits,
     counters: Arc<Counters>,
 }
 
 impl Watchers {
-    pub fn new(limits: WatcherLimits, counters: Arc<Counters>) -> Self {
-        Watchers { subs: Mutex::new(Arc::default()), limits, counters }
+    pub fn new(limits: WatcherLimits, counters: Arc<Counters>) -> std::io::Result<Self> {
+        // SAFETY: a plain system call creating a descriptor.
+        let wake = crate::transport::sock::owned(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })?;
+        Ok(Watchers {
+            subs: Mutex::new(Arc::default()),
+            count: AtomicUsize::new(0),
+            dirty: AtomicBool::new(false),
+            wake,
+            limits,
+            counters,
+        })
+    }
+
+    /// The descriptor that becomes readable when a push round is due.
+    pub fn wake_fd(&self) -> &OwnedFd {
+        &self.wake
     }
 
     /// Subscribes watch connection `conn` of `peer` on `socket` and brings
     /// it up to date; `Err(why)` when a cap is full (nothing changed).
-    #[allow(clippy::too_many_arguments, reason = "one subscription's fields")]
     pub fn subscribe(
         &self,
         conn: u64,
@@ -187,29 +241,49 @@ impl Watchers {
             });
             let mut next: Vec<Arc<Subscriber>> = subs.iter().filter(|x| x.conn != conn).cloned().collect();
             next.push(sub.clone());
+            self.count.store(next.len(), Ordering::Release);
             *subs = Arc::new(next);
             sub
         };
-        sub.push(now, changes, true);
+        sub.push(now, &mut Deltas::new(changes), true);
         Ok(())
     }
 
-    /// The registry reached `version`: pushes what changed to every
-    /// subscriber that is not behind, with no lock of this table held.
-    pub fn changed(&self, version: u64, changes: ChangesSince<'_>) {
+    /// The registry changed (a registering caller): a push round is due.
+    /// Costs an atomic load with no watcher, an atomic swap while a round
+    /// is already due, else one eventfd write: never a push.
+    pub fn changed(&self) {
+        if self.count.load(Ordering::Acquire) == 0 || self.dirty.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let one = 1u64;
+        // SAFETY: writes 8 bytes of a live local to our own eventfd.
+        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    /// A server thread's push round (the wake fd was readable): every
+    /// watcher not behind gets what changed since its last push, up to the
+    /// registry's version (`version`, read once the round began: a change
+    /// after that wakes another round).
+    pub fn push_round(&self, version: &dyn Fn() -> u64, changes: ChangesSince<'_>) {
+        let mut v = 0u64;
+        // SAFETY: reads 8 bytes into a live local from our eventfd.
+        unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        self.dirty.store(false, Ordering::SeqCst);
+        let version = version();
         let subs = self.subs.lock().clone();
-        for sub in subs.iter() {
-            if !sub.behind.load(Ordering::Acquire) {
-                sub.push(version, changes, false);
-            }
+        let mut deltas = Deltas::new(changes);
+        for sub in subs.iter().filter(|s| !s.behind.load(Ordering::Acquire)) {
+            sub.push(version, &mut deltas, false);
         }
     }
 
     /// The server's sweep: tries every watcher that is behind again.
     pub fn resync(&self, version: u64, changes: ChangesSince<'_>) {
         let subs = self.subs.lock().clone();
+        let mut deltas = Deltas::new(changes);
         for sub in subs.iter().filter(|s| s.behind.load(Ordering::Acquire)) {
-            sub.push(version, changes, false);
+            sub.push(version, &mut deltas, false);
         }
     }
 
@@ -221,6 +295,7 @@ impl Watchers {
                 return;
             }
             let next: Vec<Arc<Subscriber>> = subs.iter().filter(|x| x.conn != conn).cloned().collect();
+            self.count.store(next.len(), Ordering::Release);
             std::mem::replace(&mut *subs, Arc::new(next))
         };
         drop(gone); // outside the lock
