@@ -347,6 +347,16 @@ def orbite_config_from_environment():
         del a
     finally:
         os.unlink(path)
+    # the advertised defaults passed back (as nixlbench passes every
+    # parameter getPluginParams returns) are no parameters: ORBITE_CONFIG
+    os.environ["ORBITE_CONFIG"] = json.dumps({"advertise": "node-8.example:7000"})
+    probe = nixl_agent("defaults-probe", nixl_agent_config(backends=[]))
+    defaults = dict(probe.get_plugin_params("ORBITE"))
+    del probe
+    check(defaults == {"config": "{}"}, f"advertised defaults: {defaults!r}")
+    a = make_agent("passed-back", config=defaults["config"])
+    check(conn_endpoint(a.get_agent_metadata()) == "node-8.example:7000", "ORBITE_CONFIG under advertised defaults")
+    del a
     # explicit parameters win over ORBITE_CONFIG, even an invalid one
     os.environ["ORBITE_CONFIG"] = '{"no_such_field": 1}'
     a = make_agent("explicit", config='{"listen": "127.0.0.1:0"}')
