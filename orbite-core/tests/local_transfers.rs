@@ -190,3 +190,48 @@ fn small_lone_transfer_is_copied_inside_post() {
     drop((a, b));
     assert_eq!(e.stats(), base);
 }
+
+/// A caller that polls (or waits on) its transfer copies the transfer's
+/// tasks queued next on its own thread: with one worker, a transfer of
+/// 256 tasks polled in a loop is moved partly by the caller, and bytes,
+/// statuses and charges are as if the workers alone had moved it.
+#[test]
+fn a_caller_that_polls_moves_its_own_transfer() {
+    let e = engine(r#"{"local_route_workers": 1, "task_bytes": 16384, "spin_us": 0}"#);
+    let base = e.stats();
+    let len = 4 << 20;
+    let a = region(&e, len, Permission::RemoteReadWrite);
+    let b = region(&e, len, Permission::RemoteReadWrite);
+    fill(&a.mem, 21);
+    for (round, op) in [Op::Write, Op::Read, Op::Write].into_iter().enumerate() {
+        fill(&b.mem, 100 + round as u64);
+        let before = (snapshot(&a.mem), snapshot(&b.mem));
+        let l = [Desc::new(a.id, 0, len as u64)];
+        let r = [Desc::new(b.id, 0, len as u64)];
+        let t = e.prepare(&spec(op, &l, &r)).unwrap();
+        assert_eq!(t.shape().1, 256, "256 tasks of 16 KiB");
+        let helped = e.route_helped();
+        t.post().unwrap();
+        let status = if round == 2 {
+            t.wait(WAIT) // a waiting caller helps too
+        } else {
+            loop {
+                match t.check() {
+                    TransferStatus::InProgress { .. } => {}
+                    s => break s,
+                }
+            }
+        };
+        let TransferStatus::Retired(res) = status else { panic!("{status:?}") };
+        assert!(res.outcome.is_success());
+        assert!(e.route_helped() > helped, "the caller copied none of its tasks");
+        let (src, dst) = if op == Op::Write { (&before.0, snapshot(&b.mem)) } else { (&before.1, snapshot(&a.mem)) };
+        assert_eq!(&dst, src, "{op:?}: every byte");
+        t.release().unwrap();
+    }
+    e.deregister(a.id).unwrap();
+    e.deregister(b.id).unwrap();
+    assert_idle(&e);
+    drop((a, b));
+    assert_eq!(e.stats(), base);
+}

@@ -984,6 +984,12 @@ impl TransferEngine {
         self.inner().route.busy()
     }
 
+    /// Route tasks the callers' own threads copied while they posted,
+    /// polled or waited (`Transfer::post`, `check`, `wait`), cumulative.
+    pub fn route_helped(&self) -> u64 {
+        self.inner().route.helped()
+    }
+
     /// Blocks until no execution is active, or `timeout` passes.
     pub fn wait_idle(&self, timeout: Duration) -> bool {
         self.inner().wait_idle(timeout)

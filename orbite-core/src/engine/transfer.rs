@@ -130,6 +130,18 @@ impl CopyJob for RouteTask {
         &self.transfer.plan.program
     }
 
+    fn owner(&self) -> usize {
+        Arc::as_ptr(&self.transfer) as usize
+    }
+
+    fn helpable(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.stage.is_some() {
+            return false;
+        }
+        !self.transfer.plan.program.kind.waits_for_device()
+    }
+
     fn task(&self) -> u32 {
         self.task
     }
@@ -378,8 +390,16 @@ impl Transfer {
         }
         if let Some(job) = inline {
             engine.route.run_inline(job);
+        } else {
+            // A caller that posts lends its thread for one task of its own.
+            engine.route.help(self.owner());
         }
         Ok(())
+    }
+
+    /// This transfer's identity on the routes ([`CopyJob::owner`]).
+    fn owner(&self) -> usize {
+        Arc::as_ptr(&self.shared) as usize
     }
 
     /// On a one-sided route, makes sure the peer keeps the target ranges
@@ -414,9 +434,14 @@ impl Transfer {
         self.shared.cell.lock().life.status()
     }
 
-    /// One bounded, non-blocking progress step, then the status.
+    /// One bounded, non-blocking progress step, then the status. A task of
+    /// this transfer queued next on a route of this process is copied by
+    /// the calling thread first (at most one, of at most `task_bytes`), so
+    /// a caller that polls in a loop moves its transfer instead of taking
+    /// a core from the workers that do.
     pub fn check(&self) -> TransferStatus {
         self.engine.progress_step();
+        self.engine.route.help(self.owner());
         self.status()
     }
 
@@ -434,6 +459,8 @@ impl Transfer {
         let mut spin = self.engine.config.spin();
         loop {
             self.engine.progress_step();
+            // The waiting thread copies this transfer's tasks queued next.
+            while self.engine.route.help(self.owner()) {}
             let seen = self.shared.retirements.load(Ordering::Acquire);
             let mut cell = self.shared.cell.lock();
             let status = cell.life.status();

@@ -38,6 +38,10 @@ pub(crate) struct RouteShared<J> {
     busy_ns: AtomicU64,
     /// Set while one idle worker polls.
     spinner: AtomicBool,
+    /// Callers copying a task of their own transfer right now.
+    helpers: AtomicUsize,
+    /// Tasks callers copied, cumulative.
+    helped: AtomicU64,
     spin: Duration,
     hooks: Option<Arc<dyn Hooks<J>>>,
 }
@@ -58,6 +62,8 @@ impl<J: CopyJob> LocalRoute<J> {
             pending: AtomicUsize::new(0),
             busy_ns: AtomicU64::new(0),
             spinner: AtomicBool::new(false),
+            helpers: AtomicUsize::new(0),
+            helped: AtomicU64::new(0),
             spin,
             hooks,
         });
@@ -117,6 +123,35 @@ impl<J: CopyJob> LocalRoute<J> {
         let directive = self.shared.directive(None);
         drop(q);
         start(&self.shared, job, directive);
+    }
+
+    /// A caller of transfer `owner` (see [`CopyJob::owner`]) lends its
+    /// thread: if the next task queued on the route is one of that
+    /// transfer's and the caller may copy it ([`CopyJob::helpable`]), it
+    /// runs here, now. At most one task; never waits for anything but the
+    /// queue lock, which no copy holds; tasks still start in the order the
+    /// route received them (a task of another transfer queued ahead is
+    /// left to the workers: intents were applied at admission). True if it
+    /// ran one.
+    pub fn help(&self, owner: usize) -> bool {
+        let mut q = self.shared.queue.lock();
+        if !q.jobs.front().is_some_and(|(j, _)| j.owner() == owner && j.helpable()) {
+            return false;
+        }
+        let Some((job, forced)) = q.jobs.pop_front() else { return false };
+        self.shared.pending.fetch_sub(1, Ordering::AcqRel);
+        let directive = self.shared.directive(forced);
+        drop(q);
+        self.shared.helpers.fetch_add(1, Ordering::AcqRel);
+        start(&self.shared, job, directive);
+        self.shared.helpers.fetch_sub(1, Ordering::AcqRel);
+        self.shared.helped.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Tasks callers copied ([`LocalRoute::help`]), cumulative.
+    pub fn helped(&self) -> u64 {
+        self.shared.helped.load(Ordering::Relaxed)
     }
 
     /// Cumulative time workers spent copying bytes.

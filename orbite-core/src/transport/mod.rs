@@ -364,6 +364,16 @@ pub(crate) trait CopyJob: Send + 'static {
     fn planned(&self) -> u64 {
         self.program().tasks[self.task() as usize].bytes
     }
+    /// Which transfer the task belongs to (an identity, for a caller that
+    /// helps move its own transfer; 0: none).
+    fn owner(&self) -> usize {
+        0
+    }
+    /// Whether the calling thread of its transfer may copy it (a copy of
+    /// this process that waits for nothing: no device, no staging).
+    fn helpable(&self) -> bool {
+        false
+    }
 }
 
 /// Copies the spans of a self-connection program in order, at most `limit`
