@@ -459,8 +459,9 @@ impl Transfer {
         let mut spin = self.engine.config.spin();
         loop {
             self.engine.progress_step();
-            // The waiting thread copies this transfer's tasks queued next.
-            while self.engine.route.help(self.owner()) {}
+            // The waiting thread copies this transfer's tasks queued next,
+            // on a core no worker is copying on.
+            while self.engine.route.help_on_a_free_core(self.owner()) {}
             let seen = self.shared.retirements.load(Ordering::Acquire);
             let mut cell = self.shared.cell.lock();
             let status = cell.life.status();

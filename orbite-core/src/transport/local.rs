@@ -40,6 +40,10 @@ pub(crate) struct RouteShared<J> {
     spinner: AtomicBool,
     /// Callers copying a task of their own transfer right now.
     helpers: AtomicUsize,
+    /// Threads copying a task right now (workers and helping callers).
+    copying: AtomicUsize,
+    /// The cores this process may run on.
+    cores: usize,
     /// Tasks callers copied, cumulative.
     helped: AtomicU64,
     spin: Duration,
@@ -63,6 +67,8 @@ impl<J: CopyJob> LocalRoute<J> {
             busy_ns: AtomicU64::new(0),
             spinner: AtomicBool::new(false),
             helpers: AtomicUsize::new(0),
+            copying: AtomicUsize::new(0),
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             helped: AtomicU64::new(0),
             spin,
             hooks,
@@ -134,6 +140,20 @@ impl<J: CopyJob> LocalRoute<J> {
     /// left to the workers: intents were applied at admission). True if it
     /// ran one.
     pub fn help(&self, owner: usize) -> bool {
+        self.help_with(owner, false)
+    }
+
+    /// [`LocalRoute::help`] for a caller that would otherwise sleep
+    /// (`wait`): only while fewer threads copy than this process has
+    /// cores, so that helping never takes a core from a worker.
+    pub fn help_on_a_free_core(&self, owner: usize) -> bool {
+        self.help_with(owner, true)
+    }
+
+    fn help_with(&self, owner: usize, free_core_only: bool) -> bool {
+        if free_core_only && self.shared.copying.load(Ordering::Acquire) >= self.shared.cores {
+            return false;
+        }
         let mut q = self.shared.queue.lock();
         if !q.jobs.front().is_some_and(|(j, _)| j.owner() == owner && j.helpable()) {
             return false;
@@ -212,7 +232,9 @@ fn start<J: CopyJob>(shared: &Arc<RouteShared<J>>, job: J, directive: Option<Fau
         }
     };
     let mut job = job;
+    shared.copying.fetch_add(1, Ordering::AcqRel);
     let (done, failed) = copy(&mut job, limit, &shared.busy_ns);
+    shared.copying.fetch_sub(1, Ordering::AcqRel);
     job.finish(TaskReport { planned, done, end: failed.unwrap_or(end) });
 }
 
