@@ -417,3 +417,74 @@ fn copy<J: CopyJob>(job: &mut J, limit: u64, busy_ns: &AtomicU64) -> (u64, Optio
     busy_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
     result
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::{CopyKind, CopyProgram, Span, TaskRange};
+    use crate::types::Op;
+
+    /// One task of 8 bytes from `src` to `dst` (this process), of transfer
+    /// `owner`; it records who ran it.
+    struct Job {
+        program: CopyProgram,
+        owner: usize,
+        helpable: bool,
+        ran: Arc<Mutex<Vec<usize>>>,
+    }
+
+    impl CopyJob for Job {
+        fn program(&self) -> &CopyProgram {
+            &self.program
+        }
+        fn task(&self) -> u32 {
+            0
+        }
+        fn finish(self, report: TaskReport) {
+            assert_eq!(report.done, 8);
+            self.ran.lock().push(self.owner);
+        }
+        fn owner(&self) -> usize {
+            self.owner
+        }
+        fn helpable(&self) -> bool {
+            self.helpable
+        }
+    }
+
+    #[test]
+    fn a_caller_helps_only_its_own_transfer_and_only_when_its_task_is_next() {
+        // No worker: only callers run tasks.
+        let route: LocalRoute<Job> = LocalRoute::start(0, Duration::ZERO, None).unwrap();
+        let src = [7u8; 8];
+        let dst: Vec<Box<[u8; 8]>> = (0..5).map(|_| Box::new([0u8; 8])).collect();
+        let ran = Arc::new(Mutex::new(Vec::new()));
+        let job = |owner: usize, helpable: bool, k: usize| Job {
+            program: CopyProgram {
+                op: Op::Write,
+                kind: CopyKind::Memory,
+                spans: vec![Span { local: src.as_ptr() as u64, remote: dst[k].as_ptr() as u64, remote_reg: 0, len: 8 }],
+                tasks: vec![TaskRange { first_span: 0, end_span: 1, bytes: 8 }],
+            },
+            owner,
+            helpable,
+            ran: ran.clone(),
+        };
+        // Queued in this order: A, A, B, A, then a task of A that only a
+        // worker may run (a device copy, say).
+        let (a, b) = (1, 2);
+        route.submit_all(vec![job(a, true, 0), job(a, true, 1), job(b, true, 2), job(a, true, 3), job(a, false, 4)]);
+        assert!(route.help(a) && route.help(a), "A's two tasks are next");
+        assert!(!route.help(a), "B's task is next: A's caller leaves it");
+        assert!(route.help_on_a_free_core(b), "no thread copies: B's waiter helps");
+        assert!(route.help(a));
+        assert!(!route.help(a), "a task a caller may not copy is left to the workers");
+        assert_eq!(*ran.lock(), vec![a, a, b, a]);
+        assert_eq!(route.helped(), 4);
+        assert!(dst[..4].iter().all(|d| **d == src) && *dst[4] == [0u8; 8]);
+        // The worker a route gets later takes what was left.
+        route.shared.queue.lock().jobs.clear();
+        route.shared.pending.store(0, Ordering::Release);
+        route.shutdown();
+    }
+}
