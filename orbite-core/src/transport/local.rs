@@ -151,6 +151,10 @@ impl<J: CopyJob> LocalRoute<J> {
     }
 
     fn help_with(&self, owner: usize, free_core_only: bool) -> bool {
+        // A caller polling in a loop with nothing queued takes no lock.
+        if self.shared.pending.load(Ordering::Acquire) == 0 {
+            return false;
+        }
         if free_core_only && self.shared.copying.load(Ordering::Acquire) >= self.shared.cores {
             return false;
         }

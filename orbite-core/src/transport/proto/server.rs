@@ -276,6 +276,9 @@ pub(crate) struct ServerConn {
     auth: Auth,
     /// What all connections together may hold.
     budget: ServerBudget,
+    /// Its part for frame and reply buffers (made once: replies are a hot
+    /// path).
+    buffers: BufferBudget,
     /// Where the connection came in.
     at: ConnEnd,
     /// Why the handshake was refused, once it was.
@@ -311,6 +314,7 @@ impl ServerConn {
             work: 0,
             input: Input::Frame,
             frame: FrameIn::with_budget(Some(budget.buffers())),
+            buffers: budget.buffers(),
             budget,
             discard: Vec::new(),
             in_iovs: Vec::new(),
@@ -458,7 +462,7 @@ impl ServerConn {
 
     fn reply(&mut self, kind: Kind, request: u64, body: &[u8]) {
         let h = wire::encode_header(&wire::header(kind, body.len(), 0, request));
-        if self.out.set(&[&h, body], Some(&self.budget.buffers())).is_err() {
+        if self.out.set(&[&h, body], Some(&self.buffers)).is_err() {
             // A reply the buffer budget cannot take: a short refusal instead.
             return self.error(request, RemoteStatus::ResourceExhausted, BUFFERS_FULL);
         }
