@@ -211,8 +211,16 @@ pub fn run(args: BenchArgs) -> Result<(), String> {
         progress(&format!("{} route: ready", rig.route));
         let mut limits = Limits::default();
         if route == Route::Tcp && args.workloads.iter().any(|w| matches!(w, Workload::W1 | Workload::W3)) {
-            limits.streams =
-                Some(stream_references(args.quick, rig.engine.config().connections_per_peer, &mut report)?);
+            // The regions W1 and W3 move: 64 MiB, and 64 x 4 MiB.
+            let mut regions = Vec::new();
+            if args.workloads.contains(&Workload::W1) {
+                regions.push(64 * MIB);
+            }
+            if args.workloads.contains(&Workload::W3) {
+                regions.push(W3_REGIONS * W3_REGION);
+            }
+            let n = rig.engine.config().connections_per_peer;
+            limits.streams = Some(stream_references(args.quick, n, &regions, &mut limits.regions, &mut report)?);
         }
         let rss = if args.workloads.contains(&Workload::W1) { Some(rss_probe(&mut rig)?) } else { None };
         for &w in &args.workloads {
@@ -290,8 +298,12 @@ fn err(e: impl std::fmt::Display) -> String {
 /// The limits a route's bulk rows are compared with, measured in the run.
 #[derive(Default)]
 struct Limits {
-    /// GB/s of one loopback stream and of N in parallel (tcp).
+    /// GB/s of one loopback stream and of N in parallel (tcp), each
+    /// reusing one cache-hot buffer.
     streams: Option<(f64, f64)>,
+    /// GB/s of N streams cycling through a region of distinct memory the
+    /// size of a workload's, by the region's size (tcp).
+    regions: Vec<(u64, f64)>,
 }
 
 /// GB/s of `samples` (seconds) each moving `bytes`.
@@ -390,10 +402,18 @@ impl CopyRefs {
         }
         let got = gbps(total, ours);
         match (route, limits.streams) {
-            ("tcp", Some((one, par))) => json!({
-                "limit": "socket-par", "limit_gbps": round(par, 3), "x_limit": ratio(got, par),
-                "x_stream": ratio(got, one),
-            }),
+            ("tcp", Some((one, par))) => {
+                let mut v = json!({
+                    "limit": "socket-par", "limit_gbps": round(par, 3), "x_limit": ratio(got, par),
+                    "x_stream": ratio(got, one),
+                });
+                // The same streams moving distinct memory as large as this
+                // workload's, which is what the route moves.
+                if let Some(&(_, region)) = limits.regions.iter().find(|(size, _)| *size == total) {
+                    extend(&mut v, json!({ "x_socket_par_region": ratio(got, region) }));
+                }
+                v
+            }
             _ => {
                 let mut v = json!({ "limit": "memcpy-mt", "limit_gbps": round(mt, 3), "x_limit": ratio(got, mt) });
                 if let Some(k) = cma_mt {
@@ -671,12 +691,20 @@ fn round(v: f64, digits: i32) -> f64 {
 }
 
 /// One loopback TCP stream and `n` in parallel (the connections a peer
-/// gets), 1 MiB writes, plain blocking I/O. Returns both GB/s.
-fn stream_references(quick: bool, n: u32, report: &mut Report) -> Result<(f64, f64), String> {
+/// gets), 1 MiB writes from one cache-hot buffer, plain blocking I/O; then
+/// the `n` streams through each of `regions` (bytes of distinct memory on
+/// each side), pushed onto `measured`. Returns the first two in GB/s.
+fn stream_references(
+    quick: bool,
+    n: u32,
+    regions: &[u64],
+    measured: &mut Vec<(u64, f64)>,
+    report: &mut Report,
+) -> Result<(f64, f64), String> {
     progress(&format!("socket references: one loopback TCP stream and {n} in parallel, 1 MiB writes"));
     let dur = if quick { Duration::from_millis(200) } else { Duration::from_secs(2) };
-    let (one, ok1) = limits::tcp_streams(1, dur)?;
-    let (par, okn) = limits::tcp_streams(n as usize, dur)?;
+    let (one, ok1) = limits::tcp_streams(1, dur, 0)?;
+    let (par, okn) = limits::tcp_streams(n as usize, dur, 0)?;
     // BBR paces a single loopback stream far below what CUBIC moves: the
     // rows say which one this run had.
     let congestion = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_congestion_control")
@@ -686,6 +714,17 @@ fn stream_references(quick: bool, n: u32, report: &mut Report) -> Result<(f64, f
             "system": "reference", "route": route, "workload": "W1-write", "block_bytes": MIB, "streams": streams,
             "gbps": round(bps / 1e9, 3), "verified": ok, "congestion_control": congestion,
         }));
+    }
+    for &region in regions {
+        progress(&format!("socket reference: {n} streams through {} MiB of distinct memory", region / MIB));
+        let (bps, ok) = limits::tcp_streams(n as usize, dur, region)?;
+        let workload = if region == 64 * MIB { "W1-write" } else { "W3-write" };
+        report.emit(json!({
+            "system": "reference", "route": "socket-par-region", "workload": workload, "block_bytes": MIB,
+            "streams": n, "region_bytes": region, "gbps": round(bps / 1e9, 3), "verified": ok,
+            "congestion_control": congestion,
+        }));
+        measured.push((region, bps / 1e9));
     }
     Ok((one / 1e9, par / 1e9))
 }

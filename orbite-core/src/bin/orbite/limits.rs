@@ -110,7 +110,15 @@ pub fn cma_threads(
 /// with blocking I/O for `dur`, each read by its own thread. Returns the
 /// bytes all receivers got per second (1e9 = 1 GB/s) and whether every
 /// byte sent arrived.
-pub fn tcp_streams(streams: usize, dur: Duration) -> Result<(f64, bool), String> {
+///
+/// With `region` 0 every stream sends one 1 MiB buffer over and over and
+/// reads into another, so both stay in cache: the most loopback TCP moves
+/// here. With `region` > 0 the streams share out `region` bytes of
+/// distinct memory on each side and cycle through their slices, as a
+/// route moving a workload of that size does: past the last-level cache
+/// the kernel's copies then go to memory.
+pub fn tcp_streams(streams: usize, dur: Duration, region: u64) -> Result<(f64, bool), String> {
+    let slice = (region / streams.max(1) as u64 / MIB).max(1) * MIB;
     let listener = TcpListener::bind("127.0.0.1:0").map_err(err)?;
     let addr = listener.local_addr().map_err(err)?;
     let mut senders = Vec::new();
@@ -120,14 +128,17 @@ pub fn tcp_streams(streams: usize, dur: Duration) -> Result<(f64, bool), String>
         let (s, _) = listener.accept().map_err(err)?;
         readers.push(std::thread::spawn(move || -> std::io::Result<(u64, Instant)> {
             let mut s = s;
-            let mut buf = vec![0u8; MIB as usize];
-            let mut got = 0u64;
+            // Touched up front, so that no page fault is timed.
+            let mut buf = vec![1u8; slice as usize];
+            let (mut got, mut at) = (0u64, 0usize);
             loop {
-                let n = s.read(&mut buf)?;
+                let end = (at + MIB as usize).min(buf.len());
+                let n = s.read(&mut buf[at..end])?;
                 if n == 0 {
                     return Ok((got, Instant::now()));
                 }
                 got += n as u64;
+                at = if at + n == buf.len() { 0 } else { at + n };
             }
         }));
         senders.push(c);
@@ -137,11 +148,12 @@ pub fn tcp_streams(streams: usize, dur: Duration) -> Result<(f64, bool), String>
         .into_iter()
         .map(|mut c| {
             std::thread::spawn(move || -> std::io::Result<u64> {
-                let buf = vec![0x5Au8; MIB as usize];
-                let mut sent = 0u64;
+                let buf = vec![0x5Au8; slice as usize];
+                let (mut sent, mut at) = (0u64, 0usize);
                 while start.elapsed() < dur {
-                    c.write_all(&buf)?;
+                    c.write_all(&buf[at..at + MIB as usize])?;
                     sent += MIB;
+                    at = (at + MIB as usize) % buf.len();
                 }
                 Ok(sent)
             })
