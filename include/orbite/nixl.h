@@ -18,7 +18,7 @@
  ABI minor: additive changes (new entry points, new feature bits, new
  record versions negotiated by size).
  */
-#define ORBITE_ABI_MINOR 4
+#define ORBITE_ABI_MINOR 5
 
 #if defined(ORBITE_TEST_HOOKS)
 /*
@@ -322,14 +322,24 @@
 #define ORBITE_FILE_READ_WRITE 2
 
 /*
- `orbite_file_open` flag: bypass the page cache (not implemented: refused).
+ `orbite_file_open` flag: bypass the page cache (`O_DIRECT`, ABI 1.5;
+ refused before). Spans aligned to the file's direct-I/O alignment go
+ straight to the device, others through the engine's bounce buffers.
+ Also reported in `OrbiteFileInfo::flags`.
  */
 #define ORBITE_FILE_DIRECT 1
 
 /*
- `orbite_file_open` flag: durable writes (not implemented: refused).
+ `orbite_file_open` flag: every write durable, data and metadata, when
+ its task completes (`O_SYNC`, ABI 1.5; refused before).
  */
 #define ORBITE_FILE_SYNC 2
+
+/*
+ `orbite_file_open` flag: every write's data durable when its task
+ completes (`O_DSYNC`, ABI 1.5). With `ORBITE_FILE_SYNC` it adds nothing.
+ */
+#define ORBITE_FILE_DSYNC 4
 
 /*
  Feature bit: local files (`orbite_file_*`, `orbite_xfer_prepare_file`).
@@ -945,6 +955,37 @@ typedef struct OrbiteFileInfo {
    Inode of the file.
    */
   uint64_t ino;
+  /*
+   (ABI 1.5) `st_mode` of the file: type and permission bits.
+   */
+  uint32_t st_mode;
+  /*
+   (ABI 1.5) The flags the kernel applies to its I/O, whether opened
+   here or adopted: `ORBITE_FILE_DIRECT`, `_SYNC`, `_DSYNC`.
+   */
+  uint32_t flags;
+  /*
+   (ABI 1.5) Last modification, seconds since the epoch.
+   */
+  int64_t mtime_sec;
+  /*
+   (ABI 1.5) And its nanoseconds.
+   */
+  uint32_t mtime_nsec;
+  /*
+   (ABI 1.5) With `ORBITE_FILE_DIRECT`: the memory alignment direct
+   I/O needs (spans not aligned bounce); else 0.
+   */
+  uint32_t dio_mem_align;
+  /*
+   (ABI 1.5) With `ORBITE_FILE_DIRECT`: the file offset and length
+   alignment; else 0.
+   */
+  uint32_t dio_offset_align;
+  /*
+   Zero.
+   */
+  uint32_t reserved;
 } OrbiteFileInfo;
 
 /*
@@ -1449,9 +1490,10 @@ OrbiteStatus orbite_xfer_prepare_file(struct OrbiteEngine engine,
 
 /*
  Opens a local file by absolute path (UTF-8 or not, not NUL-terminated)
- in `mode` (`ORBITE_FILE_READ_ONLY` or `_READ_WRITE`). Flags that are not
- implemented (`ORBITE_FILE_DIRECT`, `ORBITE_FILE_SYNC`) are refused with
- `ORBITE_STATUS_NOT_SUPPORTED`, never dropped.
+ in `mode` (`ORBITE_FILE_READ_ONLY` or `_READ_WRITE`) with `flags`
+ (`ORBITE_FILE_DIRECT`, `_SYNC`, `_DSYNC`; unknown bits are refused). A
+ file system that refuses direct I/O fails the open with the kernel's
+ reason.
 
  # Safety
  `path` is null or valid for reading `path_len` bytes, which no other
@@ -1473,7 +1515,8 @@ OrbiteStatus orbite_file_open(struct OrbiteEngine engine,
  Adopts a caller's open descriptor by duplicating it after checking it
  is a regular file open for `mode`; the caller keeps (and may close) its
  own descriptor, and a later reuse of that number never reaches this
- file.
+ file. Its `O_DIRECT`, `O_SYNC` and `O_DSYNC` apply as for
+ `orbite_file_open` (`OrbiteFileInfo::flags` reports them).
 
  # Safety
  `out` is null or valid for writing one `OrbiteFile`. If `fd` is an open
@@ -1494,6 +1537,9 @@ OrbiteStatus orbite_file_adopt(struct OrbiteEngine engine,
  `out` is null or points to an `OrbiteFileInfo` whose `size` and `version`
  the caller set, readable for those two fields and, when they match this
  library's, writable for the whole record.
+
+ A caller built against ABI 1.4 or older passes the record of then (40
+ bytes, up to `ino`) and gets that prefix.
 
  Checked: a null or misaligned `out`, its size and version; the handle may
  be any value: it is checked.

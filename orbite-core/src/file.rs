@@ -9,12 +9,24 @@
 //! once and waits for admitted I/O to drain; a descriptor number the
 //! process reuses later never reaches the closed Entry, because the Entry
 //! owns its own duplicate.
+//!
+//! Files opened or adopted with `O_DIRECT` bypass the page cache: spans
+//! whose memory address, file offset and length are multiples of the
+//! file's direct-I/O alignment ([`DioAlign`]) go to the kernel as they are;
+//! the others go through aligned buffers of a bounded [`BouncePool`], with
+//! the partial blocks at a WRITE's edges read, patched and written back
+//! (read-modify-write). `O_SYNC` and `O_DSYNC` stay on the descriptor, so
+//! every write the kernel completes is durable as the flag says.
 
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::Path;
 use std::time::Duration;
 
-use parking_lot::{Condvar, Mutex};
+use std::sync::Arc;
+
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::charge::{Charge, Counter, Counters};
 
 /// How a file is opened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -25,15 +37,61 @@ pub enum FileMode {
     ReadWrite,
 }
 
-/// Flags that change durability or caching. Each one is either implemented
-/// or refused with [`FileError::Unsupported`]; none is silently dropped.
+/// Flags that change durability or caching. For [`Entry::open`] they are
+/// what the file is opened with; an adopted descriptor keeps its own, and
+/// [`Entry::flags`] reports them either way.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub struct OpenFlags {
-    /// Bypass the page cache (`O_DIRECT`). Not implemented yet: refused.
+    /// Bypass the page cache (`O_DIRECT`): aligned spans go straight to the
+    /// device, the others through the bounce pool.
     pub direct: bool,
-    /// Every write durable on return (`O_SYNC`). Not implemented yet:
-    /// refused.
+    /// Every write durable, data and metadata, when it completes
+    /// (`O_SYNC`): a WRITE task reports only after the device has it.
     pub sync: bool,
+    /// Every write's data durable when it completes (`O_DSYNC`), and the
+    /// metadata needed to read it back (a grown size; not the mtime).
+    pub dsync: bool,
+}
+
+/// The alignment direct I/O needs on a file: the memory address (and each
+/// length) a multiple of `mem`, the file offset and length multiples of
+/// `offset`. From `statx` (`STATX_DIOALIGN`) where the kernel and the
+/// file system give it; else the device's logical block size and DMA
+/// alignment from sysfs; else 4096 for both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DioAlign {
+    /// Memory alignment in bytes (a power of two).
+    pub mem: u32,
+    /// File offset and length alignment in bytes (a power of two).
+    pub offset: u32,
+    /// Where the figures came from: `"statx"`, `"sysfs"` or `"default"`.
+    pub source: &'static str,
+}
+
+impl DioAlign {
+    fn of(&self, mem: u64, len: u64, file_offset: u64) -> bool {
+        let (m, o) = (self.mem as u64, self.offset as u64);
+        mem % m == 0 && len % m == 0 && len % o == 0 && file_offset % o == 0
+    }
+
+    /// The alignment bounce buffers and their windows keep: both figures
+    /// and a page.
+    fn block(&self) -> u64 {
+        (self.mem.max(self.offset) as u64).max(4096)
+    }
+}
+
+/// What `fstat` says about a file, as NIXL's file backends report it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FileFacts {
+    /// Size in bytes.
+    pub size: u64,
+    /// `st_mode`: the file type and permission bits.
+    pub mode: u32,
+    /// Last modification, seconds since the epoch.
+    pub mtime_sec: i64,
+    /// And its nanoseconds.
+    pub mtime_nsec: u32,
 }
 
 /// Why a file operation was refused or failed.
@@ -60,6 +118,16 @@ pub enum FileError {
     /// Closing waited too long for admitted I/O (the Entry stays fenced).
     #[error("admitted I/O did not drain within the bound")]
     DrainTimeout,
+    /// The bounce pool for unaligned direct I/O is at its limit.
+    #[error("no bounce buffer: {held} of {limit} bytes in use, {wanted} more wanted")]
+    NoBounce {
+        /// Bytes of bounce buffers alive.
+        held: u64,
+        /// The pool's limit.
+        limit: u64,
+        /// The buffer wanted.
+        wanted: u64,
+    },
     /// An operating-system error.
     #[error("{what}: {err}")]
     Os {
@@ -74,6 +142,53 @@ fn os(what: &'static str) -> FileError {
     FileError::Os { what, err: std::io::Error::last_os_error().to_string() }
 }
 
+fn fstat(fd: i32) -> Result<libc::stat, FileError> {
+    // SAFETY: fstat into a zeroed struct; `fd` is open for the call.
+    unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        if libc::fstat(fd, &mut st) != 0 {
+            return Err(os("fstat"));
+        }
+        Ok(st)
+    }
+}
+
+/// The direct-I/O alignment of open file `fd` ([`DioAlign`]).
+fn dio_align(fd: i32, st: &libc::stat) -> DioAlign {
+    // SAFETY: statx of the descriptor itself (empty path, AT_EMPTY_PATH)
+    // into a zeroed struct.
+    let stx = unsafe {
+        let mut stx: libc::statx = std::mem::zeroed();
+        let r = libc::statx(fd, c"".as_ptr(), libc::AT_EMPTY_PATH, libc::STATX_DIOALIGN, &mut stx);
+        (r == 0).then_some(stx)
+    };
+    if let Some(x) = stx.filter(|x| x.stx_mask & libc::STATX_DIOALIGN != 0 && x.stx_dio_offset_align > 0) {
+        let pow2 = |v: u32| if v.is_power_of_two() { v } else { v.next_power_of_two() };
+        return DioAlign {
+            mem: pow2(x.stx_dio_mem_align.max(1)),
+            offset: pow2(x.stx_dio_offset_align),
+            source: "statx",
+        };
+    }
+    let (major, minor) = (libc::major(st.st_dev), libc::minor(st.st_dev));
+    let queue = |leaf: &str| -> Option<u32> {
+        // A partition has no queue of its own: its disk's is one up.
+        [
+            format!("/sys/dev/block/{major}:{minor}/queue/{leaf}"),
+            format!("/sys/dev/block/{major}:{minor}/../queue/{leaf}"),
+        ]
+        .iter()
+        .find_map(|p| std::fs::read_to_string(p).ok()?.trim().parse().ok())
+    };
+    match queue("logical_block_size").filter(|b: &u32| b.is_power_of_two()) {
+        Some(block) => {
+            let mem = queue("dma_alignment").map_or(block, |a| (a.saturating_add(1)).next_power_of_two()).min(block);
+            DioAlign { mem, offset: block, source: "sysfs" }
+        }
+        None => DioAlign { mem: 4096, offset: 4096, source: "default" },
+    }
+}
+
 #[derive(Default)]
 struct Admission {
     closed: bool,
@@ -84,15 +199,29 @@ struct Admission {
 pub struct Entry {
     fd: OwnedFd,
     mode: FileMode,
+    flags: OpenFlags,
+    /// Set for `O_DIRECT`.
+    dio: Option<DioAlign>,
     dev: u64,
     ino: u64,
     state: Mutex<Admission>,
     drained: Condvar,
+    /// Direct writes of this Entry hold it shared; a read-modify-write of
+    /// partial blocks holds it alone, so that no write of this engine
+    /// lands between its read and its write (nor between its write and the
+    /// truncation that takes back the padding it wrote past the end).
+    edges: RwLock<()>,
 }
 
 impl std::fmt::Debug for Entry {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Entry").field("mode", &self.mode).field("dev", &self.dev).field("ino", &self.ino).finish()
+        f.debug_struct("Entry")
+            .field("mode", &self.mode)
+            .field("flags", &self.flags)
+            .field("dio", &self.dio)
+            .field("dev", &self.dev)
+            .field("ino", &self.ino)
+            .finish()
     }
 }
 
@@ -110,15 +239,9 @@ impl Drop for Admitted<'_> {
 }
 
 impl Entry {
-    /// Opens `path` (absolute) in `mode`. Flags that are not implemented
-    /// are refused before anything is opened.
+    /// Opens `path` (absolute) in `mode` with `flags`. A file system that
+    /// refuses `O_DIRECT` fails the open (`EINVAL`), as the kernel says.
     pub fn open(path: &Path, mode: FileMode, flags: OpenFlags) -> Result<Entry, FileError> {
-        if flags.direct {
-            return Err(FileError::Unsupported("O_DIRECT"));
-        }
-        if flags.sync {
-            return Err(FileError::Unsupported("O_SYNC"));
-        }
         use std::os::unix::ffi::OsStrExt;
         let bytes = path.as_os_str().as_bytes();
         if bytes.is_empty() || !path.is_absolute() || bytes.contains(&0) {
@@ -129,8 +252,17 @@ impl Entry {
             FileMode::ReadOnly => libc::O_RDONLY,
             FileMode::ReadWrite => libc::O_RDWR,
         };
+        let mut extra = 0;
+        if flags.direct {
+            extra |= libc::O_DIRECT;
+        }
+        if flags.sync {
+            extra |= libc::O_SYNC;
+        } else if flags.dsync {
+            extra |= libc::O_DSYNC;
+        }
         // SAFETY: a NUL-terminated path; the returned descriptor is owned.
-        let fd = unsafe { libc::open(c.as_ptr(), access | libc::O_CLOEXEC | libc::O_NOCTTY) };
+        let fd = unsafe { libc::open(c.as_ptr(), access | extra | libc::O_CLOEXEC | libc::O_NOCTTY) };
         if fd < 0 {
             return Err(os("open"));
         }
@@ -152,35 +284,59 @@ impl Entry {
             (FileMode::ReadOnly, _) => return Err(FileError::ModeMismatch("reading")),
             (FileMode::ReadWrite, _) => return Err(FileError::ModeMismatch("reading and writing")),
         }
-        if fl & libc::O_DIRECT != 0 {
-            return Err(FileError::Unsupported("O_DIRECT"));
-        }
-        if fl & libc::O_SYNC == libc::O_SYNC {
-            return Err(FileError::Unsupported("O_SYNC"));
-        }
         let dup = fd.try_clone_to_owned().map_err(|e| FileError::Os { what: "dup", err: e.to_string() })?;
         Self::from_owned(dup, mode)
     }
 
     fn from_owned(fd: OwnedFd, mode: FileMode) -> Result<Entry, FileError> {
-        // SAFETY: fstat into a zeroed struct for an owned descriptor.
-        let st = unsafe {
-            let mut st: libc::stat = std::mem::zeroed();
-            if libc::fstat(fd.as_raw_fd(), &mut st) != 0 {
-                return Err(os("fstat"));
-            }
-            st
-        };
+        let st = fstat(fd.as_raw_fd())?;
         if st.st_mode & libc::S_IFMT != libc::S_IFREG {
             return Err(FileError::NotRegular);
         }
+        // The descriptor's own flags (the open file description's, which
+        // the caller's descriptor shares) are what the kernel applies.
+        // SAFETY: F_GETFL on an owned descriptor.
+        let fl = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+        if fl < 0 {
+            return Err(os("fcntl(F_GETFL)"));
+        }
+        let flags = OpenFlags {
+            direct: fl & libc::O_DIRECT != 0,
+            sync: fl & libc::O_SYNC == libc::O_SYNC,
+            dsync: fl & libc::O_DSYNC != 0,
+        };
+        let dio = flags.direct.then(|| dio_align(fd.as_raw_fd(), &st));
         Ok(Entry {
             fd,
             mode,
+            flags,
+            dio,
             dev: st.st_dev,
             ino: st.st_ino,
             state: Mutex::new(Admission::default()),
             drained: Condvar::new(),
+            edges: RwLock::new(()),
+        })
+    }
+
+    /// The flags the kernel applies to this file's I/O.
+    pub fn flags(&self) -> OpenFlags {
+        self.flags
+    }
+
+    /// The direct-I/O alignment, for an `O_DIRECT` file.
+    pub fn dio_align(&self) -> Option<DioAlign> {
+        self.dio
+    }
+
+    /// Size, mode and modification time, from `fstat` now.
+    pub fn facts(&self) -> Result<FileFacts, FileError> {
+        let st = fstat(self.fd.as_raw_fd())?;
+        Ok(FileFacts {
+            size: st.st_size as u64,
+            mode: st.st_mode,
+            mtime_sec: st.st_mtime,
+            mtime_nsec: st.st_mtime_nsec as u32,
         })
     }
 
@@ -196,14 +352,7 @@ impl Entry {
 
     /// The file's current size.
     pub fn len(&self) -> Result<u64, FileError> {
-        // SAFETY: as in `from_owned`.
-        unsafe {
-            let mut st: libc::stat = std::mem::zeroed();
-            if libc::fstat(self.fd.as_raw_fd(), &mut st) != 0 {
-                return Err(os("fstat"));
-            }
-            Ok(st.st_size as u64)
-        }
+        Ok(fstat(self.fd.as_raw_fd())?.st_size as u64)
     }
 
     /// True for an empty file.
@@ -284,10 +433,134 @@ pub struct FileOutcome {
 /// Spans per vectored operation (the kernel's `IOV_MAX`).
 const MAX_IOV: usize = 1024;
 
+/// Bytes of one bounce buffer: how much of an unaligned direct span moves
+/// per read or write (more when the file's alignment is larger).
+pub const BOUNCE_CHUNK: u64 = 1 << 20;
+
+/// The limit of a [`FileIo`]'s own bounce pool ([`FileIo::new`]).
+pub const DEFAULT_BOUNCE_LIMIT: u64 = 64 << 20;
+
+/// Aligned host buffers for direct I/O of spans that are not aligned.
+///
+/// Each buffer alive is charged to `staging_buffers`/`staging_bytes`
+/// within the pool's limit (an engine's pool shares its counters and
+/// `max_staging_bytes` with CUDA staging); a task holds one buffer while
+/// it runs, and free ones are kept for reuse until [`BouncePool::clear`].
+pub struct BouncePool {
+    free: Mutex<Vec<BounceBuf>>,
+    counters: Arc<Counters>,
+    limit: u64,
+}
+
+impl std::fmt::Debug for BouncePool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BouncePool").field("free", &self.free.lock().len()).field("limit", &self.limit).finish()
+    }
+}
+
+struct BounceBuf {
+    ptr: std::ptr::NonNull<u8>,
+    layout: std::alloc::Layout,
+    _charge: Charge,
+}
+
+// SAFETY: a plain heap allocation owned by the buffer; whoever holds the
+// buffer is its only user.
+unsafe impl Send for BounceBuf {}
+
+impl Drop for BounceBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `BouncePool::take` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+/// A buffer taken from a [`BouncePool`]; back in it on drop.
+struct Bounce<'a> {
+    pool: &'a BouncePool,
+    buf: Option<BounceBuf>,
+}
+
+impl Bounce<'_> {
+    fn slice(&mut self, len: usize) -> &mut [u8] {
+        let b = self.buf.as_ref().expect("held until drop");
+        assert!(len <= b.layout.size());
+        // SAFETY: `len` bytes of an allocation this value holds alone.
+        unsafe { std::slice::from_raw_parts_mut(b.ptr.as_ptr(), len) }
+    }
+}
+
+impl Drop for Bounce<'_> {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            self.pool.free.lock().push(b);
+        }
+    }
+}
+
+impl BouncePool {
+    /// A pool with counters of its own, at most `limit` bytes alive.
+    pub fn new(limit: u64) -> Arc<BouncePool> {
+        Self::charged(Arc::new(Counters::default()), limit)
+    }
+
+    /// A pool charging an engine's counters.
+    pub(crate) fn charged(counters: Arc<Counters>, limit: u64) -> Arc<BouncePool> {
+        Arc::new(BouncePool { free: Mutex::new(Vec::new()), counters, limit })
+    }
+
+    /// Bytes of this pool's buffers alive (with an engine's pool, CUDA
+    /// staging buffers too).
+    pub fn held_bytes(&self) -> u64 {
+        self.counters.get(Counter::StagingBytes)
+    }
+
+    /// Frees every buffer not in use.
+    pub fn clear(&self) {
+        let items = std::mem::take(&mut *self.free.lock());
+        drop(items);
+    }
+
+    fn take(&self, len: u64, align: u64) -> Result<Bounce<'_>, FileError> {
+        let found = {
+            let mut free = self.free.lock();
+            free.iter()
+                .rposition(|b| b.layout.size() as u64 >= len && b.layout.align() as u64 >= align)
+                .map(|at| free.remove(at))
+        };
+        let buf = match found {
+            Some(b) => b,
+            None => {
+                let bound = Some((crate::types::Resource::StagingBytes, self.limit));
+                let items = [(Counter::StagingBuffers, 1, None), (Counter::StagingBytes, len, bound)];
+                let charge = match Charge::try_new(&self.counters, items) {
+                    Ok(c) => c,
+                    Err(_) => {
+                        self.clear(); // free buffers of other sizes make room
+                        Charge::try_new(&self.counters, items).map_err(|_| FileError::NoBounce {
+                            held: self.held_bytes(),
+                            limit: self.limit,
+                            wanted: len,
+                        })?
+                    }
+                };
+                let layout = std::alloc::Layout::from_size_align(len as usize, align as usize)
+                    .map_err(|_| FileError::OutOfRange(format!("a bounce buffer of {len} bytes aligned to {align}")))?;
+                // SAFETY: a layout of nonzero size.
+                let ptr = std::ptr::NonNull::new(unsafe { std::alloc::alloc(layout) })
+                    .ok_or(FileError::Os { what: "bounce buffer", err: "out of memory".into() })?;
+                BounceBuf { ptr, layout, _charge: charge }
+            }
+        };
+        Ok(Bounce { pool: self, buf: Some(buf) })
+    }
+}
+
 /// io_uring file I/O. One ring, used by one call at a time.
 pub struct FileIo {
     ring: Mutex<io_uring::IoUring>,
     depth: u32,
+    bounce: Arc<BouncePool>,
 }
 
 impl std::fmt::Debug for FileIo {
@@ -301,14 +574,32 @@ struct Group {
     count: usize,
     file_offset: u64,
     len: u64,
+    /// One span of a direct file that is not aligned: moved through a
+    /// bounce buffer.
+    bounce: bool,
 }
 
 impl FileIo {
-    /// A ring with `depth` entries (operations in flight at once).
+    /// A ring with `depth` entries (operations in flight at once), and a
+    /// bounce pool of its own ([`DEFAULT_BOUNCE_LIMIT`]).
     pub fn new(depth: u32) -> Result<FileIo, FileError> {
         let ring = io_uring::IoUring::new(depth.max(1))
             .map_err(|e| FileError::Os { what: "io_uring_setup", err: e.to_string() })?;
-        Ok(FileIo { ring: Mutex::new(ring), depth: depth.max(1) })
+        Ok(FileIo { ring: Mutex::new(ring), depth: depth.max(1), bounce: BouncePool::new(DEFAULT_BOUNCE_LIMIT) })
+    }
+
+    /// This ring's own bounce pool.
+    pub fn bounce_pool(&self) -> &Arc<BouncePool> {
+        &self.bounce
+    }
+
+    /// [`FileIo::run_with`] this ring's own bounce pool.
+    ///
+    /// # Safety
+    /// As for [`FileIo::run_with`].
+    pub unsafe fn run(&self, entry: &Entry, op: FileOp, spans: &[FileSpan]) -> Result<FileOutcome, FileError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.run_with(entry, op, spans, &self.bounce) }
     }
 
     /// Moves the spans, in order, between memory and `entry`. Adjacent file
@@ -320,10 +611,25 @@ impl FileIo {
     /// after submission is in [`FileOutcome::error`], with the bytes that
     /// landed.
     ///
+    /// On an `O_DIRECT` file, spans aligned to its [`DioAlign`] go to the
+    /// kernel as they are; each other span moves through a buffer of
+    /// `bounce` ([`BOUNCE_CHUNK`] at a time), after the aligned ones. A
+    /// WRITE that starts or ends inside a block first reads that block,
+    /// and one that ends inside the file's last block takes back the
+    /// padding with `ftruncate`; no other write of this Entry runs
+    /// meanwhile. Writes by other processes to the same blocks are not
+    /// fenced, as with any read-modify-write.
+    ///
     /// # Safety
     /// Every span's memory must be valid for the call: readable for a
     /// WRITE, writable (and not otherwise accessed) for a READ.
-    pub unsafe fn run(&self, entry: &Entry, op: FileOp, spans: &[FileSpan]) -> Result<FileOutcome, FileError> {
+    pub unsafe fn run_with(
+        &self,
+        entry: &Entry,
+        op: FileOp,
+        spans: &[FileSpan],
+        bounce: &BouncePool,
+    ) -> Result<FileOutcome, FileError> {
         if op == FileOp::Write && entry.mode == FileMode::ReadOnly {
             return Err(FileError::ModeMismatch("writing"));
         }
@@ -336,29 +642,82 @@ impl FileIo {
                     s.len, s.file_offset
                 )));
             }
+            let bounced = entry.dio.is_some_and(|d| !d.of(s.mem as u64, s.len, s.file_offset));
             match groups.last_mut() {
                 Some(g)
-                    if g.file_offset + g.len == s.file_offset
+                    if !bounced
+                        && !g.bounce
+                        && g.file_offset + g.len == s.file_offset
                         && g.count < MAX_IOV
                         && g.len.checked_add(s.len).is_some_and(|l| l <= i32::MAX as u64) =>
                 {
                     g.count += 1;
                     g.len += s.len;
                 }
-                _ => groups.push(Group { first: i, count: 1, file_offset: s.file_offset, len: s.len }),
+                _ => groups.push(Group { first: i, count: 1, file_offset: s.file_offset, len: s.len, bounce: bounced }),
             }
         }
         let _admitted = entry.admit()?;
+        let mut done = vec![0u64; groups.len()];
+        let mut failure: Option<FileError> = None;
+        let mut operations = 0u64;
+        {
+            // Direct writes keep read-modify-writes of this Entry out.
+            let _shared = (entry.dio.is_some() && op == FileOp::Write).then(|| entry.edges.read());
+            operations += self.ring_groups(entry, op, spans, &groups, &mut done, &mut failure);
+        }
+        for (g, d) in groups.iter().zip(done.iter_mut()).filter(|(g, _)| g.bounce) {
+            if failure.is_some() {
+                break;
+            }
+            let dio = entry.dio.expect("only direct files bounce");
+            let (landed, error) = bounced(entry, dio, op, &spans[g.first], bounce);
+            *d = landed;
+            operations += 1;
+            if let Some(e) = error {
+                failure = Some(e);
+            }
+        }
+        let mut out = FileOutcome { operations, ..FileOutcome::default() };
+        let mut contiguous = true;
+        for (g, d) in groups.iter().zip(&done) {
+            out.bytes += d;
+            if contiguous {
+                out.prefix += d;
+                contiguous = *d == g.len;
+            }
+        }
+        out.error = failure;
+        Ok(out)
+    }
+
+    /// The groups that are not bounced, through the ring: fills `done` and
+    /// the first failure, returns the operations submitted.
+    fn ring_groups(
+        &self,
+        entry: &Entry,
+        op: FileOp,
+        spans: &[FileSpan],
+        groups: &[Group],
+        done: &mut [u64],
+        failure: &mut Option<FileError>,
+    ) -> u64 {
         let iovecs: Vec<libc::iovec> =
             spans.iter().map(|s| libc::iovec { iov_base: s.mem.cast(), iov_len: s.len as usize }).collect();
-        let mut done = vec![0u64; groups.len()];
         let mut ring = self.ring.lock();
         let mut next = 0usize;
         let mut in_flight = 0usize;
-        let mut failure: Option<FileError> = None;
-        while next < groups.len() || in_flight > 0 {
+        let mut submitted = 0u64;
+        loop {
+            while next < groups.len() && groups[next].bounce {
+                next += 1;
+            }
             while next < groups.len() && in_flight < self.depth as usize && failure.is_none() {
                 let g = &groups[next];
+                if g.bounce {
+                    next += 1;
+                    continue;
+                }
                 let fd = io_uring::types::Fd(entry.fd.as_raw_fd());
                 let iov = iovecs[g.first..].as_ptr();
                 let sqe = match op {
@@ -376,6 +735,7 @@ impl FileIo {
                 }
                 next += 1;
                 in_flight += 1;
+                submitted += 1;
             }
             if in_flight == 0 {
                 break;
@@ -402,17 +762,138 @@ impl FileIo {
                 }
             }
         }
-        drop(ring);
-        let mut out = FileOutcome { operations: next as u64, ..FileOutcome::default() };
-        let mut contiguous = true;
-        for (g, d) in groups.iter().zip(&done) {
-            out.bytes += d;
-            if contiguous {
-                out.prefix += d;
-                contiguous = *d == g.len;
+        submitted
+    }
+}
+
+/// Reads up to `buf.len()` bytes at `offset` (a block boundary) of a
+/// direct file: fewer only at the end of the file.
+fn pread_blocks(fd: i32, buf: &mut [u8], offset: u64, block: u64) -> Result<usize, FileError> {
+    let mut got = 0usize;
+    while got < buf.len() {
+        // SAFETY: the rest of `buf`, writable, at an aligned address.
+        let r = unsafe {
+            libc::pread(fd, buf[got..].as_mut_ptr().cast(), buf.len() - got, (offset + got as u64) as libc::off_t)
+        };
+        match r {
+            0 => break,
+            r if r > 0 => {
+                got += r as usize;
+                if got as u64 % block != 0 {
+                    break; // short inside a block: the end of the file
+                }
+            }
+            _ if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) => {}
+            _ => return Err(os("direct read")),
+        }
+    }
+    Ok(got)
+}
+
+/// Writes all of `buf` (whole blocks) at `offset` (a block boundary) of a
+/// direct file.
+fn pwrite_blocks(fd: i32, buf: &[u8], offset: u64, block: u64) -> Result<(), FileError> {
+    let mut put = 0usize;
+    while put < buf.len() {
+        // SAFETY: the rest of `buf`, readable, at an aligned address.
+        let r = unsafe {
+            libc::pwrite(fd, buf[put..].as_ptr().cast(), buf.len() - put, (offset + put as u64) as libc::off_t)
+        };
+        match r {
+            r if r > 0 && (put + r as usize) as u64 % block == 0 => put += r as usize,
+            r if r >= 0 => {
+                return Err(FileError::Os { what: "direct write", err: format!("short write of {r} bytes") });
+            }
+            _ if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINTR) => {}
+            _ => return Err(os("direct write")),
+        }
+    }
+    Ok(())
+}
+
+/// One unaligned span of a direct file through a bounce buffer: the bytes
+/// that landed (from the span's start on) and the error that stopped it.
+fn bounced(entry: &Entry, dio: DioAlign, op: FileOp, s: &FileSpan, pool: &BouncePool) -> (u64, Option<FileError>) {
+    let block = dio.block();
+    let chunk = BOUNCE_CHUNK.max(2 * block);
+    let mut buf = match pool.take(chunk, block) {
+        Ok(b) => b,
+        Err(e) => return (0, Some(e)),
+    };
+    let fd = entry.fd.as_raw_fd();
+    let end_of_span = s.file_offset + s.len;
+    let mut done = 0u64;
+    while done < s.len {
+        let p = s.file_offset + done;
+        let a = p / block * block;
+        let end = end_of_span.min(a + chunk);
+        let n = end - p;
+        let b = end.div_ceil(block) * block;
+        let window = buf.slice((b - a) as usize);
+        let at = (p - a) as usize;
+        // SAFETY (both arms): the caller vouches for the span's memory;
+        // `done + n` <= `s.len`.
+        let mem = unsafe { s.mem.add(done as usize) };
+        match op {
+            FileOp::Read => {
+                let got = match pread_blocks(fd, window, a, block) {
+                    Ok(g) => g,
+                    Err(e) => return (done, Some(e)),
+                };
+                let landed = (got.saturating_sub(at) as u64).min(n);
+                // SAFETY: `landed` bytes into the span's memory.
+                unsafe { std::ptr::copy_nonoverlapping(window[at..].as_ptr(), mem, landed as usize) };
+                done += landed;
+                if landed < n {
+                    break; // the end of the file
+                }
+            }
+            FileOp::Write => {
+                let partial = p != a || end != b;
+                // A partial block is read, patched and written back: no
+                // other write of this Entry may land in between.
+                let _alone = partial.then(|| entry.edges.write());
+                let _shared = (!partial).then(|| entry.edges.read());
+                let size = if partial {
+                    match entry.len() {
+                        Ok(v) => v,
+                        Err(e) => return (done, Some(e)),
+                    }
+                } else {
+                    0
+                };
+                let len = window.len();
+                let mut edge = |from: usize| -> Result<(), FileError> {
+                    let blk = &mut window[from..from + block as usize];
+                    let got = pread_blocks(fd, blk, a + from as u64, block)?;
+                    blk[got..].fill(0);
+                    Ok(())
+                };
+                let mut patched = Ok(());
+                if p != a {
+                    patched = edge(0);
+                }
+                if patched.is_ok() && end != b && (p == a || len as u64 > block) {
+                    patched = edge(len - block as usize);
+                }
+                if let Err(e) = patched {
+                    return (done, Some(e));
+                }
+                // SAFETY: `n` bytes of the span's memory, readable.
+                unsafe { std::ptr::copy_nonoverlapping(mem, window[at..].as_mut_ptr(), n as usize) };
+                if let Err(e) = pwrite_blocks(fd, window, a, block) {
+                    return (done, Some(e));
+                }
+                if partial && size < b {
+                    // The padding past the old end is not the caller's.
+                    // SAFETY: ftruncate of an owned descriptor.
+                    if unsafe { libc::ftruncate(fd, size.max(end) as libc::off_t) } != 0 {
+                        return (done, Some(os("ftruncate")));
+                    }
+                }
+                done += n;
             }
         }
-        out.error = failure;
-        Ok(out)
     }
+    (done, None)
 }

@@ -592,6 +592,8 @@ const STATS_1_1_SIZE: usize = std::mem::offset_of!(OrbiteStats, pinned_ranges);
 const STATS_1_2_SIZE: usize = std::mem::offset_of!(OrbiteStats, device_allocations);
 /// `sizeof(OrbiteStats)` in ABI 1.3 (before the listener's counters).
 const STATS_1_3_SIZE: usize = std::mem::offset_of!(OrbiteStats, connections);
+/// `OrbiteFileInfo` of ABI 1.4 and older: up to `ino`.
+const FILE_INFO_1_4_SIZE: usize = std::mem::offset_of!(OrbiteFileInfo, st_mode);
 
 /// Writes the engine's peer information (endpoint and epoch) for another
 /// process's `orbite_peer_open`, or for this engine's own self peer.
@@ -1245,9 +1247,10 @@ unsafe fn insert_file(e: &Arc<EngineObj>, entry: orbite_core::file::Entry, out: 
 }
 
 /// Opens a local file by absolute path (UTF-8 or not, not NUL-terminated)
-/// in `mode` (`ORBITE_FILE_READ_ONLY` or `_READ_WRITE`). Flags that are not
-/// implemented (`ORBITE_FILE_DIRECT`, `ORBITE_FILE_SYNC`) are refused with
-/// `ORBITE_STATUS_NOT_SUPPORTED`, never dropped.
+/// in `mode` (`ORBITE_FILE_READ_ONLY` or `_READ_WRITE`) with `flags`
+/// (`ORBITE_FILE_DIRECT`, `_SYNC`, `_DSYNC`; unknown bits are refused). A
+/// file system that refuses direct I/O fails the open with the kernel's
+/// reason.
 ///
 /// # Safety
 /// `path` is null or valid for reading `path_len` bytes, which no other
@@ -1270,12 +1273,13 @@ pub unsafe extern "C" fn orbite_file_open(
         let e = engine_of(engine)?;
         check_pointer(out, "out")?;
         let mode = file_mode(mode)?;
-        if flags & !(ORBITE_FILE_DIRECT | ORBITE_FILE_SYNC) != 0 {
+        if flags & !(ORBITE_FILE_DIRECT | ORBITE_FILE_SYNC | ORBITE_FILE_DSYNC) != 0 {
             return fail(OrbiteStatus::InvalidArgument, format!("unknown file flags {flags:#x}"));
         }
         let flags = orbite_core::file::OpenFlags {
             direct: flags & ORBITE_FILE_DIRECT != 0,
             sync: flags & ORBITE_FILE_SYNC != 0,
+            dsync: flags & ORBITE_FILE_DSYNC != 0,
         };
         // SAFETY: caller's contract: `path_len` readable bytes.
         let bytes = unsafe { array(path, path_len as u64, 4096, "path")? };
@@ -1290,7 +1294,8 @@ pub unsafe extern "C" fn orbite_file_open(
 /// Adopts a caller's open descriptor by duplicating it after checking it
 /// is a regular file open for `mode`; the caller keeps (and may close) its
 /// own descriptor, and a later reuse of that number never reaches this
-/// file.
+/// file. Its `O_DIRECT`, `O_SYNC` and `O_DSYNC` apply as for
+/// `orbite_file_open` (`OrbiteFileInfo::flags` reports them).
 ///
 /// # Safety
 /// `out` is null or valid for writing one `OrbiteFile`. If `fd` is an open
@@ -1334,16 +1339,27 @@ pub unsafe extern "C" fn orbite_file_adopt(
 /// the caller set, readable for those two fields and, when they match this
 /// library's, writable for the whole record.
 ///
+/// A caller built against ABI 1.4 or older passes the record of then (40
+/// bytes, up to `ino`) and gets that prefix.
+///
 /// Checked: a null or misaligned `out`, its size and version; the handle may
 /// be any value: it is checked.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn orbite_file_query(file: OrbiteFile, out: *mut OrbiteFileInfo) -> OrbiteStatus {
     entry("orbite_file_query", || {
         let f = file_of(file)?;
-        // SAFETY: caller's contract: a writable OrbiteFileInfo.
-        unsafe { output_check(out)? };
+        check_pointer(out, OrbiteFileInfo::NAME)?;
+        // SAFETY: caller's contract: `out` is readable for its header.
+        let [size, version] = unsafe { std::ptr::read(out.cast::<[u32; 2]>()) };
+        let old = size as usize == FILE_INFO_1_4_SIZE && version == ORBITE_RECORD_VERSION;
+        if !old {
+            check_header::<OrbiteFileInfo>(size, version)?;
+        }
         let (dev, ino) = f.entry.identity();
-        let value = OrbiteFileInfo {
+        let facts = f.entry.facts().map_err(orbite_core::Error::from)?;
+        let of = f.entry.flags();
+        let dio = f.entry.dio_align();
+        let mut value = OrbiteFileInfo {
             size: size_of::<OrbiteFileInfo>() as u32,
             version: ORBITE_RECORD_VERSION,
             mode: match f.entry.mode() {
@@ -1351,10 +1367,32 @@ pub unsafe extern "C" fn orbite_file_query(file: OrbiteFile, out: *mut OrbiteFil
                 orbite_core::file::FileMode::ReadWrite => ORBITE_FILE_READ_WRITE,
             },
             closed: u32::from(f.entry.is_closed()),
-            len: f.entry.len().map_err(orbite_core::Error::from)?,
+            len: facts.size,
             dev,
             ino,
+            st_mode: facts.mode,
+            flags: (if of.direct { ORBITE_FILE_DIRECT } else { 0 })
+                | (if of.sync { ORBITE_FILE_SYNC } else { 0 })
+                | (if of.dsync { ORBITE_FILE_DSYNC } else { 0 }),
+            mtime_sec: facts.mtime_sec,
+            mtime_nsec: facts.mtime_nsec,
+            dio_mem_align: dio.map_or(0, |d| d.mem),
+            dio_offset_align: dio.map_or(0, |d| d.offset),
+            reserved: 0,
         };
+        if old {
+            value.size = size;
+            // SAFETY: caller's contract: a writable record of `size` bytes,
+            // a prefix of this one (the same fields, in the same places).
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    (&value as *const OrbiteFileInfo).cast::<u8>(),
+                    out.cast::<u8>(),
+                    size as usize,
+                )
+            };
+            return Ok(());
+        }
         // SAFETY: checked above.
         unsafe { put(out, value) };
         Ok(())

@@ -178,10 +178,17 @@ pub struct OrbiteFile {
 pub const ORBITE_FILE_READ_ONLY: u32 = 1;
 /// Reads and writes.
 pub const ORBITE_FILE_READ_WRITE: u32 = 2;
-/// `orbite_file_open` flag: bypass the page cache (not implemented: refused).
+/// `orbite_file_open` flag: bypass the page cache (`O_DIRECT`, ABI 1.5;
+/// refused before). Spans aligned to the file's direct-I/O alignment go
+/// straight to the device, others through the engine's bounce buffers.
+/// Also reported in `OrbiteFileInfo::flags`.
 pub const ORBITE_FILE_DIRECT: u32 = 1;
-/// `orbite_file_open` flag: durable writes (not implemented: refused).
+/// `orbite_file_open` flag: every write durable, data and metadata, when
+/// its task completes (`O_SYNC`, ABI 1.5; refused before).
 pub const ORBITE_FILE_SYNC: u32 = 2;
+/// `orbite_file_open` flag: every write's data durable when its task
+/// completes (`O_DSYNC`, ABI 1.5). With `ORBITE_FILE_SYNC` it adds nothing.
+pub const ORBITE_FILE_DSYNC: u32 = 4;
 /// Feature bit: local files (`orbite_file_*`, `orbite_xfer_prepare_file`).
 pub const ORBITE_FEATURE_FILES: u64 = 0x10;
 /// Feature bit (ABI 1.3): `ORBITE_MEM_VRAM` registrations are taken here:
@@ -208,6 +215,23 @@ pub struct OrbiteFileInfo {
     pub dev: u64,
     /// Inode of the file.
     pub ino: u64,
+    /// (ABI 1.5) `st_mode` of the file: type and permission bits.
+    pub st_mode: u32,
+    /// (ABI 1.5) The flags the kernel applies to its I/O, whether opened
+    /// here or adopted: `ORBITE_FILE_DIRECT`, `_SYNC`, `_DSYNC`.
+    pub flags: u32,
+    /// (ABI 1.5) Last modification, seconds since the epoch.
+    pub mtime_sec: i64,
+    /// (ABI 1.5) And its nanoseconds.
+    pub mtime_nsec: u32,
+    /// (ABI 1.5) With `ORBITE_FILE_DIRECT`: the memory alignment direct
+    /// I/O needs (spans not aligned bounce); else 0.
+    pub dio_mem_align: u32,
+    /// (ABI 1.5) With `ORBITE_FILE_DIRECT`: the file offset and length
+    /// alignment; else 0.
+    pub dio_offset_align: u32,
+    /// Zero.
+    pub reserved: u32,
 }
 
 /// A prepared transfer.

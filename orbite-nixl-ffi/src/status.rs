@@ -138,6 +138,7 @@ impl From<Error> for Failure {
                 FileError::Closed => OrbiteStatus::Closed,
                 FileError::OutOfRange(_) => OrbiteStatus::OutOfRange,
                 FileError::DrainTimeout | FileError::Os { .. } => OrbiteStatus::System,
+                FileError::NoBounce { .. } => OrbiteStatus::ResourceExhausted,
             },
             Error::ResourceExhausted { .. } => OrbiteStatus::ResourceExhausted,
             Error::Closed => OrbiteStatus::Closed,

@@ -518,7 +518,9 @@ fn tcp_peer_write_and_read_back_with_binary_notification() {
     assert_eq!(d.count, 1);
     assert_eq!(&buf[16 + (d.written as usize - 16 - payload.len())..d.written as usize], &payload);
 
-    let mut sp = spec(ORBITE_OP_READ, p, &[OrbiteDesc { registration: rb.raw, offset: 0, len: 500_001 }], &far);
+    // Bound here: the spec keeps a pointer to the descriptors.
+    let into = [OrbiteDesc { registration: rb.raw, offset: 0, len: 500_001 }];
+    let mut sp = spec(ORBITE_OP_READ, p, &into, &far);
     sp.route = ORBITE_ROUTE_TCP;
     ok(unsafe { orbite_xfer_prepare(initiator, &sp, &mut x) });
     ok(orbite_xfer_post(x));
@@ -542,16 +544,33 @@ fn local_file_open_transfer_both_ways_eof_close_and_adopt() {
     let path = format!("/tmp/orbite-abi-file-{}", std::process::id());
     std::fs::write(&path, vec![0x11u8; 100_000]).unwrap();
     let mut f = OrbiteFile::default();
-    // Unsupported flags and unknown modes are refused before opening.
-    for (mode, flags, want) in [
-        (ORBITE_FILE_READ_WRITE, ORBITE_FILE_DIRECT, OrbiteStatus::NotSupported),
-        (ORBITE_FILE_READ_WRITE, ORBITE_FILE_SYNC, OrbiteStatus::NotSupported),
-        (7, 0, OrbiteStatus::InvalidArgument),
-        (ORBITE_FILE_READ_WRITE, 0x100, OrbiteStatus::InvalidArgument),
-    ] {
+    // Unknown flags and modes are refused before opening.
+    for (mode, flags, want) in
+        [(7, 0, OrbiteStatus::InvalidArgument), (ORBITE_FILE_READ_WRITE, 0x100, OrbiteStatus::InvalidArgument)]
+    {
         assert_eq!(unsafe { orbite_file_open(e, path.as_ptr(), path.len(), mode, flags, &mut f) }, want);
     }
     assert_eq!(f, OrbiteFile::default());
+    // O_DIRECT and the durability flags open, and the record says so.
+    for flags in [ORBITE_FILE_DIRECT, ORBITE_FILE_SYNC, ORBITE_FILE_DSYNC, ORBITE_FILE_DIRECT | ORBITE_FILE_DSYNC] {
+        let mut g = OrbiteFile::default();
+        ok(unsafe { orbite_file_open(e, path.as_ptr(), path.len(), ORBITE_FILE_READ_WRITE, flags, &mut g) });
+        let mut info = OrbiteFileInfo { size: size_of::<OrbiteFileInfo>() as u32, version: 1, ..Default::default() };
+        ok(unsafe { orbite_file_query(g, &mut info) });
+        // O_SYNC carries O_DSYNC's bit.
+        let want = if flags & ORBITE_FILE_SYNC != 0 { flags | ORBITE_FILE_DSYNC } else { flags };
+        assert_eq!(info.flags, want, "flags {flags:#x}");
+        let direct = flags & ORBITE_FILE_DIRECT != 0;
+        assert_eq!(info.dio_offset_align != 0 && info.dio_mem_align != 0, direct, "{info:?}");
+        assert_eq!(info.st_mode & libc::S_IFMT, libc::S_IFREG);
+        // A caller of ABI 1.4 gets the record of then, and nothing past it.
+        let mut old = [0xABu8; size_of::<OrbiteFileInfo>()];
+        old[..8].copy_from_slice(&[40u32.to_ne_bytes(), 1u32.to_ne_bytes()].concat());
+        ok(unsafe { orbite_file_query(g, old.as_mut_ptr().cast()) });
+        assert_eq!(u64::from_ne_bytes(old[16..24].try_into().unwrap()), 100_000, "len in the prefix");
+        assert!(old[40..].iter().all(|b| *b == 0xAB), "nothing written past 40 bytes");
+        ok(orbite_file_close(g, 1000));
+    }
     ok(unsafe { orbite_file_open(e, path.as_ptr(), path.len(), ORBITE_FILE_READ_WRITE, 0, &mut f) });
     let mut info = OrbiteFileInfo { size: size_of::<OrbiteFileInfo>() as u32, version: 1, ..Default::default() };
     ok(unsafe { orbite_file_query(f, &mut info) });

@@ -22,7 +22,25 @@ fn rust_layout() -> BTreeSet<String> {
     layout!(s, OrbitePeer { raw });
     layout!(s, OrbiteXfer { raw });
     layout!(s, OrbiteFile { raw });
-    layout!(s, OrbiteFileInfo { size, version, mode, closed, len, dev, ino });
+    layout!(
+        s,
+        OrbiteFileInfo {
+            size,
+            version,
+            mode,
+            closed,
+            len,
+            dev,
+            ino,
+            st_mode,
+            flags,
+            mtime_sec,
+            mtime_nsec,
+            dio_mem_align,
+            dio_offset_align,
+            reserved
+        }
+    );
     layout!(
         s,
         OrbiteAbiInfo {

@@ -29,7 +29,7 @@ _Static_assert(sizeof(OrbiteStatus) == 4, "OrbiteStatus is 32 bits");
     F(OrbiteXfer, raw, 0)                         \
     S(OrbiteFile, 8)                              \
     F(OrbiteFile, raw, 0)                         \
-    S(OrbiteFileInfo, 40)                         \
+    S(OrbiteFileInfo, 72)                         \
     F(OrbiteFileInfo, size, 0)                    \
     F(OrbiteFileInfo, version, 4)                 \
     F(OrbiteFileInfo, mode, 8)                    \
@@ -37,6 +37,13 @@ _Static_assert(sizeof(OrbiteStatus) == 4, "OrbiteStatus is 32 bits");
     F(OrbiteFileInfo, len, 16)                    \
     F(OrbiteFileInfo, dev, 24)                    \
     F(OrbiteFileInfo, ino, 32)                    \
+    F(OrbiteFileInfo, st_mode, 40)                \
+    F(OrbiteFileInfo, flags, 44)                  \
+    F(OrbiteFileInfo, mtime_sec, 48)              \
+    F(OrbiteFileInfo, mtime_nsec, 56)             \
+    F(OrbiteFileInfo, dio_mem_align, 60)          \
+    F(OrbiteFileInfo, dio_offset_align, 64)       \
+    F(OrbiteFileInfo, reserved, 68)               \
     S(OrbiteAbiInfo, 64)                          \
     F(OrbiteAbiInfo, size, 0)                     \
     F(OrbiteAbiInfo, version, 4)                  \

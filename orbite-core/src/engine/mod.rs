@@ -104,6 +104,9 @@ pub(crate) struct EngineInner {
     /// Page-locked buffers of staged tcp tasks (feature `cuda`).
     #[cfg(feature = "cuda")]
     staging_pool: Arc<stage::StagingPool>,
+    /// Aligned buffers for unaligned spans of `O_DIRECT` files, charged
+    /// as staging within `max_staging_bytes`.
+    bounce_pool: Arc<crate::file::BouncePool>,
     active: Mutex<HashMap<u64, Weak<TransferShared>>>,
     closed: AtomicBool,
     close_finished: AtomicBool,
@@ -426,6 +429,7 @@ impl EngineInner {
             self.route.shutdown();
             #[cfg(feature = "cuda")]
             self.staging_pool.clear();
+            self.bounce_pool.clear();
         }
         self.registry.deregister_all(&self.counters);
         self.close_finished.store(true, Ordering::Release);
@@ -665,6 +669,7 @@ impl TransferEngine {
             },
             #[cfg(feature = "cuda")]
             staging_pool: Arc::new(stage::StagingPool::new(counters.clone(), config.max_staging_bytes)),
+            bounce_pool: crate::file::BouncePool::charged(counters.clone(), config.max_staging_bytes),
             counters,
             registry: Registry::default(),
             drain_lock: Mutex::new(()),
@@ -905,7 +910,7 @@ impl TransferEngine {
         let (plan, loans, way, route) = {
             let reach = match (&target, &view) {
                 (PlanTarget::Peer(p), Some(v)) => Reach::Peer(p.reach(v)),
-                (PlanTarget::File(f), _) => Reach::File(f),
+                (PlanTarget::File(f), _) => Reach::File(f, &inner.bounce_pool),
                 _ => Reach::Loopback,
             };
             let policy = spec.options.route.unwrap_or(inner.config.route);

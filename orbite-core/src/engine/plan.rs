@@ -304,7 +304,7 @@ fn device_kind(
         )),
         #[cfg(feature = "cuda")]
         CopyKind::Frames => Ok((CopyKind::Frames, Some(device))),
-        CopyKind::File(_) => Err(Error::NotSupported(format!(
+        CopyKind::File(..) => Err(Error::NotSupported(format!(
             "CUDA device memory (device {device}) to a file: staging for files is not built yet"
         ))),
         #[allow(unreachable_patterns, reason = "without feature cuda no device registration exists")]

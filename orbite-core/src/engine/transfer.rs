@@ -19,7 +19,7 @@ use crate::engine::plan::Plan;
 use crate::engine::{EngineInner, QueuedExec};
 use crate::error::{BatchError, Error, RegistryError};
 use crate::registry::Registration;
-use crate::transport::{CopyJob, CopyProgram};
+use crate::transport::{CopyJob, CopyKind, CopyProgram};
 use crate::types::Resource;
 use crate::types::TaskReport;
 
@@ -139,7 +139,10 @@ impl CopyJob for RouteTask {
         if self.stage.is_some() {
             return false;
         }
-        !self.transfer.plan.program.kind.waits_for_device()
+        // A direct file's read-modify-write may wait for another task's
+        // write of the same file: a helping caller never waits on a copy.
+        let direct_file = matches!(&self.transfer.plan.program.kind, CopyKind::File(f, _) if f.dio_align().is_some());
+        !self.transfer.plan.program.kind.waits_for_device() && !direct_file
     }
 
     fn task(&self) -> u32 {

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::file::{Entry, FileIo, FileOp, FileSpan};
+use crate::file::{BouncePool, Entry, FileIo, FileOp, FileSpan};
 use crate::segment::ExportedRegistration;
 use crate::transport::route::{PeerReach, Reach, RouteImpl, Serves};
 use crate::transport::{CopyKind, Span};
@@ -23,7 +23,7 @@ impl RouteImpl for File {
 
     fn reaches(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<(), String> {
         match target {
-            Reach::File(_) => Ok(()),
+            Reach::File(..) => Ok(()),
             _ => Err("not a file".into()),
         }
     }
@@ -34,7 +34,7 @@ impl RouteImpl for File {
 
     fn copy_kind(&self, target: &Reach<'_>) -> CopyKind {
         match target {
-            Reach::File(entry) => CopyKind::File(Arc::clone(entry)),
+            Reach::File(entry, bounce) => CopyKind::File(Arc::clone(entry), Arc::clone(bounce)),
             // `reaches` refused every other target at prepare.
             _ => CopyKind::Frames,
         }
@@ -49,7 +49,7 @@ thread_local! {
 /// A file task (at most `limit` bytes): bytes landed are exact (a READ that
 /// meets the end of the file is short); an I/O error is a failure, a
 /// WRITE's effect then unknown.
-pub(crate) fn copy(entry: &Entry, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
+pub(crate) fn copy(entry: &Entry, bounce: &BouncePool, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
     let write = op == Op::Write;
     let mut left = limit;
     let file_spans: Vec<FileSpan> = spans
@@ -70,7 +70,7 @@ pub(crate) fn copy(entry: &Entry, op: Op, spans: &[Span], limit: u64) -> (u64, O
         let op = if write { FileOp::Write } else { FileOp::Read };
         // SAFETY: the job retains the range loans of every local span, and
         // the lifecycle admits each task once.
-        unsafe { io.run(entry, op, &file_spans) }
+        unsafe { io.run_with(entry, op, &file_spans, bounce) }
     });
     match outcome {
         Ok(o) if o.error.is_some() => (o.prefix, Some(TaskEnd::Failed { effect_unknown: write })),

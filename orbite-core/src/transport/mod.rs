@@ -77,8 +77,9 @@ pub(crate) enum CopyKind {
     /// `remote` are addresses in process `pid` (cross-memory copies),
     /// checked after each task as for `Mapped`.
     Cma { pid: i32, peer_alive: Option<LivenessCheck> },
-    /// `remote` are offsets in a local file.
-    File(Arc<crate::file::Entry>),
+    /// `remote` are offsets in a local file; unaligned spans of a direct
+    /// file bounce through the engine's pool.
+    File(Arc<crate::file::Entry>, Arc<crate::file::BouncePool>),
     /// `remote` are offsets in the peer registration `remote_reg`, sent as
     /// frames by the peer's link (never copied by this process).
     Frames,
@@ -137,7 +138,7 @@ impl CopyKind {
             CopyKind::Memory => (unsafe { copy_spans(op, spans, limit) }, None),
             CopyKind::Mapped { peer_alive } => shm::copy(op, spans, limit, peer_alive.as_ref()),
             CopyKind::Cma { pid, peer_alive } => cma::copy_task(*pid, op, spans, limit, peer_alive.as_ref()),
-            CopyKind::File(entry) => file::copy(entry, op, spans, limit),
+            CopyKind::File(entry, bounce) => file::copy(entry, bounce, op, spans, limit),
             CopyKind::Frames => {
                 debug_assert!(false, "frames are sent by the peer's link");
                 (0, Some(TaskEnd::Failed { effect_unknown: false }))

@@ -34,7 +34,7 @@ pub(crate) fn choose(
     let serves = match target {
         Reach::Loopback => Serves::Loopback,
         Reach::Peer(_) => Serves::Peer,
-        Reach::File(_) => Serves::File,
+        Reach::File(..) => Serves::File,
     };
     let choice = |r: &'static dyn RouteImpl, reason: String| Ok((r, RouteChoice { route: r.route(), reason }));
     if serves != Serves::Peer {

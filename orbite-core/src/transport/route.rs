@@ -45,7 +45,7 @@ pub(crate) enum Reach<'a> {
     /// A peer engine.
     Peer(PeerReach<'a>),
     /// A local file.
-    File(&'a std::sync::Arc<crate::file::Entry>),
+    File(&'a std::sync::Arc<crate::file::Entry>, &'a std::sync::Arc<crate::file::BouncePool>),
 }
 
 /// Which targets a route serves.
