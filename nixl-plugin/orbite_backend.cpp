@@ -19,15 +19,6 @@ constexpr uint64_t kCloseTimeoutMs = 5000;
 constexpr char kEnvelopeMagic[4] = {'O', 'N', 'F', '1'};
 constexpr size_t kMaxAgentName = 4096;
 
-std::string lastError() {
-    size_t needed = 0;
-    orbite_last_error(nullptr, 0, &needed);
-    std::string s(needed, '\0');
-    if (needed == 0 || orbite_last_error(s.data(), s.size(), &needed) != ORBITE_STATUS_OK) return {};
-    s.resize(needed - 1);
-    return s;
-}
-
 // Copies a variable-length output of the C ABI into a string.
 template <class F> OrbiteStatus fetchBytes(F call, std::string &out) {
     size_t needed = 0;
@@ -77,6 +68,15 @@ bool topLevelKeys(const std::string &json, std::vector<std::string> &keys, size_
 }
 
 } // namespace
+
+std::string lastError() {
+    size_t needed = 0;
+    orbite_last_error(nullptr, 0, &needed);
+    std::string s(needed, '\0');
+    if (needed == 0 || orbite_last_error(s.data(), s.size(), &needed) != ORBITE_STATUS_OK) return {};
+    s.resize(needed - 1);
+    return s;
+}
 
 std::string wrapNotification(const std::string &agent, const std::string &payload) {
     std::string out(kEnvelopeMagic, 4);
@@ -307,6 +307,13 @@ nixl_status_t Engine::fail(OrbiteStatus s, const char *what) const {
     return statusOf(s);
 }
 
+nixl_status_t Engine::refuse(OrbiteStatus s, const char *what) const {
+    // A registration or preparation refused is the caller's to fix: say
+    // why where NIXL_LOG_LEVEL shows errors.
+    NIXL_ERROR << "ORBITE: " << what << " refused: " << lastError();
+    return statusOf(s);
+}
+
 nixl_status_t Engine::registerMem(const nixlBlobDesc &mem, const nixl_mem_t &nixl_mem, nixlBackendMD *&out) {
     if (nixl_mem != DRAM_SEG && nixl_mem != VRAM_SEG) return NIXL_ERR_NOT_SUPPORTED;
     auto region = record<OrbiteMemRegion>();
@@ -328,13 +335,13 @@ nixl_status_t Engine::registerMem(const nixlBlobDesc &mem, const nixl_mem_t &nix
             NIXL_WARN << "ORBITE: VRAM registration on device " << mem.devId << " refused: " << lastError();
             return statusOf(s);
         }
-        return fail(s, "registerMem");
+        return refuse(s, "registerMem");
     }
     std::string exported;
     s = fetchBytes([&](uint8_t *b, size_t c, size_t *n) { return orbite_mem_export(reg, b, c, n); }, exported);
     if (s != ORBITE_STATUS_OK) {
         orbite_mem_deregister(reg);
-        return fail(s, "registerMem export");
+        return refuse(s, "registerMem export");
     }
     out = new (std::nothrow) LocalMD(reg, mem.addr, mem.len, std::move(exported));
     if (out == nullptr) {
@@ -467,7 +474,7 @@ nixl_status_t Engine::loadRemoteMD(const nixlBlobDesc &input, const nixl_mem_t &
     auto range = record<OrbiteRemoteRange>();
     OrbiteStatus s = orbite_peer_import_range(peer, reinterpret_cast<const uint8_t *>(input.metaInfo.data()),
                                               input.metaInfo.size(), &range);
-    if (s != ORBITE_STATUS_OK) return fail(s, "loadRemoteMD");
+    if (s != ORBITE_STATUS_OK) return refuse(s, "loadRemoteMD");
     if (input.addr < range.addr || input.len > range.len || input.addr - range.addr > range.len - input.len) {
         return NIXL_ERR_INVALID_PARAM;
     }
@@ -482,7 +489,7 @@ nixl_status_t Engine::loadLocalMD(nixlBackendMD *input, nixlBackendMD *&output) 
     // deregisters the source.
     auto range = record<OrbiteRemoteRange>();
     OrbiteStatus s = orbite_mem_remote_range(md->reg, &range);
-    if (s != ORBITE_STATUS_OK) return fail(s, "loadLocalMD");
+    if (s != ORBITE_STATUS_OK) return refuse(s, "loadLocalMD");
     output = new (std::nothrow) RemoteMD(self_, localAgent, range);
     return output == nullptr ? NIXL_ERR_BACKEND : NIXL_SUCCESS;
 }
@@ -511,7 +518,7 @@ nixl_status_t Engine::prepare(Request &r) const {
     }
     OrbiteXfer x{};
     OrbiteStatus s = orbite_xfer_prepare(engine_, &spec, &x);
-    if (s != ORBITE_STATUS_OK) return fail(s, "prepXfer");
+    if (s != ORBITE_STATUS_OK) return refuse(s, "prepXfer");
     r.xfer = x;
     return NIXL_SUCCESS;
 }

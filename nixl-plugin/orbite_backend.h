@@ -110,6 +110,8 @@ bool unwrapNotification(const std::string &bytes, std::string &agent, std::strin
 nixl_status_t statusOf(const OrbiteXferState &s);
 // NIXL status of a failed C ABI call.
 nixl_status_t statusOf(OrbiteStatus s);
+// The calling thread's last error message from the C ABI ("" if none).
+std::string lastError();
 
 // Builds the engine's configuration from the backend's parameters: the
 // explicit OrbiTE JSON ("config"), else the document in ORBITE_CONFIG (a
@@ -189,6 +191,8 @@ private:
     static void closeSlot(PeerSlot &slot);
     nixl_status_t prepare(Request &r) const;
     nixl_status_t fail(OrbiteStatus s, const char *what) const;
+    // As fail(), logged at ERROR: a registration or preparation refused.
+    nixl_status_t refuse(OrbiteStatus s, const char *what) const;
     // Releases the engine transfers of requests whose release was refused
     // while active, once they retired (NIXL may drop such a request
     // without asking again).

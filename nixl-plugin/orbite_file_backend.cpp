@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <sstream>
 
 #include "common/nixl_log.h"
 #include "orbite_backend.h"
@@ -31,8 +32,9 @@ public:
 // duplicate, so the caller's fd number may be closed and reused.
 class FileMD : public nixlBackendMD {
 public:
-    explicit FileMD(OrbiteFile file) : nixlBackendMD(true), file(file) {}
+    FileMD(OrbiteFile file, int fd) : nixlBackendMD(true), file(file), fd(fd) {}
     OrbiteFile file;
+    int fd; // the caller's number at registration, for queryMem
 };
 
 // loadLocalMD's wrapper: unloading it never deregisters the source.
@@ -41,6 +43,22 @@ public:
     explicit LocalRef(nixlBackendMD *target) : nixlBackendMD(false), target(target) {}
     nixlBackendMD *target;
 };
+
+// Every registration or preparation refused says why through NIXL's
+// logger, with the engine's reason where the engine refused.
+nixl_status_t refused(nixl_status_t status, const char *what, const std::string &why) {
+    NIXL_ERROR << "ORBITE_FILE: " << what << " refused: " << why;
+    return status;
+}
+
+// The parts, streamed into one string.
+template <class... Parts> std::string said(const Parts &...parts) {
+    std::ostringstream out;
+    (out << ... << parts);
+    return out.str();
+}
+
+nixl_status_t refusedBy(OrbiteStatus s, const char *what) { return refused(statusOf(s), what, lastError()); }
 
 nixlBackendMD *resolve(nixlBackendMD *md) {
     auto *ref = dynamic_cast<LocalRef *>(md);
@@ -70,8 +88,15 @@ struct Pending {
     std::vector<FileRequest *> requests;
 };
 
+// The files registered, by the caller's descriptor number at registration
+// (queryMem answers a descriptor from the engine's own duplicate).
+struct Files {
+    std::mutex mutex;
+    std::multimap<int, OrbiteFile> by_fd;
+};
+
 FileEngine::FileEngine(const nixlBackendInitParams *init_params)
-    : nixlBackendEngine(init_params), pending_(std::make_shared<Pending>()) {
+    : nixlBackendEngine(init_params), pending_(std::make_shared<Pending>()), files_(std::make_shared<Files>()) {
     try {
         std::string json = "{}";
         if (init_params->customParams != nullptr) {
@@ -130,25 +155,31 @@ nixl_status_t FileEngine::registerMem(const nixlBlobDesc &mem, const nixl_mem_t 
         region.permission = ORBITE_PERM_LOCAL_ONLY;
         OrbiteRegistration reg{};
         OrbiteStatus s = orbite_mem_register(engine_, &region, &reg);
-        if (s != ORBITE_STATUS_OK) return statusOf(s);
+        if (s != ORBITE_STATUS_OK) return refusedBy(s, "registerMem (DRAM)");
         out = new (std::nothrow) MemMD(reg, mem.addr);
         if (out == nullptr) {
             orbite_mem_deregister(reg);
-            return NIXL_ERR_BACKEND;
+            return refused(NIXL_ERR_BACKEND, "registerMem (DRAM)", "out of memory");
         }
         return NIXL_SUCCESS;
     }
-    if (nixl_mem != FILE_SEG) return NIXL_ERR_NOT_SUPPORTED;
-    if (mem.devId > static_cast<uint64_t>(INT32_MAX)) return NIXL_ERR_INVALID_PARAM;
+    if (nixl_mem != FILE_SEG)
+        return refused(NIXL_ERR_NOT_SUPPORTED, "registerMem", "only DRAM and FILE registrations are taken");
+    if (mem.devId > static_cast<uint64_t>(INT32_MAX))
+        return refused(NIXL_ERR_INVALID_PARAM, "registerMem (FILE)", said("devId ", mem.devId, " is not a file descriptor"));
     int fd = static_cast<int>(mem.devId);
     OrbiteFile file{};
     OrbiteStatus s = orbite_file_adopt(engine_, fd, ORBITE_FILE_READ_WRITE, &file);
     if (s == ORBITE_STATUS_NOT_ALLOWED) s = orbite_file_adopt(engine_, fd, ORBITE_FILE_READ_ONLY, &file);
-    if (s != ORBITE_STATUS_OK) return statusOf(s);
-    out = new (std::nothrow) FileMD(file);
+    if (s != ORBITE_STATUS_OK) return refusedBy(s, "registerMem (FILE)");
+    out = new (std::nothrow) FileMD(file, fd);
     if (out == nullptr) {
         orbite_file_close(file, kCloseTimeoutMs);
-        return NIXL_ERR_BACKEND;
+        return refused(NIXL_ERR_BACKEND, "registerMem (FILE)", "out of memory");
+    }
+    {
+        std::lock_guard<std::mutex> lock(files_->mutex);
+        files_->by_fd.emplace(fd, file);
     }
     return NIXL_SUCCESS;
 }
@@ -160,6 +191,16 @@ nixl_status_t FileEngine::deregisterMem(nixlBackendMD *meta) {
         return statusOf(s);
     }
     if (auto *f = dynamic_cast<FileMD *>(meta)) {
+        {
+            std::lock_guard<std::mutex> lock(files_->mutex);
+            auto range = files_->by_fd.equal_range(f->fd);
+            for (auto it = range.first; it != range.second; ++it) {
+                if (it->second.raw == f->file.raw) {
+                    files_->by_fd.erase(it);
+                    break;
+                }
+            }
+        }
         // Fences new transfers and waits for admitted I/O.
         OrbiteStatus s = orbite_file_close(f->file, kCloseTimeoutMs);
         delete f;
@@ -196,15 +237,22 @@ nixl_status_t FileEngine::prepXfer(const nixl_xfer_op_t &operation, const nixl_m
                                    const nixl_meta_dlist_t &remote, const std::string &remote_agent,
                                    nixlBackendReqH *&handle, const nixl_opt_b_args_t *opt_args) const {
     // Everything is checked before any I/O.
-    if (remote_agent != localAgent) return NIXL_ERR_NOT_SUPPORTED; // local files only
-    if (opt_args != nullptr && opt_args->hasNotif) return NIXL_ERR_NOT_SUPPORTED;
-    if (opt_args != nullptr && !opt_args->customParam.empty()) return NIXL_ERR_INVALID_PARAM;
+    const char *what = "prepXfer";
+    if (remote_agent != localAgent)
+        return refused(NIXL_ERR_NOT_SUPPORTED, what, said("files are local: remote agent '", remote_agent, "'"));
+    if (opt_args != nullptr && opt_args->hasNotif)
+        return refused(NIXL_ERR_NOT_SUPPORTED, what, "a notification to a local file");
+    if (opt_args != nullptr && !opt_args->customParam.empty())
+        return refused(NIXL_ERR_INVALID_PARAM, what, "custom parameters are not taken");
     bool file_local = local.getType() == FILE_SEG, file_remote = remote.getType() == FILE_SEG;
-    if (file_local == file_remote) return NIXL_ERR_NOT_SUPPORTED; // exactly one side is a file
+    if (file_local == file_remote)
+        return refused(NIXL_ERR_NOT_SUPPORTED, what, "exactly one side must be FILE");
     const nixl_meta_dlist_t &mems = file_local ? remote : local;
     const nixl_meta_dlist_t &files = file_local ? local : remote;
-    if (mems.getType() != DRAM_SEG) return NIXL_ERR_NOT_SUPPORTED;
-    if (mems.descCount() != files.descCount()) return NIXL_ERR_INVALID_PARAM;
+    if (mems.getType() != DRAM_SEG) return refused(NIXL_ERR_NOT_SUPPORTED, what, "the memory side must be DRAM");
+    if (mems.descCount() != files.descCount())
+        return refused(NIXL_ERR_INVALID_PARAM, what,
+                       said(mems.descCount(), " memory descriptors against ", files.descCount(), " file descriptors"));
     // NIXL READ moves remote bytes into the local list, WRITE the reverse;
     // with the file on the local list the memory-side operation flips.
     bool file_to_memory = (operation == NIXL_READ) == file_remote;
@@ -217,10 +265,13 @@ nixl_status_t FileEngine::prepXfer(const nixl_xfer_op_t &operation, const nixl_m
     for (int i = 0; i < mems.descCount(); ++i) {
         const auto &m = mems[i];
         const auto &f = files[i];
-        if (m.len != f.len) return NIXL_ERR_INVALID_PARAM;
+        if (m.len != f.len)
+            return refused(NIXL_ERR_INVALID_PARAM, what,
+                           said("descriptor ", i, ": ", m.len, " bytes of memory against ", f.len, " of file"));
         auto *mmd = dynamic_cast<MemMD *>(resolve(m.metadataP));
         auto *fmd = dynamic_cast<FileMD *>(resolve(f.metadataP));
-        if (mmd == nullptr || fmd == nullptr || m.addr < mmd->addr) return NIXL_ERR_INVALID_PARAM;
+        if (mmd == nullptr || fmd == nullptr || m.addr < mmd->addr)
+            return refused(NIXL_ERR_INVALID_PARAM, what, said("descriptor ", i, " is not a registration of this backend"));
         auto g = std::find_if(groups.begin(), groups.end(), [&](const Group &x) { return x.file.raw == fmd->file.raw; });
         if (g == groups.end()) g = groups.insert(groups.end(), Group{fmd->file, {}, {}});
         g->mem.push_back(OrbiteDesc{mmd->reg.raw, m.addr - mmd->addr, m.len});
@@ -237,8 +288,9 @@ nixl_status_t FileEngine::prepXfer(const nixl_xfer_op_t &operation, const nixl_m
         OrbiteXfer x{};
         OrbiteStatus s = orbite_xfer_prepare_file(engine_, &spec, g.file, &x);
         if (s != ORBITE_STATUS_OK) {
+            nixl_status_t status = refusedBy(s, what);
             for (auto done : r->xfers) orbite_xfer_release(done);
-            return statusOf(s);
+            return status;
         }
         r->xfers.push_back(x);
         r->files.push_back(g.file);
@@ -356,14 +408,60 @@ nixl_status_t FileEngine::queryMem(const nixl_reg_dlist_t &descs, std::vector<ni
     if (descs.getType() != FILE_SEG) return NIXL_ERR_NOT_SUPPORTED;
     resp.clear();
     for (const auto &d : descs) {
-        // As NIXL's file backends do: the descriptor's metadata is a path;
-        // a missing file answers no facts. Only what stat knows is reported.
+        // As NIXL's file backends do: the descriptor's metadata is a path,
+        // answered from stat with size, mode and mtime; a missing file
+        // answers no facts. A descriptor without a path whose devId is a
+        // file registered here is answered from the engine's duplicate,
+        // with what the engine applies to it.
+        auto info = record<OrbiteFileInfo>();
+        bool registered = false;
+        {
+            std::lock_guard<std::mutex> lock(files_->mutex);
+            auto it = d.devId <= static_cast<uint64_t>(INT32_MAX) ? files_->by_fd.find(static_cast<int>(d.devId))
+                                                                    : files_->by_fd.end();
+            registered = it != files_->by_fd.end() && orbite_file_query(it->second, &info) == ORBITE_STATUS_OK;
+        }
         struct stat st{};
-        if (d.metaInfo.empty() || ::stat(d.metaInfo.c_str(), &st) != 0) {
+        nixl_b_params_t facts;
+        if (!d.metaInfo.empty()) {
+            if (::stat(d.metaInfo.c_str(), &st) != 0) {
+                resp.emplace_back(std::nullopt);
+                continue;
+            }
+            facts = {{"size", std::to_string(st.st_size)},
+                     {"mode", std::to_string(st.st_mode)},
+                     {"mtime", std::to_string(st.st_mtime)}};
+            // The engine's facts belong to this path only if it is the
+            // same file.
+            registered = registered && info.dev == st.st_dev && info.ino == st.st_ino;
+        } else if (registered) {
+            facts = {{"size", std::to_string(info.len)},
+                     {"mode", std::to_string(info.st_mode)},
+                     {"mtime", std::to_string(info.mtime_sec)}};
+        } else {
             resp.emplace_back(std::nullopt);
             continue;
         }
-        resp.emplace_back(nixl_b_params_t{{"size", std::to_string(st.st_size)}});
+        if (registered) {
+            // What the registration gives, beyond NIXL's keys (docs/files.md).
+            // (Each value a separate literal: GCC 12 at -O3 misreads a
+            // choice between literals as an overlapping copy.)
+            if ((info.flags & ORBITE_FILE_DIRECT) != 0)
+                facts.emplace("direct", std::string(1, '1'));
+            else
+                facts.emplace("direct", std::string(1, '0'));
+            std::string sync = "none";
+            if ((info.flags & ORBITE_FILE_SYNC) != 0)
+                sync.assign("O_SYNC");
+            else if ((info.flags & ORBITE_FILE_DSYNC) != 0)
+                sync.assign("O_DSYNC");
+            facts.emplace("sync", std::move(sync));
+            if ((info.flags & ORBITE_FILE_DIRECT) != 0) {
+                facts["dio_mem_align"] = std::to_string(info.dio_mem_align);
+                facts["dio_offset_align"] = std::to_string(info.dio_offset_align);
+            }
+        }
+        resp.emplace_back(std::move(facts));
     }
     return NIXL_SUCCESS;
 }

@@ -53,6 +53,7 @@ private:
 
     OrbiteEngine engine_{};
     std::shared_ptr<struct Pending> pending_;
+    std::shared_ptr<struct Files> files_;
 };
 
 } // namespace orbite_nixl

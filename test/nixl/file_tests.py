@@ -43,7 +43,10 @@ The tests (each ends with the engine's stats back at its baseline):
 - n09_release_while_active: NIXL's second release of a held request must
   not leak the engine's transfer (nor keep the engine alive).
 - n09_refused: unsupported requests refused before any I/O.
-- n09_query_memory: sizes from stat, None for missing paths.
+- n09_query_memory: size, mode and mtime from stat, None for missing paths;
+  a registered descriptor answers from the engine.
+- n09_direct: O_DIRECT and O_DSYNC files, aligned and bounced spans, the
+  query's direct-I/O keys, a refusal's reason in NIXL's log.
 - n09_poll_yields: a poll of a request in progress yields the processor
   once (sched_yield, counted by a shim preloaded into that test's process
   only), a poll of a finished one never.
@@ -1199,7 +1202,13 @@ def n09_query_memory(folder):
     run_done(agent, h, "a WRITE beyond the end")
     agent.release_xfer_handle(h)
     got = agent.query_memory([(0, 0, fd, p)], "ORBITE_FILE", "FILE")
-    check(got == [{"size": str(20000 + 8192)}], f"query after extending the file: {got!r}")
+    st = os.stat(p)
+    want = {"size": str(20000 + 8192), "mode": str(st.st_mode), "mtime": str(int(st.st_mtime)),
+            "direct": "0", "sync": "none"}
+    check(got == [want], f"query after extending the file: {got!r}, want {want!r}")
+    # the registered descriptor alone (no path) answers from the engine
+    got = agent.query_memory([(0, 0, fd, "")], "ORBITE_FILE", "FILE")
+    check(got == [want], f"query of the registered descriptor: {got!r}")
     fb = file_bytes(p)
     check(fb.size == 28192 and not fb[12345:20000].any(), "the hole before the extension is not zeros")
     same_bytes(fb[20000:], mem, "the bytes written beyond the old end")
@@ -1210,6 +1219,102 @@ def n09_query_memory(folder):
     # other memory types are not answered
     exc = refused(agent.query_memory, "query_memory on DRAM", [(mem.ctypes.data, 8192, 0, "")], "ORBITE_FILE", "DRAM")
     expect_error(exc, ["nixlNotSupportedError"], "query_memory on DRAM")
+    agent.deregister_memory(r_file)
+    agent.deregister_memory(r_mem)
+    env.finish()
+
+
+# ---------------------------------------------------------------------------
+# n09_direct
+# ---------------------------------------------------------------------------
+
+
+def _stderr_of(fn):
+    """Runs fn() with this process's stderr (fd 2) sent to a file; returns
+    (fn's result or exception, what was written)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as out:
+        os.dup2(out.fileno(), 2)
+        try:
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - returned to the caller
+                result = e
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        out.seek(0)
+        return result, out.read().decode(errors="replace")
+
+
+def n09_direct(folder):
+    """Files opened O_DIRECT (as NIXL's storage example and NVMe offload
+    open them) and O_DSYNC register; unaligned memory and extents move
+    through the bounce pool, aligned ones straight; query_memory says what
+    the registration gives; a refused registration says why in NIXL's log."""
+    numpy = np()
+    env = Env(folder)
+    agent = env.agent
+    n = 1 << 20
+    original = pattern(n, 900)
+    path, plain = env.file("direct", original)
+    env.close_fd(plain)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_DSYNC | os.O_CLOEXEC)
+    except OSError as e:
+        note(f"SKIP n09_direct: {fs_type(folder)} refuses O_DIRECT ({e})")
+        env.finish()
+        return
+    env.fds.append(fd)
+    r_file = reg_file(agent, fd, path, n)
+    got = agent.query_memory([(0, 0, fd, path)], "ORBITE_FILE", "FILE")[0]
+    st = os.stat(path)
+    check(got is not None and got.get("size") == str(n) and got.get("mode") == str(st.st_mode)
+          and got.get("mtime") == str(int(st.st_mtime)), f"query of a direct file: {got!r}")
+    check(got.get("direct") == "1" and got.get("sync") == "O_DSYNC", f"direct and durability in the query: {got!r}")
+    align = int(got.get("dio_offset_align", "0"))
+    check(align > 0 and align & (align - 1) == 0, f"the direct-I/O alignment: {got!r}")
+    # memory: one page-aligned buffer and one off by 3
+    raw = numpy.zeros(3 * n + 8192, dtype=numpy.uint8)
+    at = (-raw.ctypes.data) % 4096
+    mem = raw[at:at + 3 * n]
+    r_mem = reg_dram(agent, mem)
+    base = mem.ctypes.data
+    src = pattern(n, 901)
+    mem[:n] = src
+    mem[n + 3:2 * n + 3] = src
+    # WRITE: aligned (memory and file), then unaligned (memory off by 3,
+    # file extent inside blocks at both ends)
+    h = file_xfer(agent, True, [(base, 65536), (base + n + 3 + 100, 5000)], [(4096, 65536, fd), (200_001, 5000, fd)],
+                  False)
+    run_done(agent, h, "a WRITE into a direct file")
+    agent.release_xfer_handle(h)
+    want = original.copy()
+    want[4096:4096 + 65536] = src[:65536]
+    want[200_001:205_001] = src[100:5100]
+    same_bytes(file_bytes(path), want, "the direct file after the WRITE")
+    # READ both back into zeroed memory
+    mem[:] = 0
+    h = file_xfer(agent, False, [(base, 65536), (base + n + 3 + 100, 5000)], [(4096, 65536, fd), (200_001, 5000, fd)],
+                  False)
+    run_done(agent, h, "a READ from a direct file")
+    agent.release_xfer_handle(h)
+    same_bytes(mem[:65536], src[:65536], "the aligned READ")
+    same_bytes(mem[n + 103:n + 5103], src[100:5100], "the unaligned READ")
+    check(not mem[65536:n + 103].any() and not mem[n + 5103:].any(), "guard bytes around the READs")
+    # (bounce buffers stay in the pool for reuse until the engine closes)
+    stats = env.hooks.all_stats()
+    check(stats["staging_buffers"] >= 1, f"the unaligned spans bounced: {stats!r}")
+    # a refused registration says why through NIXL's logger
+    d = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        res, log = _stderr_of(lambda: reg_file(agent, d, folder, 4096))
+    finally:
+        os.close(d)
+    check(isinstance(res, Exception), f"a directory registered as a FILE: {res!r}")
+    check("ORBITE_FILE" in log and "refused" in log and "not a regular file" in log,
+          f"the refusal in NIXL's log: {log!r}")
     agent.deregister_memory(r_file)
     agent.deregister_memory(r_mem)
     env.finish()
@@ -1226,6 +1331,7 @@ TESTS = [
     ("n09_release_while_active", n09_release_while_active),
     ("n09_refused", n09_refused),
     ("n09_query_memory", n09_query_memory),
+    ("n09_direct", n09_direct),
     ("n09_poll_yields", n09_poll_yields),
 ]
 
