@@ -132,6 +132,30 @@ unsafe fn put<T: Record>(p: *mut T, value: T) {
     unsafe { std::ptr::write(p, value) }
 }
 
+/// Writes `value` as the record the caller's `header` ([size, version])
+/// asks for: whole when it is this library's, or the prefix of an older
+/// version whose size is in `older` (the same fields, in the same places),
+/// with the caller's size in it.
+///
+/// # Safety
+/// `p` passed [`check_pointer`] and is writable for the size its header
+/// declares (the caller's contract).
+unsafe fn put_versioned<T: Record>(p: *mut T, header: [u32; 2], value: T, older: &[usize]) -> Res {
+    let [size, version] = header;
+    if version == ORBITE_RECORD_VERSION && older.contains(&(size as usize)) {
+        // SAFETY: `size` bytes writable (# Safety), fewer than `T` has.
+        unsafe {
+            std::ptr::copy_nonoverlapping((&value as *const T).cast::<u8>(), p.cast::<u8>(), size as usize);
+            std::ptr::write(p.cast::<u32>(), size);
+        }
+        return Ok(());
+    }
+    check_header::<T>(size, version)?;
+    // SAFETY: checked: non-null, aligned, and the whole record writable.
+    unsafe { put(p, value) };
+    Ok(())
+}
+
 /// Writes `code` to an optional output (`p` may be null).
 ///
 /// # Safety
@@ -563,26 +587,10 @@ pub unsafe extern "C" fn orbite_engine_stats(engine: OrbiteEngine, out: *mut Orb
         check_pointer(out, OrbiteStats::NAME)?;
         // SAFETY: caller's contract: `out` is readable for its header.
         let [size, version] = unsafe { std::ptr::read(out.cast::<[u32; 2]>()) };
-        let mut record = stats_record(e.engine.stats());
-        if [STATS_1_1_SIZE, STATS_1_2_SIZE, STATS_1_3_SIZE].contains(&(size as usize))
-            && version == ORBITE_RECORD_VERSION
-        {
-            record.size = size;
-            // SAFETY: caller's contract: a writable record of `size` bytes,
-            // a prefix of this one (the same fields, in the same places).
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    (&record as *const OrbiteStats).cast::<u8>(),
-                    out.cast::<u8>(),
-                    size as usize,
-                )
-            };
-            return Ok(());
-        }
-        check_header::<OrbiteStats>(size, version)?;
-        // SAFETY: checked above.
-        unsafe { put(out, record) };
-        Ok(())
+        let older = [STATS_1_1_SIZE, STATS_1_2_SIZE, STATS_1_3_SIZE];
+        // SAFETY: checked pointer; the caller's contract covers the size
+        // its header declares.
+        unsafe { put_versioned(out, [size, version], stats_record(e.engine.stats()), &older) }
     })
 }
 
@@ -1350,16 +1358,12 @@ pub unsafe extern "C" fn orbite_file_query(file: OrbiteFile, out: *mut OrbiteFil
         let f = file_of(file)?;
         check_pointer(out, OrbiteFileInfo::NAME)?;
         // SAFETY: caller's contract: `out` is readable for its header.
-        let [size, version] = unsafe { std::ptr::read(out.cast::<[u32; 2]>()) };
-        let old = size as usize == FILE_INFO_1_4_SIZE && version == ORBITE_RECORD_VERSION;
-        if !old {
-            check_header::<OrbiteFileInfo>(size, version)?;
-        }
+        let header = unsafe { std::ptr::read(out.cast::<[u32; 2]>()) };
         let (dev, ino) = f.entry.identity();
         let facts = f.entry.facts().map_err(orbite_core::Error::from)?;
         let of = f.entry.flags();
         let dio = f.entry.dio_align();
-        let mut value = OrbiteFileInfo {
+        let value = OrbiteFileInfo {
             size: size_of::<OrbiteFileInfo>() as u32,
             version: ORBITE_RECORD_VERSION,
             mode: match f.entry.mode() {
@@ -1380,22 +1384,9 @@ pub unsafe extern "C" fn orbite_file_query(file: OrbiteFile, out: *mut OrbiteFil
             dio_offset_align: dio.map_or(0, |d| d.offset),
             reserved: 0,
         };
-        if old {
-            value.size = size;
-            // SAFETY: caller's contract: a writable record of `size` bytes,
-            // a prefix of this one (the same fields, in the same places).
-            unsafe {
-                std::ptr::copy_nonoverlapping(
-                    (&value as *const OrbiteFileInfo).cast::<u8>(),
-                    out.cast::<u8>(),
-                    size as usize,
-                )
-            };
-            return Ok(());
-        }
-        // SAFETY: checked above.
-        unsafe { put(out, value) };
-        Ok(())
+        // SAFETY: checked pointer (above); the caller's contract covers the
+        // size its header declares.
+        unsafe { put_versioned(out, header, value, &[FILE_INFO_1_4_SIZE]) }
     })
 }
 
