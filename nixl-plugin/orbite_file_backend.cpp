@@ -146,25 +146,39 @@ FileEngine::~FileEngine() {
     }
 }
 
+nixl_mem_list_t FileEngine::getSupportedMems() const {
+    if (vramAvailable()) return {DRAM_SEG, VRAM_SEG, FILE_SEG};
+    return {DRAM_SEG, FILE_SEG};
+}
+
 nixl_status_t FileEngine::registerMem(const nixlBlobDesc &mem, const nixl_mem_t &nixl_mem, nixlBackendMD *&out) {
-    if (nixl_mem == DRAM_SEG) {
+    if (nixl_mem == DRAM_SEG || nixl_mem == VRAM_SEG) {
+        const char *what = nixl_mem == DRAM_SEG ? "registerMem (DRAM)" : "registerMem (VRAM)";
         auto region = record<OrbiteMemRegion>();
         region.addr = mem.addr;
         region.len = mem.len;
         region.kind = ORBITE_MEM_DRAM;
         region.permission = ORBITE_PERM_LOCAL_ONLY;
+        if (nixl_mem == VRAM_SEG) {
+            // NIXL's device id of VRAM is the CUDA ordinal; the engine checks
+            // the range with the driver, or says why it takes no VRAM.
+            if (mem.devId > UINT32_MAX)
+                return refused(NIXL_ERR_INVALID_PARAM, what, said("device ", mem.devId, " is no CUDA ordinal"));
+            region.kind = ORBITE_MEM_VRAM;
+            region.device = static_cast<uint32_t>(mem.devId);
+        }
         OrbiteRegistration reg{};
         OrbiteStatus s = orbite_mem_register(engine_, &region, &reg);
-        if (s != ORBITE_STATUS_OK) return refusedBy(s, "registerMem (DRAM)");
+        if (s != ORBITE_STATUS_OK) return refusedBy(s, what);
         out = new (std::nothrow) MemMD(reg, mem.addr);
         if (out == nullptr) {
             orbite_mem_deregister(reg);
-            return refused(NIXL_ERR_BACKEND, "registerMem (DRAM)", "out of memory");
+            return refused(NIXL_ERR_BACKEND, what, "out of memory");
         }
         return NIXL_SUCCESS;
     }
     if (nixl_mem != FILE_SEG)
-        return refused(NIXL_ERR_NOT_SUPPORTED, "registerMem", "only DRAM and FILE registrations are taken");
+        return refused(NIXL_ERR_NOT_SUPPORTED, "registerMem", "only DRAM, VRAM and FILE registrations are taken");
     if (mem.devId > static_cast<uint64_t>(INT32_MAX))
         return refused(NIXL_ERR_INVALID_PARAM, "registerMem (FILE)", said("devId ", mem.devId, " is not a file descriptor"));
     int fd = static_cast<int>(mem.devId);
@@ -249,7 +263,8 @@ nixl_status_t FileEngine::prepXfer(const nixl_xfer_op_t &operation, const nixl_m
         return refused(NIXL_ERR_NOT_SUPPORTED, what, "exactly one side must be FILE");
     const nixl_meta_dlist_t &mems = file_local ? remote : local;
     const nixl_meta_dlist_t &files = file_local ? local : remote;
-    if (mems.getType() != DRAM_SEG) return refused(NIXL_ERR_NOT_SUPPORTED, what, "the memory side must be DRAM");
+    if (mems.getType() != DRAM_SEG && mems.getType() != VRAM_SEG)
+        return refused(NIXL_ERR_NOT_SUPPORTED, what, "the memory side must be DRAM or VRAM");
     if (mems.descCount() != files.descCount())
         return refused(NIXL_ERR_INVALID_PARAM, what,
                        said(mems.descCount(), " memory descriptors against ", files.descCount(), " file descriptors"));

@@ -24,7 +24,7 @@ public:
     bool supportsRemote() const override { return false; }
     bool supportsLocal() const override { return true; }
     bool supportsNotif() const override { return false; }
-    nixl_mem_list_t getSupportedMems() const override { return {DRAM_SEG, FILE_SEG}; }
+    nixl_mem_list_t getSupportedMems() const override;
 
     nixl_status_t registerMem(const nixlBlobDesc &mem, const nixl_mem_t &nixl_mem, nixlBackendMD *&out) override;
     nixl_status_t deregisterMem(nixlBackendMD *meta) override;

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Plugin entry points of the local-only ORBITE_FILE backend.
 #include "backend/backend_plugin.h"
+#include "orbite_backend.h"
 #include "orbite_file_backend.h"
 
 namespace {
@@ -17,7 +18,12 @@ void destroyEngine(nixlBackendEngine *engine) { delete engine; }
 const char *pluginName() { return "ORBITE_FILE"; }
 const char *pluginVersion() { return "0.1.0"; }
 nixl_b_params_t backendOptions() { return {{"config", "{}"}}; }
-nixl_mem_list_t backendMems() { return {DRAM_SEG, FILE_SEG}; }
+nixl_mem_list_t backendMems() {
+    // VRAM moves to and from files through the engine's staging buffers
+    // where the library has a CUDA device.
+    if (orbite_nixl::vramAvailable()) return {DRAM_SEG, VRAM_SEG, FILE_SEG};
+    return {DRAM_SEG, FILE_SEG};
+}
 
 nixlBackendPlugin plugin = {NIXL_PLUGIN_API_VERSION, createEngine, destroyEngine, pluginName,
                             pluginVersion,           backendOptions, backendMems};

@@ -563,38 +563,178 @@ mod with_the_feature {
         );
     }
 
-    /// No CPU copy is ever handed a device address: a transfer between
-    /// device memory and a file, or a peer, is refused at prepare (until
-    /// those routes stage), and nothing is charged.
-    #[test]
-    fn other_routes_refuse_device_memory_at_prepare() {
-        let Some((_, _turn)) = devices("other_routes_refuse_device_memory_at_prepare") else { return };
-        let e = engine("{}");
-        let base = e.stats();
-        let m = e.allocate_cuda_memory(0, 65536).unwrap();
-        let v = e
-            .register_memory_ranges(vec![MemoryRange::cuda(&m, 0, 65536, Permission::RemoteReadWrite).unwrap()])
-            .unwrap()[0];
-        let dir = std::env::temp_dir().join(format!("orbite-cuda-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("f");
-        std::fs::write(&path, vec![0u8; 65536]).unwrap();
-        let entry = std::sync::Arc::new(
-            file::Entry::open(&path, file::FileMode::ReadWrite, file::OpenFlags::default()).unwrap(),
-        );
-        for op in [Op::Write, Op::Read] {
-            let (l, r) = (descs(v, &[(0, 4096)]), descs(v, &[(0, 4096)]));
-            let Err(err) = e.prepare(&TransferSpec::new(op, &l, &r, Target::File(&entry))) else {
-                panic!("{op:?} to a file prepared with device memory")
-            };
-            assert!(not_supported(&err).contains("CUDA device memory"), "{err}");
+    /// A file for the device tests: `bytes` in a fresh file under the temp
+    /// folder, opened with `flags`; removed with its folder on drop.
+    struct DeviceFile {
+        dir: std::path::PathBuf,
+        path: std::path::PathBuf,
+        entry: std::sync::Arc<file::Entry>,
+    }
+
+    impl DeviceFile {
+        fn new(name: &str, bytes: &[u8], flags: file::OpenFlags) -> DeviceFile {
+            let dir = std::env::temp_dir().join(format!("orbite-cuda-{}-{name}", std::process::id()));
+            std::fs::create_dir_all(&dir).unwrap();
+            let path = dir.join("f");
+            std::fs::write(&path, bytes).unwrap();
+            let entry = std::sync::Arc::new(file::Entry::open(&path, file::FileMode::ReadWrite, flags).unwrap());
+            DeviceFile { dir, path, entry }
         }
-        drop(entry);
-        let _ = std::fs::remove_dir_all(&dir);
+
+        fn bytes(&self) -> Vec<u8> {
+            std::fs::read(&self.path).unwrap()
+        }
+    }
+
+    impl Drop for DeviceFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    /// Device memory to and from a file: bounced through the staging
+    /// pool's page-locked buffers (no CPU copy is handed a device
+    /// address), tasks larger than a buffer and tasks that fit one, page
+    /// cache and O_DIRECT, aligned and unaligned extents; bytes and guards
+    /// on both sides; a READ across the end of the file lands exactly the
+    /// bytes there and ends short; staging back to nothing at close.
+    #[test]
+    fn device_memory_moves_to_and_from_files_through_staging() {
+        let Some((_, _turn)) = devices("device_memory_moves_to_and_from_files_through_staging") else { return };
+        let direct = file::OpenFlags { direct: true, ..Default::default() };
+        for (chunk, flags) in [
+            (65536u64, file::OpenFlags::default()),
+            (262144, file::OpenFlags::default()),
+            (65536, direct),
+            (262144, direct),
+        ] {
+            device_file_rounds(chunk, flags);
+        }
+    }
+
+    fn device_file_rounds(chunk: u64, flags: file::OpenFlags) {
+        const LEN: u64 = 1 << 20;
+        let e = engine(&format!(r#"{{"staging_chunk_bytes": {chunk}, "task_bytes": 262144}}"#));
+        let base = e.stats();
+        let what = format!("chunk {chunk}, {flags:?}");
+        let f = DeviceFile::new(&format!("rounds-{chunk}-{}", flags.direct), &vec![0x3Cu8; LEN as usize], flags);
+        let rw = Permission::RemoteReadWrite;
+        let m = e.allocate_cuda_memory(0, LEN as usize).unwrap();
+        let v = e.register_memory_ranges(vec![MemoryRange::cuda(&m, 0, LEN as usize, rw).unwrap()]).unwrap()[0];
+        let fext = |ranges: &[(u64, u64)]| descs(RegistrationId::from_raw(0), ranges);
+        // Aligned extents (straight through on O_DIRECT) and unaligned
+        // ones (bounced again there), in one transfer.
+        let ll = [(0u64, 262_144u64), (300_001, 70_000), (400_000, 150_000)];
+        let fl = [(4096u64, 262_144u64), (600_003, 70_000), (700_000, 150_000)];
+        let mut on_file = f.bytes();
+        for (round, op) in [Op::Write, Op::Read, Op::Write, Op::Read].into_iter().enumerate() {
+            device_fill(&m, 700 + round as u64);
+            let before = device_bytes(&m);
+            let t = e.prepare(&TransferSpec::new(op, &descs(v, &ll), &fext(&fl), Target::File(&f.entry))).unwrap();
+            assert!(t.route().reason.contains("page-locked buffers"), "{what}: {}", t.route().reason);
+            t.post().unwrap();
+            let res = wait_retired(&t);
+            assert_eq!(res.outcome.code, OutcomeCode::Success, "{what} {op:?}: {res:?}");
+            t.release().unwrap();
+            match op {
+                Op::Write => {
+                    on_file = expected(&before, &ll, &on_file, &fl);
+                    assert!(f.bytes() == on_file, "{what}: file bytes or guards after the WRITE");
+                    assert_eq!(device_bytes(&m), before, "{what}: the device source changed");
+                }
+                Op::Read => {
+                    assert!(
+                        device_bytes(&m) == expected(&on_file, &fl, &before, &ll),
+                        "{what}: device bytes or guards"
+                    );
+                }
+            }
+        }
+        // A READ across the end of the file: the bytes before the end land,
+        // nothing after them, and the transfer ends short with that prefix.
+        let short = LEN - 10_000;
+        std::fs::OpenOptions::new().write(true).open(&f.path).unwrap().set_len(short).unwrap();
+        device_fill(&m, 799);
+        let before = device_bytes(&m);
+        let (l, r) = (descs(v, &[(5, 300_000)]), fext(&[(short - 200_003, 300_000)]));
+        let t = e.prepare(&TransferSpec::new(Op::Read, &l, &r, Target::File(&f.entry))).unwrap();
+        t.post().unwrap();
+        let res = wait_retired(&t);
+        assert_eq!(
+            (res.outcome.code, res.outcome.transferred_prefix),
+            (OutcomeCode::ShortCompletion, 200_003),
+            "{what}"
+        );
+        t.release().unwrap();
+        let mut want = before.clone();
+        want[5..200_008].copy_from_slice(&on_file[(short - 200_003) as usize..short as usize]);
+        assert!(device_bytes(&m) == want, "{what}: device bytes after a READ across the end");
+        let s = e.stats();
+        assert!(s.staging_buffers >= 1 && s.staging_bytes <= e.config().max_staging_bytes, "{what}: {s:?}");
         e.deregister(v).unwrap();
         drop(m);
         assert_idle(&e);
+        e.close();
+        let after = e.stats();
+        assert_eq!((after.staging_buffers, after.staging_bytes), (0, 0), "{what}: staging given back at shutdown");
+        assert_eq!(after, Stats { ..base }, "{what}: charges back to baseline");
+        if let Some(sh) = shim() {
+            assert_eq!(sh.host_allocations, 0, "{what}: pinned buffers freed: {sh:?}");
+        }
+    }
+
+    /// Deregistering device memory while its staged copy to a file runs
+    /// fences it at once; the bytes still reach the file, and the memory
+    /// is freed after the transfer retired.
+    #[test]
+    fn child_deregisters_during_a_slow_staged_file_copy() {
+        if !in_child() {
+            return;
+        }
+        cuda::availability().unwrap();
+        let e = engine(r#"{"staging_chunk_bytes": 262144, "task_bytes": 262144}"#);
+        let base = e.stats();
+        let before = shim().expect("the shim");
+        let f = DeviceFile::new("slow", &vec![0u8; 1 << 20], file::OpenFlags { direct: true, ..Default::default() });
+        let rw = Permission::RemoteReadWrite;
+        let m = e.allocate_cuda_memory(0, 1 << 20).unwrap();
+        device_fill(&m, 31);
+        let want = device_bytes(&m);
+        let v = e.register_memory_ranges(vec![MemoryRange::cuda(&m, 0, 1 << 20, rw).unwrap()]).unwrap()[0];
+        let (l, r) = (descs(v, &[(0, 1 << 20)]), descs(RegistrationId::from_raw(0), &[(0, 1 << 20)]));
+        let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::File(&f.entry))).unwrap();
+        t.post().unwrap();
+        // The shim holds each device copy 300 ms.
+        drop(m);
+        e.deregister(v).unwrap();
+        assert!(matches!(t.check(), TransferStatus::InProgress { .. }), "the copy should still run");
+        assert_eq!(e.stats().device_allocations, 1, "the in-flight transfer keeps the allocation");
+        let res = wait_retired(&t);
+        assert_eq!(res.outcome.code, OutcomeCode::Success);
+        t.release().unwrap();
+        assert!(f.bytes() == want, "the file has the device bytes");
+        assert_idle(&e);
+        e.close();
         assert_eq!(e.stats(), base, "charges back to baseline");
+        assert_eq!(shim().unwrap().device_allocations, before.device_allocations, "freed after retirement");
+        println!("FILE DEFERRED OK");
+    }
+
+    #[test]
+    fn deregistration_during_a_staged_file_copy_defers_the_free() {
+        if in_child() {
+            return;
+        }
+        let Some((_, _turn)) = devices("deregistration_during_a_staged_file_copy_defers_the_free") else { return };
+        if shim().is_none() {
+            println!("SKIP: a slow copy needs the test shim");
+            return;
+        }
+        let out = child(
+            "with_the_feature::child_deregisters_during_a_slow_staged_file_copy",
+            &[("ORBITE_CUDA_SHIM_COPY_DELAY_US", "300000")],
+        );
+        assert!(out.contains("FILE DEFERRED OK"), "{out}");
     }
 
     #[test]

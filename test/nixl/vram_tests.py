@@ -20,9 +20,9 @@ copies. The shim has two devices unless ORBITE_CUDA_SHIM_DEVICES says
 otherwise.
 
 - v01_advertised: VRAM_SEG in the plugin's and the backend's memory types
-  with the shim; ORBITE_FILE stays DRAM_SEG + FILE_SEG. In subprocesses
+  with the shim (ORBITE_FILE: DRAM_SEG + FILE_SEG + VRAM_SEG). In subprocesses
   with no device (ORBITE_CUDA_SHIM_DEVICES=0), a failing cuInit, and
-  without the shim on the library path: DRAM_SEG only, VRAM registration
+  without the shim on the library path: DRAM_SEG only (ORBITE_FILE: DRAM_SEG + FILE_SEG), VRAM registration
   finds no backend (or, naming ORBITE, is refused with the engine's reason
   in the log), and DRAM still moves.
 - v02_local: transfers within one agent (the engine's self connection):
@@ -38,6 +38,10 @@ otherwise.
   with no device are refused (nixlBackendError: the agent's "registration
   failed for all potential backends") and change no charge; the engine then
   still registers and moves VRAM.
+
+- v06_files: VRAM to and from files through ORBITE_FILE (the engine's
+  staging buffers), with the page cache and with O_DIRECT, aligned and
+  unaligned extents; file and device bytes and guards checked.
 
 Every test ends with the engine's charges at baseline after deregistration
 and, once the agent is gone, the shim's counters (allocations, contexts,
@@ -280,7 +284,7 @@ def v01_advertised():
     check(sorted(plugin) == ["DRAM_SEG", "VRAM_SEG"], f"the plugin advertises {plugin}")
     check(sorted(backend) == ["DRAM_SEG", "VRAM_SEG"], f"the backend advertises {backend}")
     file_mems = agent.get_plugin_mem_types("ORBITE_FILE")
-    check(sorted(file_mems) == ["DRAM_SEG", "FILE_SEG"], f"ORBITE_FILE advertises {file_mems}")
+    check(sorted(file_mems) == ["DRAM_SEG", "FILE_SEG", "VRAM_SEG"], f"ORBITE_FILE advertises {file_mems}")
     del agent
     gc.collect()
 
@@ -454,6 +458,63 @@ def v04_bad_registration():
     cuda.close()
 
 
+def v06_files():
+    import tempfile
+    import time
+
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    cuda = Cuda()
+    agent = nixl_agent("F", nixl_agent_config(backends=[]))
+    agent.create_backend("ORBITE_FILE")
+    check("VRAM_SEG" in agent.get_backend_mem_types("ORBITE_FILE"), "ORBITE_FILE takes VRAM")
+    size = 1 << 20
+    ptr = cuda.alloc(0, size)
+    vram = agent.register_memory([(ptr, size, 0, "")], "VRAM")
+    rng = random.Random(6)
+    with tempfile.TemporaryDirectory(dir="/tmp") as folder:
+        for direct in (False, True):
+            path = os.path.join(folder, f"f{int(direct)}")
+            on_file = bytearray(rng.randbytes(size))
+            with open(path, "wb") as f:
+                f.write(on_file)
+            fd = os.open(path, os.O_RDWR | (os.O_DIRECT if direct else 0))
+            reg = agent.register_memory([(0, size, fd, path)], "FILE")
+            # (device offset, file offset, length): aligned, and unaligned
+            pairs = [(0, 4096, 262144), (300_001, 600_003, 70_000)]
+            for op in ("WRITE", "READ"):
+                dev = bytearray(rng.randbytes(size))
+                cuda.write(ptr, dev)
+                local = agent.get_xfer_descs([(ptr + d, n, 0) for d, _, n in pairs], "VRAM")
+                remote = agent.get_xfer_descs([(o, n, fd) for _, o, n in pairs], "FILE")
+                h = agent.initialize_xfer(op, local, remote, "F")
+                state = agent.transfer(h)
+                deadline = time.time() + 20
+                while state not in ("DONE", "ERR") and time.time() < deadline:
+                    state = agent.check_xfer_state(h)
+                check(state == "DONE", f"direct={direct} {op}: {state}")
+                agent.release_xfer_handle(h)
+                if op == "WRITE":
+                    for d, o, n in pairs:
+                        on_file[o:o + n] = dev[d:d + n]
+                    with open(path, "rb") as f:
+                        check(f.read() == bytes(on_file), f"direct={direct}: file bytes or guards after the WRITE")
+                    check(cuda.read(ptr, size) == bytes(dev), f"direct={direct}: the device source changed")
+                else:
+                    want = bytearray(dev)
+                    for d, o, n in pairs:
+                        want[d:d + n] = on_file[o:o + n]
+                    check(cuda.read(ptr, size) == bytes(want), f"direct={direct}: device bytes or guards after the READ")
+            agent.deregister_memory(reg)
+            os.close(fd)
+    agent.deregister_memory(vram)
+    del agent
+    gc.collect()
+    cuda.free(ptr)
+    cuda.close()
+    note("VRAM to and from files, page cache and O_DIRECT: ok")
+
+
 TESTS = [
     ("v01_advertised", v01_advertised),
     ("v02_local", v02_local),
@@ -461,6 +522,7 @@ TESTS = [
     ("v03_peer_read", v03_peer_read),
     ("v04_bad_registration", v04_bad_registration),
     ("v05_slow_copies", v05_slow_copies),
+    ("v06_files", v06_files),
 ]
 
 LABEL = "python vram tests"

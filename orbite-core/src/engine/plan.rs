@@ -304,9 +304,13 @@ fn device_kind(
         )),
         #[cfg(feature = "cuda")]
         CopyKind::Frames => Ok((CopyKind::Frames, Some(device))),
-        CopyKind::File(..) => Err(Error::NotSupported(format!(
-            "CUDA device memory (device {device}) to a file: staging for files is not built yet"
-        ))),
+        // Files take host memory only: the bytes bounce through the
+        // staging pool's page-locked buffers, as for cma.
+        #[cfg(feature = "cuda")]
+        inner @ CopyKind::File(..) => Ok((
+            CopyKind::Staged { device, chunk: config.staging_chunk_bytes, pool: pool.clone(), inner: Box::new(inner) },
+            None,
+        )),
         #[allow(unreachable_patterns, reason = "without feature cuda no device registration exists")]
         other => Err(Error::NotSupported(format!("CUDA device memory (device {device}) with {other:?}"))),
     }

@@ -81,6 +81,9 @@ pub(crate) struct StagedTask {
     _buffer: Pooled,
     op: Op,
     host: Vec<Span>,
+    /// A READ whose route ended short (a file's end): the prefix that
+    /// reached the buffer goes to the device, and the task ends short.
+    short: bool,
 }
 
 /// Starts a task that fits one staging buffer (`chunk` bytes): WRITE
@@ -109,12 +112,16 @@ pub(crate) fn issue(
     let mut c = chunks(spans, limit, chunk);
     let c = c.pop()?;
     let addr = buffer.addr();
-    let task = StagedTask { _buffer: buffer, op, host: c.host_spans(addr) };
+    let mut task = StagedTask { _buffer: buffer, op, host: c.host_spans(addr), short: false };
+    let (mut c, mut total) = (c, total);
     if op == Op::Read {
-        let (_, end) = inner.copy(Op::Read, &task.host, u64::MAX);
-        if let Some(end) = end {
+        match inner.copy(Op::Read, &task.host, u64::MAX) {
+            (_, None) => {}
+            // The end of a file: the prefix that reached the buffer goes
+            // on to the device.
+            (n, Some(TaskEnd::Short)) if n > 0 => (c, total, task.short) = (c.truncated(n), n, true),
             // What reached the buffer never reached the device.
-            return Some(Err((0, Some(end))));
+            (_, Some(end)) => return Some(Err((0, Some(end)))),
         }
     }
     Some(match crate::cuda::issue_on_stream(device, &c.device_copies(op, addr)) {
@@ -141,7 +148,7 @@ pub(crate) fn complete(
         (Op::Write, Ok(())) => inner.copy(Op::Write, &task.host, u64::MAX),
         // Nothing was sent.
         (Op::Write, Err(_)) => (0, Some(TaskEnd::Failed { effect_unknown: false })),
-        (Op::Read, Ok(())) => (bytes, None),
+        (Op::Read, Ok(())) => (bytes, task.short.then_some(TaskEnd::Short)),
         (Op::Read, Err(_)) => (0, Some(TaskEnd::Failed { effect_unknown: true })),
     }
 }
@@ -179,6 +186,21 @@ fn chunks(spans: &[Span], limit: u64, chunk: u64) -> Vec<Chunk> {
 impl Chunk {
     fn bytes(&self) -> u64 {
         self.pieces.iter().map(|p| p.len).sum()
+    }
+
+    /// Its first `n` bytes.
+    fn truncated(&self, n: u64) -> Chunk {
+        let mut left = n;
+        let pieces = self
+            .pieces
+            .iter()
+            .map_while(|p| {
+                let len = p.len.min(left);
+                left -= len;
+                (len > 0).then_some(Span { len, ..*p })
+            })
+            .collect();
+        Chunk { pieces }
     }
 
     /// The chunk as the route sees it: local addresses in `buffer`.
@@ -296,7 +318,22 @@ fn read(st: &mut Stager, buffers: &[u64; 2], inner: &CopyKind, chunks: &[Chunk])
             return (landed, device_failed);
         }
         landed += std::mem::take(&mut pending[slot]);
-        let (_, end) = inner.copy(Op::Read, &c.host_spans(buffers[slot]), u64::MAX);
+        let (n, end) = inner.copy(Op::Read, &c.host_spans(buffers[slot]), u64::MAX);
+        if let (Some(TaskEnd::Short), true) = (end, n > 0) {
+            // The end of a file: its prefix in the buffer goes on to the
+            // device after the chunks before it, and the task ends short.
+            if st.enqueue(slot, &c.truncated(n).device_copies(Op::Read, buffers[slot])).is_err() {
+                return (landed, device_failed);
+            }
+            pending[slot] = n;
+            for slot in [(k + 1) % 2, slot] {
+                if st.wait(slot).is_err() {
+                    return (landed, device_failed);
+                }
+                landed += std::mem::take(&mut pending[slot]);
+            }
+            return (landed, Some(TaskEnd::Short));
+        }
         if let Some(end) = end {
             // What reached the buffer never reached the device; the chunks
             // before it land first.
