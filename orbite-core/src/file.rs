@@ -433,6 +433,11 @@ pub struct FileOutcome {
 /// Spans per vectored operation (the kernel's `IOV_MAX`).
 const MAX_IOV: usize = 1024;
 
+/// The most bytes one operation on a direct file moves: longer runs of
+/// adjacent extents, and longer spans, become several operations in
+/// flight at once.
+pub const DIRECT_OP_BYTES: u64 = 1 << 20;
+
 /// Bytes of one bounce buffer: how much of an unaligned direct span moves
 /// per read or write (more when the file's alignment is larger).
 pub const BOUNCE_CHUNK: u64 = 1 << 20;
@@ -633,7 +638,6 @@ impl FileIo {
         if op == FileOp::Write && entry.mode == FileMode::ReadOnly {
             return Err(FileError::ModeMismatch("writing"));
         }
-        let mut groups: Vec<Group> = Vec::new();
         for (i, s) in spans.iter().enumerate() {
             let end = s.file_offset.checked_add(s.len).filter(|e| *e <= i64::MAX as u64);
             if s.len == 0 || end.is_none() || s.len > isize::MAX as u64 || s.mem.is_null() {
@@ -642,6 +646,34 @@ impl FileIo {
                     s.len, s.file_offset
                 )));
             }
+        }
+        // A direct file's bytes go to the device as they are: operations of
+        // at most DIRECT_OP_BYTES, many in flight, keep its queue busy
+        // where one long operation would run alone.
+        let split: Vec<FileSpan>;
+        let spans = match entry.dio {
+            Some(_) if spans.iter().any(|s| s.len > DIRECT_OP_BYTES) => {
+                split = spans
+                    .iter()
+                    .flat_map(|s| {
+                        // Checked above: no offset overflows.
+                        (0..s.len.div_ceil(DIRECT_OP_BYTES)).map(move |k| {
+                            let at = k * DIRECT_OP_BYTES;
+                            FileSpan {
+                                mem: s.mem.wrapping_add(at as usize),
+                                len: (s.len - at).min(DIRECT_OP_BYTES),
+                                file_offset: s.file_offset + at,
+                            }
+                        })
+                    })
+                    .collect();
+                &split[..]
+            }
+            _ => spans,
+        };
+        let max_op = if entry.dio.is_some() { DIRECT_OP_BYTES } else { i32::MAX as u64 };
+        let mut groups: Vec<Group> = Vec::new();
+        for (i, s) in spans.iter().enumerate() {
             let bounced = entry.dio.is_some_and(|d| !d.of(s.mem as u64, s.len, s.file_offset));
             match groups.last_mut() {
                 Some(g)
@@ -649,7 +681,7 @@ impl FileIo {
                         && !g.bounce
                         && g.file_offset + g.len == s.file_offset
                         && g.count < MAX_IOV
-                        && g.len.checked_add(s.len).is_some_and(|l| l <= i32::MAX as u64) =>
+                        && g.len.checked_add(s.len).is_some_and(|l| l <= max_op) =>
                 {
                     g.count += 1;
                     g.len += s.len;

@@ -356,3 +356,27 @@ fn engine_moves_direct_files_and_gives_bounce_buffers_back_at_close() {
     let after = e.stats();
     assert_eq!((after.staging_buffers, after.staging_bytes), (base.staging_buffers, base.staging_bytes));
 }
+
+#[test]
+fn long_direct_spans_become_several_operations_in_flight() {
+    let io = FileIo::new(8).unwrap();
+    for dir in DIRS {
+        let n = 3 * (1 << 20) + 8192;
+        let f = temp(dir, "long", &vec![0u8; n + 8192]);
+        let Some(e) = open_direct(&f, dir) else { continue };
+        let mut src = Aligned::new(n, 0);
+        src.bytes().copy_from_slice(&pattern(n, 17));
+        // SAFETY: `src` outlives the call.
+        let out = unsafe { io.run(&e, FileOp::Write, &[src.span(0, n, 4096)]) }.unwrap();
+        let ops = (n as u64).div_ceil(orbite_core::file::DIRECT_OP_BYTES);
+        assert_eq!((out.prefix, out.error, out.operations), (n as u64, None, ops), "{dir}");
+        let now = std::fs::read(&f.0).unwrap();
+        assert!(now[4096..4096 + n] == pattern(n, 17)[..], "{dir}: bytes");
+        assert!(now[..4096].iter().chain(&now[4096 + n..]).all(|b| *b == 0), "{dir}: guards");
+        let mut back = Aligned::new(n, 0xEE);
+        // SAFETY: as above.
+        let out = unsafe { io.run(&e, FileOp::Read, &[back.span(0, n, 4096)]) }.unwrap();
+        assert_eq!((out.prefix, out.operations), (n as u64, ops), "{dir}");
+        assert!(back.bytes() == &pattern(n, 17)[..], "{dir}: read back");
+    }
+}
