@@ -4,7 +4,7 @@
 reference loop, between DRAM and one local file, in one run.
 
     file_bench.py [--fs disk,tmpfs] [--total-mib 256] [--reps 3] [--qd 64]
-                  [--buf-offset 0] [--no-fsync] [--json-only]
+                  [--buf-offset 0] [--no-fsync] [--direct] [--json-only]
 
 Three systems move the same bytes between the same buffers and the same file:
   ORBITE_FILE  this repository's plugin, through NIXL's Python agent
@@ -36,6 +36,14 @@ boundary (where numpy puts the data of a large array: malloc's header) at
 0.38-0.43 x its page-aligned rate, and WRITEs from it at 0.9-1.0 x. Offset 0
 is the usual case for KV buffers (page-aligned or pinned allocations); a
 nonzero --buf-offset measures all three systems at that misalignment.
+
+O_DIRECT (--direct): every system, the reference included, moves the bytes
+through a descriptor opened with O_DIRECT, bypassing the page cache. With
+--buf-offset 0 every block is aligned (memory, offset and length), so
+ORBITE_FILE takes its straight path; a --buf-offset below the device's DMA
+alignment (8, say) misaligns the memory: ORBITE_FILE then moves every block
+through its bounce buffers, and POSIX and the reference fail (EINVAL), as
+the kernel refuses them.
 
 Page cache: nothing is dropped from the page cache (that needs root). All
 three systems run against the page cache under the same conditions: the file
@@ -158,8 +166,8 @@ static double now(void) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 8) {
-        fprintf(stderr, "usage: %s FILE read|write BLOCK TOTAL QD SEED OFFSET\n", argv[0]);
+    if (argc != 8 && !(argc == 9 && strcmp(argv[8], "direct") == 0)) {
+        fprintf(stderr, "usage: %s FILE read|write BLOCK TOTAL QD SEED OFFSET [direct]\n", argv[0]);
         return 2;
     }
     int write_op = strcmp(argv[2], "write") == 0;
@@ -168,7 +176,7 @@ int main(int argc, char **argv) {
     uint64_t seed = strtoull(argv[6], NULL, 0), offset = strtoull(argv[7], NULL, 0);
     if (bs == 0 || bs > (1u << 30) || total % bs != 0 || total % 8 != 0 || qd == 0) return 2;
     if (offset % 8 != 0 || offset >= 4096) return 2;
-    int fd = open(argv[1], write_op ? O_WRONLY : O_RDONLY);
+    int fd = open(argv[1], (write_op ? O_WRONLY : O_RDONLY) | (argc == 9 ? O_DIRECT : 0));
     if (fd < 0) { perror("open"); return 1; }
     char *mem = mmap(NULL, total + 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (mem == MAP_FAILED) return 1;
@@ -431,18 +439,23 @@ def bench(args):
         root = FILESYSTEMS[fs]
         path = os.path.join(root, f"orbite-file-bench-{os.getpid()}.dat")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        # --direct: the systems get a descriptor of their own opened
+        # O_DIRECT, as storage code that bypasses the page cache opens it;
+        # setting up and checking the file goes through `fd`.
+        xfd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_DIRECT) if args.direct else fd
         try:
             # the file fully allocated and cached, holding pattern 1
             write_all(fd, pats[1], total)
             os.fsync(fd)
             state = {"seed": 1}
             systems = {}
-            systems["ORBITE_FILE"] = NixlSystem("bench_orbite", "ORBITE_FILE", json.loads(os.environ.get("ORBITE_FILE_PARAMS", "{}")), [pats[1], pats[2], dst],
-                                                fd, path, total)
+            systems["ORBITE_FILE"] = NixlSystem("bench_orbite", "ORBITE_FILE",
+                                                json.loads(os.environ.get("ORBITE_FILE_PARAMS", "{}")),
+                                                [pats[1], pats[2], dst], xfd, path, total)
             if "POSIX" in plugins:
                 try:
                     systems["POSIX"] = NixlSystem("bench_posix", "POSIX", posix_params, [pats[1], pats[2], dst],
-                                                  fd, path, total)
+                                                  xfd, path, total)
                 except Exception as e:
                     log(f"POSIX: create/register failed: {e!r}")
             if exe:
@@ -463,7 +476,7 @@ def bench(args):
                 if system == "reference":
                     seed = new_seed if op == "WRITE" else state["seed"]
                     r = subprocess.run([exe, path, op.lower(), str(bs), str(total), str(args.qd), str(seed),
-                                        str(off)],
+                                        str(off)] + (["direct"] if args.direct else []),
                                        capture_output=True, text=True, timeout=60)
                     if r.returncode != 0:
                         raise RuntimeError(f"reference {op} {bs}: {r.stderr.strip()}")
@@ -521,10 +534,12 @@ def bench(args):
                     "verified": all(ok for _, ok in runs),
                     "fs": fs, "fs_path": root, "runs_gbps": [round(g, 3) for g, _ in runs],
                     "total_bytes": total, "qd": args.qd if system == "reference" else None,
-                    "buf_offset": off,
+                    "buf_offset": off, "direct": args.direct,
                 })
         finally:
             os.close(fd)
+            if xfd != fd:
+                os.close(xfd)
             try:
                 os.unlink(path)
             except OSError:
@@ -537,7 +552,7 @@ def bench(args):
         print(f"{args.total_mib} MiB per measurement, median of {args.reps} interleaved runs, GB/s = 1e9 B/s; "
               f"page cache not dropped (same conditions for all three)")
         print(f"POSIX: {posix_note}; reference: {how if exe else 'unavailable'}, qd {args.qd}; "
-              f"every buffer {off} bytes past a page boundary")
+              f"every buffer {off} bytes past a page boundary" + ("; O_DIRECT" if args.direct else ""))
         print(f"{'fs':6} {'op':5} {'block':>7} {'system':12} {'GB/s':>8}  {'runs':26} verified")
         for r in rows:
             blk = f"{r['block_bytes'] >> 10} KiB" if r["block_bytes"] < (1 << 20) else f"{r['block_bytes'] >> 20} MiB"
@@ -575,6 +590,8 @@ def main(argv):
     ap.add_argument("--buf-offset", type=int, default=0,
                     help="every buffer starts this many bytes past a page boundary (a multiple of 8 below 4096)")
     ap.add_argument("--no-fsync", action="store_true", help="do not fsync after each WRITE")
+    ap.add_argument("--direct", action="store_true",
+                    help="every system moves the bytes through a descriptor opened O_DIRECT")
     ap.add_argument("--json-only", action="store_true")
     args = ap.parse_args(argv[1:])
     if args.buf_offset % 8 != 0 or not 0 <= args.buf_offset < 4096:
