@@ -103,6 +103,48 @@ def script_case(src_root, rel, args, swap, tmp, env=None):
     return run([sys.executable, os.path.basename(rel)] + args, tmp, 120, env)
 
 
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def etcd_case(src_root, rel, args, swap, tmp):
+    """The example with NIXL_ETCD_ENDPOINTS naming an etcd of its own on
+    loopback (a fresh data folder, stopped after)."""
+    import time
+    import urllib.request
+
+    client, peer = free_port(), free_port()
+    url = f"http://127.0.0.1:{client}"
+    log = open(os.path.join(tmp, "etcd.log"), "w")
+    etcd = subprocess.Popen(
+        ["etcd", "--data-dir", os.path.join(tmp, "etcd"), "--listen-client-urls", url, "--advertise-client-urls", url,
+         "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+         "--initial-cluster", f"default=http://127.0.0.1:{peer}"],
+        stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline or etcd.poll() is not None:
+                    return False, "etcd did not start"
+                time.sleep(0.2)
+        return script_case(src_root, rel, args, swap, tmp, {"NIXL_ETCD_ENDPOINTS": url})
+    finally:
+        etcd.terminate()
+        try:
+            etcd.wait(10)
+        except subprocess.TimeoutExpired:
+            etcd.kill()
+        log.close()
+
+
 def cases(src):
     torch = has("torch")
     no_torch = "torch is not installed in this venv (torch 2.8 with cu128 is the newest that imports beside nixl-cu12)"
@@ -119,6 +161,8 @@ def cases(src):
         ("partial_md_example.py (listener)", None,
          lambda swap, tmp: script_case(src, "examples/python/partial_md_example.py", [], swap, tmp,
                                        {"NIXL_ETCD_ENDPOINTS": "http://127.0.0.1:2379"})),
+        ("partial_md_example.py (etcd)", None if shutil.which("etcd") else "no etcd (apt-get install etcd-server)",
+         lambda swap, tmp: etcd_case(src, "examples/python/partial_md_example.py", ["--etcd"], swap, tmp)),
     ]
 
 
