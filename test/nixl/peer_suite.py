@@ -145,6 +145,53 @@ def etcd_case(src_root, rel, args, swap, tmp):
         log.close()
 
 
+# The agent whose telemetry telemetry_reader.py reads: one local WRITE of
+# 1 MiB with capture_telemetry=True (our own lines).
+PRODUCER = """
+import sys
+import time
+import numpy as np
+from nixl._api import nixl_agent, nixl_agent_config
+a = nixl_agent("producer", nixl_agent_config(backends=[sys.argv[1]], capture_telemetry=True))
+n = 1 << 20
+src, dst = np.arange(n, dtype=np.uint8), np.zeros(n, dtype=np.uint8)
+regs = [a.register_memory([(b.ctypes.data, n, 0, "")], "DRAM") for b in (src, dst)]
+h = a.initialize_xfer("WRITE", a.get_xfer_descs([(src.ctypes.data, n, 0)], "DRAM"),
+                      a.get_xfer_descs([(dst.ctypes.data, n, 0)], "DRAM"), "producer")
+s = a.transfer(h)
+while s not in ("DONE", "ERR"):
+    s = a.check_xfer_state(h)
+time.sleep(1)  # the exporter writes every NIXL_TELEMETRY_RUN_INTERVAL (100 ms)
+sys.exit(0 if s == "DONE" and (dst == src).all() else 1)
+"""
+
+
+def telemetry_case(src_root, swap, tmp):
+    """An agent of the backend writes its telemetry to a file; NIXL's
+    reader reads it for 3 s (it stops on SIGINT) and must find the
+    transfer's events."""
+    import signal
+
+    backend = SWAP["UCX"] if swap else "UCX"
+    env = {"NIXL_TELEMETRY_DIR": tmp}
+    with open(os.path.join(tmp, "producer.py"), "w") as f:
+        f.write(PRODUCER)
+    ok, out = run([sys.executable, "producer.py", backend], tmp, 60, env)
+    if not ok:
+        return False, "the producing agent failed: " + out
+    copy_tree(src_root, ["examples/python/telemetry_reader.py"], tmp, swap)
+    p = subprocess.Popen([sys.executable, "telemetry_reader.py", "--telemetry_path", os.path.join(tmp, "producer")],
+                         cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = p.communicate(timeout=3)
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=20)
+    found = re.search(r"Total events read: (\d+)", out)
+    ok = p.returncode == 0 and found is not None and int(found.group(1)) > 0 and "agent_tx_bytes" in out
+    return ok, out[-1500:]
+
+
 def cases(src):
     torch = has("torch")
     no_torch = "torch is not installed in this venv (torch 2.8 with cu128 is the newest that imports beside nixl-cu12)"
@@ -163,6 +210,7 @@ def cases(src):
                                        {"NIXL_ETCD_ENDPOINTS": "http://127.0.0.1:2379"})),
         ("partial_md_example.py (etcd)", None if shutil.which("etcd") else "no etcd (apt-get install etcd-server)",
          lambda swap, tmp: etcd_case(src, "examples/python/partial_md_example.py", ["--etcd"], swap, tmp)),
+        ("telemetry_reader.py", None, lambda swap, tmp: telemetry_case(src, swap, tmp)),
     ]
 
 
