@@ -741,9 +741,6 @@ impl FileIo {
         let mut in_flight = 0usize;
         let mut submitted = 0u64;
         loop {
-            while next < groups.len() && groups[next].bounce {
-                next += 1;
-            }
             while next < groups.len() && in_flight < self.depth as usize && failure.is_none() {
                 let g = &groups[next];
                 if g.bounce {
