@@ -438,6 +438,13 @@ const MAX_IOV: usize = 1024;
 /// flight at once.
 pub const DIRECT_OP_BYTES: u64 = 1 << 20;
 
+/// The least bytes of one route task on a direct file. A worker keeps one
+/// task's operations in flight and waits for them all, so a task of one
+/// `task_bytes` (1 MiB by default) would leave a single operation at the
+/// device per worker. Sixteen per worker keep an NVMe queue busy, as the
+/// page cache's write-back and read-ahead do for buffered files.
+pub const DIRECT_TASK_BYTES: u64 = 16 * DIRECT_OP_BYTES;
+
 /// Bytes of one bounce buffer: how much of an unaligned direct span moves
 /// per read or write (more when the file's alignment is larger).
 pub const BOUNCE_CHUNK: u64 = 1 << 20;
