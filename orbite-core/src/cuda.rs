@@ -16,6 +16,68 @@
 #[cfg(feature = "cuda")]
 use std::fmt;
 
+/// Why the CUDA driver did not do what was asked. Every error of this
+/// module is one of these; the memory layer and the routes turn them into
+/// `NotSupported`, `InvalidRange` or a failed task, with this text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CudaError {
+    /// This build has no CUDA support.
+    #[error("VRAM needs the CUDA driver API: this build was made without feature `cuda`")]
+    NotBuilt,
+    /// The dynamic loader found no `libcuda.so`.
+    #[error("no CUDA driver: libcuda.so was not found by the dynamic loader")]
+    NoDriver,
+    /// The driver lacks functions of CUDA 12.2.
+    #[error("the CUDA driver found lacks functions of CUDA 12.2 (driver too old)")]
+    DriverTooOld,
+    /// The driver library could not be loaded.
+    #[error("the CUDA driver could not be loaded")]
+    DriverNotLoaded,
+    /// The driver reports no device.
+    #[error("no CUDA device: the driver reports none")]
+    NoDevice,
+    /// The driver is not usable (one of the reasons above).
+    #[error("VRAM is not available: {0}")]
+    Unavailable(Box<CudaError>),
+    /// An ordinal at or above the driver's device count.
+    #[error("no CUDA device {ordinal} (the driver reports {devices})")]
+    NoSuchDevice {
+        /// The ordinal asked for.
+        ordinal: u32,
+        /// Devices the driver reports.
+        devices: u32,
+    },
+    /// A peer's device is not visible to this process.
+    #[error("the peer's device is not visible to this process (CUDA_VISIBLE_DEVICES?)")]
+    DeviceNotVisible,
+    /// A driver call returned an error.
+    #[error("{call} failed: {name}")]
+    Call {
+        /// The driver function.
+        call: &'static str,
+        /// Its `CUresult`.
+        code: i32,
+        /// The driver's name of the code.
+        name: String,
+    },
+    /// Copies queued on a stream ended with an error.
+    #[error("the device copies ended with {name}")]
+    Copies {
+        /// The `CUresult` of the event.
+        code: i32,
+        /// The driver's name of the code.
+        name: String,
+    },
+    /// A range the driver does not vouch for as asked, and why.
+    #[error("{0}")]
+    Range(String),
+    /// An allocation that cannot be shared with, or opened from, a peer,
+    /// and why.
+    #[error("{0}")]
+    Ipc(String),
+}
+
 /// What the CUDA driver of this machine offers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CudaInfo {
@@ -28,14 +90,14 @@ pub struct CudaInfo {
 /// Whether VRAM can be registered here: the driver's devices, or why not
 /// (the reason names what is missing). Loaded and initialised once per
 /// process; never panics.
-pub fn availability() -> Result<CudaInfo, String> {
+pub fn availability() -> Result<CudaInfo, CudaError> {
     #[cfg(feature = "cuda")]
     {
         driver::get().map(|d| d.info)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        Err(NOT_BUILT.to_owned())
+        Err(CudaError::NotBuilt)
     }
 }
 
@@ -64,7 +126,7 @@ pub fn reference_copy_gbps(
     len: u64,
     span: u64,
     iters: u32,
-) -> Result<f64, String> {
+) -> Result<f64, CudaError> {
     #[cfg(feature = "cuda")]
     {
         let span = span.max(len);
@@ -99,12 +161,9 @@ pub fn reference_copy_gbps(
     #[cfg(not(feature = "cuda"))]
     {
         let _ = (device, direction, len, span, iters);
-        Err(NOT_BUILT.to_owned())
+        Err(CudaError::NotBuilt)
     }
 }
-
-#[cfg(not(feature = "cuda"))]
-pub(crate) const NOT_BUILT: &str = "VRAM needs the CUDA driver API: this build was made without feature `cuda`";
 
 /// Where a device range lives, as the driver reports it.
 #[cfg(feature = "cuda")]
@@ -148,25 +207,25 @@ mod driver {
 
     use cudarc::driver::sys;
 
-    use super::{CudaInfo, DeviceRange};
+    use super::{CudaError, CudaInfo, DeviceRange};
 
     pub(super) struct Driver {
         pub info: CudaInfo,
     }
 
-    static DRIVER: OnceLock<Result<Driver, String>> = OnceLock::new();
+    static DRIVER: OnceLock<Result<Driver, CudaError>> = OnceLock::new();
 
     /// The loaded, initialised driver, or why there is none.
-    pub(super) fn get() -> Result<&'static Driver, String> {
+    pub(super) fn get() -> Result<&'static Driver, CudaError> {
         DRIVER.get_or_init(load).as_ref().map_err(Clone::clone)
     }
 
     /// The driver, for the memory layer: `Err` is the reason to refuse.
-    pub(crate) fn driver() -> Result<&'static Driver, String> {
-        get().map_err(|why| format!("VRAM is not available: {why}"))
+    pub(crate) fn driver() -> Result<&'static Driver, CudaError> {
+        get().map_err(|why| CudaError::Unavailable(Box::new(why)))
     }
 
-    fn load() -> Result<Driver, String> {
+    fn load() -> Result<Driver, CudaError> {
         // cudarc resolves every function of its CUDA 12.2 list when it
         // loads the library and panics if one is missing (a driver older
         // than 12.2): that, too, is "no usable driver", never a crash.
@@ -176,17 +235,15 @@ mod driver {
         });
         match present {
             Ok(true) => {}
-            Ok(false) => {
-                return Err("no CUDA driver: libcuda.so was not found by the dynamic loader".into());
-            }
-            Err(_) => return Err("the CUDA driver found lacks functions of CUDA 12.2 (driver too old)".into()),
+            Ok(false) => return Err(CudaError::NoDriver),
+            Err(_) => return Err(CudaError::DriverTooOld),
         }
         let loaded = std::panic::catch_unwind(|| {
             // SAFETY: as above; this keeps the library loaded for the process.
             unsafe { sys::culib() };
         });
         if loaded.is_err() {
-            return Err("the CUDA driver could not be loaded".into());
+            return Err(CudaError::DriverNotLoaded);
         }
         // SAFETY: plain driver calls with valid out-pointers.
         unsafe {
@@ -196,7 +253,7 @@ mod driver {
             let mut count = 0;
             check(sys::cuDeviceGetCount(&mut count), "cuDeviceGetCount")?;
             if count <= 0 {
-                return Err("no CUDA device: the driver reports none".into());
+                return Err(CudaError::NoDevice);
             }
             Ok(Driver { info: CudaInfo { devices: count as u32, driver_version: version } })
         }
@@ -214,8 +271,12 @@ mod driver {
         format!("{r:?}")
     }
 
-    pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<(), String> {
-        if r == sys::CUresult::CUDA_SUCCESS { Ok(()) } else { Err(format!("{what} failed: {}", name(r))) }
+    pub(crate) fn check(r: sys::CUresult, call: &'static str) -> Result<(), CudaError> {
+        if r == sys::CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(CudaError::Call { call, code: r as i32, name: name(r) })
+        }
     }
 
     /// A reference on a device's primary context, held as long as anything
@@ -234,10 +295,10 @@ mod driver {
     unsafe impl Sync for ContextLease {}
 
     impl ContextLease {
-        pub(crate) fn retain(ordinal: u32) -> Result<Self, String> {
+        pub(crate) fn retain(ordinal: u32) -> Result<Self, CudaError> {
             let d = driver()?;
             if ordinal >= d.info.devices {
-                return Err(format!("no CUDA device {ordinal} (the driver reports {})", d.info.devices));
+                return Err(CudaError::NoSuchDevice { ordinal, devices: d.info.devices });
             }
             let mut device = 0;
             let mut ctx = std::ptr::null_mut();
@@ -256,7 +317,7 @@ mod driver {
 
         /// Makes the context current on this thread until the guard drops
         /// (the thread's own current context is restored then).
-        pub(crate) fn enter(&self) -> Result<Current, String> {
+        pub(crate) fn enter(&self) -> Result<Current, CudaError> {
             // SAFETY: a context this lease retains.
             check(unsafe { sys::cuCtxPushCurrent_v2(self.ctx) }, "cuCtxPushCurrent")?;
             Ok(Current(()))
@@ -283,7 +344,7 @@ mod driver {
 
     /// What the driver says of the allocation holding `ptr`: memory type,
     /// device ordinal, start and size of the allocation, buffer id.
-    fn attributes(ptr: u64) -> Result<(u32, i32, u64, u64, u64), String> {
+    fn attributes(ptr: u64) -> Result<(u32, i32, u64, u64, u64), CudaError> {
         use sys::CUpointer_attribute_enum as A;
         let mut attrs = [
             A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
@@ -333,27 +394,28 @@ mod driver {
     /// virtual memory management API (PyTorch's expandable segments map
     /// many physical allocations back to back), inside consecutive VMM
     /// mappings of that device with no gap. Checked arithmetic only.
-    pub(crate) fn validate(ordinal: u32, ptr: u64, len: u64) -> Result<DeviceRange, String> {
+    pub(crate) fn validate(ordinal: u32, ptr: u64, len: u64) -> Result<DeviceRange, CudaError> {
         driver()?;
         if len == 0 || ptr == 0 {
-            return Err("a null or empty device range".into());
+            return Err(CudaError::Range("a null or empty device range".into()));
         }
-        let end = ptr.checked_add(len).ok_or_else(|| format!("{ptr:#x}+{len} wraps the address space"))?;
-        let device_memory = |at: u64| -> Result<(u64, u64, u64), String> {
+        let range_err = CudaError::Range;
+        let end = ptr.checked_add(len).ok_or_else(|| range_err(format!("{ptr:#x}+{len} wraps the address space")))?;
+        let device_memory = |at: u64| -> Result<(u64, u64, u64), CudaError> {
             let (memtype, device, start, size, buffer) = attributes(at)?;
             if memtype != sys::CUmemorytype_enum::CU_MEMORYTYPE_DEVICE as u32 {
-                return Err(format!("{at:#x} is not CUDA device memory (memory type {memtype})"));
+                return Err(range_err(format!("{at:#x} is not CUDA device memory (memory type {memtype})")));
             }
             if device < 0 || device as u32 != ordinal {
-                return Err(format!("{at:#x} is memory of CUDA device {device}, not of device {ordinal}"));
+                return Err(range_err(format!("{at:#x} is memory of CUDA device {device}, not of device {ordinal}")));
             }
             Ok((start, size, buffer))
         };
         let (start, size, buffer) = device_memory(ptr)?;
-        let alloc_end = start.checked_add(size).ok_or_else(|| "the allocation wraps".to_owned())?;
+        let alloc_end = start.checked_add(size).ok_or_else(|| range_err("the allocation wraps".to_owned()))?;
         let range = DeviceRange { device: ordinal, alloc_base: start, alloc_len: size, buffer_id: buffer, chunks: 1 };
         if ptr < start {
-            return Err(format!("{ptr:#x} lies before its allocation {start:#x}+{size}"));
+            return Err(range_err(format!("{ptr:#x} lies before its allocation {start:#x}+{size}")));
         }
         if end <= alloc_end {
             return Ok(range);
@@ -364,20 +426,20 @@ mod driver {
             )
         };
         if !is_vmm(ptr) {
-            return Err(crosses());
+            return Err(range_err(crosses()));
         }
         // VMM memory: the next physical allocation must be mapped right
         // after this one, on the same device, until the range ends.
         let (mut at, mut chunks) = (alloc_end, 1u64);
         while at < end {
             if chunks == MAX_CHUNKS || !is_vmm(at) {
-                return Err(format!("{} (no VMM mapping at {at:#x})", crosses()));
+                return Err(range_err(format!("{} (no VMM mapping at {at:#x})", crosses())));
             }
-            let (next, size, _) = device_memory(at).map_err(|e| format!("{}: {e}", crosses()))?;
+            let (next, size, _) = device_memory(at).map_err(|e| range_err(format!("{}: {e}", crosses())))?;
             if next != at || size == 0 {
-                return Err(format!("{}: the mapping at {at:#x} starts at {next:#x}", crosses()));
+                return Err(range_err(format!("{}: the mapping at {at:#x} starts at {next:#x}", crosses())));
             }
-            at = next.checked_add(size).ok_or_else(|| "the allocation wraps".to_owned())?;
+            at = next.checked_add(size).ok_or_else(|| range_err("the allocation wraps".to_owned()))?;
             chunks += 1;
         }
         Ok(DeviceRange { chunks, ..range })
@@ -401,7 +463,7 @@ mod driver {
     }
 
     impl WorkerStream {
-        fn new(ordinal: u32) -> Result<Self, String> {
+        fn new(ordinal: u32) -> Result<Self, CudaError> {
             let lease = ContextLease::retain(ordinal)?;
             let _current = lease.enter()?;
             let mut stream = std::ptr::null_mut();
@@ -414,7 +476,7 @@ mod driver {
         }
 
         /// A free event, or a new one (the context is current).
-        fn event(&mut self) -> Result<sys::CUevent, String> {
+        fn event(&mut self) -> Result<sys::CUevent, CudaError> {
             if let Some(e) = self.free.pop() {
                 return Ok(e);
             }
@@ -467,7 +529,7 @@ mod driver {
 
     /// Runs `f` with this thread's stream of `ordinal` (made on first use)
     /// and its context current.
-    fn with_stream<T>(ordinal: u32, f: impl FnOnce(&mut WorkerStream) -> Result<T, String>) -> Result<T, String> {
+    fn with_stream<T>(ordinal: u32, f: impl FnOnce(&mut WorkerStream) -> Result<T, CudaError>) -> Result<T, CudaError> {
         STREAMS.with(|cell| {
             let mut streams = cell.borrow_mut();
             let at = match streams.iter().position(|(d, _)| *d == ordinal) {
@@ -488,7 +550,7 @@ mod driver {
     /// `ordinal`, in order, and records an event after them. On failure,
     /// what was queued is waited for before this returns: `Err` carries
     /// the bytes of the copies queued before the error, and the error.
-    pub(crate) fn issue_on_stream(ordinal: u32, copies: &[(u64, u64, u64)]) -> Result<Ticket, (u64, String)> {
+    pub(crate) fn issue_on_stream(ordinal: u32, copies: &[(u64, u64, u64)]) -> Result<Ticket, (u64, CudaError)> {
         let issued = with_stream(ordinal, |s| {
             let mut queued = 0u64;
             let mut failed = None;
@@ -543,7 +605,7 @@ mod driver {
     /// Waits until the copies of `ticket` are done: when this returns, the
     /// device touches none of their ranges any more (also on `Err`: the
     /// stream is then synchronised).
-    pub(crate) fn wait_ticket(ticket: Ticket) -> Result<(), String> {
+    pub(crate) fn wait_ticket(ticket: Ticket) -> Result<(), CudaError> {
         let Ticket { ordinal, event } = ticket;
         with_stream(ordinal, |s| {
             let r = wait_event(event);
@@ -560,7 +622,7 @@ mod driver {
     /// Runs `copies` on this thread's stream of device `ordinal` and waits
     /// for them ([`issue_on_stream`], then [`wait_ticket`]). Returns the
     /// bytes of the copies done, and the error that stopped the rest.
-    pub(crate) fn copy_on_stream(ordinal: u32, copies: &[(u64, u64, u64)]) -> (u64, Option<String>) {
+    pub(crate) fn copy_on_stream(ordinal: u32, copies: &[(u64, u64, u64)]) -> (u64, Option<CudaError>) {
         match issue_on_stream(ordinal, copies) {
             Ok(ticket) => {
                 let bytes = copies.iter().map(|c| c.2).sum();
@@ -577,19 +639,19 @@ mod driver {
     /// done costs no sleep), then the driver's blocking wait, which for an
     /// event made with `CU_EVENT_BLOCKING_SYNC` sleeps until the device
     /// signals it (no polling, whatever the context's spin policy).
-    fn wait_event(event: sys::CUevent) -> Result<(), String> {
+    fn wait_event(event: sys::CUevent) -> Result<(), CudaError> {
         for _ in 0..64 {
             // SAFETY: a live event of the caller.
             match unsafe { sys::cuEventQuery(event) } {
                 sys::CUresult::CUDA_SUCCESS => return Ok(()),
                 sys::CUresult::CUDA_ERROR_NOT_READY => std::hint::spin_loop(),
-                other => return Err(format!("the device copies ended with {}", name(other))),
+                other => return Err(CudaError::Copies { code: other as i32, name: name(other) }),
             }
         }
         // SAFETY: as above.
         match unsafe { sys::cuEventSynchronize(event) } {
             sys::CUresult::CUDA_SUCCESS => Ok(()),
-            other => Err(format!("the device copies ended with {}", name(other))),
+            other => Err(CudaError::Copies { code: other as i32, name: name(other) }),
         }
     }
 
@@ -606,7 +668,7 @@ mod driver {
     }
 
     impl Stager {
-        pub(crate) fn new(ordinal: u32) -> Result<Self, String> {
+        pub(crate) fn new(ordinal: u32) -> Result<Self, CudaError> {
             let lease = ContextLease::retain(ordinal)?;
             let current = lease.enter()?;
             let mut s =
@@ -626,7 +688,7 @@ mod driver {
 
         /// Queues `copies` (destination, source, bytes) on the stream and
         /// records slot `slot`'s event after them.
-        pub(crate) fn enqueue(&mut self, slot: usize, copies: &[(u64, u64, u64)]) -> Result<(), String> {
+        pub(crate) fn enqueue(&mut self, slot: usize, copies: &[(u64, u64, u64)]) -> Result<(), CudaError> {
             let _current = self.lease.enter()?;
             for &(dst, src, len) in copies {
                 // SAFETY: the ranges are registered memory kept alive by the
@@ -641,7 +703,7 @@ mod driver {
         }
 
         /// Waits for what was queued for slot `slot` (nothing: at once).
-        pub(crate) fn wait(&mut self, slot: usize) -> Result<(), String> {
+        pub(crate) fn wait(&mut self, slot: usize) -> Result<(), CudaError> {
             if !self.queued[slot] {
                 return Ok(());
             }
@@ -703,7 +765,7 @@ mod driver {
     unsafe impl Sync for PinnedBuffer {}
 
     impl PinnedBuffer {
-        pub(crate) fn new(ordinal: u32, len: u64) -> Result<Self, String> {
+        pub(crate) fn new(ordinal: u32, len: u64) -> Result<Self, CudaError> {
             let lease = ContextLease::retain(ordinal)?;
             let current = lease.enter()?;
             let mut p = std::ptr::null_mut();
@@ -755,8 +817,10 @@ mod driver {
     enum PinState {
         Untried,
         Pinned(ContextLease),
-        /// Refused (the driver's reason), or released: never tried again.
-        Not(String),
+        /// Refused (the driver's reason): never tried again.
+        Not(CudaError),
+        /// Unpinned by `release`: never pinned again.
+        Released,
     }
 
     impl std::fmt::Debug for HostPin {
@@ -764,7 +828,8 @@ mod driver {
             let state = match &*self.state.lock() {
                 PinState::Untried => "not yet pinned".to_owned(),
                 PinState::Pinned(_) => "pinned".to_owned(),
-                PinState::Not(why) => why.clone(),
+                PinState::Not(why) => why.to_string(),
+                PinState::Released => "released".to_owned(),
             };
             write!(f, "host range {:#x}+{} ({state})", self.start, self.len)
         }
@@ -801,9 +866,9 @@ mod driver {
             self.tried.store(true, Ordering::Release);
         }
 
-        fn pin(&self, ordinal: u32) -> Result<ContextLease, String> {
+        fn pin(&self, ordinal: u32) -> Result<ContextLease, CudaError> {
             if self.len == 0 {
-                return Err("empty".into());
+                return Err(CudaError::Range("an empty host range".into()));
             }
             let lease = ContextLease::retain(ordinal)?;
             let _current = lease.enter()?;
@@ -821,7 +886,7 @@ mod driver {
         /// last device copy that named it.
         pub(crate) fn release(&self) {
             let mut state = self.state.lock();
-            if let PinState::Pinned(lease) = std::mem::replace(&mut *state, PinState::Not("released".into())) {
+            if let PinState::Pinned(lease) = std::mem::replace(&mut *state, PinState::Released) {
                 if let Ok(_current) = lease.enter() {
                     // SAFETY: the range registered in `pin`, unregistered
                     // once; no copy names it any more.
@@ -847,7 +912,7 @@ mod driver {
     }
 
     impl DeviceAllocation {
-        pub(crate) fn new(ordinal: u32, len: u64) -> Result<Self, String> {
+        pub(crate) fn new(ordinal: u32, len: u64) -> Result<Self, CudaError> {
             let lease = ContextLease::retain(ordinal)?;
             let _current = lease.enter()?;
             let mut ptr = 0;
@@ -857,7 +922,7 @@ mod driver {
         }
 
         /// Copies host bytes into the allocation at `offset` (synchronous).
-        pub(crate) fn write(&self, offset: u64, data: &[u8]) -> Result<(), String> {
+        pub(crate) fn write(&self, offset: u64, data: &[u8]) -> Result<(), CudaError> {
             self.in_bounds(offset, data.len() as u64)?;
             let _current = self.lease.enter()?;
             // SAFETY: in bounds (checked); `data` is live for the call.
@@ -866,7 +931,7 @@ mod driver {
         }
 
         /// Copies bytes at `offset` into `out` (synchronous).
-        pub(crate) fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), String> {
+        pub(crate) fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), CudaError> {
             self.in_bounds(offset, out.len() as u64)?;
             let _current = self.lease.enter()?;
             // SAFETY: in bounds (checked); `out` is live and writable.
@@ -874,10 +939,10 @@ mod driver {
             check(r, "cuMemcpyDtoH")
         }
 
-        fn in_bounds(&self, offset: u64, len: u64) -> Result<(), String> {
+        fn in_bounds(&self, offset: u64, len: u64) -> Result<(), CudaError> {
             match offset.checked_add(len) {
                 Some(end) if end <= self.len => Ok(()),
-                _ => Err(format!("{offset}+{len} outside device memory of {} bytes", self.len)),
+                _ => Err(CudaError::Range(format!("{offset}+{len} outside device memory of {} bytes", self.len))),
             }
         }
     }
@@ -894,7 +959,7 @@ mod driver {
 
     /// The UUID of device `ordinal` (the same physical device has the same
     /// UUID in every process, whatever its ordinal there).
-    fn uuid_of(ordinal: u32) -> Result<[u8; 16], String> {
+    fn uuid_of(ordinal: u32) -> Result<[u8; 16], CudaError> {
         let mut device = 0;
         let mut uuid = sys::CUuuid_st { bytes: [0; 16] };
         // SAFETY: valid out-pointers; the driver checks the ordinal.
@@ -907,7 +972,7 @@ mod driver {
 
     /// The ordinal in this process of the device with `uuid`, if it is
     /// visible here.
-    fn device_by_uuid(uuid: &[u8; 16]) -> Result<Option<u32>, String> {
+    fn device_by_uuid(uuid: &[u8; 16]) -> Result<Option<u32>, CudaError> {
         let d = driver()?;
         for ordinal in 0..d.info.devices {
             if uuid_of(ordinal)? == *uuid {
@@ -943,13 +1008,13 @@ mod driver {
     /// management API) as a POSIX file descriptor, which the allocation
     /// must have been made to allow (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`
     /// among its requested handle types).
-    pub(crate) fn ipc_export(ordinal: u32, ptr: u64, len: u64) -> Result<IpcExport, String> {
+    pub(crate) fn ipc_export(ordinal: u32, ptr: u64, len: u64) -> Result<IpcExport, CudaError> {
         let range = validate(ordinal, ptr, len)?;
         if range.chunks > 1 {
-            return Err(format!(
+            return Err(CudaError::Ipc(format!(
                 "it spans {} physical allocations of the virtual memory management API: CUDA IPC takes a registration inside one",
                 range.chunks
-            ));
+            )));
         }
         let lease = ContextLease::retain(ordinal)?;
         let _current = lease.enter()?;
@@ -961,7 +1026,7 @@ mod driver {
             Ok(()) => IpcHandle::Legacy(legacy.reserved.map(|b| b as u8)),
             Err(no_legacy) => match export_shareable(range.alloc_base) {
                 Ok(fd) => IpcHandle::Shareable(fd),
-                Err(no_shareable) => return Err(format!("{no_legacy}; {no_shareable}")),
+                Err(no_shareable) => return Err(CudaError::Ipc(format!("{no_legacy}; {no_shareable}"))),
             },
         };
         Ok(IpcExport { handle, uuid: uuid_of(ordinal)?, alloc_base: range.alloc_base, alloc_len: range.alloc_len })
@@ -969,12 +1034,13 @@ mod driver {
 
     /// The POSIX file descriptor of the VMM allocation mapped at `base`
     /// (a context is current).
-    fn export_shareable(base: u64) -> Result<std::os::fd::OwnedFd, String> {
+    fn export_shareable(base: u64) -> Result<std::os::fd::OwnedFd, CudaError> {
         use std::os::fd::FromRawFd;
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         // SAFETY: a valid out-pointer; the driver checks the address.
         let r = unsafe { sys::cuMemRetainAllocationHandle(&mut handle, base as *mut c_void) };
-        check(r, "cuMemRetainAllocationHandle").map_err(|e| format!("{e} (not memory of cuMemCreate either)"))?;
+        check(r, "cuMemRetainAllocationHandle")
+            .map_err(|e| CudaError::Ipc(format!("{e} (not memory of cuMemCreate either)")))?;
         let mut fd: std::ffi::c_int = -1;
         // SAFETY: the handle just retained; an int out-value, as the POSIX
         // descriptor type asks.
@@ -989,12 +1055,12 @@ mod driver {
         // SAFETY: balances the retain above, once.
         unsafe { sys::cuMemRelease(handle) };
         check(r, "cuMemExportToShareableHandle").map_err(|e| {
-            format!(
+            CudaError::Ipc(format!(
                 "{e} (a cuMemCreate allocation needs CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR requested to be shared)"
-            )
+            ))
         })?;
         if fd < 0 {
-            return Err("cuMemExportToShareableHandle gave no descriptor".into());
+            return Err(CudaError::Ipc("cuMemExportToShareableHandle gave no descriptor".into()));
         }
         // SAFETY: a descriptor the driver just made for this process.
         Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
@@ -1060,9 +1126,8 @@ mod driver {
             handle: &[u8; 64],
             uuid: &[u8; 16],
             counters: &std::sync::Arc<crate::charge::Counters>,
-        ) -> Result<Self, String> {
-            let device = device_by_uuid(uuid)?
-                .ok_or_else(|| "the peer's device is not visible to this process (CUDA_VISIBLE_DEVICES?)".to_owned())?;
+        ) -> Result<Self, CudaError> {
+            let device = device_by_uuid(uuid)?.ok_or(CudaError::DeviceNotVisible)?;
             let lease = ContextLease::retain(device)?;
             let current = lease.enter()?;
             let h = sys::CUipcMemHandle_st { reserved: handle.map(|b| b as std::ffi::c_char) };
@@ -1078,7 +1143,7 @@ mod driver {
             // The local proof of the mapping's extent.
             let range = validate(device, ptr, 1)?;
             if range.alloc_base != ptr {
-                return Err(format!("the IPC mapping at {ptr:#x} does not start its allocation"));
+                return Err(CudaError::Ipc(format!("the IPC mapping at {ptr:#x} does not start its allocation")));
             }
             m.len = range.alloc_len;
             Ok(m)
@@ -1096,10 +1161,9 @@ mod driver {
             uuid: &[u8; 16],
             alloc_len: u64,
             counters: &std::sync::Arc<crate::charge::Counters>,
-        ) -> Result<Self, String> {
+        ) -> Result<Self, CudaError> {
             use std::os::fd::AsRawFd;
-            let device = device_by_uuid(uuid)?
-                .ok_or_else(|| "the peer's device is not visible to this process (CUDA_VISIBLE_DEVICES?)".to_owned())?;
+            let device = device_by_uuid(uuid)?.ok_or(CudaError::DeviceNotVisible)?;
             let lease = ContextLease::retain(device)?;
             let current = lease.enter()?;
             let location =
@@ -1121,9 +1185,9 @@ mod driver {
                 "cuMemGetAllocationGranularity",
             )?;
             if alloc_len == 0 || granularity == 0 || alloc_len % granularity as u64 != 0 {
-                return Err(format!(
+                return Err(CudaError::Ipc(format!(
                     "the peer's allocation of {alloc_len} bytes is no multiple of the granularity {granularity}"
-                ));
+                )));
             }
             let mut v = VmmImport { handle: 0, va: 0, len: alloc_len, mapped: false };
             let done = (|| {
@@ -1167,10 +1231,10 @@ mod driver {
             // The local proof of the mapping's extent.
             let range = validate(device, ptr, 1)?;
             if range.alloc_base != ptr || range.alloc_len != alloc_len {
-                return Err(format!(
+                return Err(CudaError::Ipc(format!(
                     "the driver reports the imported mapping at {ptr:#x}+{alloc_len} as {:#x}+{}",
                     range.alloc_base, range.alloc_len
-                ));
+                )));
             }
             Ok(m)
         }

@@ -404,8 +404,10 @@ impl CudaMemory {
             counters,
             [(Counter::DeviceAllocations, 1, None), (Counter::DeviceMemoryBytes, len as u64, None)],
         )?;
-        let device = crate::cuda::DeviceAllocation::new(device, len as u64).map_err(MemoryError::System)?;
-        let lease = Arc::new(crate::cuda::ContextLease::retain(device.device).map_err(MemoryError::System)?);
+        let device =
+            crate::cuda::DeviceAllocation::new(device, len as u64).map_err(|e| MemoryError::System(e.to_string()))?;
+        let lease =
+            Arc::new(crate::cuda::ContextLease::retain(device.device).map_err(|e| MemoryError::System(e.to_string()))?);
         Ok(CudaMemory { alloc: Arc::new(CudaAllocation { device, lease, _charge: charge }) })
     }
 
@@ -445,7 +447,7 @@ impl CudaMemory {
     /// No transfer may be accessing the written range concurrently.
     pub unsafe fn write(&self, offset: usize, data: &[u8]) -> Result<(), MemoryError> {
         #[cfg(feature = "cuda")]
-        return self.alloc.device.write(offset as u64, data).map_err(MemoryError::InvalidRange);
+        return self.alloc.device.write(offset as u64, data).map_err(|e| MemoryError::InvalidRange(e.to_string()));
         #[cfg(not(feature = "cuda"))]
         {
             let _ = (offset, data);
@@ -460,7 +462,7 @@ impl CudaMemory {
     /// No transfer may be writing the read range concurrently.
     pub unsafe fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), MemoryError> {
         #[cfg(feature = "cuda")]
-        return self.alloc.device.read(offset as u64, out).map_err(MemoryError::InvalidRange);
+        return self.alloc.device.read(offset as u64, out).map_err(|e| MemoryError::InvalidRange(e.to_string()));
         #[cfg(not(feature = "cuda"))]
         {
             let _ = (offset, out);
@@ -574,8 +576,11 @@ impl MemoryRange {
             if len > isize::MAX as u64 {
                 return Err(MemoryError::InvalidRange(format!("{ptr:#x}+{len} wraps the address space")));
             }
-            let range = crate::cuda::validate(device, ptr, len).map_err(MemoryError::InvalidRange)?;
-            let lease = Arc::new(crate::cuda::ContextLease::retain(range.device).map_err(MemoryError::System)?);
+            let range =
+                crate::cuda::validate(device, ptr, len).map_err(|e| MemoryError::InvalidRange(e.to_string()))?;
+            let lease = Arc::new(
+                crate::cuda::ContextLease::retain(range.device).map_err(|e| MemoryError::System(e.to_string()))?,
+            );
             Ok(MemoryRange {
                 ptr: ptr as *mut u8,
                 len,
@@ -586,7 +591,7 @@ impl MemoryRange {
         #[cfg(not(feature = "cuda"))]
         {
             let _ = (device, ptr, len, permission);
-            Err(MemoryError::NotSupported(crate::cuda::NOT_BUILT.to_owned()))
+            Err(MemoryError::NotSupported(crate::cuda::CudaError::NotBuilt.to_string()))
         }
     }
 

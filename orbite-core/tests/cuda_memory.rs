@@ -41,7 +41,8 @@ fn without_the_feature_vram_is_refused_naming_the_feature() {
     let e = engine("{}");
     let base = e.stats();
     let why = cuda::availability().unwrap_err();
-    assert!(why.contains("feature `cuda`"), "{why}");
+    assert_eq!(why, cuda::CudaError::NotBuilt);
+    assert!(why.to_string().contains("feature `cuda`"), "{why}");
     // SAFETY: refused before the pointer is looked at.
     let r = unsafe { MemoryRange::cuda_borrowed(0, 0x1000, 4096, Permission::RemoteReadWrite) };
     assert!(memory_not_supported(&r.unwrap_err()).contains("feature `cuda`"));
@@ -166,11 +167,12 @@ mod with_the_feature {
         let e = engine("{}");
         let base = e.stats();
         println!("REFUSED: {why}");
+        println!("KIND: {why:?}");
         let err = e.allocate_cuda_memory(0, 4096).unwrap_err();
         assert_eq!(not_supported(&err), format!("VRAM is not available: {why}"));
         // SAFETY: refused before the pointer is looked at.
         let r = unsafe { MemoryRange::cuda_borrowed(0, 0x1000, 4096, Permission::RemoteReadWrite) };
-        assert!(memory_not_supported(&r.unwrap_err()).contains(&why));
+        assert!(memory_not_supported(&r.unwrap_err()).contains(&why.to_string()));
         assert_eq!(e.stats(), base, "nothing charged");
     }
 
@@ -186,10 +188,13 @@ mod with_the_feature {
         }
         let none = child("with_the_feature::child_reports_the_refusal", &[("ORBITE_CUDA_SHIM_DEVICES", "0")]);
         assert!(none.contains("REFUSED: no CUDA device"), "{none}");
+        assert!(none.contains("KIND: NoDevice"), "{none}");
         let init = child("with_the_feature::child_reports_the_refusal", &[("ORBITE_CUDA_SHIM_INIT_ERROR", "999")]);
         assert!(init.contains("REFUSED: cuInit failed"), "{init}");
+        assert!(init.contains(r#"KIND: Call { call: "cuInit", code: 999"#), "{init}");
         let missing = child("with_the_feature::child_reports_the_refusal", &[("LD_LIBRARY_PATH", "/nonexistent")]);
         assert!(missing.contains("REFUSED: no CUDA driver"), "{missing}");
+        assert!(missing.contains("KIND: NoDriver"), "{missing}");
     }
 
     #[test]

@@ -793,7 +793,7 @@ impl TransferEngine {
         #[cfg(not(feature = "cuda"))]
         {
             let _ = (device, len);
-            Err(Error::NotSupported(crate::cuda::NOT_BUILT.to_owned()))
+            Err(Error::NotSupported(crate::cuda::CudaError::NotBuilt.to_string()))
         }
     }
 

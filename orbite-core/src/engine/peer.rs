@@ -335,8 +335,10 @@ fn open_entry(
         Some((_, m)) => m.clone(),
         None => {
             let m = match (&key, fd) {
-                (Opened::Legacy(handle), _) => IpcMapping::open(handle, uuid, counters)?,
-                (Opened::Shareable(_), Some(fd)) => IpcMapping::import_shareable(fd, uuid, alloc_len, counters)?,
+                (Opened::Legacy(handle), _) => IpcMapping::open(handle, uuid, counters).map_err(|e| e.to_string())?,
+                (Opened::Shareable(_), Some(fd)) => {
+                    IpcMapping::import_shareable(fd, uuid, alloc_len, counters).map_err(|e| e.to_string())?
+                }
                 (Opened::Shareable(_), None) => return Err("the peer sent no descriptor for it".into()),
             };
             let m = Arc::new(m);

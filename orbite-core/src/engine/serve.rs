@@ -223,7 +223,7 @@ impl TargetSide for EngineInner {
                             }
                         }
                     },
-                    Err(why) => refused(&why),
+                    Err(why) => refused(&why.to_string()),
                 },
                 #[cfg(not(feature = "cuda"))]
                 Ok(_) => refused("built without feature cuda"),

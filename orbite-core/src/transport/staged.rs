@@ -139,7 +139,7 @@ pub(crate) fn issue(
 /// (`device`: how that ended): WRITE copies the buffer out through the
 /// route; READ is done.
 pub(crate) fn complete(
-    device: Result<(), String>,
+    device: Result<(), crate::cuda::CudaError>,
     inner: &CopyKind,
     bytes: u64,
     task: StagedTask,
@@ -379,6 +379,17 @@ impl std::fmt::Debug for StagingPool {
     }
 }
 
+/// Why the staging pool gave no buffer.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum StagingError {
+    /// `max_staging_bytes` is reached, even with the free buffers released.
+    #[error(transparent)]
+    Exhausted(crate::types::Exhausted),
+    /// The driver refused the page-locked allocation.
+    #[error(transparent)]
+    Driver(crate::cuda::CudaError),
+}
+
 impl StagingPool {
     pub fn new(counters: Arc<Counters>, limit: u64) -> Self {
         StagingPool { free: Mutex::new(Vec::new()), counters, limit }
@@ -386,7 +397,7 @@ impl StagingPool {
 
     /// A buffer of device `device` of at least `len` bytes: a free one, or
     /// a new one (outside the pool's lock: allocation is slow).
-    pub(crate) fn take(self: &Arc<Self>, device: u32, len: u64) -> Result<Pooled, String> {
+    pub(crate) fn take(self: &Arc<Self>, device: u32, len: u64) -> Result<Pooled, StagingError> {
         let found = {
             let mut free = self.free.lock();
             // The most recently freed first: its bytes may still be in the
@@ -409,10 +420,10 @@ impl StagingPool {
                             &self.counters,
                             [(Counter::StagingBuffers, 1, None), (Counter::StagingBytes, len, bound)],
                         )
-                        .map_err(|_| e.to_string())?
+                        .map_err(|_| StagingError::Exhausted(e))?
                     }
                 };
-                Item { device, buffer: PinnedBuffer::new(device, len)?, _charge: charge }
+                Item { device, buffer: PinnedBuffer::new(device, len).map_err(StagingError::Driver)?, _charge: charge }
             }
         };
         Ok(Pooled { pool: self.clone(), item: Some(item) })

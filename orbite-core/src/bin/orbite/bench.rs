@@ -517,7 +517,7 @@ fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Resul
         if !ops.contains(&op) {
             continue;
         }
-        let g = reference_copy_gbps(m.device(), dir, block, total, iters)?;
+        let g = reference_copy_gbps(m.device(), dir, block, total, iters).map_err(|e| e.to_string())?;
         limit.insert(op, g);
         report.emit(json!({
             "system": "reference", "route": "cuda-pinned", "workload": format!("vram-{}", name(op, "W1")),
@@ -596,7 +596,8 @@ fn vram_ipc(
     let n = total / block;
     let per = if quick { Duration::from_millis(60) } else { Duration::from_secs(2) };
     let iters = if quick { 16 } else { 256 };
-    let dtod = reference_copy_gbps(m.device(), CopyDirection::DeviceToDevice, block, total, iters)?;
+    let dtod = reference_copy_gbps(m.device(), CopyDirection::DeviceToDevice, block, total, iters)
+        .map_err(|e| e.to_string())?;
     report.emit(json!({
         "system": "reference", "route": "cuda-dtod", "workload": "vram-W1",
         "block_bytes": block, "gbps": round(dtod, 3), "direction": "DeviceToDevice", "verified": true,

@@ -461,7 +461,7 @@ fn target_vram(engine: &TransferEngine, len: usize) -> Result<(TargetVram, Regis
 
 #[cfg(not(feature = "cuda"))]
 fn target_vram(_engine: &TransferEngine, _len: usize) -> Result<(TargetVram, RegistrationId), String> {
-    Err(orbite_core::cuda::availability().err().unwrap_or_default())
+    Err(orbite_core::cuda::availability().err().map(|e| e.to_string()).unwrap_or_default())
 }
 
 /// Digest of bytes of the target's device memory.
