@@ -14,7 +14,8 @@ use crate::input::Seed;
 use crate::plugin::{self, Outcome};
 
 pub fn run(data: &[u8]) {
-    if let Ok(env) = wire::decode_notify(data) {
+    let h = wire::header(wire::Kind::Notify, data.len(), 0, 1);
+    if let Ok(wire::Message::Notify(env)) = wire::Message::decode(&h, data) {
         let mut out = Vec::new();
         wire::encode_notify(&mut out, &env);
         assert_eq!(out, data, "notify round trip");

@@ -54,22 +54,21 @@ fn check_replies(mut bytes: &[u8]) {
         let end = body_end + h.data_len as usize;
         assert!(end <= bytes.len(), "a reply's body and data are all sent");
         let body = &bytes[HEADER_LEN..body_end];
-        match h.kind {
-            Kind::Error => {
-                wire::decode_error(body).expect("error replies decode");
+        let reply = wire::Message::decode(&h, body).expect("replies decode");
+        match reply {
+            wire::Message::DescribeDelta(delta) => {
+                Delta::decode(delta).expect("delta replies decode");
             }
-            Kind::DescribeDelta => {
-                Delta::decode(body).expect("delta replies decode");
-            }
-            Kind::AuthChallenge => {
-                wire::AuthChallenge::decode(body).expect("challenges decode");
-            }
-            Kind::ReadReply => assert!(body.is_empty(), "a read reply carries data only"),
-            Kind::DescribeReply => {}
-            Kind::WriteAck | Kind::NotifyAck | Kind::BorrowAck | Kind::ReturnAck | Kind::AuthOk => {
-                assert!(body.is_empty() && h.data_len == 0, "acknowledgements are empty")
-            }
-            k => panic!("a server never replies with {k:?}"),
+            wire::Message::Error { .. }
+            | wire::Message::AuthChallenge(_)
+            | wire::Message::ReadReply
+            | wire::Message::DescribeReply(_)
+            | wire::Message::WriteAck
+            | wire::Message::NotifyAck
+            | wire::Message::BorrowAck
+            | wire::Message::ReturnAck
+            | wire::Message::AuthOk => {}
+            m => panic!("a server never replies with {:?}", m.kind()),
         }
         bytes = &bytes[end..];
     }

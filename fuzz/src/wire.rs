@@ -9,7 +9,7 @@
 
 use orbite_core::codec;
 use orbite_core::segment::{Delta, SegmentDescriptor};
-use orbite_core::wire::{self, DescribeSince, HEADER_LEN, Kind, Limits, NotifyEnvelope, RemoteDesc, Request};
+use orbite_core::wire::{self, DescribeSince, HEADER_LEN, Kind, Limits, Message, NotifyEnvelope, RemoteDesc, Request};
 
 use crate::input::Input;
 
@@ -44,90 +44,110 @@ pub fn run(data: &[u8]) {
     bodies(input.rest());
 }
 
-/// Every body decoder on `body`, with a round trip for what it accepts.
+/// Every kind of the protocol.
+const KINDS: [Kind; 26] = [
+    Kind::Describe,
+    Kind::DescribeReply,
+    Kind::Write,
+    Kind::WriteAck,
+    Kind::Read,
+    Kind::ReadReply,
+    Kind::Notify,
+    Kind::NotifyAck,
+    Kind::Error,
+    Kind::Borrow,
+    Kind::BorrowAck,
+    Kind::Return,
+    Kind::ReturnAck,
+    Kind::DescribeSince,
+    Kind::DescribeDelta,
+    Kind::Watch,
+    Kind::Changed,
+    Kind::AuthHello,
+    Kind::AuthChallenge,
+    Kind::AuthProof,
+    Kind::AuthOk,
+    Kind::ShareFds,
+    Kind::ShareFdsReply,
+    Kind::IpcHandles,
+    Kind::IpcHandlesReply,
+    Kind::Keepalive,
+];
+
+/// `body` decoded as every kind of message, with a round trip for what
+/// decodes: the message encodes back to the body, and decodes again to
+/// itself.
 pub fn bodies(body: &[u8]) {
     let mut out = Vec::new();
-    if let Ok((initiator, expected)) = wire::decode_describe(body) {
-        wire::encode_describe(&mut out, initiator, expected);
-        assert_eq!(out, body, "describe round trip");
-    }
-    if let Ok(d) = wire::decode_describe_since(body) {
-        wire::encode_describe_since(&mut out, &d);
-        assert_eq!(out, body, "describe-since round trip");
-    }
-    if let Ok((epoch, since, max)) = wire::decode_watch(body) {
-        wire::encode_watch(&mut out, epoch, since, max);
-        assert_eq!(out, body, "watch round trip");
-    }
-    if let Ok(r) = Request::decode(body) {
-        check_request(&r);
-        let total = wire::encode_request(&mut out, r.target_epoch, r.descs());
-        let again = Request::decode(&out).expect("a re-encoded request decodes");
-        assert_eq!(again.target_epoch, r.target_epoch);
-        assert!(again.descs().eq(r.descs()), "request round trip");
-        assert_eq!(r.total_len().unwrap_or(u64::MAX), total, "encode_request's total saturates");
-    }
-    if let Ok((id, r)) = wire::decode_borrow(body) {
-        check_request(&r);
-        wire::encode_borrow(&mut out, id, r.target_epoch, r.descs());
-        let (id2, again) = wire::decode_borrow(&out).expect("a re-encoded borrow decodes");
-        assert_eq!(id2, id);
-        assert!(again.descs().eq(r.descs()), "borrow round trip");
-    }
-    if let Ok(id) = wire::decode_return(body) {
-        out.clear();
-        codec::put_u64(&mut out, id);
-        assert_eq!(out, body, "return round trip");
-    }
-    if let Ok(env) = wire::decode_notify(body) {
-        wire::encode_notify(&mut out, &env);
-        assert_eq!(out, body, "notify round trip");
-    }
-    if let Ok((status, detail)) = wire::decode_error(body) {
-        assert!(detail.len() <= 3 * wire::MAX_ERROR_DETAIL, "an error detail stays bounded");
-        wire::encode_error(&mut out, status, &detail);
-        let (status2, detail2) = wire::decode_error(&out).expect("a re-encoded error decodes");
-        assert_eq!(status2, status, "error status round trip");
-        // Invalid UTF-8 is replaced on decode, which may lengthen it past
-        // the bound encode cuts at: compare only details that were valid.
-        if std::str::from_utf8(&body[4..]).is_ok() {
-            assert_eq!(detail2, detail, "error detail round trip");
-        }
-    }
-    if let Ok((epoch, base, delta)) = wire::decode_changed(body) {
-        wire::encode_changed(&mut out, epoch, base, delta);
-        assert_eq!(out, body, "changed round trip");
-        check_delta(delta);
-    }
-    if let Ok(hello) = wire::AuthHello::decode(body) {
-        hello.encode(&mut out);
-        assert_eq!(out, body, "auth hello round trip");
-    }
-    if let Ok(challenge) = wire::AuthChallenge::decode(body) {
-        challenge.encode(&mut out);
-        assert_eq!(out, body, "auth challenge round trip");
-    }
-    if let Ok(mac) = wire::decode_auth_proof(body) {
-        assert_eq!(&mac[..], body, "auth proof round trip");
-    }
-    if let Ok((epoch, ids)) = wire::decode_ipc_handles(body) {
-        assert!(ids.len() <= wire::MAX_IPC_HANDLES, "IPC handle requests stay bounded");
-        wire::encode_ipc_handles(&mut out, epoch, &ids);
-        assert_eq!(out, body, "ipc handles round trip");
-    }
-    if let Some(&asked) = body.first() {
-        if let Ok(entries) = wire::decode_ipc_handles_reply(body, asked as usize) {
-            for e in &entries {
-                if let wire::IpcEntry::Exported { offset, alloc_len, .. } = e {
-                    assert!(offset < alloc_len, "an exported offset lies inside its allocation");
+    for kind in KINDS {
+        // A WRITE carries exactly what its descriptors cover.
+        let data = match kind {
+            Kind::Write => Request::decode(body).ok().and_then(|r| r.total_len()).filter(|t| *t <= u32::MAX as u64),
+            _ => Some(0),
+        };
+        let flags: &[u8] = if kind == Kind::Borrow { &[0, 1, 2, 3] } else { &[0] };
+        for &f in flags {
+            let mut h = wire::header(kind, body.len(), data.unwrap_or(0), 1);
+            h.flags = f;
+            let Ok(m) = Message::decode(&h, body) else { continue };
+            assert_eq!((m.kind(), m.flags()), (kind, f), "a message keeps its kind and flags");
+            check_message(&m);
+            m.encode(&mut out);
+            match &m {
+                // Unknown status codes decode as Other, and invalid UTF-8
+                // is replaced on decode (which may lengthen it past the
+                // bound encode cuts at): the bytes need not come back, the
+                // status must, and a detail that was valid.
+                Message::Error { detail, .. } => {
+                    assert!(detail.len() <= 3 * wire::MAX_ERROR_DETAIL, "an error detail stays bounded");
                 }
+                // A request's four reserved bytes are not kept.
+                Message::Write(_) | Message::Read(_) | Message::Borrow { .. } => {
+                    assert_eq!(out.len(), body.len(), "{kind:?} round trip keeps the length")
+                }
+                _ => assert_eq!(out, body, "{kind:?} round trip"),
             }
-            wire::encode_ipc_handles_reply(&mut out, &entries);
-            assert_eq!(out, body, "ipc handles reply round trip");
+            let h2 = wire::header(kind, out.len(), data.unwrap_or(0), 1);
+            let mut h2 = h2;
+            h2.flags = f;
+            let again = Message::decode(&h2, &out).expect("a re-encoded message decodes");
+            match (&m, &again) {
+                (Message::Error { status, detail }, Message::Error { status: s2, detail: d2 }) => {
+                    assert_eq!(s2, status, "error status round trip");
+                    if std::str::from_utf8(&body[4..]).is_ok() {
+                        assert_eq!(d2, detail, "error detail round trip");
+                    }
+                }
+                _ => assert_eq!(again, m, "{kind:?} decodes to itself"),
+            }
+        }
+        // Data after a kind that carries none, or flags where none belong,
+        // are refused.
+        if !matches!(kind, Kind::Write | Kind::ReadReply) {
+            let h = wire::header(kind, body.len(), 1, 1);
+            assert!(Message::decode(&h, body).is_err(), "{kind:?} with data");
         }
     }
     check_descriptor(body);
     check_delta(body);
+}
+
+/// What a decoded message promises besides its round trip.
+fn check_message(m: &Message<'_>) {
+    match m {
+        Message::Write(r) | Message::Read(r) | Message::Borrow { request: r, .. } => check_request(r),
+        Message::Changed { delta, .. } => check_delta(delta),
+        Message::IpcHandles { ids, .. } => assert!(ids.len() <= wire::MAX_IPC_HANDLES, "IPC requests stay bounded"),
+        Message::IpcHandlesReply(entries) => {
+            for e in entries {
+                if let wire::IpcEntry::Exported { offset, alloc_len, .. } = e {
+                    assert!(offset < alloc_len, "an exported offset lies inside its allocation");
+                }
+            }
+        }
+        Message::ShareFds(names) => assert!(names.len() <= wire::MAX_SHARED_FDS, "share requests stay bounded"),
+        _ => {}
+    }
 }
 
 fn check_request(r: &Request<'_>) {

@@ -182,6 +182,44 @@ pub enum WireError {
     /// A body that does not have the layout its kind requires.
     #[error("malformed {0} body")]
     Malformed(&'static str),
+    /// Bulk data after a frame of a kind that carries none.
+    #[error("{len} bytes of data after a {kind:?} frame, which carries none")]
+    UnexpectedData {
+        /// The frame's kind.
+        kind: Kind,
+        /// The data length its header declared.
+        len: u32,
+    },
+    /// A WRITE whose payload is not what its descriptors cover.
+    #[error("a WRITE of {declared} payload bytes whose descriptors cover {described}")]
+    PayloadMismatch {
+        /// The data length its header declared.
+        declared: u32,
+        /// What its descriptors add up to.
+        described: u64,
+    },
+    /// A frame of a kind that may not come here now (a reply sent to a
+    /// server, a request in answer to one, a second handshake).
+    #[error("a {0:?} frame is out of place here")]
+    OutOfPlace(Kind),
+    /// A reply answering another request than the one outstanding.
+    #[error("reply to request {got} while {outstanding} was outstanding")]
+    WrongRequest {
+        /// The request id it echoes.
+        got: u64,
+        /// The one outstanding.
+        outstanding: u64,
+    },
+    /// A reply listing another number of entries than were asked for.
+    #[error("a {kind:?} with {answered} entries for {asked} asked")]
+    CountMismatch {
+        /// The reply's kind.
+        kind: Kind,
+        /// Entries asked for.
+        asked: usize,
+        /// Entries the reply has.
+        answered: usize,
+    },
 }
 
 /// Encodes a header.
@@ -281,7 +319,7 @@ pub fn encode_request(out: &mut Vec<u8>, target_epoch: u64, descs: impl Iterator
 }
 
 /// A decoded READ or WRITE body.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Request<'a> {
     /// The epoch the initiator believes the target has.
     pub target_epoch: u64,
@@ -342,13 +380,13 @@ pub fn encode_borrow(out: &mut Vec<u8>, borrow_id: u64, target_epoch: u64, descs
 }
 
 /// Decodes a Borrow body.
-pub fn decode_borrow(body: &[u8]) -> Result<(u64, Request<'_>), WireError> {
+fn decode_borrow(body: &[u8]) -> Result<(u64, Request<'_>), WireError> {
     let (borrow_id, request) = prefix(body, "borrow", Reader::u64)?;
     Ok((borrow_id, Request::decode(request)?))
 }
 
 /// Decodes a Return body (the borrow id).
-pub fn decode_return(body: &[u8]) -> Result<u64, WireError> {
+fn decode_return(body: &[u8]) -> Result<u64, WireError> {
     exact(body, "return", Reader::u64)
 }
 
@@ -409,7 +447,7 @@ pub fn encode_error(out: &mut Vec<u8>, status: RemoteStatus, detail: &str) {
 }
 
 /// Decodes an error body.
-pub fn decode_error(body: &[u8]) -> Result<(RemoteStatus, String), WireError> {
+fn decode_error(body: &[u8]) -> Result<(RemoteStatus, String), WireError> {
     let ((status, n), detail) = prefix(body, "error", |r| Ok((r.u16()?, r.u16()? as usize)))?;
     if n > MAX_ERROR_DETAIL || detail.len() != n {
         return Err(WireError::Malformed("error"));
@@ -426,7 +464,7 @@ pub fn encode_describe(out: &mut Vec<u8>, initiator_epoch: u64, expected_epoch: 
 }
 
 /// Decodes a Describe body.
-pub fn decode_describe(body: &[u8]) -> Result<(u64, u64), WireError> {
+fn decode_describe(body: &[u8]) -> Result<(u64, u64), WireError> {
     exact(body, "describe", |r| Ok((r.u64()?, r.u64()?)))
 }
 
@@ -452,7 +490,7 @@ pub fn encode_describe_since(out: &mut Vec<u8>, d: &DescribeSince) {
 }
 
 /// Decodes a DescribeSince body.
-pub fn decode_describe_since(body: &[u8]) -> Result<DescribeSince, WireError> {
+fn decode_describe_since(body: &[u8]) -> Result<DescribeSince, WireError> {
     exact(body, "describe-since", |r| {
         Ok(DescribeSince { initiator_epoch: r.u64()?, expected_epoch: r.u64()?, since: r.u64()?, max_reply: r.u64()? })
     })
@@ -468,7 +506,7 @@ pub fn encode_watch(out: &mut Vec<u8>, target_epoch: u64, since: u64, max_reply:
 }
 
 /// Decodes a Watch body: (target epoch, since, largest reply).
-pub fn decode_watch(body: &[u8]) -> Result<(u64, u64, u64), WireError> {
+fn decode_watch(body: &[u8]) -> Result<(u64, u64, u64), WireError> {
     exact(body, "watch", |r| Ok((r.u64()?, r.u64()?, r.u64()?)))
 }
 
@@ -483,7 +521,7 @@ pub fn encode_changed(out: &mut Vec<u8>, target_epoch: u64, base: u64, delta: &[
 }
 
 /// Decodes a Changed body: (target epoch, base version, delta bytes).
-pub fn decode_changed(body: &[u8]) -> Result<(u64, u64, &[u8]), WireError> {
+fn decode_changed(body: &[u8]) -> Result<(u64, u64, &[u8]), WireError> {
     let ((target_epoch, base), delta) = prefix(body, "changed", |r| Ok((r.u64()?, r.u64()?)))?;
     Ok((target_epoch, base, delta))
 }
@@ -513,7 +551,7 @@ pub fn encode_notify(out: &mut Vec<u8>, env: &NotifyEnvelope<'_>) {
 }
 
 /// Decodes a notification envelope body.
-pub fn decode_notify(body: &[u8]) -> Result<NotifyEnvelope<'_>, WireError> {
+fn decode_notify(body: &[u8]) -> Result<NotifyEnvelope<'_>, WireError> {
     let ((sender_epoch, target_epoch, ep), payload) = prefix(body, "notify", |r| {
         let (sender_epoch, target_epoch) = (r.u64()?, r.u64()?);
         let n = r.u16()? as usize;
@@ -628,7 +666,7 @@ impl AuthChallenge {
 }
 
 /// Decodes an AuthProof body.
-pub fn decode_auth_proof(body: &[u8]) -> Result<[u8; AUTH_MAC], WireError> {
+fn decode_auth_proof(body: &[u8]) -> Result<[u8; AUTH_MAC], WireError> {
     body.try_into().map_err(|_| WireError::Malformed("auth proof"))
 }
 
@@ -651,7 +689,7 @@ pub fn encode_share_fds<'a>(out: &mut Vec<u8>, names: impl ExactSizeIterator<Ite
 
 /// Decodes a ShareFds body: at most [`MAX_SHARED_FDS`] names, each
 /// non-empty UTF-8 of at most [`MAX_SHARED_NAME`] bytes.
-pub fn decode_share_fds(body: &[u8]) -> Result<Vec<&str>, WireError> {
+fn decode_share_fds(body: &[u8]) -> Result<Vec<&str>, WireError> {
     let bad = WireError::Malformed("share fds");
     let mut r = Reader::new(body);
     let count = r.u16().map_err(|_| bad.clone())? as usize;
@@ -685,16 +723,14 @@ pub fn encode_share_fds_reply(out: &mut Vec<u8>, attached: impl ExactSizeIterato
     out.extend(attached.map(u8::from));
 }
 
-/// Decodes a ShareFdsReply body for `asked` names: per name whether its
-/// descriptor is attached.
-pub fn decode_share_fds_reply(body: &[u8], asked: usize) -> Result<Vec<bool>, WireError> {
+/// Decodes a ShareFdsReply body: per name asked whether its descriptor is
+/// attached (at most [`MAX_SHARED_FDS`]).
+fn decode_share_fds_reply(body: &[u8]) -> Result<Vec<bool>, WireError> {
     let bad = WireError::Malformed("share fds reply");
     let mut r = Reader::new(body);
-    if r.u16().map_err(|_| bad.clone())? as usize != asked {
-        return Err(bad);
-    }
+    let count = r.u16().map_err(|_| bad.clone())? as usize;
     let flags = r.rest();
-    if flags.len() != asked || flags.iter().any(|b| *b > 1) {
+    if count > MAX_SHARED_FDS || flags.len() != count || flags.iter().any(|b| *b > 1) {
         return Err(bad);
     }
     Ok(flags.iter().map(|b| *b == 1).collect())
@@ -773,7 +809,7 @@ pub fn encode_ipc_handles(out: &mut Vec<u8>, target_epoch: u64, ids: &[u64]) {
 }
 
 /// Decodes an IpcHandles body: at most [`MAX_IPC_HANDLES`] ids.
-pub fn decode_ipc_handles(body: &[u8]) -> Result<(u64, Vec<u64>), WireError> {
+fn decode_ipc_handles(body: &[u8]) -> Result<(u64, Vec<u64>), WireError> {
     let bad = WireError::Malformed("ipc handles");
     let mut r = Reader::new(body);
     let epoch = r.u64().map_err(|_| bad.clone())?;
@@ -839,13 +875,14 @@ fn truncate_detail(s: &str) -> &str {
     &s[..end]
 }
 
-/// Decodes an IpcHandlesReply for `asked` registrations. An exported or
-/// shareable entry whose offset lies outside its allocation is malformed,
-/// and so are more than [`MAX_SHARED_FDS`] shareable entries.
-pub fn decode_ipc_handles_reply(body: &[u8], asked: usize) -> Result<Vec<IpcEntry>, WireError> {
+/// Decodes an IpcHandlesReply (at most [`MAX_IPC_HANDLES`] entries). An
+/// exported or shareable entry whose offset lies outside its allocation is
+/// malformed, and so are more than [`MAX_SHARED_FDS`] shareable entries.
+fn decode_ipc_handles_reply(body: &[u8]) -> Result<Vec<IpcEntry>, WireError> {
     let bad = WireError::Malformed("ipc handles reply");
     let mut r = Reader::new(body);
-    if r.u16().map_err(|_| bad.clone())? as usize != asked {
+    let asked = r.u16().map_err(|_| bad.clone())? as usize;
+    if asked > MAX_IPC_HANDLES {
         return Err(bad);
     }
     let mut out = Vec::with_capacity(asked.min(MAX_IPC_HANDLES));
@@ -890,9 +927,287 @@ pub fn decode_ipc_handles_reply(body: &[u8], asked: usize) -> Result<Vec<IpcEntr
     Ok(out)
 }
 
+/// One frame's body, decoded by the kind its header names: every message
+/// of the protocol, each with its fields. [`Message::decode`] is the one
+/// decoder of frame bodies (segment descriptors and deltas, which travel in
+/// DescribeReply, DescribeDelta and Changed, are left to
+/// `crate::segment`); [`Message::encode`] writes the body back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Message<'a> {
+    /// The initiator asks for the segment descriptor.
+    Describe {
+        /// The initiator's epoch.
+        initiator_epoch: u64,
+        /// The target epoch it expects (0: any).
+        expected_epoch: u64,
+    },
+    /// An encoded segment descriptor.
+    DescribeReply(&'a [u8]),
+    /// A WRITE: its payload (as long as the descriptors cover) follows.
+    Write(Request<'a>),
+    /// The WRITE's payload landed.
+    WriteAck,
+    /// A READ.
+    Read(Request<'a>),
+    /// The READ's bytes follow as the frame's data.
+    ReadReply,
+    /// A notification.
+    Notify(NotifyEnvelope<'a>),
+    /// The notification was queued.
+    NotifyAck,
+    /// A typed refusal of the request with the same id.
+    Error {
+        /// Why.
+        status: RemoteStatus,
+        /// The target's words (lossy UTF-8, at most [`MAX_ERROR_DETAIL`]
+        /// bytes as sent).
+        detail: String,
+    },
+    /// Keep registrations alive until returned.
+    Borrow {
+        /// The borrower's id for it.
+        id: u64,
+        /// The registrations (whole ranges).
+        request: Request<'a>,
+        /// The borrower will write ([`BORROW_WRITE`]).
+        write: bool,
+        /// Device memory through CUDA IPC ([`BORROW_DEVICE`]).
+        device: bool,
+    },
+    /// The borrow is held.
+    BorrowAck,
+    /// The borrow is given back.
+    Return {
+        /// The borrower's id for it.
+        id: u64,
+    },
+    /// The borrow was dropped.
+    ReturnAck,
+    /// What changed after a registry version.
+    DescribeSince(DescribeSince),
+    /// One page of changes (an encoded `segment::Delta`).
+    DescribeDelta(&'a [u8]),
+    /// Tell once the registry passes a version.
+    Watch {
+        /// The target epoch.
+        target_epoch: u64,
+        /// The registry version the watcher's view has.
+        since: u64,
+        /// The largest Changed body it accepts.
+        max_reply: u64,
+    },
+    /// The registry passed the watched version.
+    Changed {
+        /// The target epoch.
+        target_epoch: u64,
+        /// The version the changes start after.
+        base: u64,
+        /// An encoded `segment::Delta`.
+        delta: &'a [u8],
+    },
+    /// Authentication: the initiator's hello.
+    AuthHello(AuthHello),
+    /// Authentication: the responder's challenge and proof.
+    AuthChallenge(AuthChallenge),
+    /// Authentication: the initiator's proof.
+    AuthProof([u8; AUTH_MAC]),
+    /// Authenticated.
+    AuthOk,
+    /// Hand over the shared allocations named.
+    ShareFds(Vec<&'a str>),
+    /// Per name asked, whether its descriptor is attached.
+    ShareFdsReply(Vec<bool>),
+    /// Export the device registrations named as IPC handles.
+    IpcHandles {
+        /// The target epoch.
+        target_epoch: u64,
+        /// Raw registration ids.
+        ids: Vec<u64>,
+    },
+    /// Per registration asked, its handle or why not.
+    IpcHandlesReply(Vec<IpcEntry>),
+    /// The initiator is alive.
+    Keepalive,
+}
+
+impl<'a> Message<'a> {
+    /// Decodes the body of the frame `h` heads, and checks what the header
+    /// says besides: only a WRITE (exactly what its descriptors cover) and
+    /// a ReadReply (with an empty body) carry data, and only a Borrow has
+    /// flags. The layout of every body is exact.
+    pub fn decode(h: &Header, body: &'a [u8]) -> Result<Message<'a>, WireError> {
+        let empty = |what: &'static str| if body.is_empty() { Ok(()) } else { Err(WireError::Malformed(what)) };
+        if h.flags & !(BORROW_WRITE | BORROW_DEVICE) != 0 || (h.flags != 0 && h.kind != Kind::Borrow) {
+            let what = if h.kind == Kind::Borrow { "borrow flags" } else { "flags" };
+            return Err(WireError::Malformed(what));
+        }
+        let m = match h.kind {
+            Kind::Describe => {
+                let (initiator_epoch, expected_epoch) = decode_describe(body)?;
+                Message::Describe { initiator_epoch, expected_epoch }
+            }
+            Kind::DescribeReply => Message::DescribeReply(body),
+            Kind::Write => {
+                let request = Request::decode(body)?;
+                let described = request.total_len().ok_or(WireError::Malformed("request"))?;
+                if described != h.data_len as u64 {
+                    return Err(WireError::PayloadMismatch { declared: h.data_len, described });
+                }
+                return Ok(Message::Write(request));
+            }
+            Kind::WriteAck => empty("write ack").map(|()| Message::WriteAck)?,
+            Kind::Read => {
+                let request = Request::decode(body)?;
+                request.total_len().ok_or(WireError::Malformed("request"))?;
+                Message::Read(request)
+            }
+            Kind::ReadReply => {
+                empty("read reply")?;
+                return Ok(Message::ReadReply);
+            }
+            Kind::Notify => Message::Notify(decode_notify(body)?),
+            Kind::NotifyAck => empty("notify ack").map(|()| Message::NotifyAck)?,
+            Kind::Error => {
+                let (status, detail) = decode_error(body)?;
+                Message::Error { status, detail }
+            }
+            Kind::Borrow => {
+                let (id, request) = decode_borrow(body)?;
+                let (write, device) = (h.flags & BORROW_WRITE != 0, h.flags & BORROW_DEVICE != 0);
+                Message::Borrow { id, request, write, device }
+            }
+            Kind::BorrowAck => empty("borrow ack").map(|()| Message::BorrowAck)?,
+            Kind::Return => Message::Return { id: decode_return(body)? },
+            Kind::ReturnAck => empty("return ack").map(|()| Message::ReturnAck)?,
+            Kind::DescribeSince => Message::DescribeSince(decode_describe_since(body)?),
+            Kind::DescribeDelta => Message::DescribeDelta(body),
+            Kind::Watch => {
+                let (target_epoch, since, max_reply) = decode_watch(body)?;
+                Message::Watch { target_epoch, since, max_reply }
+            }
+            Kind::Changed => {
+                let (target_epoch, base, delta) = decode_changed(body)?;
+                Message::Changed { target_epoch, base, delta }
+            }
+            Kind::AuthHello => Message::AuthHello(AuthHello::decode(body)?),
+            Kind::AuthChallenge => Message::AuthChallenge(AuthChallenge::decode(body)?),
+            Kind::AuthProof => Message::AuthProof(decode_auth_proof(body)?),
+            Kind::AuthOk => empty("auth ok").map(|()| Message::AuthOk)?,
+            Kind::ShareFds => Message::ShareFds(decode_share_fds(body)?),
+            Kind::ShareFdsReply => Message::ShareFdsReply(decode_share_fds_reply(body)?),
+            Kind::IpcHandles => {
+                let (target_epoch, ids) = decode_ipc_handles(body)?;
+                Message::IpcHandles { target_epoch, ids }
+            }
+            Kind::IpcHandlesReply => Message::IpcHandlesReply(decode_ipc_handles_reply(body)?),
+            Kind::Keepalive => empty("keepalive").map(|()| Message::Keepalive)?,
+        };
+        if h.data_len != 0 {
+            return Err(WireError::UnexpectedData { kind: h.kind, len: h.data_len });
+        }
+        Ok(m)
+    }
+
+    /// Its kind.
+    pub fn kind(&self) -> Kind {
+        match self {
+            Message::Describe { .. } => Kind::Describe,
+            Message::DescribeReply(_) => Kind::DescribeReply,
+            Message::Write(_) => Kind::Write,
+            Message::WriteAck => Kind::WriteAck,
+            Message::Read(_) => Kind::Read,
+            Message::ReadReply => Kind::ReadReply,
+            Message::Notify(_) => Kind::Notify,
+            Message::NotifyAck => Kind::NotifyAck,
+            Message::Error { .. } => Kind::Error,
+            Message::Borrow { .. } => Kind::Borrow,
+            Message::BorrowAck => Kind::BorrowAck,
+            Message::Return { .. } => Kind::Return,
+            Message::ReturnAck => Kind::ReturnAck,
+            Message::DescribeSince(_) => Kind::DescribeSince,
+            Message::DescribeDelta(_) => Kind::DescribeDelta,
+            Message::Watch { .. } => Kind::Watch,
+            Message::Changed { .. } => Kind::Changed,
+            Message::AuthHello(_) => Kind::AuthHello,
+            Message::AuthChallenge(_) => Kind::AuthChallenge,
+            Message::AuthProof(_) => Kind::AuthProof,
+            Message::AuthOk => Kind::AuthOk,
+            Message::ShareFds(_) => Kind::ShareFds,
+            Message::ShareFdsReply(_) => Kind::ShareFdsReply,
+            Message::IpcHandles { .. } => Kind::IpcHandles,
+            Message::IpcHandlesReply(_) => Kind::IpcHandlesReply,
+            Message::Keepalive => Kind::Keepalive,
+        }
+    }
+
+    /// The flags its header carries.
+    pub fn flags(&self) -> u8 {
+        match self {
+            Message::Borrow { write, device, .. } => {
+                (if *write { BORROW_WRITE } else { 0 }) | (if *device { BORROW_DEVICE } else { 0 })
+            }
+            _ => 0,
+        }
+    }
+
+    /// Writes its body into `out` (cleared first).
+    pub fn encode(&self, out: &mut Vec<u8>) {
+        out.clear();
+        match self {
+            Message::Describe { initiator_epoch, expected_epoch } => {
+                encode_describe(out, *initiator_epoch, *expected_epoch)
+            }
+            Message::DescribeReply(b) | Message::DescribeDelta(b) => out.extend_from_slice(b),
+            Message::Write(r) | Message::Read(r) => {
+                encode_request(out, r.target_epoch, r.descs());
+            }
+            Message::WriteAck
+            | Message::ReadReply
+            | Message::NotifyAck
+            | Message::BorrowAck
+            | Message::ReturnAck
+            | Message::AuthOk
+            | Message::Keepalive => {}
+            Message::Notify(env) => encode_notify(out, env),
+            Message::Error { status, detail } => encode_error(out, *status, detail),
+            Message::Borrow { id, request, .. } => encode_borrow(out, *id, request.target_epoch, request.descs()),
+            Message::Return { id } => codec::put_u64(out, *id),
+            Message::DescribeSince(d) => encode_describe_since(out, d),
+            Message::Watch { target_epoch, since, max_reply } => encode_watch(out, *target_epoch, *since, *max_reply),
+            Message::Changed { target_epoch, base, delta } => encode_changed(out, *target_epoch, *base, delta),
+            Message::AuthHello(hello) => hello.encode(out),
+            Message::AuthChallenge(c) => c.encode(out),
+            Message::AuthProof(mac) => out.extend_from_slice(mac),
+            Message::ShareFds(names) => encode_share_fds(out, names.iter().copied()),
+            Message::ShareFdsReply(attached) => encode_share_fds_reply(out, attached.iter().copied()),
+            Message::IpcHandles { target_epoch, ids } => encode_ipc_handles(out, *target_epoch, ids),
+            Message::IpcHandlesReply(entries) => encode_ipc_handles_reply(out, entries),
+        }
+    }
+}
+
+/// Checks that a reply of `kind` answers as many entries as were `asked`.
+pub fn expect_count(kind: Kind, asked: usize, answered: usize) -> Result<(), WireError> {
+    if asked == answered { Ok(()) } else { Err(WireError::CountMismatch { kind, asked, answered }) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A ShareFdsReply body answering `asked` names.
+    fn share_reply(body: &[u8], asked: usize) -> Result<Vec<bool>, WireError> {
+        let v = decode_share_fds_reply(body)?;
+        expect_count(Kind::ShareFdsReply, asked, v.len())?;
+        Ok(v)
+    }
+
+    /// An IpcHandlesReply body answering `asked` registrations.
+    fn ipc_reply(body: &[u8], asked: usize) -> Result<Vec<IpcEntry>, WireError> {
+        let v = decode_ipc_handles_reply(body)?;
+        expect_count(Kind::IpcHandlesReply, asked, v.len())?;
+        Ok(v)
+    }
     use proptest::prelude::*;
 
     #[test]
@@ -909,9 +1224,114 @@ mod tests {
         assert!(decode_share_fds(&b).is_err());
         assert!(decode_share_fds(&[1, 0, 0, 0]).is_err(), "an empty name");
         encode_share_fds_reply(&mut b, [true, false].into_iter());
-        assert_eq!(decode_share_fds_reply(&b, 2).unwrap(), vec![true, false]);
-        assert!(decode_share_fds_reply(&b, 3).is_err(), "an answer for other names");
-        assert!(decode_share_fds_reply(&[1, 0, 2], 1).is_err());
+        assert_eq!(share_reply(&b, 2).unwrap(), vec![true, false]);
+        assert!(share_reply(&b, 3).is_err(), "an answer for other names");
+        assert!(share_reply(&[1, 0, 2], 1).is_err());
+    }
+
+    /// One message of every kind.
+    fn samples() -> Vec<Message<'static>> {
+        let req: &'static [u8] = Box::leak({
+            let mut b = Vec::new();
+            encode_request(&mut b, 9, [RemoteDesc { registration: 1, offset: 2, len: 3 }].into_iter());
+            b.into_boxed_slice()
+        });
+        let request = Request::decode(req).unwrap();
+        vec![
+            Message::Describe { initiator_epoch: 1, expected_epoch: 2 },
+            Message::DescribeReply(b"descriptor"),
+            Message::Write(request),
+            Message::WriteAck,
+            Message::Read(request),
+            Message::ReadReply,
+            Message::Notify(NotifyEnvelope { sender_endpoint: "h:1", sender_epoch: 1, target_epoch: 2, payload: b"x" }),
+            Message::NotifyAck,
+            Message::Error { status: RemoteStatus::OutOfBounds, detail: "far".into() },
+            Message::Borrow { id: 4, request, write: true, device: false },
+            Message::Borrow { id: 4, request, write: false, device: true },
+            Message::BorrowAck,
+            Message::Return { id: 4 },
+            Message::ReturnAck,
+            Message::DescribeSince(DescribeSince { initiator_epoch: 1, expected_epoch: 2, since: 3, max_reply: 4 }),
+            Message::DescribeDelta(b"delta"),
+            Message::Watch { target_epoch: 1, since: 2, max_reply: 3 },
+            Message::Changed { target_epoch: 1, base: 2, delta: b"delta" },
+            Message::AuthHello(AuthHello {
+                nonce: [1; AUTH_NONCE],
+                initiator_epoch: 1,
+                responder_epoch: 2,
+                dialed: "h:1".into(),
+                reached: "127.0.0.1:1".into(),
+            }),
+            Message::AuthChallenge(AuthChallenge { nonce: [2; AUTH_NONCE], responder_epoch: 2, mac: [3; AUTH_MAC] }),
+            Message::AuthProof([4; AUTH_MAC]),
+            Message::AuthOk,
+            Message::ShareFds(vec!["a", "bc"]),
+            Message::ShareFdsReply(vec![true, false]),
+            Message::IpcHandles { target_epoch: 1, ids: vec![5, 6] },
+            Message::IpcHandlesReply(vec![IpcEntry::Refused("no".into())]),
+            Message::Keepalive,
+        ]
+    }
+
+    #[test]
+    fn every_message_decodes_to_what_was_encoded_and_data_goes_only_where_it_belongs() {
+        let mut kinds = std::collections::HashSet::new();
+        let mut body = Vec::new();
+        for m in samples() {
+            m.encode(&mut body);
+            let data = match &m {
+                Message::Write(r) => r.total_len().unwrap(),
+                _ => 0,
+            };
+            let mut h = header(m.kind(), body.len(), data, 1);
+            h.flags = m.flags();
+            assert_eq!(Message::decode(&h, &body), Ok(m.clone()), "{:?}", m.kind());
+            kinds.insert(m.kind() as u8);
+            if !matches!(m, Message::Write(_) | Message::ReadReply) {
+                let with_data = Header { data_len: 1, ..h };
+                assert_eq!(
+                    Message::decode(&with_data, &body),
+                    Err(WireError::UnexpectedData { kind: m.kind(), len: 1 }),
+                    "{:?}",
+                    m.kind()
+                );
+            }
+            if !matches!(m, Message::Borrow { .. }) {
+                assert_eq!(Message::decode(&Header { flags: 1, ..h }, &body), Err(WireError::Malformed("flags")));
+            }
+            let mut longer = body.clone();
+            longer.push(0);
+            let longer_h = Header { body_len: longer.len() as u32, ..h };
+            // Bodies whose tail is opaque bytes (a payload, a delta, a
+            // descriptor) take any length; every other layout is exact.
+            let open_tail = matches!(
+                m,
+                Message::DescribeReply(_) | Message::DescribeDelta(_) | Message::Changed { .. } | Message::Notify(_)
+            );
+            if !open_tail {
+                assert!(Message::decode(&longer_h, &longer).is_err(), "{:?} with a byte more", m.kind());
+            }
+        }
+        assert_eq!(kinds.len(), 26, "every kind has a sample");
+        let mut body = Vec::new();
+        Message::Write(
+            Request::decode(&{
+                let mut b = Vec::new();
+                encode_request(&mut b, 9, [RemoteDesc { registration: 1, offset: 0, len: 16 }].into_iter());
+                b
+            })
+            .unwrap(),
+        )
+        .encode(&mut body);
+        assert_eq!(
+            Message::decode(&header(Kind::Write, body.len(), 15, 1), &body),
+            Err(WireError::PayloadMismatch { declared: 15, described: 16 })
+        );
+        assert_eq!(
+            expect_count(Kind::ShareFdsReply, 2, 1),
+            Err(WireError::CountMismatch { kind: Kind::ShareFdsReply, asked: 2, answered: 1 })
+        );
     }
 
     const LIMITS: Limits = Limits { max_body: 1 << 20, max_data: 16 << 20 };
@@ -968,36 +1388,36 @@ mod tests {
             IpcEntry::Refused("not device memory".into()),
         ];
         encode_ipc_handles_reply(&mut out, &entries);
-        assert_eq!(decode_ipc_handles_reply(&out, 2).unwrap(), entries);
-        assert!(decode_ipc_handles_reply(&out, 1).is_err(), "another count");
+        assert_eq!(ipc_reply(&out, 2).unwrap(), entries);
+        assert!(ipc_reply(&out, 1).is_err(), "another count");
         let mut extra = out.clone();
         extra.push(0);
-        assert!(decode_ipc_handles_reply(&extra, 2).is_err(), "trailing bytes");
+        assert!(ipc_reply(&extra, 2).is_err(), "trailing bytes");
         let outside =
             [IpcEntry::Exported { uuid: [0; 16], handle: [0; IPC_HANDLE_LEN], offset: 8192, alloc_len: 8192 }];
         encode_ipc_handles_reply(&mut out, &outside);
-        assert!(decode_ipc_handles_reply(&out, 1).is_err(), "an offset outside its allocation");
+        assert!(ipc_reply(&out, 1).is_err(), "an offset outside its allocation");
         let shareable = vec![
             IpcEntry::Shareable { uuid: [4; 16], alloc_base: 1 << 40, offset: 12, alloc_len: 2 << 20 },
             IpcEntry::Refused("no handle".into()),
             IpcEntry::Exported { uuid: [3; 16], handle: [9; IPC_HANDLE_LEN], offset: 0, alloc_len: 8192 },
         ];
         encode_ipc_handles_reply(&mut out, &shareable);
-        assert_eq!(decode_ipc_handles_reply(&out, 3).unwrap(), shareable);
+        assert_eq!(ipc_reply(&out, 3).unwrap(), shareable);
         assert_eq!(shareable.iter().filter(|e| e.has_fd()).count(), 1);
         let outside = [IpcEntry::Shareable { uuid: [0; 16], alloc_base: 0, offset: 4096, alloc_len: 4096 }];
         encode_ipc_handles_reply(&mut out, &outside);
-        assert!(decode_ipc_handles_reply(&out, 1).is_err(), "a shareable offset outside its allocation");
+        assert!(ipc_reply(&out, 1).is_err(), "a shareable offset outside its allocation");
         let many =
             vec![IpcEntry::Shareable { uuid: [0; 16], alloc_base: 0, offset: 0, alloc_len: 1 }; MAX_SHARED_FDS + 1];
         encode_ipc_handles_reply(&mut out, &many);
-        assert!(decode_ipc_handles_reply(&out, many.len()).is_err(), "more descriptors than one reply carries");
+        assert!(ipc_reply(&out, many.len()).is_err(), "more descriptors than one reply carries");
         encode_ipc_handles_reply(&mut out, &many[..MAX_SHARED_FDS]);
-        assert_eq!(decode_ipc_handles_reply(&out, MAX_SHARED_FDS).unwrap().len(), MAX_SHARED_FDS);
+        assert_eq!(ipc_reply(&out, MAX_SHARED_FDS).unwrap().len(), MAX_SHARED_FDS);
         let long = IpcEntry::Refused("\u{e9}".repeat(200));
         encode_ipc_handles_reply(&mut out, &[long]);
         assert!(out.len() <= 2 + IPC_ENTRY_MAX);
-        let IpcEntry::Refused(why) = &decode_ipc_handles_reply(&out, 1).unwrap()[0] else { panic!() };
+        let IpcEntry::Refused(why) = &ipc_reply(&out, 1).unwrap()[0] else { panic!() };
         assert!(why.len() <= MAX_ERROR_DETAIL && why.chars().all(|c| c == '\u{e9}'));
     }
 
@@ -1032,7 +1452,7 @@ mod tests {
             let _ = decode_watch(&bytes);
             let _ = decode_changed(&bytes).map(|(_, _, d)| crate::segment::Delta::decode(d));
             let _ = decode_ipc_handles(&bytes);
-            let _ = decode_ipc_handles_reply(&bytes, bytes.first().copied().unwrap_or(0) as usize);
+            let _ = ipc_reply(&bytes, bytes.first().copied().unwrap_or(0) as usize);
         }
     }
 }

@@ -50,7 +50,7 @@ fn reply(s: &mut TcpStream) -> (wire::Header, Vec<u8>) {
 }
 
 fn status_of(h: &wire::Header, body: &[u8]) -> Option<RemoteStatus> {
-    (h.kind == Kind::Error).then(|| wire::decode_error(body).unwrap().0)
+    (h.kind == Kind::Error).then(|| common::refusal(body).0)
 }
 
 fn connect(p: &PeerProcess) -> TcpStream {

@@ -128,7 +128,7 @@ fn an_unauthenticated_connection_costs_one_bounded_frame() {
     let h = wire::decode_header(&h, wire::Limits { max_body: 1 << 20, max_data: 0 }).unwrap();
     let mut body = vec![0u8; h.body_len as usize];
     s.read_exact(&mut body).unwrap();
-    assert_eq!((h.kind, wire::decode_error(&body).unwrap().0), (Kind::Error, RemoteStatus::Unauthenticated));
+    assert_eq!((h.kind, common::refusal(&body).0), (Kind::Error, RemoteStatus::Unauthenticated));
     let mut rest = [0u8; 1];
     assert!(matches!(s.read(&mut rest), Ok(0) | Err(_)), "closed after the refusal");
     // A header announcing a 1 MiB body before authenticating: closed at

@@ -70,7 +70,7 @@ fn refused(s: &mut TcpStream, f: &[u8]) -> RemoteStatus {
     s.write_all(f).unwrap();
     let (h, body) = reply(s);
     assert_eq!(h.kind, Kind::Error);
-    wire::decode_error(&body).unwrap().0
+    common::refusal(&body).0
 }
 
 #[test]

@@ -274,7 +274,7 @@ fn hello_to(endpoint: &str, hello: &wire::AuthHello) -> (TcpStream, Result<wire:
     let answer = match h.kind {
         Kind::AuthChallenge => Ok(wire::AuthChallenge::decode(&body).unwrap()),
         Kind::Error => {
-            let (status, detail) = wire::decode_error(&body).unwrap();
+            let (status, detail) = common::refusal(&body);
             assert_eq!(status, RemoteStatus::Unauthenticated);
             Err(detail)
         }
@@ -439,7 +439,7 @@ fn fake_peer(descriptor: Vec<u8>) -> String {
                     let reply = match h.kind {
                         Kind::Describe => frame(Kind::DescribeReply, &descriptor, h.request),
                         Kind::Watch => {
-                            let (epoch, since, _) = wire::decode_watch(&body[..h.body_len as usize]).unwrap();
+                            let (epoch, since, _) = common::watch_of(&body[..h.body_len as usize]);
                             let delta = orbite_core::segment::Delta { version: since, ..Default::default() };
                             let mut changed = Vec::new();
                             wire::encode_changed(&mut changed, epoch, since, &delta.to_bytes());
@@ -542,7 +542,7 @@ fn idle_connections_keep_no_buffer_and_buffers_in_use_are_capped() {
         let mut s = connect(&t.endpoint);
         s.write_all(&big_notify(t.epoch, max)).unwrap();
         let (h, body) = reply(&mut s);
-        assert_eq!((h.kind, wire::decode_error(&body).unwrap().0), (Kind::Error, RemoteStatus::NotificationTooLarge));
+        assert_eq!((h.kind, common::refusal(&body).0), (Kind::Error, RemoteStatus::NotificationTooLarge));
         held.push(s);
     }
     let grown = t.rss().saturating_sub(before);
@@ -588,7 +588,7 @@ fn idle_connections_keep_no_buffer_and_buffers_in_use_are_capped() {
     let answer = |s: &mut TcpStream| {
         let (h, body) = reply(s);
         assert_eq!(h.kind, Kind::Error);
-        wire::decode_error(&body).unwrap().0
+        common::refusal(&body).0
     };
     for (s, f) in conns[4..].iter_mut().zip(&frames[4..]) {
         s.write_all(f).unwrap();
@@ -645,13 +645,13 @@ fn watch(t: &Engine) -> Result<(TcpStream, u64), String> {
     let (h, body) = reply(&mut s);
     match h.kind {
         Kind::Changed => Ok((s, pushed_version(&body))),
-        Kind::Error => Err(wire::decode_error(&body).unwrap().1),
+        Kind::Error => Err(common::refusal(&body).1),
         k => panic!("{k:?} in answer to a Watch"),
     }
 }
 
 fn pushed_version(changed: &[u8]) -> u64 {
-    let (_, _, delta) = wire::decode_changed(changed).unwrap();
+    let (_, _, delta) = common::changed_of(changed);
     orbite_core::segment::Delta::decode(delta).unwrap().version
 }
 
@@ -717,7 +717,7 @@ fn borrows_are_counted_and_charged() {
         wire::encode_borrow(&mut b, id, t.epoch, [d].into_iter());
         s.write_all(&frame(Kind::Borrow, &b, id)).unwrap();
         let (h, body) = reply(s);
-        (h.kind, (h.kind == Kind::Error).then(|| wire::decode_error(&body).unwrap().0))
+        (h.kind, (h.kind == Kind::Error).then(|| common::refusal(&body).0))
     };
     // A borrow of one registration costs a pointer and 64 bytes.
     let per = 8 + 64;

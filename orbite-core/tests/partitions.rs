@@ -100,7 +100,7 @@ fn serve(mut s: TcpStream, endpoint: String, how: Behaviour, stop: Arc<AtomicBoo
             (Kind::Describe, _) => frame(Kind::DescribeReply, &descriptor(&endpoint), 0, h.request),
             (Kind::Watch, _) => {
                 // Subscribed: the first push says nothing changed; none follows.
-                let (epoch, since, _) = wire::decode_watch(&body).unwrap();
+                let (epoch, since, _) = common::watch_of(&body);
                 let delta = orbite_core::segment::Delta { version: since, ..Default::default() };
                 let mut changed = Vec::new();
                 wire::encode_changed(&mut changed, epoch, since, &delta.to_bytes());

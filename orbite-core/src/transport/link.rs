@@ -38,7 +38,7 @@ use crate::transport::proto::client::{ClientConn, PeerJob, unsent};
 use crate::transport::sock::{Patience, Stream, epoll_ctl, iov, owned, read_exact_within, tune, writev_within};
 use crate::transport::spin::poll;
 use crate::transport::unix::Credentials;
-use crate::wire::{self, Kind, Limits};
+use crate::wire::{self, Kind, Limits, Message, WireError};
 
 /// Options of a link.
 #[derive(Debug, Clone)]
@@ -131,7 +131,10 @@ fn authenticate(
         match h.kind {
             k if k == want && h.data_len == 0 => Ok(body),
             Kind::Error => {
-                let detail = wire::decode_error(&body).map(|(_, d)| d).unwrap_or_default();
+                let detail = match Message::decode(&h, &body) {
+                    Ok(Message::Error { detail, .. }) => detail,
+                    _ => String::new(),
+                };
                 Err(OpenError::Unauthenticated(format!("the peer refused: {detail}")))
             }
             k => Err(OpenError::Protocol(format!("unexpected {k:?} during authentication"))),
@@ -171,11 +174,14 @@ fn describe(
     if h.kind == Kind::Error {
         body.resize(h.body_len as usize, 0);
         read_exact_within(fd, &mut body, Some(patience)).map_err(|e| OpenError::Connect(e.to_string()))?;
-        return Err(match wire::decode_error(&body) {
-            Ok((wire::RemoteStatus::Unauthenticated, d)) => {
+        return Err(match Message::decode(&h, &body) {
+            Ok(Message::Error { status: wire::RemoteStatus::Unauthenticated, detail: d }) => {
                 OpenError::Unauthenticated(format!("the peer requires authentication (auth.secret_file): {d}"))
             }
-            Ok((status, d)) => OpenError::Protocol(format!("describe refused: {status:?}: {d}")),
+            Ok(Message::Error { status, detail: d }) => {
+                OpenError::Protocol(format!("describe refused: {status:?}: {d}"))
+            }
+            Ok(m) => OpenError::Protocol(WireError::OutOfPlace(m.kind()).to_string()),
             Err(e) => OpenError::Protocol(e.to_string()),
         });
     }
@@ -525,10 +531,11 @@ impl<J: CopyJob> PeerLink<J> {
             let h = wire::decode_header(&hb, limits).map_err(|e| e.to_string())?;
             let mut body = vec![0u8; h.body_len as usize];
             read_exact_within(fd, &mut body, Some(&patience)).map_err(|e| e.to_string())?;
-            if h.kind != Kind::ShareFdsReply || h.data_len != 0 {
-                return Err(format!("unexpected {:?} reply to a request for shared memory", h.kind));
-            }
-            let attached = wire::decode_share_fds_reply(&body, chunk.len()).map_err(|e| e.to_string())?;
+            let attached = match Message::decode(&h, &body).map_err(|e| e.to_string())? {
+                Message::ShareFdsReply(attached) => attached,
+                m => return Err(format!("unexpected {:?} reply to a request for shared memory", m.kind())),
+            };
+            wire::expect_count(Kind::ShareFdsReply, chunk.len(), attached.len()).map_err(|e| e.to_string())?;
             if attached.iter().filter(|a| **a).count() != fds.len() {
                 return Err("the peer's answer does not match the descriptors it sent".into());
             }
@@ -567,9 +574,9 @@ impl<J: CopyJob> PeerLink<J> {
             let h = wire::decode_header(&hb, limits).map_err(|e| e.to_string())?;
             let mut body = vec![0u8; h.body_len as usize];
             read_exact_within(fd, &mut body, Some(&patience)).map_err(|e| e.to_string())?;
-            match h.kind {
-                Kind::IpcHandlesReply if h.data_len == 0 => {
-                    let entries = wire::decode_ipc_handles_reply(&body, chunk.len()).map_err(|e| e.to_string())?;
+            match Message::decode(&h, &body).map_err(|e| e.to_string())? {
+                Message::IpcHandlesReply(entries) => {
+                    wire::expect_count(Kind::IpcHandlesReply, chunk.len(), entries.len()).map_err(|e| e.to_string())?;
                     if entries.iter().filter(|e| e.has_fd()).count() != fds.len() {
                         return Err("the peer's IPC answer does not match the descriptors it sent".into());
                     }
@@ -579,11 +586,10 @@ impl<J: CopyJob> PeerLink<J> {
                         (e, fd)
                     }));
                 }
-                Kind::Error => {
-                    let (status, detail) = wire::decode_error(&body).map_err(|e| e.to_string())?;
+                Message::Error { status, detail } => {
                     return Err(format!("the peer refused IPC handles: {status:?}: {detail}"));
                 }
-                k => return Err(format!("unexpected {k:?} reply to a request for IPC handles")),
+                m => return Err(format!("unexpected {:?} reply to a request for IPC handles", m.kind())),
             }
         }
         Ok(out)
@@ -777,8 +783,7 @@ fn read_first_changes(fd: i32, limits: &Limits, epoch: u64, patience: &Patience)
     let h = wire::decode_header(&hb, *limits).map_err(|e| OpenError::Protocol(e.to_string()))?;
     let mut body = vec![0u8; h.body_len as usize];
     read_exact_within(fd, &mut body, Some(patience)).map_err(|e| OpenError::Protocol(e.to_string()))?;
-    if h.kind == Kind::Error && wire::decode_error(&body).is_ok_and(|(s, _)| s == wire::RemoteStatus::ResourceExhausted)
-    {
+    if let Ok(Message::Error { status: wire::RemoteStatus::ResourceExhausted, .. }) = Message::decode(&h, &body) {
         return Ok(FirstChanges::Full);
     }
     changes_of(&h, &body, epoch).map(FirstChanges::Changes).map_err(OpenError::Protocol)
@@ -786,12 +791,14 @@ fn read_first_changes(fd: i32, limits: &Limits, epoch: u64, patience: &Patience)
 
 /// Decodes one Changed frame of the subscription (request 1) for `epoch`.
 fn changes_of(h: &wire::Header, body: &[u8], epoch: u64) -> Result<(u64, Delta), String> {
-    if h.request != 1 || h.kind != Kind::Changed || h.data_len != 0 {
+    if h.request != 1 || h.kind != Kind::Changed {
         return Err(format!("unexpected {:?} on the watch connection", h.kind));
     }
-    let (e, base, delta) = wire::decode_changed(body).map_err(|e| e.to_string())?;
+    let Message::Changed { target_epoch, base, delta } = Message::decode(h, body).map_err(|e| e.to_string())? else {
+        return Err(format!("unexpected {:?} on the watch connection", h.kind));
+    };
     let delta = Delta::decode(delta).map_err(|e| e.to_string())?;
-    if e != epoch {
+    if target_epoch != epoch {
         return Err("changes of another epoch".into());
     }
     Ok((base, delta))
@@ -1313,7 +1320,8 @@ impl<J: CopyJob> Conn<J> {
                         self.reply_timed = false;
                         self.reply_until = None;
                     }
-                    if let Err(why) = result {
+                    if let Err(violation) = result {
+                        let why = violation.to_string();
                         self.link.mark_lost(&why);
                         if let Some(d) = done {
                             d.deliver();

@@ -692,7 +692,7 @@ impl ServerShared {
                     side.auth_failed(&from, m.refusal().unwrap_or("refused"));
                     break 0;
                 }
-                Err(Close::Malformed) => break 0, // malformed: close this connection only
+                Err(Close::Malformed(_)) => break 0, // malformed: close this connection only
             }
         };
         // The clock: an exchange starts when a frame completes (or, for a

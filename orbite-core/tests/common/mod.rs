@@ -159,3 +159,27 @@ pub fn read_frame(s: &mut std::net::TcpStream) -> (wire::Header, Vec<u8>) {
     s.read_exact(&mut body).unwrap();
     (h, body)
 }
+
+/// The status and detail of an Error frame's body.
+pub fn refusal(body: &[u8]) -> (wire::RemoteStatus, String) {
+    match wire::Message::decode(&wire::header(wire::Kind::Error, body.len(), 0, 0), body) {
+        Ok(wire::Message::Error { status, detail }) => (status, detail),
+        other => panic!("not an error body: {other:?}"),
+    }
+}
+
+/// The target epoch, version and reply bound of a Watch frame's body.
+pub fn watch_of(body: &[u8]) -> (u64, u64, u64) {
+    match wire::Message::decode(&wire::header(wire::Kind::Watch, body.len(), 0, 0), body) {
+        Ok(wire::Message::Watch { target_epoch, since, max_reply }) => (target_epoch, since, max_reply),
+        other => panic!("not a watch body: {other:?}"),
+    }
+}
+
+/// The target epoch, base version and delta of a Changed frame's body.
+pub fn changed_of(body: &[u8]) -> (u64, u64, &[u8]) {
+    match wire::Message::decode(&wire::header(wire::Kind::Changed, body.len(), 0, 0), body) {
+        Ok(wire::Message::Changed { target_epoch, base, delta }) => (target_epoch, base, delta),
+        other => panic!("not a changed body: {other:?}"),
+    }
+}

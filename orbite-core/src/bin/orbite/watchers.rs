@@ -53,9 +53,11 @@ fn read_frame(s: &mut TcpStream) -> Result<(wire::Header, Vec<u8>), String> {
 }
 
 /// The version a Changed frame brings.
-fn pushed(body: &[u8]) -> Result<u64, String> {
-    let (_, _, delta) = wire::decode_changed(body).map_err(err)?;
-    Ok(orbite_core::segment::Delta::decode(delta).map_err(err)?.version)
+fn pushed(h: &wire::Header, body: &[u8]) -> Result<u64, String> {
+    match wire::Message::decode(h, body).map_err(err)? {
+        wire::Message::Changed { delta, .. } => Ok(orbite_core::segment::Delta::decode(delta).map_err(err)?.version),
+        m => Err(format!("a {:?} frame where Changed was expected", m.kind())),
+    }
 }
 
 /// A watch connection that subscribed and read the first push.
@@ -129,7 +131,7 @@ pub fn run(quick: bool) -> Result<Value, String> {
         while seen < want && Instant::now() < until {
             let (h, body) = read_frame(s)?;
             if h.kind == Kind::Changed {
-                seen = seen.max(pushed(&body)?);
+                seen = seen.max(pushed(&h, &body)?);
             }
         }
         verified &= seen == want;

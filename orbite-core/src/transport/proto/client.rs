@@ -21,7 +21,7 @@ use crate::transport::proto::FrameIn;
 use crate::transport::sock::{advance, iov};
 use crate::transport::{CopyJob, TaskReport};
 use crate::types::{Op, TaskEnd};
-use crate::wire::{self, Header, Kind, Limits, RemoteDesc, RemoteStatus};
+use crate::wire::{self, Header, Kind, Limits, Message, RemoteDesc, RemoteStatus, WireError};
 
 /// Requests a connection keeps outstanding: the next request is on the
 /// wire while the previous reply is still coming, so neither side idles
@@ -97,6 +97,19 @@ pub(crate) fn unsent<J: CopyJob>(job: PeerJob<J>, why: String) -> Done<J> {
         }
         PeerJob::Control(n) => Done::Control(n, Err(PeerFailure::Lost(why))),
     }
+}
+
+/// A reply broke the protocol (the peer is then lost): how.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("protocol violation: {0}")]
+pub(crate) struct Violation(pub WireError);
+
+/// What a well-formed reply says.
+enum Said {
+    /// A refusal.
+    Refused(RemoteStatus, String),
+    /// An answer of this kind.
+    Answer(Kind),
 }
 
 enum Input {
@@ -248,20 +261,20 @@ impl<J: CopyJob> ClientConn<J> {
     }
 
     /// `n` (> 0) reply bytes arrived into what [`ClientConn::recv_buf`]
-    /// gave. Returns the job a complete reply completes; `Err(why)` when
-    /// the reply broke the protocol (the peer is lost: the job it answered
-    /// is in `done`, and [`ClientConn::fail_all`] ends the rest).
-    pub fn received(&mut self, n: usize, done: &mut Option<Done<J>>) -> Result<(), String> {
+    /// gave. Returns the job a complete reply completes; `Err` when the
+    /// reply broke the protocol (the peer is lost: the job it answered is
+    /// in `done`, and [`ClientConn::fail_all`] ends the rest).
+    pub fn received(&mut self, n: usize, done: &mut Option<Done<J>>) -> Result<(), Violation> {
         match &mut self.input {
             Input::Frame => {
                 let h = match self.frame.received(n, self.limits) {
                     Ok(Some(h)) => h,
                     Ok(None) => return Ok(()),
-                    Err(e) => return self.violation(format!("protocol violation: {e}"), done),
+                    Err(e) => return self.violation(e, done),
                 };
                 let id = self.inflight.front().map_or(0, |(_, id)| *id);
                 if h.request != id {
-                    return self.violation(format!("reply to request {} while {id} was outstanding", h.request), done);
+                    return self.violation(WireError::WrongRequest { got: h.request, outstanding: id }, done);
                 }
                 self.on_reply(h, done)
             }
@@ -281,26 +294,34 @@ impl<J: CopyJob> ClientConn<J> {
         }
     }
 
-    fn on_reply(&mut self, h: Header, done: &mut Option<Done<J>>) -> Result<(), String> {
+    fn on_reply(&mut self, h: Header, done: &mut Option<Done<J>>) -> Result<(), Violation> {
         self.input = Input::Frame;
         let Some((job, id)) = self.inflight.pop_front() else { return Ok(()) };
+        // The reply, decoded once; a control job's answer stays in the
+        // frame's body for the job to read.
+        let said = Message::decode(&h, self.frame.body()).map(|m| match m {
+            Message::Error { status, detail } => Said::Refused(status, detail),
+            m => Said::Answer(m.kind()),
+        });
+        let said = match said {
+            Ok(said) => said,
+            Err(e) => {
+                self.inflight.push_front((job, id));
+                return self.violation(e, done);
+            }
+        };
         match job {
             PeerJob::Task(j) => {
                 let planned = j.planned();
-                let op = j.program().op;
-                let report = match (op, h.kind) {
-                    (_, Kind::Error) => match wire::decode_error(self.frame.body()) {
-                        // The target validates everything before any byte moves.
-                        Ok(_) => TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: false } },
-                        Err(e) => {
-                            self.inflight.push_front((PeerJob::Task(j), id));
-                            return self.violation(format!("protocol violation: {e}"), done);
-                        }
-                    },
-                    (Op::Write, Kind::WriteAck) if h.data_len == 0 => {
+                let report = match (j.program().op, said) {
+                    // The target validates everything before any byte moves.
+                    (_, Said::Refused(..)) => {
+                        TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: false } }
+                    }
+                    (Op::Write, Said::Answer(Kind::WriteAck)) => {
                         TaskReport { planned, done: planned, end: TaskEnd::Complete }
                     }
-                    (Op::Read, Kind::ReadReply) if h.data_len as u64 == planned && h.body_len == 0 => {
+                    (Op::Read, Said::Answer(Kind::ReadReply)) if h.data_len as u64 == planned => {
                         self.in_iovs.clear();
                         self.in_iovs.extend(j.spans().iter().map(|sp| iov(sp.local, sp.len)));
                         self.in_iovs.retain(|v| v.iov_len > 0);
@@ -312,26 +333,25 @@ impl<J: CopyJob> ClientConn<J> {
                             return Ok(());
                         }
                     }
-                    (_, k) => {
+                    (Op::Read, Said::Answer(Kind::ReadReply)) => {
                         self.inflight.push_front((PeerJob::Task(j), id));
-                        return self.violation(format!("protocol violation: unexpected {k:?} reply"), done);
+                        let e = WireError::PayloadMismatch { declared: h.data_len, described: planned };
+                        return self.violation(e, done);
+                    }
+                    (_, Said::Answer(k)) => {
+                        self.inflight.push_front((PeerJob::Task(j), id));
+                        return self.violation(WireError::OutOfPlace(k), done);
                     }
                 };
                 *done = Some(Done::Task(j, report));
             }
             PeerJob::Control(n) => {
-                let result = match h.kind {
-                    k if k == n.expected_reply() && h.data_len == 0 => Ok(self.frame.take_body()),
-                    Kind::Error => match wire::decode_error(self.frame.body()) {
-                        Ok((status, detail)) => Err(PeerFailure::Refused(status, detail)),
-                        Err(e) => {
-                            self.inflight.push_front((PeerJob::Control(n), id));
-                            return self.violation(format!("protocol violation: {e}"), done);
-                        }
-                    },
-                    k => {
+                let result = match said {
+                    Said::Answer(k) if k == n.expected_reply() => Ok(self.frame.take_body()),
+                    Said::Refused(status, detail) => Err(PeerFailure::Refused(status, detail)),
+                    Said::Answer(k) => {
                         self.inflight.push_front((PeerJob::Control(n), id));
-                        return self.violation(format!("protocol violation: unexpected {k:?} reply"), done);
+                        return self.violation(WireError::OutOfPlace(k), done);
                     }
                 };
                 *done = Some(Done::Control(n, result));
@@ -342,12 +362,14 @@ impl<J: CopyJob> ClientConn<J> {
 
     /// The reply to the front job broke the protocol: that job fails as a
     /// lost peer's does.
-    fn violation(&mut self, why: String, done: &mut Option<Done<J>>) -> Result<(), String> {
+    fn violation(&mut self, e: WireError, done: &mut Option<Done<J>>) -> Result<(), Violation> {
+        let v = Violation(e);
+        let why = v.to_string();
         if let Some((job, _)) = self.inflight.pop_front() {
             *done = Some(self.lost_job(job, &why));
         }
-        self.lost = Some(why.clone());
-        Err(why)
+        self.lost = Some(why);
+        Err(v)
     }
 
     fn lost_job(&mut self, job: PeerJob<J>, why: &str) -> Done<J> {

@@ -26,7 +26,9 @@ use crate::registry::Registration;
 use crate::transport::auth::{Responder, ResponderSelf, Secret};
 use crate::transport::proto::FrameIn;
 use crate::transport::sock::{advance, iov};
-use crate::wire::{self, Header, Kind, Limits, NotifyEnvelope, RemoteStatus, Request, WireError};
+use crate::wire::{
+    self, DescribeSince, Header, Kind, Limits, Message, NotifyEnvelope, RemoteStatus, Request, WireError,
+};
 
 /// What the target side of the engine provides to its server.
 pub(crate) trait TargetSide: Send + Sync + 'static {
@@ -196,10 +198,10 @@ pub(crate) enum ConnEnd {
 }
 
 /// Why a connection must close.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Close {
-    /// The peer broke the protocol.
-    Malformed,
+    /// The peer broke the protocol: how.
+    Malformed(WireError),
     /// The peer did not authenticate: an error reply is queued (the driver
     /// sends what it can at once), then the connection closes.
     Unauthenticated,
@@ -220,8 +222,8 @@ enum Auth {
 }
 
 impl From<WireError> for Close {
-    fn from(_: WireError) -> Self {
-        Close::Malformed
+    fn from(e: WireError) -> Self {
+        Close::Malformed(e)
     }
 }
 
@@ -386,7 +388,11 @@ impl ServerConn {
         match &mut self.input {
             Input::Frame => match self.frame.received(n, self.frame_limits(side))? {
                 Some(h) => {
-                    let event = self.on_frame(h, side);
+                    // The body is read in place: the frame buffer is set
+                    // aside while its message is served.
+                    let frame = std::mem::replace(&mut self.frame, FrameIn::new());
+                    let event = self.on_frame(h, &frame, side);
+                    self.frame = frame;
                     self.frame.release(); // the body was used
                     event
                 }
@@ -398,14 +404,8 @@ impl ServerConn {
                 if *first < self.in_iovs.len() {
                     return Ok(None);
                 }
-                // Staged device memory lands while the loans still hold it.
-                let landed = self.landing.take().map_or(Ok(()), |mut l| l.land());
-                self.loans.clear(); // landed: release the loans, then ack
                 self.input = Input::Frame;
-                match landed {
-                    Ok(()) => self.reply(Kind::WriteAck, h.request, &[]),
-                    Err(why) => self.error(h.request, RemoteStatus::Other, &why),
-                }
+                self.landed(h.request);
                 Ok(None)
             }
             Input::Discard { h, left, status, detail } => {
@@ -479,6 +479,14 @@ impl ServerConn {
         self.scratch = body;
     }
 
+    /// Replies with `msg` (encoded into the scratch buffer).
+    fn reply_with(&mut self, request: u64, msg: &Message<'_>) {
+        let mut body = std::mem::take(&mut self.scratch);
+        msg.encode(&mut body);
+        self.reply(msg.kind(), request, &body);
+        self.scratch = body;
+    }
+
     /// Refuses request `request` (the driver could not do what the
     /// machine asked for it, such as a subscription beyond a cap): a typed
     /// error reply.
@@ -544,8 +552,14 @@ impl ServerConn {
 
     /// The authentication exchange: `Ok(true)` when the frame was part of
     /// it (answered), `Ok(false)` when the connection is authenticated (or
-    /// needs none) and the frame is a request.
-    fn authenticate(&mut self, h: Header, side: &dyn TargetSide) -> Result<bool, Close> {
+    /// needs none) and the frame is a request. Before the handshake is
+    /// done, a frame that does not decode is refused as unauthenticated.
+    fn authenticate(
+        &mut self,
+        h: Header,
+        msg: &Result<Message<'_>, WireError>,
+        side: &dyn TargetSide,
+    ) -> Result<bool, Close> {
         match std::mem::replace(&mut self.auth, Auth::Done) {
             Auth::Open => {
                 self.auth = Auth::Open;
@@ -561,12 +575,7 @@ impl ServerConn {
                 Err(Close::Unauthenticated)
             }
             Auth::Hello(secret) => {
-                let hello = if h.kind == Kind::AuthHello && h.data_len == 0 {
-                    wire::AuthHello::decode(self.frame.body()).ok()
-                } else {
-                    None
-                };
-                let Some(hello) = hello else {
+                let Ok(Message::AuthHello(hello)) = msg else {
                     let why = match h.kind {
                         Kind::AuthHello => "authenticate first: a hello of authentication v2 (wire minor 2)",
                         _ => "authenticate first",
@@ -574,12 +583,9 @@ impl ServerConn {
                     return self.refuse(h.request, why.to_owned());
                 };
                 let me = side.responder(self.at);
-                match Responder::on_hello(secret, &me, hello, crate::transport::auth::nonce()) {
+                match Responder::on_hello(secret, &me, hello.clone(), crate::transport::auth::nonce()) {
                     Ok((responder, challenge)) => {
-                        let mut body = std::mem::take(&mut self.scratch);
-                        challenge.encode(&mut body);
-                        self.reply(Kind::AuthChallenge, h.request, &body);
-                        self.scratch = body;
+                        self.reply_with(h.request, &Message::AuthChallenge(challenge));
                         self.auth = Auth::Proof(Box::new(responder));
                         Ok(true)
                     }
@@ -587,10 +593,8 @@ impl ServerConn {
                 }
             }
             Auth::Proof(responder) => {
-                let proven = match h.kind {
-                    Kind::AuthProof if h.data_len == 0 => {
-                        responder.on_proof(self.frame.body()).map_err(|e| e.to_string())
-                    }
+                let proven = match msg {
+                    Ok(Message::AuthProof(mac)) => responder.on_proof(mac).map_err(|e| e.to_string()),
                     _ => Err("the proof does not match this engine's secret".to_owned()),
                 };
                 match proven {
@@ -613,11 +617,13 @@ impl ServerConn {
         Err(Close::Unauthenticated)
     }
 
-    fn on_frame(&mut self, h: Header, side: &dyn TargetSide) -> Result<Option<Event>, Close> {
+    /// A whole frame (header and body) arrived: it is decoded once, and
+    /// its message served.
+    fn on_frame(&mut self, h: Header, frame: &FrameIn, side: &dyn TargetSide) -> Result<Option<Event>, Close> {
         self.input = Input::Frame;
         self.frames += 1;
         self.work = h.data_len as u64;
-        if self.frame.over_budget() {
+        if frame.over_budget() {
             // Its body was dropped: refused, and a WRITE's payload dropped
             // too, so the stream stays in sync.
             let (status, detail) = (RemoteStatus::ResourceExhausted, BUFFERS_FULL.to_owned());
@@ -628,213 +634,216 @@ impl ServerConn {
             }
             return Ok(None);
         }
-        if self.authenticate(h, side)? {
+        let msg = Message::decode(&h, frame.body());
+        if self.authenticate(h, &msg, side)? {
             return Ok(None);
         }
-        match h.kind {
-            Kind::Watch => {
-                let (epoch, since, max_reply) = wire::decode_watch(self.frame.body())?;
-                if h.data_len != 0 {
-                    return Err(Close::Malformed);
-                }
-                if epoch != side.epoch() {
-                    self.epoch_mismatch(h.request, side);
-                    return Ok(None);
-                }
-                let budget = (max_reply.min(side.limits().max_body as u64) as usize)
-                    .min(PUSH_BUDGET)
-                    .saturating_sub(CHANGED_OVERHEAD + crate::segment::DELTA_HEADER);
-                if budget < 1024 {
-                    self.error(h.request, RemoteStatus::BadLength, "replies must allow 1 KiB");
-                    return Ok(None);
-                }
-                return Ok(Some(Event::Subscribe { epoch, request: h.request, budget, since }));
+        let request = h.request;
+        match msg? {
+            Message::Watch { target_epoch, since, max_reply } => {
+                return Ok(self.on_watch(request, target_epoch, since, max_reply, side));
             }
-            Kind::Borrow => {
-                let (borrow_id, req) = wire::decode_borrow(self.frame.body())?;
-                if h.data_len != 0 {
-                    return Err(Close::Malformed);
-                }
-                let write = h.flags & wire::BORROW_WRITE != 0;
-                let device = h.flags & wire::BORROW_DEVICE != 0;
-                let mut iovs = Vec::new();
-                let refusal = if req.target_epoch != side.epoch() {
-                    Some((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
-                } else if device && !self.local() {
-                    Some((RemoteStatus::PermissionDenied, "device memory is lent on the local socket only".into()))
-                } else if device {
-                    side.lend_device(&req, write, &mut self.loans).err()
-                } else {
-                    side.resolve(&req, write, &mut iovs, &mut self.loans).err()
-                };
-                let refusal = refusal.or_else(|| self.keep_borrow(borrow_id, side.borrow_limits()));
-                self.loans.clear();
-                match refusal {
-                    Some((status, detail)) => self.error(h.request, status, &detail),
-                    None => self.reply(Kind::BorrowAck, h.request, &[]),
-                }
+            Message::Borrow { id, request: req, write, device } => {
+                self.on_borrow(request, id, &req, write, device, side)
             }
-            Kind::Return => {
-                let borrow_id = wire::decode_return(self.frame.body())?;
+            Message::Return { id } => {
                 // Only this connection's own borrows: another connection
                 // cannot end them.
-                self.borrows.remove(&borrow_id); // its charge ends with it
-                self.reply(Kind::ReturnAck, h.request, &[]);
+                self.borrows.remove(&id); // its charge ends with it
+                self.reply(Kind::ReturnAck, request, &[]);
             }
-            Kind::DescribeSince => {
-                let d = wire::decode_describe_since(self.frame.body())?;
-                if h.data_len != 0 {
-                    return Err(Close::Malformed);
-                }
-                let budget = (d.max_reply.min(side.limits().max_body as u64) as usize)
-                    .saturating_sub(crate::segment::DELTA_HEADER);
-                if d.expected_epoch != 0 && d.expected_epoch != side.epoch() {
-                    self.epoch_mismatch(h.request, side);
-                } else if budget < 1024 {
-                    self.error(h.request, RemoteStatus::BadLength, "replies must allow 1 KiB");
-                } else {
-                    let delta = side.changes(d.since, budget).to_bytes();
-                    self.reply(Kind::DescribeDelta, h.request, &delta);
-                }
-            }
-            Kind::ShareFds => {
-                let names = wire::decode_share_fds(self.frame.body())?;
-                if h.data_len != 0 {
-                    return Err(Close::Malformed);
-                }
-                if !self.local() {
-                    self.error(h.request, RemoteStatus::Other, "shared memory is handed over on the local socket only");
-                    return Ok(None);
-                }
-                let fds: Vec<Option<std::os::fd::OwnedFd>> = names.iter().map(|n| side.shared_fd(n)).collect();
-                let mut body = Vec::new();
-                wire::encode_share_fds_reply(&mut body, fds.iter().map(Option::is_some));
-                self.reply(Kind::ShareFdsReply, h.request, &body);
-                self.out_fds = fds.into_iter().flatten().collect();
-            }
-            Kind::IpcHandles => {
-                let (epoch, ids) = wire::decode_ipc_handles(self.frame.body())?;
-                if h.data_len != 0 {
-                    return Err(Close::Malformed);
-                }
-                if !self.local() {
-                    self.error(h.request, RemoteStatus::PermissionDenied, "IPC handles go to the local socket only");
-                } else if epoch != side.epoch() {
-                    self.epoch_mismatch(h.request, side);
-                } else {
-                    let (entries, fds) = side.ipc_export(&ids);
-                    let mut body = Vec::new();
-                    wire::encode_ipc_handles_reply(&mut body, &entries);
-                    self.reply(Kind::IpcHandlesReply, h.request, &body);
-                    self.out_fds = fds;
-                }
-            }
-            Kind::Keepalive => {
-                // The peer is alive (the driver's clock saw the bytes).
-                if h.body_len != 0 || h.data_len != 0 {
-                    return Err(Close::Malformed);
-                }
-            }
-            Kind::Describe => {
-                wire::decode_describe(self.frame.body())?;
-                if h.data_len != 0 {
-                    return Err(Close::Malformed);
-                }
+            Message::DescribeSince(d) => self.on_describe_since(request, &d, side),
+            Message::ShareFds(names) => self.on_share_fds(request, &names, side),
+            Message::IpcHandles { target_epoch, ids } => self.on_ipc_handles(request, target_epoch, &ids, side),
+            // The peer is alive (the driver's clock saw the bytes).
+            Message::Keepalive => {}
+            Message::Describe { .. } => {
                 let d = side.descriptor();
-                self.reply(Kind::DescribeReply, h.request, &d);
+                self.reply(Kind::DescribeReply, request, &d);
             }
-            Kind::Write | Kind::Read => {
-                let write = h.kind == Kind::Write;
-                let req = Request::decode(self.frame.body())?;
-                let total = req.total_len().ok_or(Close::Malformed)?;
-                self.work = total;
-                // A WRITE's payload length must match its descriptors, or the
-                // stream cannot be kept in sync: close. A READ carries none.
-                if (write && total != h.data_len as u64) || (!write && h.data_len != 0) {
-                    return Err(Close::Malformed);
-                }
-                let mut iovs = std::mem::take(&mut self.in_iovs);
-                iovs.clear();
-                let refusal = if req.target_epoch != side.epoch() {
-                    Some((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
-                } else if !write && total > side.limits().max_data as u64 {
-                    Some((RemoteStatus::BadLength, "read larger than one frame".to_owned()))
-                } else {
-                    side.resolve_staged(&req, write, &mut iovs, &mut self.loans, &mut self.landing).err()
-                };
-                if let Some((status, detail)) = refusal {
-                    self.landing = None;
-                    self.loans.clear();
-                    self.in_iovs = iovs;
-                    if write && h.data_len > 0 {
-                        self.input = Input::Discard { h, left: h.data_len as u64, status, detail };
-                    } else {
-                        self.error(h.request, status, &detail);
-                    }
-                    return Ok(None);
-                }
-                side.remote_gate();
-                if write {
-                    self.in_iovs = iovs;
-                    self.in_iovs.retain(|v| v.iov_len > 0);
-                    if self.in_iovs.is_empty() {
-                        let landed = self.landing.take().map_or(Ok(()), |mut l| l.land());
-                        self.loans.clear();
-                        match landed {
-                            Ok(()) => self.reply(Kind::WriteAck, h.request, &[]),
-                            Err(why) => self.error(h.request, RemoteStatus::Other, &why),
-                        }
-                    } else {
-                        self.input = Input::Payload { h, first: 0 };
-                    }
-                } else {
-                    let head = wire::encode_header(&wire::header(Kind::ReadReply, 0, total, h.request));
-                    let _ = self.out.set(&[&head], None); // a header: never charged
-                    self.out_iovs.clear();
-                    let out = self.out.as_slice();
-                    self.out_iovs.push(iov(out.as_ptr() as u64, out.len() as u64));
-                    self.out_iovs.extend(iovs.iter().copied());
-                    self.out_first = 0;
-                    self.out_loans.clear();
-                    self.out_loans.append(&mut self.loans);
-                    self.out_landing = self.landing.take();
-                    self.in_iovs = iovs;
-                }
-            }
-            Kind::Notify => {
-                let env = wire::decode_notify(self.frame.body())?;
-                if h.data_len != 0 {
-                    return Err(Close::Malformed);
-                }
+            Message::Write(req) => self.on_transfer(h, &req, true, side),
+            Message::Read(req) => self.on_transfer(h, &req, false, side),
+            Message::Notify(env) => {
                 let result = if env.target_epoch != side.epoch() {
                     Err((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
                 } else {
                     side.deliver(&env)
                 };
                 match result {
-                    Ok(()) => self.reply(Kind::NotifyAck, h.request, &[]),
-                    Err((status, detail)) => self.error(h.request, status, &detail),
+                    Ok(()) => self.reply(Kind::NotifyAck, request, &[]),
+                    Err((status, detail)) => self.error(request, status, &detail),
                 }
             }
-            Kind::DescribeReply
-            | Kind::WriteAck
-            | Kind::ReadReply
-            | Kind::NotifyAck
-            | Kind::Error
-            | Kind::BorrowAck
-            | Kind::ReturnAck
-            | Kind::DescribeDelta
-            | Kind::Changed
-            | Kind::AuthChallenge
-            | Kind::AuthOk
-            | Kind::ShareFdsReply
-            | Kind::IpcHandlesReply
-            // Authenticated already (or no secret): a second handshake is
-            // not part of the protocol.
-            | Kind::AuthHello
-            | Kind::AuthProof => return Err(Close::Malformed),
+            // Replies, and (authenticated already, or no secret) a second
+            // handshake: not part of the protocol toward a target.
+            m @ (Message::DescribeReply(_)
+            | Message::WriteAck
+            | Message::ReadReply
+            | Message::NotifyAck
+            | Message::Error { .. }
+            | Message::BorrowAck
+            | Message::ReturnAck
+            | Message::DescribeDelta(_)
+            | Message::Changed { .. }
+            | Message::AuthChallenge(_)
+            | Message::AuthOk
+            | Message::ShareFdsReply(_)
+            | Message::IpcHandlesReply(_)
+            | Message::AuthHello(_)
+            | Message::AuthProof(_)) => return Err(Close::Malformed(WireError::OutOfPlace(m.kind()))),
         }
         Ok(None)
+    }
+
+    /// A Watch: the driver subscribes the connection (or it is refused).
+    fn on_watch(
+        &mut self,
+        request: u64,
+        epoch: u64,
+        since: u64,
+        max_reply: u64,
+        side: &dyn TargetSide,
+    ) -> Option<Event> {
+        if epoch != side.epoch() {
+            self.epoch_mismatch(request, side);
+            return None;
+        }
+        let budget = (max_reply.min(side.limits().max_body as u64) as usize)
+            .min(PUSH_BUDGET)
+            .saturating_sub(CHANGED_OVERHEAD + crate::segment::DELTA_HEADER);
+        if budget < 1024 {
+            self.error(request, RemoteStatus::BadLength, "replies must allow 1 KiB");
+            return None;
+        }
+        Some(Event::Subscribe { epoch, request, budget, since })
+    }
+
+    /// A Borrow: loans kept under the borrower's id, or a refusal.
+    fn on_borrow(
+        &mut self,
+        request: u64,
+        borrow_id: u64,
+        req: &Request<'_>,
+        write: bool,
+        device: bool,
+        side: &dyn TargetSide,
+    ) {
+        let mut iovs = Vec::new();
+        let refusal = if req.target_epoch != side.epoch() {
+            Some((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
+        } else if device && !self.local() {
+            Some((RemoteStatus::PermissionDenied, "device memory is lent on the local socket only".into()))
+        } else if device {
+            side.lend_device(req, write, &mut self.loans).err()
+        } else {
+            side.resolve(req, write, &mut iovs, &mut self.loans).err()
+        };
+        let refusal = refusal.or_else(|| self.keep_borrow(borrow_id, side.borrow_limits()));
+        self.loans.clear();
+        match refusal {
+            Some((status, detail)) => self.error(request, status, &detail),
+            None => self.reply(Kind::BorrowAck, request, &[]),
+        }
+    }
+
+    /// A DescribeSince: one page of changes.
+    fn on_describe_since(&mut self, request: u64, d: &DescribeSince, side: &dyn TargetSide) {
+        let budget =
+            (d.max_reply.min(side.limits().max_body as u64) as usize).saturating_sub(crate::segment::DELTA_HEADER);
+        if d.expected_epoch != 0 && d.expected_epoch != side.epoch() {
+            self.epoch_mismatch(request, side);
+        } else if budget < 1024 {
+            self.error(request, RemoteStatus::BadLength, "replies must allow 1 KiB");
+        } else {
+            let delta = side.changes(d.since, budget).to_bytes();
+            self.reply(Kind::DescribeDelta, request, &delta);
+        }
+    }
+
+    /// A ShareFds (local socket only): the descriptors this side has.
+    fn on_share_fds(&mut self, request: u64, names: &[&str], side: &dyn TargetSide) {
+        if !self.local() {
+            self.error(request, RemoteStatus::Other, "shared memory is handed over on the local socket only");
+            return;
+        }
+        let fds: Vec<Option<std::os::fd::OwnedFd>> = names.iter().map(|n| side.shared_fd(n)).collect();
+        self.reply_with(request, &Message::ShareFdsReply(fds.iter().map(Option::is_some).collect()));
+        self.out_fds = fds.into_iter().flatten().collect();
+    }
+
+    /// An IpcHandles (local socket only): the handles, or why not.
+    fn on_ipc_handles(&mut self, request: u64, epoch: u64, ids: &[u64], side: &dyn TargetSide) {
+        if !self.local() {
+            self.error(request, RemoteStatus::PermissionDenied, "IPC handles go to the local socket only");
+        } else if epoch != side.epoch() {
+            self.epoch_mismatch(request, side);
+        } else {
+            let (entries, fds) = side.ipc_export(ids);
+            self.reply_with(request, &Message::IpcHandlesReply(entries));
+            self.out_fds = fds;
+        }
+    }
+
+    /// A WRITE or a READ (its lengths already checked by the decoder):
+    /// resolved whole before any byte moves, then the payload lands or the
+    /// reply goes out straight from registered memory.
+    fn on_transfer(&mut self, h: Header, req: &Request<'_>, write: bool, side: &dyn TargetSide) {
+        // Checked by Message::decode.
+        let total = req.total_len().unwrap_or(0);
+        self.work = total;
+        let mut iovs = std::mem::take(&mut self.in_iovs);
+        iovs.clear();
+        let refusal = if req.target_epoch != side.epoch() {
+            Some((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
+        } else if !write && total > side.limits().max_data as u64 {
+            Some((RemoteStatus::BadLength, "read larger than one frame".to_owned()))
+        } else {
+            side.resolve_staged(req, write, &mut iovs, &mut self.loans, &mut self.landing).err()
+        };
+        if let Some((status, detail)) = refusal {
+            self.landing = None;
+            self.loans.clear();
+            self.in_iovs = iovs;
+            if write && h.data_len > 0 {
+                self.input = Input::Discard { h, left: h.data_len as u64, status, detail };
+            } else {
+                self.error(h.request, status, &detail);
+            }
+            return;
+        }
+        side.remote_gate();
+        if write {
+            self.in_iovs = iovs;
+            self.in_iovs.retain(|v| v.iov_len > 0);
+            if self.in_iovs.is_empty() {
+                self.landed(h.request);
+            } else {
+                self.input = Input::Payload { h, first: 0 };
+            }
+        } else {
+            let head = wire::encode_header(&wire::header(Kind::ReadReply, 0, total, h.request));
+            let _ = self.out.set(&[&head], None); // a header: never charged
+            self.out_iovs.clear();
+            let out = self.out.as_slice();
+            self.out_iovs.push(iov(out.as_ptr() as u64, out.len() as u64));
+            self.out_iovs.extend(iovs.iter().copied());
+            self.out_first = 0;
+            self.out_loans.clear();
+            self.out_loans.append(&mut self.loans);
+            self.out_landing = self.landing.take();
+            self.in_iovs = iovs;
+        }
+    }
+
+    /// A WRITE's bytes are all in: staged device memory lands while the
+    /// loans still hold it, the loans end, and the ack (or why not) goes.
+    fn landed(&mut self, request: u64) {
+        let landed = self.landing.take().map_or(Ok(()), |mut l| l.land());
+        self.loans.clear();
+        match landed {
+            Ok(()) => self.reply(Kind::WriteAck, request, &[]),
+            Err(why) => self.error(request, RemoteStatus::Other, &why),
+        }
     }
 }
 
@@ -1099,7 +1108,14 @@ mod tests {
             at += h.data_len as usize;
             assert_eq!(h.request, got.len() as u64 + 1, "replies come in request order");
             got.push(match h.kind {
-                Kind::Error => Expect::Reply(Kind::Error, Some(wire::decode_error(&body).unwrap().0), vec![]),
+                Kind::Error => Expect::Reply(
+                    Kind::Error,
+                    Some(match Message::decode(&wire::header(Kind::Error, body.len(), 0, 0), &body) {
+                        Ok(Message::Error { status, .. }) => status,
+                        other => panic!("not an error body: {other:?}"),
+                    }),
+                    vec![],
+                ),
                 Kind::DescribeReply => Expect::Reply(h.kind, None, body),
                 k => Expect::Reply(k, None, data),
             });
@@ -1123,6 +1139,63 @@ mod tests {
             prop_assert_eq!(got, expected);
             prop_assert_eq!(landed, mem, "bytes land exactly where the model puts them");
         }
+    }
+
+    /// Feeds `bytes` to a fresh machine at once: why it closed, if it did.
+    fn close_of(bytes: &[u8]) -> Option<Close> {
+        let side = FakeSide { mem: UnsafeCell::new([[0u8; 256]; 2]) };
+        let mut m = ServerConn::new(Default::default(), None, ConnEnd::Local);
+        let mut pos = 0;
+        while pos < bytes.len() {
+            while let Some(iovs) = m.send_buf() {
+                let n = drain(iovs, usize::MAX, &mut Vec::new());
+                m.sent(n);
+            }
+            let iovs = m.recv_buf()?;
+            let n = fill(iovs, &bytes[pos..]);
+            pos += n;
+            if let Err(close) = m.received(n, &side) {
+                return Some(close);
+            }
+        }
+        None
+    }
+
+    fn raw(kind: Kind, flags: u8, body: &[u8], data_len: u64) -> Vec<u8> {
+        let mut h = wire::header(kind, body.len(), data_len, 1);
+        h.flags = flags;
+        let mut out = wire::encode_header(&h).to_vec();
+        out.extend_from_slice(body);
+        out.extend(std::iter::repeat_n(0u8, data_len as usize));
+        out
+    }
+
+    #[test]
+    fn malformed_frames_close_with_their_typed_reason() {
+        let mut req = Vec::new();
+        wire::encode_request(&mut req, EPOCH, [RemoteDesc { registration: 1, offset: 0, len: 16 }].into_iter());
+        let mut describe = Vec::new();
+        wire::encode_describe(&mut describe, 7, EPOCH);
+        let mut ret = Vec::new();
+        Message::Return { id: 5 }.encode(&mut ret);
+        let mut borrow = Vec::new();
+        wire::encode_borrow(&mut borrow, 5, EPOCH, [RemoteDesc { registration: 1, offset: 0, len: 16 }].into_iter());
+        let cases = [
+            (raw(Kind::Keepalive, 0, &[1], 0), WireError::Malformed("keepalive")),
+            (raw(Kind::WriteAck, 0, &[], 0), WireError::OutOfPlace(Kind::WriteAck)),
+            (raw(Kind::Write, 0, &req, 10), WireError::PayloadMismatch { declared: 10, described: 16 }),
+            (raw(Kind::Describe, 0, &describe, 4), WireError::UnexpectedData { kind: Kind::Describe, len: 4 }),
+            (raw(Kind::Return, 1, &ret, 0), WireError::Malformed("flags")),
+            (raw(Kind::Borrow, 4, &borrow, 0), WireError::Malformed("borrow flags")),
+            (raw(Kind::Describe, 0, &describe[..8], 0), WireError::Malformed("describe")),
+        ];
+        for (bytes, why) in cases {
+            assert_eq!(close_of(&bytes), Some(Close::Malformed(why.clone())), "{why}");
+        }
+        // Well-formed, they are served.
+        assert_eq!(close_of(&raw(Kind::Keepalive, 0, &[], 0)), None);
+        assert_eq!(close_of(&raw(Kind::Return, 0, &ret, 0)), None);
+        assert_eq!(close_of(&raw(Kind::Borrow, wire::BORROW_WRITE, &borrow, 0)), None);
     }
 
     #[test]
