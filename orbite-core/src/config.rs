@@ -391,7 +391,7 @@ impl EngineConfig {
         }
         if let Some(a) = &self.advertise {
             crate::endpoint::validate_advertise(a)
-                .map_err(|reason| ConfigError::Invalid { field: "advertise", reason })?;
+                .map_err(|e| ConfigError::Invalid { field: "advertise", reason: e.to_string() })?;
         }
         Ok(())
     }

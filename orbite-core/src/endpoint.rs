@@ -75,17 +75,34 @@ impl Advertised {
     }
 }
 
+/// Why an `advertise` value is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum AdvertiseError {
+    #[error("`{0}` is not a port number")]
+    BadPort(String),
+    #[error("an opening `[` without `]`")]
+    UnclosedBracket,
+    #[error("`{0}` is not an IPv6 address")]
+    BadIpv6(String),
+    #[error("text after `]` that is not `:port`")]
+    AfterBracket,
+    #[error("`{0}` is not a host or host:port")]
+    NotHost(String),
+    #[error("port 0 cannot be dialled")]
+    PortZero,
+}
+
 /// A configured `advertise` value, split: host (brackets removed) and an
 /// optional port.
-fn split_host_port(s: &str) -> Result<(String, Option<u16>), String> {
-    let bad_port = |p: &str| format!("`{p}` is not a port number");
+fn split_host_port(s: &str) -> Result<(String, Option<u16>), AdvertiseError> {
+    let bad_port = |p: &str| AdvertiseError::BadPort(p.to_owned());
     if let Some(rest) = s.strip_prefix('[') {
-        let (host, tail) = rest.split_once(']').ok_or("an opening `[` without `]`")?;
-        host.parse::<Ipv6Addr>().map_err(|_| format!("`{host}` is not an IPv6 address"))?;
+        let (host, tail) = rest.split_once(']').ok_or(AdvertiseError::UnclosedBracket)?;
+        host.parse::<Ipv6Addr>().map_err(|_| AdvertiseError::BadIpv6(host.to_owned()))?;
         return match tail {
             "" => Ok((host.to_owned(), None)),
             t => {
-                let p = t.strip_prefix(':').ok_or("text after `]` that is not `:port`")?;
+                let p = t.strip_prefix(':').ok_or(AdvertiseError::AfterBracket)?;
                 Ok((host.to_owned(), Some(p.parse().map_err(|_| bad_port(p))?)))
             }
         };
@@ -101,16 +118,16 @@ fn split_host_port(s: &str) -> Result<(String, Option<u16>), String> {
 
 /// Checks an `advertise` value: a host name or address, with or without a
 /// port (`host`, `host:port`, `[v6]`, `[v6]:port`, bare `v6`).
-pub(crate) fn validate_advertise(s: &str) -> Result<(), String> {
+pub(crate) fn validate_advertise(s: &str) -> Result<(), AdvertiseError> {
     let (host, port) = split_host_port(s)?;
     let name_ok = !host.is_empty()
         && host.len() <= 253
         && host.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_' | b':'));
     if !name_ok {
-        return Err(format!("`{s}` is not a host or host:port"));
+        return Err(AdvertiseError::NotHost(s.to_owned()));
     }
     if port == Some(0) {
-        return Err("port 0 cannot be dialled".into());
+        return Err(AdvertiseError::PortZero);
     }
     Ok(())
 }

@@ -647,8 +647,8 @@ impl TransferEngine {
     pub fn new(config: EngineConfig) -> Result<Self, Error> {
         config.validate()?;
         let secret = match &config.auth {
-            Some(a) => Some(Arc::new(crate::transport::auth::Secret::load(&a.secret_file).map_err(|reason| {
-                Error::Config(crate::config::ConfigError::Invalid { field: "auth.secret_file", reason })
+            Some(a) => Some(Arc::new(crate::transport::auth::Secret::load(&a.secret_file).map_err(|e| {
+                Error::Config(crate::config::ConfigError::Invalid { field: "auth.secret_file", reason: e.to_string() })
             })?)),
             None => None,
         };

@@ -336,7 +336,7 @@ impl EngineInner {
             at += n;
         }
         if !write {
-            stage.fill().map_err(|why| (RemoteStatus::Other, why))?;
+            stage.fill().map_err(|why| (RemoteStatus::Other, format!("the target's device copy failed: {why}")))?;
         }
         Ok(Box::new(stage))
     }

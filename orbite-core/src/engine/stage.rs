@@ -169,25 +169,25 @@ pub(crate) struct ServerStage {
 }
 
 impl crate::transport::proto::server::Landing for ServerStage {
-    fn land(&mut self) -> Result<(), String> {
+    fn land(&mut self) -> Result<(), crate::cuda::CudaError> {
         if !self.write {
             return Ok(());
         }
         // (device, buffer, bytes) is already (destination, source, bytes).
         match crate::cuda::copy_on_stream(self.device, &self.copies) {
             (_, None) => Ok(()),
-            (_, Some(why)) => Err(format!("the target's device copy failed: {why}")),
+            (_, Some(why)) => Err(why),
         }
     }
 }
 
 impl ServerStage {
     /// A READ's device bytes into the buffer, now (before the reply).
-    pub(super) fn fill(&self) -> Result<(), String> {
+    pub(super) fn fill(&self) -> Result<(), crate::cuda::CudaError> {
         let copies: Vec<_> = self.copies.iter().map(|&(dev, buf, n)| (buf, dev, n)).collect();
         match crate::cuda::copy_on_stream(self.device, &copies) {
             (_, None) => Ok(()),
-            (_, Some(why)) => Err(format!("the target's device copy failed: {why}")),
+            (_, Some(why)) => Err(why),
         }
     }
 

@@ -263,21 +263,18 @@ impl KvConnectorInfo {
     /// Whether the advertised values make sense together: an explicit
     /// default style that is supported, positive leases with the default
     /// within the maximum, positive limits.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConnectorInfoError> {
         if self.default_style == KvScheduleStyle::Unspecified || !self.supported_styles.contains(&self.default_style) {
-            return Err(format!("default_style {:?} must be one of supported_styles", self.default_style));
+            return Err(ConnectorInfoError::DefaultStyle(self.default_style));
         }
         if self.supported_styles.contains(&KvScheduleStyle::Unspecified) {
-            return Err("supported_styles lists explicit styles only".into());
+            return Err(ConnectorInfoError::UnspecifiedStyle);
         }
         if self.default_lease_ms == 0
             || self.default_lease_ms > self.max_lease_ms
             || self.max_lease_ms > i64::MAX as u64
         {
-            return Err(format!(
-                "default_lease_ms ({}) must be positive and at most max_lease_ms ({})",
-                self.default_lease_ms, self.max_lease_ms
-            ));
+            return Err(ConnectorInfoError::Leases { default_ms: self.default_lease_ms, max_ms: self.max_lease_ms });
         }
         for (name, v) in [
             ("max_live_sessions", self.max_live_sessions),
@@ -285,11 +282,33 @@ impl KvConnectorInfo {
             ("max_ranges", self.max_ranges),
         ] {
             if v == 0 {
-                return Err(format!("{name} must be at least 1"));
+                return Err(ConnectorInfoError::ZeroLimit(name));
             }
         }
         Ok(())
     }
+}
+
+/// Why advertised connector values do not make sense together.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConnectorInfoError {
+    /// The default style is unspecified or not supported.
+    #[error("default_style {0:?} must be one of supported_styles")]
+    DefaultStyle(KvScheduleStyle),
+    /// The supported styles list the unspecified one.
+    #[error("supported_styles lists explicit styles only")]
+    UnspecifiedStyle,
+    /// The leases do not fit together.
+    #[error("default_lease_ms ({default_ms}) must be positive and at most max_lease_ms ({max_ms})")]
+    Leases {
+        /// The default lease.
+        default_ms: u64,
+        /// The longest lease.
+        max_ms: u64,
+    },
+    /// A limit of 0.
+    #[error("{0} must be at least 1")]
+    ZeroLimit(&'static str),
 }
 
 /// A request to allocate a session.

@@ -54,14 +54,35 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+/// Why a secret file is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SecretError {
+    /// It cannot be read.
+    #[error("cannot read {path}: {err}")]
+    Read {
+        /// The file.
+        path: String,
+        /// The system's words.
+        err: String,
+    },
+    /// Too few bytes.
+    #[error("{path} holds {len} bytes; a secret needs at least {MIN_SECRET}")]
+    TooShort {
+        /// The file.
+        path: String,
+        /// Its bytes without trailing white space.
+        len: usize,
+    },
+}
+
 impl Secret {
     /// Reads a secret file: its bytes, without trailing white space; at
     /// least [`MIN_SECRET`] of them.
-    pub fn load(path: &str) -> Result<Secret, String> {
-        let bytes = std::fs::read(path).map_err(|e| format!("cannot read {path}: {e}"))?;
+    pub fn load(path: &str) -> Result<Secret, SecretError> {
+        let bytes = std::fs::read(path).map_err(|e| SecretError::Read { path: path.to_owned(), err: e.to_string() })?;
         let end = bytes.iter().rposition(|b| !b.is_ascii_whitespace()).map_or(0, |i| i + 1);
         if end < MIN_SECRET {
-            return Err(format!("{path} holds {end} bytes; a secret needs at least {MIN_SECRET}"));
+            return Err(SecretError::TooShort { path: path.to_owned(), len: end });
         }
         Ok(Secret(bytes[..end].to_vec()))
     }
@@ -286,6 +307,21 @@ mod tests {
 
     fn secret(b: &[u8]) -> Arc<Secret> {
         Arc::new(Secret::from_bytes(b))
+    }
+
+    #[test]
+    fn secret_files_are_refused_with_typed_reasons() {
+        let dir = std::env::temp_dir();
+        let missing = dir.join(format!("orbite-no-secret-{}", std::process::id()));
+        let missing = missing.to_string_lossy().into_owned();
+        assert!(matches!(Secret::load(&missing), Err(SecretError::Read { path, .. }) if path == missing));
+        let short = dir.join(format!("orbite-short-secret-{}", std::process::id()));
+        std::fs::write(&short, b"0123456789abcde \n").unwrap();
+        let short = short.to_string_lossy().into_owned();
+        assert_eq!(Secret::load(&short).unwrap_err(), SecretError::TooShort { path: short.clone(), len: 15 });
+        std::fs::write(&short, b"0123456789abcdef\n").unwrap();
+        assert!(Secret::load(&short).is_ok(), "16 bytes after trimming");
+        std::fs::remove_file(&short).unwrap();
     }
 
     fn tcp(name: &str, reached: &str) -> Dialed {

@@ -129,7 +129,7 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
 pub(crate) trait Landing: Send {
     /// A WRITE's bytes are in the buffer: copy them to the device (the
     /// request's loans are still held). `Err`: why, answered to the peer.
-    fn land(&mut self) -> Result<(), String>;
+    fn land(&mut self) -> Result<(), crate::cuda::CudaError>;
 }
 
 /// Bounds on what borrowers may make a target hold.
@@ -842,7 +842,7 @@ impl ServerConn {
         self.loans.clear();
         match landed {
             Ok(()) => self.reply(Kind::WriteAck, request, &[]),
-            Err(why) => self.error(request, RemoteStatus::Other, &why),
+            Err(why) => self.error(request, RemoteStatus::Other, &format!("the target's device copy failed: {why}")),
         }
     }
 }
