@@ -5,9 +5,11 @@
 
 use std::time::{Duration, Instant};
 
+use clap::Parser;
 use orbite_core::{Desc, EngineConfig, Op, RoutePolicy, TransferSpec};
 use serde_json::{Map, Value, json};
 
+use crate::error::{ValueError, comma_list};
 use crate::limits;
 use crate::measure::{self, memcpy_blocks, percentiles_us, post_and_wait};
 use crate::rig::{MIB, Rig, W3_REGION, W3_REGIONS, Which, digest, pattern, read};
@@ -57,8 +59,123 @@ enum Workload {
     Vram,
 }
 
-/// Parsed `orbite bench` options.
+/// `orbite bench`'s flags.
+#[derive(Debug, Parser)]
+#[command(args_override_self = true)]
 pub struct BenchArgs {
+    /// Routes to measure, a comma list of local, shm, cma, tcp, auto or all
+    /// (= local,shm,cma,tcp); peer routes spawn their target as a child
+    /// process on loopback
+    #[arg(long = "route", value_name = "LIST", default_value = "all", value_parser = routes)]
+    routes: Routes,
+    /// Workloads to run, a comma list of W1, W2, W3, idle, sessions,
+    /// refresh, watchers, fan-in, rpc, vram (default: all but rpc, which a
+    /// build with --features grpc adds, and vram, which a CUDA device adds)
+    #[arg(long = "workload", value_name = "LIST", value_parser = workloads)]
+    workloads: Option<Workloads>,
+    /// Short run (under 30 s)
+    #[arg(long)]
+    quick: bool,
+    /// W1 descriptor sizes in bytes, a comma list, each dividing 64 MiB
+    /// (default: 4 KiB, 16 KiB, 64 KiB, 1 MiB, 16 MiB; --quick: all but 16 KiB)
+    #[arg(long, value_name = "LIST", value_parser = blocks)]
+    blocks: Option<Blocks>,
+    /// Directions of W1 and W3: write, read or write,read
+    #[arg(long, value_name = "LIST", default_value = "write,read", value_parser = ops)]
+    ops: Ops,
+    /// Engine configuration fields to use on both sides, a JSON object
+    /// (over the bench's own default: the progress worker on)
+    #[arg(long, value_name = "JSON", value_parser = bench_config)]
+    config: Option<EngineConfig>,
+    /// Print only JSON lines on stdout
+    #[arg(long)]
+    json: bool,
+}
+
+/// The values of `--route`, `--workload`, `--blocks` and `--ops` (a comma
+/// list is one value of its flag: the last one given wins).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Routes(Vec<Route>);
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Workloads(Vec<Workload>);
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Blocks(Vec<u64>);
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Ops(Vec<Op>);
+
+fn routes(v: &str) -> Result<Routes, ValueError> {
+    let lists = comma_list(v, |r| match r {
+        "local" => Ok(vec![Route::Local]),
+        "tcp" => Ok(vec![Route::Tcp]),
+        "shm" => Ok(vec![Route::Shm]),
+        "cma" => Ok(vec![Route::Cma]),
+        "auto" => Ok(vec![Route::Auto]),
+        "all" => Ok(vec![Route::Local, Route::Shm, Route::Cma, Route::Tcp]),
+        other => Err(ValueError::UnknownRoute(other.to_owned())),
+    })?;
+    Ok(Routes(lists.concat()))
+}
+
+fn workloads(v: &str) -> Result<Workloads, ValueError> {
+    comma_list(v, |w| match w.to_ascii_lowercase().as_str() {
+        "w1" => Ok(Workload::W1),
+        "w2" => Ok(Workload::W2),
+        "w3" => Ok(Workload::W3),
+        "idle" => Ok(Workload::Idle),
+        "sessions" => Ok(Workload::Sessions),
+        "refresh" => Ok(Workload::Refresh),
+        "watchers" => Ok(Workload::Watchers),
+        "fan-in" | "fanin" => Ok(Workload::FanIn),
+        "rpc" => Ok(Workload::Rpc),
+        "vram" => Ok(Workload::Vram),
+        _ => Err(ValueError::UnknownWorkload(w.to_owned())),
+    })
+    .map(Workloads)
+}
+
+fn blocks(v: &str) -> Result<Blocks, ValueError> {
+    comma_list(v, |b| {
+        let size = b.parse::<u64>().map_err(|source| ValueError::NotANumber { item: b.to_owned(), source })?;
+        if size == 0 || (64 * MIB) % size != 0 {
+            return Err(ValueError::BlockDoesNotDivide(size));
+        }
+        Ok(size)
+    })
+    .map(Blocks)
+}
+
+fn ops(v: &str) -> Result<Ops, ValueError> {
+    comma_list(v, |o| match o {
+        "write" => Ok(Op::Write),
+        "read" => Ok(Op::Read),
+        other => Err(ValueError::UnknownOp(other.to_owned())),
+    })
+    .map(Ops)
+}
+
+/// The bench's engine configuration without `--config`: the defaults with
+/// the progress worker on.
+fn default_config() -> EngineConfig {
+    EngineConfig { progress_worker: true, ..EngineConfig::default() }
+}
+
+/// `--config`: the fields given over [`default_config`].
+fn bench_config(v: &str) -> Result<EngineConfig, ValueError> {
+    let Value::Object(patch) = serde_json::from_str(v).map_err(ValueError::NotJson)? else {
+        return Err(ValueError::NotAnObject);
+    };
+    let mut fields = match serde_json::to_value(default_config()).map_err(ValueError::NotJson)? {
+        Value::Object(fields) => fields,
+        _ => Map::new(),
+    };
+    fields.extend(patch);
+    Ok(EngineConfig::from_json(&Value::Object(fields).to_string())?)
+}
+
+/// What one `orbite bench` run measures: its flags with the defaults
+/// resolved.
+#[derive(Debug)]
+pub struct Plan {
     config: EngineConfig,
     routes: Vec<Route>,
     workloads: Vec<Workload>,
@@ -70,113 +187,40 @@ pub struct BenchArgs {
     ops: Vec<Op>,
 }
 
-impl BenchArgs {
-    pub fn parse(args: &[String]) -> Result<Self, String> {
-        let mut out = BenchArgs {
-            config: EngineConfig { progress_worker: true, ..EngineConfig::default() },
-            routes: vec![Route::Local, Route::Shm, Route::Cma, Route::Tcp],
-            workloads: vec![
-                Workload::W1,
-                Workload::W2,
-                Workload::W3,
-                Workload::Idle,
-                Workload::Sessions,
-                Workload::Refresh,
-                Workload::Watchers,
-                Workload::FanIn,
-            ],
-            quick: false,
-            json: false,
-            blocks: None,
-            ops: vec![Op::Write, Op::Read],
-        };
-        if cfg!(feature = "grpc") {
-            out.workloads.push(Workload::Rpc);
+impl From<BenchArgs> for Plan {
+    fn from(args: BenchArgs) -> Self {
+        Plan {
+            config: args.config.unwrap_or_else(default_config),
+            routes: args.routes.0,
+            workloads: args.workloads.map_or_else(default_workloads, |w| w.0),
+            quick: args.quick,
+            json: args.json,
+            blocks: args.blocks.map(|b| b.0),
+            ops: args.ops.0,
         }
-        // Device memory where the build and the machine have it.
-        if orbite_core::cuda::availability().is_ok() {
-            out.workloads.push(Workload::Vram);
-        }
-        let mut it = args.iter();
-        while let Some(a) = it.next() {
-            match a.as_str() {
-                "--quick" => out.quick = true,
-                "--config" => {
-                    let v = it.next().ok_or("--config needs a JSON object")?;
-                    // Fields given override the bench defaults (progress worker on).
-                    let mut base = serde_json::to_value(&out.config).map_err(err)?;
-                    let patch: Value = serde_json::from_str(v).map_err(|e| format!("--config: {e}"))?;
-                    let (Value::Object(b), Value::Object(p)) = (&mut base, patch) else {
-                        return Err("--config needs a JSON object".into());
-                    };
-                    b.extend(p);
-                    out.config = EngineConfig::from_json(&base.to_string()).map_err(err)?;
-                }
-                "--json" => out.json = true,
-                "--ops" => {
-                    let v = it.next().ok_or("--ops needs write, read or write,read")?;
-                    out.ops = v
-                        .split(',')
-                        .map(|o| match o.trim() {
-                            "write" => Ok(Op::Write),
-                            "read" => Ok(Op::Read),
-                            other => Err(format!("unknown op `{other}` (write, read)")),
-                        })
-                        .collect::<Result<_, _>>()?;
-                }
-                "--blocks" => {
-                    let v = it.next().ok_or("--blocks needs a comma list of byte counts")?;
-                    let sizes = v
-                        .split(',')
-                        .map(|b| b.trim().parse::<u64>().map_err(|e| format!("--blocks: {e}")))
-                        .collect::<Result<Vec<_>, _>>()?;
-                    if sizes.iter().any(|&b| b == 0 || (64 * MIB) % b != 0) {
-                        return Err("--blocks: each size must divide 64 MiB".into());
-                    }
-                    out.blocks = Some(sizes);
-                }
-                "--route" => {
-                    let v = it.next().ok_or("--route needs a value")?;
-                    out.routes = v
-                        .split(',')
-                        .map(|r| match r.trim() {
-                            "local" => Ok(vec![Route::Local]),
-                            "tcp" => Ok(vec![Route::Tcp]),
-                            "shm" => Ok(vec![Route::Shm]),
-                            "cma" => Ok(vec![Route::Cma]),
-                            "auto" => Ok(vec![Route::Auto]),
-                            "all" => Ok(vec![Route::Local, Route::Shm, Route::Cma, Route::Tcp]),
-                            other => Err(format!("unknown route `{other}` (local, shm, cma, tcp, auto, all)")),
-                        })
-                        .collect::<Result<Vec<_>, _>>()?
-                        .concat();
-                }
-                "--workload" => {
-                    let v = it.next().ok_or("--workload needs a value")?;
-                    out.workloads = v
-                        .split(',')
-                        .map(|w| match w.trim().to_ascii_lowercase().as_str() {
-                            "w1" => Ok(Workload::W1),
-                            "w2" => Ok(Workload::W2),
-                            "w3" => Ok(Workload::W3),
-                            "idle" => Ok(Workload::Idle),
-                            "sessions" => Ok(Workload::Sessions),
-                            "refresh" => Ok(Workload::Refresh),
-                            "watchers" => Ok(Workload::Watchers),
-                            "fan-in" | "fanin" => Ok(Workload::FanIn),
-                            "rpc" => Ok(Workload::Rpc),
-                            "vram" => Ok(Workload::Vram),
-                            other => Err(format!(
-                                "unknown workload `{other}` (W1, W2, W3, idle, sessions, refresh, fan-in, rpc)"
-                            )),
-                        })
-                        .collect::<Result<_, _>>()?;
-                }
-                other => return Err(format!("unknown option `{other}`")),
-            }
-        }
-        Ok(out)
     }
+}
+
+/// Every workload this build and this machine can run.
+fn default_workloads() -> Vec<Workload> {
+    let mut workloads = vec![
+        Workload::W1,
+        Workload::W2,
+        Workload::W3,
+        Workload::Idle,
+        Workload::Sessions,
+        Workload::Refresh,
+        Workload::Watchers,
+        Workload::FanIn,
+    ];
+    if cfg!(feature = "grpc") {
+        workloads.push(Workload::Rpc);
+    }
+    // Device memory where the build and the machine have it.
+    if orbite_core::cuda::availability().is_ok() {
+        workloads.push(Workload::Vram);
+    }
+    workloads
 }
 
 struct Report {
@@ -196,7 +240,7 @@ fn progress(msg: &str) {
     eprintln!("orbite bench: {msg}");
 }
 
-pub fn run(args: BenchArgs) -> Result<(), String> {
+pub fn run(args: Plan) -> Result<(), String> {
     let mut report = Report { json: args.json, rows: Vec::new() };
     let started = Instant::now();
     let route_work = args.workloads.iter().any(|w| {
@@ -449,7 +493,7 @@ fn cma_target(rig: &Rig, which: Which) -> Option<(i32, u64)> {
 /// W1: 64 MiB in descriptors of B bytes, repeated; interleaved with the
 /// copy references over the same blocks (between two local buffers, and
 /// on cma into the target process).
-fn w1(rig: &mut Rig, op: Op, args: &BenchArgs, limits: &Limits, report: &mut Report) -> Result<(), String> {
+fn w1(rig: &mut Rig, op: Op, args: &Plan, limits: &Limits, report: &mut Report) -> Result<(), String> {
     let quick = args.quick;
     let total = 64 * MIB;
     let per_size = if quick { Duration::from_millis(60) } else { Duration::from_secs(2) };
@@ -1184,6 +1228,101 @@ fn print_table(rows: &[Map<String, Value>]) {
                 o,
                 s(get(r, "vs_memcpy_pct"))
             );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::error::ErrorKind;
+    use orbite_core::{EngineConfig, Op};
+
+    use super::{Plan, Route, Workload, default_config, default_workloads};
+    use crate::{Command, parse};
+
+    fn plan(args: &[&str]) -> Plan {
+        match parse(&[&["bench"], args].concat()) {
+            Ok(Command::Bench(args)) => (*args).into(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// clap's message for a refused value: it names the flag.
+    fn refused(args: &[&str]) -> String {
+        let e = parse(&[&["bench"], args].concat()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ValueValidation, "{args:?}: {e}");
+        e.to_string()
+    }
+
+    #[test]
+    fn defaults() {
+        let p = plan(&[]);
+        assert_eq!(p.routes, [Route::Local, Route::Shm, Route::Cma, Route::Tcp]);
+        assert_eq!(p.workloads, default_workloads());
+        assert_eq!(
+            &p.workloads[..8],
+            [
+                Workload::W1,
+                Workload::W2,
+                Workload::W3,
+                Workload::Idle,
+                Workload::Sessions,
+                Workload::Refresh,
+                Workload::Watchers,
+                Workload::FanIn
+            ]
+        );
+        assert_eq!(p.workloads.contains(&Workload::Rpc), cfg!(feature = "grpc"));
+        assert_eq!((p.quick, p.json, p.blocks, p.ops), (false, false, None, vec![Op::Write, Op::Read]));
+        assert_eq!(p.config, EngineConfig { progress_worker: true, ..EngineConfig::default() });
+        assert_eq!(p.config, default_config());
+    }
+
+    #[test]
+    fn lists_take_commas_and_spaces() {
+        let p = plan(&["--route", "tcp,shm", "--workload", "W1,w3, idle,FANIN,fan-in,Sessions,vram,rpc"]);
+        assert_eq!(p.routes, [Route::Tcp, Route::Shm]);
+        use Workload::*;
+        assert_eq!(p.workloads, [W1, W3, Idle, FanIn, FanIn, Sessions, Vram, Rpc]);
+        let p = plan(&["--route", "auto,all", "--workload", "refresh,watchers,W2"]);
+        assert_eq!(p.routes, [Route::Auto, Route::Local, Route::Shm, Route::Cma, Route::Tcp]);
+        assert_eq!(p.workloads, [Refresh, Watchers, W2]);
+        let p = plan(&["--blocks", "1048576,16384", "--ops", "read", "--quick", "--json"]);
+        assert_eq!((p.blocks, p.ops, p.quick, p.json), (Some(vec![1 << 20, 16384]), vec![Op::Read], true, true));
+        assert_eq!(plan(&["--ops", "read, write"]).ops, [Op::Read, Op::Write]);
+    }
+
+    #[test]
+    fn the_last_of_a_repeated_flag_wins() {
+        let p =
+            plan(&["--route", "tcp", "--route", "cma", "--quick", "--quick", "--blocks", "4096", "--blocks", "65536"]);
+        assert_eq!((p.routes, p.blocks, p.quick), (vec![Route::Cma], Some(vec![65536]), true));
+    }
+
+    #[test]
+    fn config_fields_override_the_bench_defaults() {
+        let p = plan(&["--config", r#"{"connections_per_peer": 2}"#]);
+        assert_eq!(p.config, EngineConfig { connections_per_peer: 2, ..default_config() });
+        let p = plan(&["--config", r#"{"progress_worker": false, "local_route_workers": 1}"#]);
+        assert_eq!(p.config, EngineConfig { progress_worker: false, local_route_workers: 1, ..default_config() });
+    }
+
+    #[test]
+    fn refused_values_name_the_flag_and_why() {
+        for (args, flag, why) in [
+            (&["--route", "tcp,udp"][..], "--route", "unknown route `udp`"),
+            (&["--route", "tcp,"], "--route", "unknown route ``"),
+            (&["--workload", "W1,W9"], "--workload", "unknown workload `W9`"),
+            (&["--ops", "write,both"], "--ops", "unknown op `both`"),
+            (&["--blocks", "4096,1k"], "--blocks", "`1k` is not a number"),
+            (&["--blocks", "3"], "--blocks", "3 does not divide 64 MiB"),
+            (&["--blocks", "0"], "--blocks", "0 does not divide 64 MiB"),
+            (&["--config", "{"], "--config", "not JSON"),
+            (&["--config", "[]"], "--config", "needs a JSON object"),
+            (&["--config", r#"{"connections_per_peers": 2}"#], "--config", "unknown field `connections_per_peers`"),
+        ] {
+            let e = refused(args);
+            assert!(e.contains(flag) && e.contains(why), "{args:?}: {e}");
         }
     }
 }

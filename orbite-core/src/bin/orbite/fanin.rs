@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 use orbite_core::{Desc, EngineConfig, MemoryRange, Op, Permission, Target, TransferEngine, TransferSpec};
 use serde_json::{Value, json};
 
+use crate::error::ValueError;
 use crate::measure;
 use crate::rig::{MIB, digest};
 
@@ -207,22 +208,43 @@ fn run_pinned(quick: bool, secs: f64, config: &EngineConfig, theirs: &[usize]) -
 }
 
 /// `orbite bench-fanin ENDPOINT EPOCH FIRST COUNT SECONDS CPUS`: one
-/// initiator, writing target slices FIRST..FIRST+COUNT (CPUS: a comma list
-/// of the cores to run on, or empty).
-pub fn initiator(args: &[String]) -> Result<(), String> {
-    let [endpoint, epoch, first, count, secs, cpus] = args else {
-        return Err("usage: orbite bench-fanin ENDPOINT EPOCH FIRST COUNT SECONDS CPUS".into());
-    };
-    let cpus: Vec<usize> =
-        cpus.split(',').filter(|c| !c.is_empty()).map(str::parse).collect::<Result<_, _>>().map_err(err)?;
+/// initiator, writing target slices FIRST..FIRST+COUNT.
+#[derive(Debug, clap::Args)]
+pub struct InitiatorArgs {
+    /// The target's endpoint (host:port)
+    endpoint: String,
+    /// The target's source epoch
+    epoch: u64,
+    /// The first target slice to write
+    first: u64,
+    /// How many slices to write
+    count: u64,
+    /// How long to write, in seconds
+    secs: f64,
+    /// The cores to run on, a comma list (empty: any)
+    #[arg(value_parser = cores)]
+    cpus: Cores,
+}
+
+/// The value of CPUS.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Cores(Vec<usize>);
+
+fn cores(v: &str) -> Result<Cores, ValueError> {
+    v.split(',')
+        .filter(|c| !c.is_empty())
+        .map(|c| c.parse().map_err(|source| ValueError::NotANumber { item: c.to_owned(), source }))
+        .collect::<Result<_, _>>()
+        .map(Cores)
+}
+
+/// One fan-in initiator (`orbite bench-fanin`).
+pub fn initiator(args: InitiatorArgs) -> Result<(), String> {
+    let InitiatorArgs { endpoint, epoch, first, count, secs, cpus: Cores(cpus) } = args;
     if !cpus.is_empty() {
         pin(&cpus);
     }
-    let epoch: u64 = epoch.parse().map_err(err)?;
-    let first: u64 = first.parse().map_err(err)?;
-    let count: u64 = count.parse().map_err(err)?;
-    let secs: f64 = secs.parse().map_err(err)?;
-    if count == 0 || first + count > INITIATORS as u64 {
+    if count == 0 || first.checked_add(count).is_none_or(|end| end > INITIATORS as u64) {
         return Err("slices outside the target region".into());
     }
     let e = TransferEngine::from_json(r#"{"route": "tcp"}"#).map_err(err)?;
@@ -230,7 +252,7 @@ pub fn initiator(args: &[String]) -> Result<(), String> {
     let id = e
         .register_memory_ranges(vec![MemoryRange::host(&mem, 0, mem.len(), Permission::LocalOnly).map_err(err)?])
         .map_err(err)?[0];
-    let seg = e.open_segment(endpoint, Some(epoch), Duration::from_secs(30)).map_err(err)?;
+    let seg = e.open_segment(&endpoint, Some(epoch), Duration::from_secs(30)).map_err(err)?;
     let remote_id = seg.descriptor().registrations.first().ok_or("the target exports nothing")?.id;
     let n = SLICE / BLOCK;
     let transfers = (0..count)
@@ -271,4 +293,35 @@ pub fn initiator(args: &[String]) -> Result<(), String> {
     let _ = e.close_segment(&seg, Duration::from_secs(5));
     e.close();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::error::ErrorKind;
+
+    use super::{Cores, InitiatorArgs};
+    use crate::{Command, parse};
+
+    /// The arguments `Initiator::spawn` passes.
+    fn initiator(args: &[&str]) -> InitiatorArgs {
+        match parse(&[&["bench-fanin"], args].concat()) {
+            Ok(Command::BenchFanin(a)) => a,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn positional_arguments_as_spawned() {
+        let a = initiator(&["127.0.0.1:4000", "77", "8", "4", "0.5", "2,3"]);
+        assert_eq!((a.endpoint.as_str(), a.epoch, a.first, a.count, a.secs), ("127.0.0.1:4000", 77, 8, 4, 0.5));
+        assert_eq!(a.cpus, Cores(vec![2, 3]));
+        // One core or none: the list is empty.
+        assert_eq!(initiator(&["127.0.0.1:4000", "77", "0", "64", "3", ""]).cpus, Cores(vec![]));
+        for bad in [&["127.0.0.1:4000", "77", "0", "1", "0.5"][..], &["127.0.0.1:4000", "x", "0", "1", "0.5", ""]] {
+            assert!(parse(&[&["bench-fanin"], bad].concat()).is_err(), "{bad:?}");
+        }
+        let e = parse(&["bench-fanin", "127.0.0.1:4000", "77", "0", "1", "0.5", "1,a"]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ValueValidation);
+        assert!(e.to_string().contains("CPUS") && e.to_string().contains("`a` is not a number"), "{e}");
+    }
 }

@@ -7,30 +7,19 @@ use orbite_core::config::{ConfigDocument, ConfigOrigin};
 use orbite_core::endpoint::{ALL_INTERFACES, AdvertiseSource};
 use orbite_core::{EngineConfig, TransferEngine};
 
-pub(crate) struct InfoArgs {
-    config: Option<String>,
-    json: bool,
-}
+use crate::error::config_document;
 
-impl InfoArgs {
-    pub fn parse(args: &[String]) -> Result<Self, String> {
-        let mut out = InfoArgs { config: None, json: false };
-        let mut it = args.iter();
-        while let Some(a) = it.next() {
-            match a.as_str() {
-                "--config" => {
-                    let v = it.next().ok_or("--config needs a value")?;
-                    out.config = Some(match v.strip_prefix('@') {
-                        Some(path) => std::fs::read_to_string(path).map_err(|e| format!("--config {v}: {e}"))?,
-                        None => v.clone(),
-                    });
-                }
-                "--json" => out.json = true,
-                other => return Err(format!("unknown option `{other}`")),
-            }
-        }
-        Ok(out)
-    }
+/// `orbite info`'s flags.
+#[derive(Debug, clap::Args)]
+#[command(args_override_self = true)]
+pub(crate) struct InfoArgs {
+    /// The configuration, a JSON object or @FILE (default: $ORBITE_CONFIG,
+    /// a JSON object or @file; unset: the defaults)
+    #[arg(long, value_name = "JSON|@FILE", value_parser = config_document)]
+    config: Option<String>,
+    /// One JSON object instead of text
+    #[arg(long)]
+    json: bool,
 }
 
 /// Whether a same-host peer may use cross-memory attach on this process.
@@ -139,4 +128,35 @@ pub(crate) fn run(args: InfoArgs) -> Result<(), String> {
     println!("same-host shm:   {} ({shm_why})", if shm_ok { "offered" } else { "not offered" });
     println!("same-host cma:   {} ({cma_why})", if cma && boot_known { "offered" } else { "not offered" });
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::error::ErrorKind;
+
+    use super::InfoArgs;
+    use crate::{Command, parse};
+
+    fn info(args: &[&str]) -> (Option<String>, bool) {
+        match parse(&[&["info"], args].concat()) {
+            Ok(Command::Info(InfoArgs { config, json })) => (config, json),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn config_is_a_document_or_a_file() {
+        assert_eq!(info(&[]), (None, false));
+        assert_eq!(info(&["--json", "--config", r#"{"route": "tcp"}"#]), (Some(r#"{"route": "tcp"}"#.into()), true));
+        let path = std::env::temp_dir().join(format!("orbite-info-args-{}.json", std::process::id()));
+        std::fs::write(&path, r#"{"listen": "127.0.0.1:0"}"#).unwrap();
+        let at = format!("@{}", path.display());
+        assert_eq!(info(&["--config", &at]).0.as_deref(), Some(r#"{"listen": "127.0.0.1:0"}"#));
+        std::fs::remove_file(&path).unwrap();
+        let e = parse(&["info", "--config", &at]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ValueValidation);
+        assert!(e.to_string().contains("--config") && e.to_string().contains("cannot read"), "{e}");
+        // Checked when the engine is made, as before: the text is kept.
+        assert_eq!(info(&["--config", "{"]).0.as_deref(), Some("{"));
+    }
 }

@@ -15,8 +15,10 @@ use orbite_core::session::grpc::{DEFAULT_MAX_MESSAGE_BYTES, KvGrpcService};
 use orbite_core::session::{KvConnectorInfo, KvSessionService, SystemClock};
 use orbite_core::{EngineConfig, MemoryRange, Permission, TransferEngine};
 
+use crate::error::{ValueError, config_document};
+
 /// The `--config` document.
-#[derive(Debug, serde::Deserialize)]
+#[derive(Debug, Clone, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 struct ServeConfig {
     /// The engine's configuration (docs/configuration.md). Without
@@ -48,40 +50,52 @@ impl Default for ServeConfig {
     }
 }
 
+/// `orbite serve`'s flags.
+#[derive(Debug, clap::Args)]
+#[command(args_override_self = true)]
 pub struct ServeArgs {
+    /// Where the gRPC service listens, HOST:PORT (port 0 picks one)
+    #[arg(long, value_name = "HOST:PORT")]
     listen: String,
-    config: ServeConfig,
+    /// The service's configuration, a JSON object or @FILE: {"engine": {..},
+    /// "sessions": {..}, "kv_pool_bytes", "reaper_period_ms",
+    /// "drain_timeout_ms", "max_message_bytes"} (docs/api.md)
+    #[arg(long, value_name = "JSON|@FILE", value_parser = ServeConfig::parse)]
+    config: Option<ServeConfig>,
 }
 
-impl ServeArgs {
-    pub fn parse(args: &[String]) -> Result<Self, String> {
-        let mut listen = None;
-        let mut config = None;
-        let mut it = args.iter();
-        while let Some(a) = it.next() {
-            match a.as_str() {
-                "--listen" => listen = Some(it.next().ok_or("--listen needs host:port")?.clone()),
-                "--config" => {
-                    let v = it.next().ok_or("--config needs a JSON object or @file")?;
-                    let text = match v.strip_prefix('@') {
-                        Some(path) => std::fs::read_to_string(path).map_err(|e| format!("--config {v}: {e}"))?,
-                        None => v.clone(),
-                    };
-                    config = Some(serde_json::from_str::<ServeConfig>(&text).map_err(|e| format!("--config: {e}"))?);
-                }
-                other => return Err(format!("serve: unknown option `{other}`")),
-            }
-        }
-        let listen = listen.ok_or("serve needs --listen host:port (port 0 picks one)")?;
-        let config = config.unwrap_or_default();
-        config.sessions.validate().map_err(|e| format!("--config sessions: {e}"))?;
+/// Why `--config` was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeConfigError {
+    /// The document could not be read.
+    #[error(transparent)]
+    Document(#[from] ValueError),
+    /// Not JSON, or not the fields of a [`ServeConfig`].
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    /// `sessions` holds limits the service refuses.
+    #[error("sessions: {0}")]
+    Sessions(String),
+    /// `kv_pool_bytes` is 0.
+    #[error("kv_pool_bytes must be at least 1")]
+    EmptyKvPool,
+    /// `max_message_bytes` out of bounds.
+    #[error("max_message_bytes must be between 1024 and 67108864")]
+    MaxMessageBytes,
+}
+
+impl ServeConfig {
+    /// The value of `--config`, checked.
+    fn parse(value: &str) -> Result<Self, ServeConfigError> {
+        let config = serde_json::from_str::<ServeConfig>(&config_document(value)?)?;
+        config.sessions.validate().map_err(ServeConfigError::Sessions)?;
         if config.kv_pool_bytes == 0 {
-            return Err("--config: kv_pool_bytes must be at least 1".into());
+            return Err(ServeConfigError::EmptyKvPool);
         }
         if config.max_message_bytes < 1024 || config.max_message_bytes > (64 << 20) {
-            return Err("--config: max_message_bytes must be between 1024 and 67108864".into());
+            return Err(ServeConfigError::MaxMessageBytes);
         }
-        Ok(ServeArgs { listen, config })
+        Ok(config)
     }
 }
 
@@ -91,7 +105,7 @@ fn style_names(info: &KvConnectorInfo) -> String {
 }
 
 pub fn run(args: ServeArgs) -> Result<(), String> {
-    let c = args.config;
+    let c = args.config.unwrap_or_default();
     let mut engine_json = c.engine.clone();
     engine_json.entry("listen").or_insert_with(|| ALL_INTERFACES.into());
     let engine_config = EngineConfig::from_json(&serde_json::Value::Object(engine_json).to_string())
@@ -185,4 +199,41 @@ pub fn run(args: ServeArgs) -> Result<(), String> {
     let drained = result?;
     println!("orbite serve: stopped ({close:?})");
     if drained { Ok(()) } else { Err("the drain bound passed with work not retired".into()) }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::error::ErrorKind;
+
+    use super::ServeArgs;
+    use crate::{Command, parse};
+
+    fn serve(args: &[&str]) -> ServeArgs {
+        match parse(&[&["serve"], args].concat()) {
+            Ok(Command::Serve(a)) => a,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn listen_is_required_and_config_is_checked() {
+        let a = serve(&["--listen", "127.0.0.1:0"]);
+        assert_eq!(a.listen, "127.0.0.1:0");
+        assert!(a.config.is_none());
+        let a = serve(&["--config", r#"{"kv_pool_bytes": 4096, "engine": {"route": "tcp"}}"#, "--listen", "[::1]:0"]);
+        let c = a.config.unwrap();
+        assert_eq!((a.listen.as_str(), c.kv_pool_bytes, c.engine["route"].as_str()), ("[::1]:0", 4096, Some("tcp")));
+        assert_eq!(parse(&["serve"]).unwrap_err().kind(), ErrorKind::MissingRequiredArgument);
+        for (config, why) in [
+            (r#"{"kv_pool_bytes": 0}"#, "kv_pool_bytes must be at least 1"),
+            (r#"{"max_message_bytes": 100}"#, "max_message_bytes must be between"),
+            (r#"{"kv_pool": 1}"#, "unknown field `kv_pool`"),
+            (r#"{"sessions": {"max_live_sessions": 0}}"#, "sessions: "),
+            ("@/nonexistent/serve.json", "cannot read /nonexistent/serve.json"),
+        ] {
+            let e = parse(&["serve", "--listen", "127.0.0.1:0", "--config", config]).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::ValueValidation, "{config}: {e}");
+            assert!(e.to_string().contains("--config") && e.to_string().contains(why), "{config}: {e}");
+        }
+    }
 }
