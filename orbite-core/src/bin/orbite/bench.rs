@@ -9,7 +9,7 @@ use clap::Parser;
 use orbite_core::{Desc, EngineConfig, Op, RoutePolicy, TransferSpec};
 use serde_json::{Map, Value, json};
 
-use crate::error::{ValueError, comma_list};
+use crate::error::{Error, ValueError, comma_list};
 use crate::limits;
 use crate::measure::{self, memcpy_blocks, percentiles_us, post_and_wait};
 use crate::rig::{MIB, Rig, W3_REGION, W3_REGIONS, Which, digest, pattern, read};
@@ -240,7 +240,7 @@ fn progress(msg: &str) {
     eprintln!("orbite bench: {msg}");
 }
 
-pub fn run(args: Plan) -> Result<(), String> {
+pub fn run(args: Plan) -> Result<(), Error> {
     let mut report = Report { json: args.json, rows: Vec::new() };
     let started = Instant::now();
     let route_work = args.workloads.iter().any(|w| {
@@ -328,15 +328,11 @@ pub fn run(args: Plan) -> Result<(), String> {
         print_table(&report.rows);
     }
     let failed = report.rows.iter().any(|r| r.get("verified") == Some(&Value::Bool(false)));
-    if failed { Err("some destination bytes did not verify".into()) } else { Ok(()) }
+    if failed { Err(Error::NotVerified) } else { Ok(()) }
 }
 
 fn name(op: Op, base: &str) -> String {
     format!("{base}-{}", if op == Op::Write { "write" } else { "read" })
-}
-
-fn err(e: impl std::fmt::Display) -> String {
-    e.to_string()
 }
 
 /// The limits a route's bulk rows are compared with, measured in the run.
@@ -394,7 +390,7 @@ impl CopyRefs {
         blocks: &[(u64, u64, u64)],
         threads: usize,
         cma: Option<CmaRef<'_>>,
-    ) -> Result<(), String> {
+    ) -> Result<(), Error> {
         let r0 = Instant::now();
         memcpy_blocks(src, dst, blocks);
         self.one.push(r0.elapsed().as_secs_f64());
@@ -493,7 +489,7 @@ fn cma_target(rig: &Rig, which: Which) -> Option<(i32, u64)> {
 /// W1: 64 MiB in descriptors of B bytes, repeated; interleaved with the
 /// copy references over the same blocks (between two local buffers, and
 /// on cma into the target process).
-fn w1(rig: &mut Rig, op: Op, args: &Plan, limits: &Limits, report: &mut Report) -> Result<(), String> {
+fn w1(rig: &mut Rig, op: Op, args: &Plan, limits: &Limits, report: &mut Report) -> Result<(), Error> {
     let quick = args.quick;
     let total = 64 * MIB;
     let per_size = if quick { Duration::from_millis(60) } else { Duration::from_secs(2) };
@@ -512,7 +508,7 @@ fn w1(rig: &mut Rig, op: Op, args: &Plan, limits: &Limits, report: &mut Report) 
         let local: Vec<Desc> = (0..n).map(|i| Desc::new(rig.local.l_id, i * block, block)).collect();
         let remote: Vec<Desc> = (0..n).map(|i| Desc::new(rig.r_id, i * block, block)).collect();
         let blocks: Vec<(u64, u64, u64)> = (0..n).map(|i| (i * block, i * block, block)).collect();
-        let t = rig.engine.prepare(&TransferSpec::new(op, &local, &remote, rig.target())).map_err(err)?;
+        let t = rig.engine.prepare(&TransferSpec::new(op, &local, &remote, rig.target()))?;
         let (mut ours, mut refs) = (Vec::new(), CopyRefs::default());
         let cma_blocks = cma.map(|(pid, base)| (pid, at_base(&blocks, base)));
         let start = Instant::now();
@@ -544,14 +540,14 @@ fn w1(rig: &mut Rig, op: Op, args: &Plan, limits: &Limits, report: &mut Report) 
 /// routes) on top of the host route, `staging_overhead_pct` (bar 10 with
 /// the shim, whose copies are memcpy).
 #[cfg(feature = "cuda")]
-fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Result<(), String> {
+fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Result<(), Error> {
     use orbite_core::{MemoryRange, Permission};
     let (total, block) = (64 * MIB, MIB);
     let n = total / block;
     let per = if quick { Duration::from_millis(60) } else { Duration::from_secs(2) };
-    let m = rig.engine.allocate_cuda_memory(0, total as usize).map_err(err)?;
-    let range = MemoryRange::cuda(&m, 0, total as usize, Permission::RemoteReadWrite).map_err(err)?;
-    let v = rig.engine.register_memory_ranges(vec![range]).map_err(err)?[0];
+    let m = rig.engine.allocate_cuda_memory(0, total as usize)?;
+    let range = MemoryRange::cuda(&m, 0, total as usize, Permission::RemoteReadWrite)?;
+    let v = rig.engine.register_memory_ranges(vec![range])?[0];
     // The driver's own 1 MiB copy bandwidth with page-locked host memory,
     // the direction of the device side (a row of its own).
     use orbite_core::cuda::{CopyDirection, reference_copy_gbps};
@@ -561,7 +557,7 @@ fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Resul
         if !ops.contains(&op) {
             continue;
         }
-        let g = reference_copy_gbps(m.device(), dir, block, total, iters).map_err(|e| e.to_string())?;
+        let g = reference_copy_gbps(m.device(), dir, block, total, iters).map_err(Error::Vram)?;
         limit.insert(op, g);
         report.emit(json!({
             "system": "reference", "route": "cuda-pinned", "workload": format!("vram-{}", name(op, "W1")),
@@ -574,8 +570,8 @@ fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Resul
         let remote: Vec<Desc> = (0..n).map(|i| Desc::new(rig.r_id, i * block, block)).collect();
         let dev: Vec<Desc> = (0..n).map(|i| Desc::new(v, i * block, block)).collect();
         let host: Vec<Desc> = (0..n).map(|i| Desc::new(rig.local.l_id, i * block, block)).collect();
-        let td = rig.engine.prepare(&TransferSpec::new(op, &dev, &remote, rig.target())).map_err(err)?;
-        let th = rig.engine.prepare(&TransferSpec::new(op, &host, &remote, rig.target())).map_err(err)?;
+        let td = rig.engine.prepare(&TransferSpec::new(op, &dev, &remote, rig.target()))?;
+        let th = rig.engine.prepare(&TransferSpec::new(op, &host, &remote, rig.target()))?;
         let (mut ds, mut hs) = (Vec::new(), Vec::new());
         let start = Instant::now();
         while start.elapsed() < per || ds.len() < 3 {
@@ -586,7 +582,7 @@ fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Resul
             Op::Write => {
                 let data = pattern(0x3333, 0, total);
                 // SAFETY: no transfer runs on the device memory now.
-                unsafe { m.write(0, &data) }.map_err(err)?;
+                unsafe { m.write(0, &data) }?;
                 post_and_wait(&td)?;
                 rig.remote_digest(Which::W1, 0, total)? == digest(&data)
             }
@@ -595,7 +591,7 @@ fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Resul
                 post_and_wait(&td)?;
                 let mut back = vec![0u8; total as usize];
                 // SAFETY: as above.
-                unsafe { m.read(0, &mut back) }.map_err(err)?;
+                unsafe { m.read(0, &mut back) }?;
                 back == pattern(0x2222, 0, total)
             }
         };
@@ -617,7 +613,7 @@ fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Resul
     if rig.route == "cma" {
         vram_ipc(rig, ops, quick, &m, v, report)?;
     }
-    rig.engine.deregister(v).map_err(err)?;
+    rig.engine.deregister(v)?;
     Ok(())
 }
 
@@ -633,15 +629,15 @@ fn vram_ipc(
     m: &orbite_core::CudaMemory,
     v: orbite_core::RegistrationId,
     report: &mut Report,
-) -> Result<(), String> {
+) -> Result<(), Error> {
     use orbite_core::RoutePolicy;
     use orbite_core::cuda::{CopyDirection, reference_copy_gbps};
     let (total, block) = (64 * MIB, MIB);
     let n = total / block;
     let per = if quick { Duration::from_millis(60) } else { Duration::from_secs(2) };
     let iters = if quick { 16 } else { 256 };
-    let dtod = reference_copy_gbps(m.device(), CopyDirection::DeviceToDevice, block, total, iters)
-        .map_err(|e| e.to_string())?;
+    let dtod =
+        reference_copy_gbps(m.device(), CopyDirection::DeviceToDevice, block, total, iters).map_err(Error::Vram)?;
     report.emit(json!({
         "system": "reference", "route": "cuda-dtod", "workload": "vram-W1",
         "block_bytes": block, "gbps": round(dtod, 3), "direction": "DeviceToDevice", "verified": true,
@@ -654,7 +650,7 @@ fn vram_ipc(
         let dev: Vec<Desc> = (0..n).map(|i| Desc::new(v, i * block, block)).collect();
         let mut spec = TransferSpec::new(op, &dev, &remote, rig.target());
         spec.options.route = Some(RoutePolicy::CudaIpc);
-        let t = rig.engine.prepare(&spec).map_err(err)?;
+        let t = rig.engine.prepare(&spec)?;
         let mut ds = Vec::new();
         let start = Instant::now();
         while start.elapsed() < per || ds.len() < 3 {
@@ -664,7 +660,7 @@ fn vram_ipc(
         let verified = match op {
             Op::Write => {
                 // SAFETY: no transfer runs on the device memory now.
-                unsafe { m.write(0, &data) }.map_err(err)?;
+                unsafe { m.write(0, &data) }?;
                 post_and_wait(&t)?;
                 rig.remote_vram_digest(0, total)? == digest(&data)
             }
@@ -674,7 +670,7 @@ fn vram_ipc(
                 post_and_wait(&t)?;
                 let mut back = vec![0u8; total as usize];
                 // SAFETY: as above.
-                unsafe { m.read(0, &mut back) }.map_err(err)?;
+                unsafe { m.read(0, &mut back) }?;
                 rig.remote_vram_digest(0, total)? == digest(&back)
             }
         };
@@ -693,8 +689,8 @@ fn vram_ipc(
 }
 
 #[cfg(not(feature = "cuda"))]
-fn vram_w1(_rig: &mut Rig, _ops: &[Op], _quick: bool, _report: &mut Report) -> Result<(), String> {
-    Err(orbite_core::cuda::availability().map(|_| String::new()).unwrap_or_else(|why| format!("vram: {why}")))
+fn vram_w1(_rig: &mut Rig, _ops: &[Op], _quick: bool, _report: &mut Report) -> Result<(), Error> {
+    Err(Error::Vram(orbite_core::cuda::availability().err().unwrap_or(orbite_core::cuda::CudaError::NotBuilt)))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -745,7 +741,7 @@ fn stream_references(
     regions: &[u64],
     measured: &mut Vec<(u64, f64)>,
     report: &mut Report,
-) -> Result<(f64, f64), String> {
+) -> Result<(f64, f64), Error> {
     progress(&format!("socket references: one loopback TCP stream and {n} in parallel, 1 MiB writes"));
     let dur = if quick { Duration::from_millis(200) } else { Duration::from_secs(2) };
     let (one, ok1) = limits::tcp_streams(1, dur, 0)?;
@@ -776,7 +772,7 @@ fn stream_references(
 
 /// The raw TCP round trip (4 KiB answered by 16 bytes, TCP_NODELAY):
 /// emits its row and returns its p50 and p99 in microseconds.
-fn round_trip_reference(iters: usize, report: &mut Report) -> Result<(f64, f64), String> {
+fn round_trip_reference(iters: usize, report: &mut Report) -> Result<(f64, f64), Error> {
     let mut samples = limits::round_trips(iters)?;
     let (p50, p99) = percentiles_us(&mut samples);
     report.emit(json!({
@@ -801,13 +797,13 @@ struct RssProbe {
     reset: bool,
 }
 
-fn rss_probe(rig: &mut Rig) -> Result<RssProbe, String> {
+fn rss_probe(rig: &mut Rig) -> Result<RssProbe, Error> {
     progress(&format!("{} peak RSS while W1 moves 64 MiB, then 1 GiB", rig.route));
     let reset = limits::reset_peak_rss() & rig.reset_remote_peak_rss()?;
     let n = 64;
     let local: Vec<Desc> = (0..n).map(|i| Desc::new(rig.local.l_id, i * MIB, MIB)).collect();
     let remote: Vec<Desc> = (0..n).map(|i| Desc::new(rig.r_id, i * MIB, MIB)).collect();
-    let t = rig.engine.prepare(&TransferSpec::new(Op::Write, &local, &remote, rig.target())).map_err(err)?;
+    let t = rig.engine.prepare(&TransferSpec::new(Op::Write, &local, &remote, rig.target()))?;
     post_and_wait(&t)?;
     let after_64mib = (limits::peak_rss(), rig.remote_peak_rss()?);
     for _ in 1..16 {
@@ -819,7 +815,7 @@ fn rss_probe(rig: &mut Rig) -> Result<RssProbe, String> {
 
 /// The route's peak RSS row: both processes over the whole route, and the
 /// probe's peaks after 64 MiB and 1 GiB moved.
-fn rss_row(rig: &mut Rig, probe: RssProbe, report: &mut Report) -> Result<(), String> {
+fn rss_row(rig: &mut Rig, probe: RssProbe, report: &mut Report) -> Result<(), Error> {
     let mib = |b: u64| round(b as f64 / MIB as f64, 1);
     let opt = |b: Option<u64>| b.map_or(Value::Null, |b| json!(mib(b)));
     let growth = |a: (u64, Option<u64>), b: (u64, Option<u64>)| {
@@ -843,7 +839,7 @@ fn rss_row(rig: &mut Rig, probe: RssProbe, report: &mut Report) -> Result<(), St
 }
 
 /// W2: one 4 KiB transfer from post to retirement, many times.
-fn w2(rig: &mut Rig, quick: bool, report: &mut Report) -> Result<(), String> {
+fn w2(rig: &mut Rig, quick: bool, report: &mut Report) -> Result<(), Error> {
     let iters = if quick { 200 } else { 2000 };
     progress(&format!("{} round-trip reference: 4 KiB answered by 16 bytes over loopback TCP x {iters}", rig.route));
     let rtt = round_trip_reference(iters, report)?;
@@ -871,7 +867,7 @@ fn w2(rig: &mut Rig, quick: bool, report: &mut Report) -> Result<(), String> {
         };
         progress(&format!("{} {} 4 KiB x {iters}", rig.route, name(op, "W2")));
         let (l, r) = ([Desc::new(rig.local.l_id, 0, 4096)], [Desc::new(rig.r_id, 0, 4096)]);
-        let t = rig.engine.prepare(&TransferSpec::new(op, &l, &r, rig.target())).map_err(err)?;
+        let t = rig.engine.prepare(&TransferSpec::new(op, &l, &r, rig.target()))?;
         for _ in 0..50 {
             post_and_wait(&t)?; // warm-up
         }
@@ -901,13 +897,13 @@ fn w2(rig: &mut Rig, quick: bool, report: &mut Report) -> Result<(), String> {
 /// W2 with notifications: a 4 KiB WRITE carrying a notification (post to
 /// retirement, which includes the notification's delivery), and a
 /// notification ping-pong between the two engines.
-fn w2_notifications(rig: &mut Rig, iters: usize, rtt: (f64, f64), report: &mut Report) -> Result<(), String> {
+fn w2_notifications(rig: &mut Rig, iters: usize, rtt: (f64, f64), report: &mut Report) -> Result<(), Error> {
     progress(&format!("{} W2-write-notif 4 KiB x {iters}", rig.route));
     let (l, r) = ([Desc::new(rig.local.l_id, 0, 4096)], [Desc::new(rig.r_id, 0, 4096)]);
     let note = b"kv-ready\0\xff";
     let mut spec = TransferSpec::new(Op::Write, &l, &r, rig.target());
     spec.notification = Some(note);
-    let t = rig.engine.prepare(&spec).map_err(err)?;
+    let t = rig.engine.prepare(&spec)?;
     let mut samples = Vec::with_capacity(iters);
     for i in 0..iters + 50 {
         let secs = post_and_wait(&t)?;
@@ -966,7 +962,7 @@ fn permutation(n: u64, seed: u64) -> Vec<u64> {
 
 /// W3: vLLM-style paged KV: 64 regions of 4 MiB per side, every 16 KiB
 /// block moved, block ids permuted on both sides (16384 descriptors).
-fn w3(rig: &mut Rig, op: Op, quick: bool, limits: &Limits, report: &mut Report) -> Result<(), String> {
+fn w3(rig: &mut Rig, op: Op, quick: bool, limits: &Limits, report: &mut Report) -> Result<(), Error> {
     const BLOCK: u64 = 16 * KIB;
     let per_region = W3_REGION / BLOCK;
     let perms: Vec<(Vec<u64>, Vec<u64>)> =
@@ -996,7 +992,7 @@ fn w3(rig: &mut Rig, op: Op, quick: bool, limits: &Limits, report: &mut Report) 
         refs.sample(&rig.local.l3, &rig.local.l, &blocks, threads, cma)?;
         let busy0 = rig.engine.route_busy();
         let p0 = Instant::now();
-        let t = rig.engine.prepare(&TransferSpec::new(op, &local, &remote, rig.target())).map_err(err)?;
+        let t = rig.engine.prepare(&TransferSpec::new(op, &local, &remote, rig.target()))?;
         let pr = p0.elapsed().as_secs_f64();
         let secs = post_and_wait(&t)?;
         let w = p0.elapsed().as_secs_f64();
@@ -1019,7 +1015,7 @@ fn w3(rig: &mut Rig, op: Op, quick: bool, limits: &Limits, report: &mut Report) 
     if op == Op::Read {
         measure::fill(&rig.local.l3, 0);
     }
-    let t = rig.engine.prepare(&TransferSpec::new(op, &local, &remote, rig.target())).map_err(err)?;
+    let t = rig.engine.prepare(&TransferSpec::new(op, &local, &remote, rig.target()))?;
     post_and_wait(&t)?;
     drop(t);
     let mut verified = true;
@@ -1067,7 +1063,7 @@ fn w3(rig: &mut Rig, op: Op, quick: bool, limits: &Limits, report: &mut Report) 
 
 /// Idle: CPU used by the engines (both processes for a peer route) with
 /// the progress worker on, peers connected and nothing in flight.
-fn idle(rig: &mut Rig, quick: bool, report: &mut Report) -> Result<(), String> {
+fn idle(rig: &mut Rig, quick: bool, report: &mut Report) -> Result<(), Error> {
     let secs = if quick { 0.25 } else { 2.0 };
     progress(&format!("{} idle for {secs} s", rig.route));
     std::thread::sleep(Duration::from_millis(50));

@@ -26,17 +26,13 @@ use std::time::{Duration, Instant};
 use orbite_core::{Desc, EngineConfig, MemoryRange, Op, Permission, Target, TransferEngine, TransferSpec};
 use serde_json::{Value, json};
 
-use crate::error::ValueError;
+use crate::error::{Doing, Error, Helper, HelperError, ValueError};
 use crate::measure;
 use crate::rig::{MIB, digest};
 
 const BLOCK: u64 = 16 << 10;
 const SLICE: u64 = 4 * MIB;
 const INITIATORS: usize = 64;
-
-fn err(e: impl std::fmt::Display) -> String {
-    e.to_string()
-}
 
 /// This machine's cores, split in two halves: the target's and the
 /// initiators'.
@@ -88,8 +84,8 @@ struct Initiator {
 }
 
 impl Initiator {
-    fn spawn(endpoint: &str, epoch: u64, slices: (usize, usize), secs: f64, cpus: &[usize]) -> Result<Self, String> {
-        let exe = std::env::current_exe().map_err(err)?;
+    fn spawn(endpoint: &str, epoch: u64, slices: (usize, usize), secs: f64, cpus: &[usize]) -> Result<Self, Error> {
+        let exe = std::env::current_exe().doing("find this executable")?;
         let cpus: Vec<String> = cpus.iter().map(usize::to_string).collect();
         let (first, count) = (slices.0.to_string(), slices.1.to_string());
         let mut child = Command::new(exe)
@@ -98,18 +94,30 @@ impl Initiator {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
-            .map_err(|e| format!("cannot start an initiator: {e}"))?;
-        let out = BufReader::new(child.stdout.take().ok_or("no stdout")?);
-        Ok(Initiator { child, out })
+            .map_err(|source| HelperError::Spawn { helper: Helper::Initiator, source })?;
+        let Some(stdout) = child.stdout.take() else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(HelperError::NoPipes(Helper::Initiator).into());
+        };
+        Ok(Initiator { child, out: BufReader::new(stdout) })
     }
 
-    fn line(&mut self) -> Result<String, String> {
+    fn line(&mut self) -> Result<String, HelperError> {
         let mut l = String::new();
-        self.out.read_line(&mut l).map_err(err)?;
+        self.out.read_line(&mut l).map_err(|source| HelperError::Pipe { helper: Helper::Initiator, source })?;
         if l.is_empty() {
-            return Err("an initiator exited early".into());
+            return Err(HelperError::Exited(Helper::Initiator));
         }
         Ok(l.trim().to_owned())
+    }
+
+    fn go(&mut self) -> Result<(), HelperError> {
+        let stdin = self.child.stdin.as_mut().ok_or(HelperError::NoPipes(Helper::Initiator))?;
+        stdin
+            .write_all(b"go\n")
+            .and_then(|()| stdin.flush())
+            .map_err(|source| HelperError::Pipe { helper: Helper::Initiator, source })
     }
 }
 
@@ -121,7 +129,7 @@ fn phase(
     n: usize,
     secs: f64,
     cpus: &[usize],
-) -> Result<(f64, bool, f64), String> {
+) -> Result<(f64, bool, f64), Error> {
     let endpoint = target.endpoint().unwrap_or_default();
     let per = INITIATORS / n;
     let mut kids = Vec::with_capacity(n);
@@ -131,13 +139,12 @@ fn phase(
     for k in &mut kids {
         let l = k.line()?;
         if l != "ready" {
-            return Err(format!("initiator: {l}"));
+            return Err(unexpected(l));
         }
     }
     let (cpu0, t0) = (cpu_seconds(), Instant::now());
     for k in &mut kids {
-        let stdin = k.child.stdin.as_mut().ok_or("no stdin")?;
-        stdin.write_all(b"go\n").and_then(|()| stdin.flush()).map_err(err)?;
+        k.go()?;
     }
     // Each initiator's rate over its own window, summed: what they moved
     // together while all of them ran.
@@ -147,25 +154,37 @@ fn phase(
         let l = k.line()?;
         // The target's cores while every initiator still ran.
         busy.get_or_insert_with(|| (cpu_seconds() - cpu0) / t0.elapsed().as_secs_f64());
-        let mut f = l.split_whitespace();
-        let (Some("done"), Some(b), Some(s)) = (f.next(), f.next(), f.next()) else {
-            return Err(format!("initiator: {l}"));
+        let Some((bytes, secs, digests)) = done(&l) else {
+            return Err(unexpected(l));
         };
-        rate += b.parse::<u64>().map_err(err)? as f64 / s.parse::<f64>().map_err(err)?.max(1e-9);
+        rate += bytes as f64 / secs.max(1e-9);
         // The last write into each slice is a pattern of its own.
-        for (j, d) in f.enumerate() {
+        for (j, d) in digests.into_iter().enumerate() {
             let off = ((i * per + j) as u64 * SLICE) as usize;
             // SAFETY: reads the target region after every initiator finished.
             let slice = unsafe { std::slice::from_raw_parts(mem.as_ptr().add(off), SLICE as usize) };
-            verified &= d.parse::<u64>().map_err(err)? == digest(slice);
+            verified &= d == digest(slice);
         }
         let _ = k.child.wait();
     }
     Ok((rate, verified, busy.unwrap_or(0.0)))
 }
 
+/// An initiator's last line, `done BYTES SECONDS DIGEST...`: the bytes it
+/// moved in how long, and the digest of each of its slices.
+fn done(line: &str) -> Option<(u64, f64, Vec<u64>)> {
+    let mut f = line.split_whitespace();
+    let (Some("done"), Some(bytes), Some(secs)) = (f.next(), f.next(), f.next()) else { return None };
+    let digests = f.map(|d| d.parse().ok()).collect::<Option<_>>()?;
+    Some((bytes.parse().ok()?, secs.parse().ok()?, digests))
+}
+
+fn unexpected(line: String) -> Error {
+    HelperError::Unexpected { helper: Helper::Initiator, line }.into()
+}
+
 /// The `fan-in` row.
-pub fn run(quick: bool, config: &EngineConfig) -> Result<Value, String> {
+pub fn run(quick: bool, config: &EngineConfig) -> Result<Value, Error> {
     let secs = if quick { 0.5 } else { 3.0 };
     let (mine, theirs) = halves().unwrap_or_default();
     // The target's threads start from this one (and so inherit its cores);
@@ -181,15 +200,13 @@ pub fn run(quick: bool, config: &EngineConfig) -> Result<Value, String> {
     row
 }
 
-fn run_pinned(quick: bool, secs: f64, config: &EngineConfig, theirs: &[usize]) -> Result<Value, String> {
+fn run_pinned(quick: bool, secs: f64, config: &EngineConfig, theirs: &[usize]) -> Result<Value, Error> {
     let _ = quick;
     let mut cfg = config.clone();
     cfg.listen = Some("127.0.0.1:0".into());
-    let target = TransferEngine::new(cfg).map_err(err)?;
-    let mem = target.allocate_host_memory((INITIATORS as u64 * SLICE) as usize).map_err(err)?;
-    target
-        .register_memory_ranges(vec![MemoryRange::host(&mem, 0, mem.len(), Permission::RemoteReadWrite).map_err(err)?])
-        .map_err(err)?;
+    let target = TransferEngine::new(cfg)?;
+    let mem = target.allocate_host_memory((INITIATORS as u64 * SLICE) as usize)?;
+    target.register_memory_ranges(vec![MemoryRange::host(&mem, 0, mem.len(), Permission::RemoteReadWrite)?])?;
     let idle_threads = threads();
     let (one, v1, cpu1) = phase(&target, &mem, 1, secs, theirs)?;
     let (many, v64, cpu64) = phase(&target, &mem, INITIATORS, secs, theirs)?;
@@ -239,45 +256,42 @@ fn cores(v: &str) -> Result<Cores, ValueError> {
 }
 
 /// One fan-in initiator (`orbite bench-fanin`).
-pub fn initiator(args: InitiatorArgs) -> Result<(), String> {
+pub fn initiator(args: InitiatorArgs) -> Result<(), Error> {
     let InitiatorArgs { endpoint, epoch, first, count, secs, cpus: Cores(cpus) } = args;
     if !cpus.is_empty() {
         pin(&cpus);
     }
     if count == 0 || first.checked_add(count).is_none_or(|end| end > INITIATORS as u64) {
-        return Err("slices outside the target region".into());
+        return Err(HelperError::SlicesOutside { first, count, slices: INITIATORS as u64 }.into());
     }
-    let e = TransferEngine::from_json(r#"{"route": "tcp"}"#).map_err(err)?;
-    let mem = e.allocate_host_memory((count * SLICE) as usize).map_err(err)?;
-    let id = e
-        .register_memory_ranges(vec![MemoryRange::host(&mem, 0, mem.len(), Permission::LocalOnly).map_err(err)?])
-        .map_err(err)?[0];
-    let seg = e.open_segment(&endpoint, Some(epoch), Duration::from_secs(30)).map_err(err)?;
-    let remote_id = seg.descriptor().registrations.first().ok_or("the target exports nothing")?.id;
+    let e = TransferEngine::from_json(r#"{"route": "tcp"}"#)?;
+    let mem = e.allocate_host_memory((count * SLICE) as usize)?;
+    let id = e.register_memory_ranges(vec![MemoryRange::host(&mem, 0, mem.len(), Permission::LocalOnly)?])?[0];
+    let seg = e.open_segment(&endpoint, Some(epoch), Duration::from_secs(30))?;
+    let remote_id = seg.descriptor().registrations.first().ok_or(HelperError::NothingExported)?.id;
     let n = SLICE / BLOCK;
     let transfers = (0..count)
         .map(|s| {
             let local: Vec<Desc> = (0..n).map(|i| Desc::new(id, s * SLICE + i * BLOCK, BLOCK)).collect();
             let remote: Vec<Desc> =
                 (0..n).map(|i| Desc::new(remote_id, (first + s) * SLICE + i * BLOCK, BLOCK)).collect();
-            e.prepare(&TransferSpec::new(Op::Write, &local, &remote, Target::Peer(&seg))).map_err(err)
+            e.prepare(&TransferSpec::new(Op::Write, &local, &remote, Target::Peer(&seg)))
         })
         .collect::<Result<Vec<_>, _>>()?;
     measure::fill(&mem, 0x3333 + first);
     let mut stdout = std::io::stdout();
-    writeln!(stdout, "ready").map_err(err)?;
+    writeln!(stdout, "ready").doing("tell the bench it is ready")?;
     let mut go = String::new();
-    std::io::stdin().read_line(&mut go).map_err(err)?;
-    let run = |t: &orbite_core::Transfer| -> Result<(), String> {
-        t.post().map_err(err)?;
-        let r = t.wait(Duration::from_secs(60)).result().ok_or("a transfer did not retire")?;
-        if r.outcome.is_success() { Ok(()) } else { Err(format!("transfer failed: {}", r.outcome)) }
-    };
+    std::io::stdin().read_line(&mut go).doing("read the bench's go")?;
+    let run = |t: &orbite_core::Transfer| measure::post_and_wait(t).map(drop);
     let start = Instant::now();
     let mut bytes = 0u64;
-    let mut next = transfers.iter().cycle();
-    while start.elapsed().as_secs_f64() < secs {
-        run(next.next().ok_or("no transfer")?)?;
+    // count >= 1: the cycle ends only at the deadline.
+    for t in transfers.iter().cycle() {
+        if start.elapsed().as_secs_f64() >= secs {
+            break;
+        }
+        run(t)?;
         bytes += SLICE;
     }
     let elapsed = start.elapsed().as_secs_f64();
@@ -288,7 +302,7 @@ pub fn initiator(args: InitiatorArgs) -> Result<(), String> {
         let local = unsafe { std::slice::from_raw_parts(mem.as_ptr().add(s * SLICE as usize), SLICE as usize) };
         line.push_str(&format!(" {}", digest(local)));
     }
-    writeln!(stdout, "{line}").map_err(err)?;
+    writeln!(stdout, "{line}").doing("tell the bench what moved")?;
     drop(transfers);
     let _ = e.close_segment(&seg, Duration::from_secs(5));
     e.close();
@@ -299,7 +313,7 @@ pub fn initiator(args: InitiatorArgs) -> Result<(), String> {
 mod tests {
     use clap::error::ErrorKind;
 
-    use super::{Cores, InitiatorArgs};
+    use super::{Cores, InitiatorArgs, done};
     use crate::{Command, parse};
 
     /// The arguments `Initiator::spawn` passes.
@@ -323,5 +337,14 @@ mod tests {
         let e = parse(&["bench-fanin", "127.0.0.1:4000", "77", "0", "1", "0.5", "1,a"]).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::ValueValidation);
         assert!(e.to_string().contains("CPUS") && e.to_string().contains("`a` is not a number"), "{e}");
+    }
+
+    #[test]
+    fn an_initiators_last_line() {
+        assert_eq!(done("done 4194304 0.5 17 18"), Some((4 << 20, 0.5, vec![17, 18])));
+        assert_eq!(done("done 0 0.5"), Some((0, 0.5, vec![])));
+        for bad in ["ready", "done 1", "done x 0.5", "done 1 0.5 d1", "orbite: transfer did not succeed"] {
+            assert_eq!(done(bad), None, "{bad}");
+        }
     }
 }

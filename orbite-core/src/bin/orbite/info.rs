@@ -7,7 +7,7 @@ use orbite_core::config::{ConfigDocument, ConfigOrigin};
 use orbite_core::endpoint::{ALL_INTERFACES, AdvertiseSource};
 use orbite_core::{EngineConfig, TransferEngine};
 
-use crate::error::config_document;
+use crate::error::{Error, config_document};
 
 /// `orbite info`'s flags.
 #[derive(Debug, clap::Args)]
@@ -38,14 +38,14 @@ fn json_str(s: &str) -> String {
     serde_json::Value::String(s.to_owned()).to_string()
 }
 
-pub(crate) fn run(args: InfoArgs) -> Result<(), String> {
-    let doc = ConfigDocument::resolve(args.config.as_deref()).map_err(|e| e.to_string())?;
-    let mut config = EngineConfig::from_json(&doc.json).map_err(|e| e.to_string())?;
+pub(crate) fn run(args: InfoArgs) -> Result<(), Error> {
+    let doc = ConfigDocument::resolve(args.config.as_deref())?;
+    let mut config = EngineConfig::from_json(&doc.json)?;
     let configured_listen = config.listen.clone();
     if config.listen.is_none() {
         config.listen = Some(ALL_INTERFACES.into());
     }
-    let engine = TransferEngine::new(config.clone()).map_err(|e| e.to_string())?;
+    let engine = TransferEngine::new(config.clone())?;
     let bound = engine.listen_addr().map(|a| a.to_string()).unwrap_or_default();
     let advertised = engine.advertised().cloned();
     let (endpoint, source, warning) = match &advertised {
@@ -70,7 +70,7 @@ pub(crate) fn run(args: InfoArgs) -> Result<(), String> {
         Some(l) => format!("{l} (configured)"),
         None => format!("{ALL_INTERFACES} (the default: all interfaces, a free port)"),
     };
-    let route = serde_json::to_value(config.route).map_err(|e| e.to_string())?;
+    let route = serde_json::to_value(config.route)?;
     let route = route.as_str().unwrap_or("auto").to_owned();
     let allows = |r: &str| route == "auto" || route == r;
     let local = !local_socket.is_empty();

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use orbite_core::{HostMemory, Op};
 
+use crate::error::{Doing, Error};
 use crate::measure::memcpy_blocks;
 use crate::rig::MIB;
 
@@ -56,7 +57,7 @@ pub fn memcpy_threads(src: &HostMemory, dst: &HostMemory, blocks: &[(u64, u64, u
 /// per call: `blocks` are `(local_off, remote_addr, len)`, local offsets
 /// into `local`, remote addresses in process `pid`. Returns seconds, or an
 /// error if the kernel refused or moved less.
-pub fn cma_loop(pid: i32, op: Op, local: &HostMemory, blocks: &[(u64, u64, u64)]) -> Result<f64, String> {
+pub fn cma_loop(pid: i32, op: Op, local: &HostMemory, blocks: &[(u64, u64, u64)]) -> Result<f64, Error> {
     let base = local.as_ptr() as usize;
     let start = Instant::now();
     for chunk in blocks.chunks(1024) {
@@ -78,7 +79,8 @@ pub fn cma_loop(pid: i32, op: Op, local: &HostMemory, blocks: &[(u64, u64, u64)]
             }
         };
         if got < 0 || got as u64 != want {
-            return Err(format!("process_vm_{op:?}: {got} of {want} bytes: {}", std::io::Error::last_os_error()));
+            let source = std::io::Error::last_os_error();
+            return Err(Error::ProcessVm { op, moved: got, wanted: want, source });
         }
     }
     Ok(start.elapsed().as_secs_f64())
@@ -93,7 +95,7 @@ pub fn cma_threads(
     local: &HostMemory,
     blocks: &[(u64, u64, u64)],
     threads: usize,
-) -> Result<f64, String> {
+) -> Result<f64, Error> {
     let runs = split_even(blocks, threads);
     let start = Instant::now();
     std::thread::scope(|s| {
@@ -101,7 +103,7 @@ pub fn cma_threads(
         let mine = runs.next().unwrap_or(&[]);
         let others: Vec<_> = runs.map(|run| s.spawn(move || cma_loop(pid, op, local, run))).collect();
         cma_loop(pid, op, local, mine)?;
-        others.into_iter().try_for_each(|h| h.join().map_err(|_| "a copy thread panicked".to_owned())?.map(drop))
+        others.into_iter().try_for_each(|h| h.join().map_err(|_| Error::Panicked("a copy thread"))?.map(drop))
     })?;
     Ok(start.elapsed().as_secs_f64())
 }
@@ -117,15 +119,15 @@ pub fn cma_threads(
 /// distinct memory on each side and cycle through their slices, as a
 /// route moving a workload of that size does: past the last-level cache
 /// the kernel's copies then go to memory.
-pub fn tcp_streams(streams: usize, dur: Duration, region: u64) -> Result<(f64, bool), String> {
+pub fn tcp_streams(streams: usize, dur: Duration, region: u64) -> Result<(f64, bool), Error> {
     let slice = (region / streams.max(1) as u64 / MIB).max(1) * MIB;
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(err)?;
-    let addr = listener.local_addr().map_err(err)?;
+    let listener = TcpListener::bind("127.0.0.1:0").doing("listen on loopback")?;
+    let addr = listener.local_addr().doing("read the loopback listener's address")?;
     let mut senders = Vec::new();
     let mut readers = Vec::new();
     for _ in 0..streams {
-        let c = TcpStream::connect(addr).map_err(err)?;
-        let (s, _) = listener.accept().map_err(err)?;
+        let c = TcpStream::connect(addr).doing("connect a loopback stream")?;
+        let (s, _) = listener.accept().doing("accept a loopback stream")?;
         readers.push(std::thread::spawn(move || -> std::io::Result<(u64, Instant)> {
             let mut s = s;
             // Touched up front, so that no page fault is timed.
@@ -161,11 +163,11 @@ pub fn tcp_streams(streams: usize, dur: Duration, region: u64) -> Result<(f64, b
         .collect();
     let mut sent = 0u64;
     for w in writers {
-        sent += w.join().map_err(|_| "a sender panicked")?.map_err(err)?;
+        sent += w.join().map_err(|_| Error::Panicked("a sender"))?.doing("send on a loopback stream")?;
     }
     let (mut got, mut end) = (0u64, start);
     for r in readers {
-        let (n, at) = r.join().map_err(|_| "a receiver panicked")?.map_err(err)?;
+        let (n, at) = r.join().map_err(|_| Error::Panicked("a receiver"))?.doing("receive on a loopback stream")?;
         got += n;
         end = end.max(at);
     }
@@ -175,9 +177,9 @@ pub fn tcp_streams(streams: usize, dur: Duration, region: u64) -> Result<(f64, b
 /// The raw TCP round trip over loopback: a 4 KiB write answered by 16
 /// bytes, TCP_NODELAY on both ends, blocking I/O, `iters` times after a
 /// warm-up. Returns the samples in seconds.
-pub fn round_trips(iters: usize) -> Result<Vec<f64>, String> {
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(err)?;
-    let addr = listener.local_addr().map_err(err)?;
+pub fn round_trips(iters: usize) -> Result<Vec<f64>, Error> {
+    let listener = TcpListener::bind("127.0.0.1:0").doing("listen on loopback")?;
+    let addr = listener.local_addr().doing("read the loopback listener's address")?;
     let server = std::thread::spawn(move || -> std::io::Result<()> {
         let (mut s, _) = listener.accept()?;
         s.set_nodelay(true)?;
@@ -189,21 +191,21 @@ pub fn round_trips(iters: usize) -> Result<Vec<f64>, String> {
             s.write_all(&req[..16])?;
         }
     });
-    let mut c = TcpStream::connect(addr).map_err(err)?;
-    c.set_nodelay(true).map_err(err)?;
+    let mut c = TcpStream::connect(addr).doing("connect to the echo server")?;
+    c.set_nodelay(true).doing("set TCP_NODELAY")?;
     let req = [0xA5u8; 4096];
     let mut answer = [0u8; 16];
     let mut samples = Vec::with_capacity(iters);
     for i in 0..iters + 50 {
         let t0 = Instant::now();
-        c.write_all(&req).map_err(err)?;
-        c.read_exact(&mut answer).map_err(err)?;
+        c.write_all(&req).doing("send a request to the echo server")?;
+        c.read_exact(&mut answer).doing("read the echo server's answer")?;
         if i >= 50 {
             samples.push(t0.elapsed().as_secs_f64());
         }
     }
     drop(c);
-    server.join().map_err(|_| "the echo server panicked")?.map_err(err)?;
+    server.join().map_err(|_| Error::Panicked("the echo server"))?.doing("run the echo server")?;
     Ok(samples)
 }
 
@@ -223,10 +225,6 @@ fn status_kib(key: &str) -> u64 {
 /// size (`clear_refs` 5). False if it refused.
 pub fn reset_peak_rss() -> bool {
     std::fs::write("/proc/self/clear_refs", "5").is_ok()
-}
-
-fn err(e: impl std::fmt::Display) -> String {
-    e.to_string()
 }
 
 #[cfg(test)]

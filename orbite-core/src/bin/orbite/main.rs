@@ -24,6 +24,8 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
+use crate::error::Error;
+
 /// The OrbiTE transfer engine's command line.
 #[derive(Debug, Parser)]
 #[command(
@@ -94,11 +96,9 @@ fn main() -> ExitCode {
         Command::Copy(args) => copy(args),
         Command::Info(args) => info::run(args),
         #[cfg(feature = "grpc")]
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(args).map_err(Error::from),
         #[cfg(not(feature = "grpc"))]
-        Command::Serve(_) => Err("this orbite was built without the KV session service: \
-                                  cargo build --release --features grpc (needs protoc)"
-            .into()),
+        Command::Serve(_) => Err(Error::NoGrpc),
         Command::BenchTarget => rig::serve_target(),
         Command::BenchFanin(args) => fanin::initiator(args),
     };
@@ -111,9 +111,9 @@ fn main() -> ExitCode {
     }
 }
 
-fn copy(CopyArgs { bytes, block }: CopyArgs) -> Result<(), String> {
+fn copy(CopyArgs { bytes, block }: CopyArgs) -> Result<(), Error> {
     if bytes == 0 || block == 0 || bytes % block != 0 {
-        return Err("--bytes must be a nonzero multiple of --block".into());
+        return Err(Error::CopyLayout);
     }
     let r = measure::one_local_copy(bytes, block)?;
     println!(
@@ -126,7 +126,7 @@ fn copy(CopyArgs { bytes, block }: CopyArgs) -> Result<(), String> {
         r.prep_us,
         r.verified
     );
-    if r.verified { Ok(()) } else { Err("destination bytes differ from the source".into()) }
+    if r.verified { Ok(()) } else { Err(Error::CopyMismatch) }
 }
 
 /// `orbite ARGS...` as clap parses it, or clap's error.

@@ -7,6 +7,8 @@ use orbite_core::{
     TransferStatus,
 };
 
+use crate::error::Error;
+
 /// A source and a destination region of one engine.
 pub struct Pair {
     pub engine: TransferEngine,
@@ -16,18 +18,18 @@ pub struct Pair {
     pub dst_id: RegistrationId,
 }
 
-pub fn engine(config: EngineConfig) -> Result<TransferEngine, String> {
-    TransferEngine::new(config).map_err(|e| e.to_string())
+pub fn engine(config: EngineConfig) -> Result<TransferEngine, Error> {
+    Ok(TransferEngine::new(config)?)
 }
 
-pub fn pair(engine: TransferEngine, len: usize) -> Result<Pair, String> {
-    let src = engine.allocate_host_memory(len).map_err(|e| e.to_string())?;
-    let dst = engine.allocate_host_memory(len).map_err(|e| e.to_string())?;
+pub fn pair(engine: TransferEngine, len: usize) -> Result<Pair, Error> {
+    let src = engine.allocate_host_memory(len)?;
+    let dst = engine.allocate_host_memory(len)?;
     let ranges = vec![
-        MemoryRange::host(&src, 0, len, Permission::RemoteReadWrite).map_err(|e| e.to_string())?,
-        MemoryRange::host(&dst, 0, len, Permission::RemoteReadWrite).map_err(|e| e.to_string())?,
+        MemoryRange::host(&src, 0, len, Permission::RemoteReadWrite)?,
+        MemoryRange::host(&dst, 0, len, Permission::RemoteReadWrite)?,
     ];
-    let ids = engine.register_memory_ranges(ranges).map_err(|e| e.to_string())?;
+    let ids = engine.register_memory_ranges(ranges)?;
     fill(&src, 0x5EED);
     fill(&dst, 0);
     Ok(Pair { engine, src, dst, src_id: ids[0], dst_id: ids[1] })
@@ -69,12 +71,12 @@ pub fn spec<'a>(op: Op, local: &'a [Desc], remote: &'a [Desc]) -> TransferSpec<'
 }
 
 /// Posts a prepared transfer and waits for its retirement; returns seconds.
-pub fn post_and_wait(t: &orbite_core::Transfer) -> Result<f64, String> {
+pub fn post_and_wait(t: &orbite_core::Transfer) -> Result<f64, Error> {
     let start = Instant::now();
-    t.post().map_err(|e| e.to_string())?;
+    t.post()?;
     match t.wait(Duration::from_secs(60)) {
         TransferStatus::Retired(r) if r.outcome.is_success() => Ok(start.elapsed().as_secs_f64()),
-        other => Err(format!("transfer did not succeed: {other:?}")),
+        other => Err(Error::Transfer(other)),
     }
 }
 
@@ -105,13 +107,13 @@ pub struct CopyResult {
 }
 
 /// One local transfer of `bytes` in `block`-sized descriptors.
-pub fn one_local_copy(bytes: u64, block: u64) -> Result<CopyResult, String> {
+pub fn one_local_copy(bytes: u64, block: u64) -> Result<CopyResult, Error> {
     let p = pair(engine(EngineConfig::default())?, bytes as usize)?;
     let n = bytes / block;
     let local: Vec<Desc> = (0..n).map(|i| Desc::new(p.src_id, i * block, block)).collect();
     let remote: Vec<Desc> = (0..n).map(|i| Desc::new(p.dst_id, i * block, block)).collect();
     let start = Instant::now();
-    let t = p.engine.prepare(&spec(Op::Write, &local, &remote)).map_err(|e| e.to_string())?;
+    let t = p.engine.prepare(&spec(Op::Write, &local, &remote))?;
     let prep_us = start.elapsed().as_secs_f64() * 1e6;
     let seconds = post_and_wait(&t)?;
     let verified = same(&p.src, 0, &p.dst, 0, bytes);

@@ -14,13 +14,11 @@ use orbite_core::segment::ExportedRegistration;
 use orbite_core::{EngineConfig, HostMemory, MemoryRange, Permission, RegistrationId, TransferEngine};
 use serde_json::{Value, json};
 
+use crate::error::Error;
+
 const AT_OPEN: usize = 10_000;
 const LATER: usize = 1_000;
 const RANGE: usize = 4096;
-
-fn err(e: impl std::fmt::Display) -> String {
-    e.to_string()
-}
 
 /// Imports every range (exact address, length and permission, as the C
 /// ABI's import does); true if each resolved to the expected registration.
@@ -28,31 +26,32 @@ fn import_all(
     initiator: &TransferEngine,
     seg: &orbite_core::RemoteSegment,
     ranges: &[(u64, RegistrationId)],
-) -> Result<(Duration, bool), String> {
+) -> Result<(Duration, bool), Error> {
     let start = Instant::now();
     let mut ok = true;
     for &(addr, id) in ranges {
         let exact = |r: &ExportedRegistration| r.addr == addr && r.len == RANGE as u64;
-        let r = initiator.find_remote_registration(seg, addr, RANGE as u64, exact).map_err(err)?;
+        let r = initiator.find_remote_registration(seg, addr, RANGE as u64, exact)?;
         ok &= r.id == id;
     }
     Ok((start.elapsed(), ok))
 }
 
 /// The `refresh` row.
-pub fn run(quick: bool) -> Result<Value, String> {
+pub fn run(quick: bool) -> Result<Value, Error> {
     let rounds = if quick { 3 } else { 7 };
-    let target = TransferEngine::new(EngineConfig { listen: Some("127.0.0.1:0".into()), ..EngineConfig::default() })
-        .map_err(err)?;
-    let initiator = TransferEngine::new(EngineConfig::default()).map_err(err)?;
+    let target = TransferEngine::new(EngineConfig { listen: Some("127.0.0.1:0".into()), ..EngineConfig::default() })?;
+    let initiator = TransferEngine::new(EngineConfig::default())?;
     let total = AT_OPEN + rounds * LATER;
-    let mem: HostMemory = target.allocate_host_memory(total * RANGE).map_err(err)?;
+    let mem: HostMemory = target.allocate_host_memory(total * RANGE)?;
     let range = |k: usize| MemoryRange::host(&mem, k * RANGE, RANGE, Permission::RemoteReadWrite);
-    let first: Vec<MemoryRange> = (0..AT_OPEN).map(range).collect::<Result<_, _>>().map_err(err)?;
-    let first_ids = target.register_memory_ranges(first).map_err(err)?;
-    let seg = initiator
-        .open_segment(&target.endpoint().unwrap_or_default(), Some(target.source_epoch()), Duration::from_secs(10))
-        .map_err(err)?;
+    let first: Vec<MemoryRange> = (0..AT_OPEN).map(range).collect::<Result<_, _>>()?;
+    let first_ids = target.register_memory_ranges(first)?;
+    let seg = initiator.open_segment(
+        &target.endpoint().unwrap_or_default(),
+        Some(target.source_epoch()),
+        Duration::from_secs(10),
+    )?;
     let addr = |k: usize| mem.as_ptr() as u64 + (k * RANGE) as u64;
     let mut old_us = Vec::new();
     let mut new_us = Vec::new();
@@ -74,7 +73,7 @@ pub fn run(quick: bool) -> Result<Value, String> {
         let base = AT_OPEN + round * LATER;
         let mut new = Vec::with_capacity(LATER);
         for k in base..base + LATER {
-            let id = target.register_memory_ranges(vec![range(k).map_err(err)?]).map_err(err)?[0];
+            let id = target.register_memory_ranges(vec![range(k)?])?[0];
             new.push((addr(k), id));
         }
         let (t_new, ok_new) = import_all(&initiator, &seg, &new)?;

@@ -12,6 +12,7 @@ use orbite_core::{
     TransferEngine,
 };
 
+use crate::error::{Doing, Error, Helper, HelperError};
 use crate::measure;
 
 pub const MIB: u64 = 1 << 20;
@@ -63,17 +64,16 @@ pub struct LocalSide {
     pub l3_ids: Vec<RegistrationId>,
 }
 
-fn register(engine: &TransferEngine, mem: &HostMemory, parts: u64, part: u64) -> Result<Vec<RegistrationId>, String> {
+fn register(engine: &TransferEngine, mem: &HostMemory, parts: u64, part: u64) -> Result<Vec<RegistrationId>, Error> {
     let ranges = (0..parts)
         .map(|i| MemoryRange::host(mem, (i * part) as usize, part as usize, Permission::RemoteReadWrite))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| e.to_string())?;
-    engine.register_memory_ranges(ranges).map_err(|e| e.to_string())
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(engine.register_memory_ranges(ranges)?)
 }
 
-fn side(engine: &TransferEngine) -> Result<LocalSide, String> {
-    let l = engine.allocate_host_memory(W1_REGION as usize).map_err(|e| e.to_string())?;
-    let l3 = engine.allocate_host_memory((W3_REGIONS * W3_REGION) as usize).map_err(|e| e.to_string())?;
+fn side(engine: &TransferEngine) -> Result<LocalSide, Error> {
+    let l = engine.allocate_host_memory(W1_REGION as usize)?;
+    let l3 = engine.allocate_host_memory((W3_REGIONS * W3_REGION) as usize)?;
     measure::fill(&l, 0x1111);
     measure::fill(&l3, 0x3333);
     let l_id = register(engine, &l, 1, W1_REGION)?[0];
@@ -98,11 +98,11 @@ pub struct Rig {
 }
 
 impl Rig {
-    pub fn local(config: EngineConfig) -> Result<Rig, String> {
+    pub fn local(config: EngineConfig) -> Result<Rig, Error> {
         let engine = measure::engine(config)?;
         let local = side(&engine)?;
-        let r = engine.allocate_host_memory(W1_REGION as usize).map_err(|e| e.to_string())?;
-        let r3 = engine.allocate_host_memory((W3_REGIONS * W3_REGION) as usize).map_err(|e| e.to_string())?;
+        let r = engine.allocate_host_memory(W1_REGION as usize)?;
+        let r3 = engine.allocate_host_memory((W3_REGIONS * W3_REGION) as usize)?;
         let r_id = register(&engine, &r, 1, W1_REGION)?[0];
         let r3_ids = register(&engine, &r3, W3_REGIONS, W3_REGION)?;
         let mut rig = Rig { route: "local", engine, local, r_id, r3_ids, remote: Remote::Loopback { r, r3 } };
@@ -112,13 +112,13 @@ impl Rig {
 
     /// A target process on loopback reached by `policy`. Its memory is a
     /// shared allocation for the shm policy, ordinary memory otherwise.
-    pub fn peer(config: EngineConfig, policy: RoutePolicy) -> Result<Rig, String> {
+    pub fn peer(config: EngineConfig, policy: RoutePolicy) -> Result<Rig, Error> {
         // The initiator listens too, so that the target can answer pings.
         let listening = EngineConfig { listen: Some("127.0.0.1:0".into()), route: policy, ..config.clone() };
         let engine = measure::engine(listening)?;
         let local = side(&engine)?;
-        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let config_json = serde_json::to_string(&config).map_err(|e| e.to_string())?;
+        let exe = std::env::current_exe().doing("find this executable")?;
+        let config_json = serde_json::to_string(&config)?;
         let mut child = Command::new(exe)
             .arg("bench-target")
             .env("ORBITE_BENCH_TARGET_CONFIG", config_json)
@@ -126,18 +126,18 @@ impl Rig {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
-            .map_err(|e| format!("cannot start the target process: {e}"))?;
+            .map_err(|source| HelperError::Spawn { helper: Helper::Target, source })?;
         let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
             let _ = child.kill();
             let _ = child.wait();
-            return Err("no pipes to the target process".into());
+            return Err(HelperError::NoPipes(Helper::Target).into());
         };
         let mut stdout = BufReader::new(stdout);
         let mut line = String::new();
-        if stdout.read_line(&mut line).map_err(|e| e.to_string())? == 0 {
+        if stdout.read_line(&mut line).map_err(|source| HelperError::Pipe { helper: Helper::Target, source })? == 0 {
             let _ = child.kill();
             let _ = child.wait();
-            return Err("the target process exited".into());
+            return Err(HelperError::Exited(Helper::Target).into());
         }
         let w: Vec<&str> = line.split_whitespace().collect();
         let parsed = (|| -> Option<(String, u64, RegistrationId, Vec<RegistrationId>)> {
@@ -151,14 +151,14 @@ impl Rig {
         let Some((endpoint, epoch, r_id, r3_ids)) = parsed else {
             let _ = child.kill();
             let _ = child.wait();
-            return Err(format!("unexpected line from the target process: {line}"));
+            return Err(unexpected(&line));
         };
         let segment = match engine.open_segment(&endpoint, Some(epoch), Duration::from_secs(10)) {
             Ok(s) => s,
             Err(e) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(e.to_string());
+                return Err(e.into());
             }
         };
         let mut rig = Rig {
@@ -180,17 +180,19 @@ impl Rig {
         }
     }
 
-    fn ask(&mut self, cmd: &str) -> Result<String, String> {
-        let Remote::Tcp { stdin, stdout, .. } = &mut self.remote else { return Err("not a child rig".into()) };
-        writeln!(stdin, "{cmd}").map_err(|e| e.to_string())?;
-        stdin.flush().map_err(|e| e.to_string())?;
+    fn ask(&mut self, cmd: &str) -> Result<String, HelperError> {
+        let Remote::Tcp { stdin, stdout, .. } = &mut self.remote else { return Err(HelperError::NoProcess) };
+        let pipe = |source| HelperError::Pipe { helper: Helper::Target, source };
+        writeln!(stdin, "{cmd}").and_then(|()| stdin.flush()).map_err(pipe)?;
         let mut line = String::new();
-        stdout.read_line(&mut line).map_err(|e| e.to_string())?;
+        if stdout.read_line(&mut line).map_err(pipe)? == 0 {
+            return Err(HelperError::Exited(Helper::Target));
+        }
         Ok(line.trim().to_owned())
     }
 
     /// Fills both remote memories with the pattern of `seed`.
-    pub fn fill_remote(&mut self, seed: u64) -> Result<(), String> {
+    pub fn fill_remote(&mut self, seed: u64) -> Result<(), Error> {
         match &self.remote {
             Remote::Loopback { r, r3 } => {
                 measure::fill(r, seed);
@@ -199,13 +201,13 @@ impl Rig {
             }
             Remote::Tcp { .. } => {
                 let a = self.ask(&format!("fill {seed}"))?;
-                if a == "OK" { Ok(()) } else { Err(format!("target: {a}")) }
+                if a == "OK" { Ok(()) } else { Err(unexpected(&a)) }
             }
         }
     }
 
     /// Digest of remote bytes.
-    pub fn remote_digest(&mut self, which: Which, off: u64, len: u64) -> Result<u64, String> {
+    pub fn remote_digest(&mut self, which: Which, off: u64, len: u64) -> Result<u64, Error> {
         match &self.remote {
             Remote::Loopback { r, r3 } => {
                 let mem = match which {
@@ -220,36 +222,37 @@ impl Rig {
                     Which::W3 => 3,
                 };
                 let a = self.ask(&format!("digest {w} {off} {len}"))?;
-                a.strip_prefix("DIGEST ").and_then(|v| v.parse().ok()).ok_or(format!("target: {a}"))
+                a.strip_prefix("DIGEST ").and_then(|v| v.parse().ok()).ok_or_else(|| unexpected(&a))
             }
         }
     }
 
     /// Counts (and drops) the notifications the target side received.
-    pub fn take_remote_notifications(&mut self) -> Result<u64, String> {
+    pub fn take_remote_notifications(&mut self) -> Result<u64, Error> {
         match &self.remote {
             Remote::Loopback { .. } => Ok(self.engine.take_notifications().len() as u64),
             Remote::Tcp { .. } => {
                 let a = self.ask("notifs")?;
-                a.strip_prefix("NOTIFS ").and_then(|v| v.parse().ok()).ok_or(format!("target: {a}"))
+                a.strip_prefix("NOTIFS ").and_then(|v| v.parse().ok()).ok_or_else(|| unexpected(&a))
             }
         }
     }
 
     /// Makes the target answer each of the next `n` notifications with
     /// `pong` (the initiator must listen).
-    pub fn start_pong(&mut self, n: usize) -> Result<(), String> {
-        let endpoint = self.engine.endpoint().ok_or("the initiator does not listen")?;
+    pub fn start_pong(&mut self, n: usize) -> Result<(), Error> {
+        let endpoint = self.engine.endpoint().ok_or(HelperError::NotListening)?;
         let a = self.ask(&format!("pong {endpoint} {} {n}", self.engine.source_epoch()))?;
-        if a == "OK" { Ok(()) } else { Err(format!("target: {a}")) }
+        if a == "OK" { Ok(()) } else { Err(unexpected(&a)) }
     }
 
     /// Sends one notification to the target.
-    pub fn ping(&self, payload: &[u8]) -> Result<(), String> {
+    pub fn ping(&self, payload: &[u8]) -> Result<(), Error> {
         match &self.remote {
-            Remote::Loopback { .. } => self.engine.notify_self(payload).map_err(|e| e.to_string()),
-            Remote::Tcp { segment, .. } => self.engine.notify(segment, payload).map_err(|e| e.to_string()),
+            Remote::Loopback { .. } => self.engine.notify_self(payload)?,
+            Remote::Tcp { segment, .. } => self.engine.notify(segment, payload)?,
         }
+        Ok(())
     }
 
     /// The target process's pid (peer routes).
@@ -270,19 +273,19 @@ impl Rig {
 
     /// Peak resident memory of the target process in bytes (none for the
     /// self connection: one process).
-    pub fn remote_peak_rss(&mut self) -> Result<Option<u64>, String> {
+    pub fn remote_peak_rss(&mut self) -> Result<Option<u64>, Error> {
         match &self.remote {
             Remote::Loopback { .. } => Ok(None),
             Remote::Tcp { .. } => {
                 let a = self.ask("peak")?;
-                a.strip_prefix("PEAK ").and_then(|v| v.parse().ok()).map(Some).ok_or(format!("target: {a}"))
+                a.strip_prefix("PEAK ").and_then(|v| v.parse().ok()).map(Some).ok_or_else(|| unexpected(&a))
             }
         }
     }
 
     /// Starts a new peak in the target process; false if its kernel
     /// refused (true for the self connection).
-    pub fn reset_remote_peak_rss(&mut self) -> Result<bool, String> {
+    pub fn reset_remote_peak_rss(&mut self) -> Result<bool, Error> {
         match &self.remote {
             Remote::Loopback { .. } => Ok(true),
             Remote::Tcp { .. } => Ok(self.ask("reset_peak")? == "OK"),
@@ -292,28 +295,34 @@ impl Rig {
     /// Device memory of `len` bytes in the target process, registered for
     /// peers (feature `cuda`): its registration.
     #[cfg(feature = "cuda")]
-    pub fn remote_vram(&mut self, len: u64) -> Result<RegistrationId, String> {
+    pub fn remote_vram(&mut self, len: u64) -> Result<RegistrationId, Error> {
         let a = self.ask(&format!("vram {len}"))?;
-        a.strip_prefix("VRAM ").and_then(|v| v.parse().ok()).map(RegistrationId::from_raw).ok_or(format!("target: {a}"))
+        a.strip_prefix("VRAM ").and_then(|v| v.parse().ok()).map(RegistrationId::from_raw).ok_or_else(|| unexpected(&a))
     }
 
     /// Digest of the target's device memory bytes `off..off + len`.
     #[cfg(feature = "cuda")]
-    pub fn remote_vram_digest(&mut self, off: u64, len: u64) -> Result<u64, String> {
+    pub fn remote_vram_digest(&mut self, off: u64, len: u64) -> Result<u64, Error> {
         let a = self.ask(&format!("vdigest {off} {len}"))?;
-        a.strip_prefix("DIGEST ").and_then(|v| v.parse().ok()).ok_or(format!("target: {a}"))
+        a.strip_prefix("DIGEST ").and_then(|v| v.parse().ok()).ok_or_else(|| unexpected(&a))
     }
 
     /// CPU time of the remote process (0 for the self connection).
-    pub fn remote_cpu_ns(&mut self) -> Result<u64, String> {
+    pub fn remote_cpu_ns(&mut self) -> Result<u64, Error> {
         match &self.remote {
             Remote::Loopback { .. } => Ok(0),
             Remote::Tcp { .. } => {
                 let a = self.ask("cpu")?;
-                a.strip_prefix("CPU ").and_then(|v| v.parse().ok()).ok_or(format!("target: {a}"))
+                a.strip_prefix("CPU ").and_then(|v| v.parse().ok()).ok_or_else(|| unexpected(&a))
             }
         }
     }
+}
+
+/// An answer of the target process that the protocol does not allow here
+/// (an `ERR ...` line included).
+fn unexpected(line: &str) -> Error {
+    HelperError::Unexpected { helper: Helper::Target, line: line.trim().to_owned() }.into()
 }
 
 fn route_name(policy: RoutePolicy) -> &'static str {
@@ -346,10 +355,10 @@ pub fn read(mem: &HostMemory, off: u64, len: u64) -> Vec<u8> {
 }
 
 /// `orbite bench-target`: the target side of the TCP rig.
-pub fn serve_target() -> Result<(), String> {
+pub fn serve_target() -> Result<(), Error> {
     // The initiator's configuration (same limits), listening on loopback.
     let base = match std::env::var("ORBITE_BENCH_TARGET_CONFIG") {
-        Ok(json) => EngineConfig::from_json(&json).map_err(|e| e.to_string())?,
+        Ok(json) => EngineConfig::from_json(&json)?,
         Err(_) => EngineConfig::default(),
     };
     let config = EngineConfig { listen: Some("127.0.0.1:0".into()), ..base };
@@ -357,7 +366,6 @@ pub fn serve_target() -> Result<(), String> {
     let shared = std::env::var("ORBITE_BENCH_TARGET_SHM").is_ok_and(|v| v == "1");
     let alloc = |len: u64| {
         if shared { engine.allocate_shm_memory(len as usize) } else { engine.allocate_host_memory(len as usize) }
-            .map_err(|e| e.to_string())
     };
     let r = alloc(W1_REGION)?;
     let r3 = alloc(W3_REGIONS * W3_REGION)?;
@@ -367,22 +375,24 @@ pub fn serve_target() -> Result<(), String> {
     let mut out = std::io::stdout().lock();
     let endpoint = engine.endpoint().unwrap_or_default();
     writeln!(out, "READY {endpoint} {} {} {}", engine.source_epoch(), r_id.to_raw(), ids.join(","))
-        .map_err(|e| e.to_string())?;
-    out.flush().map_err(|e| e.to_string())?;
+        .and_then(|()| out.flush())
+        .doing("answer the initiator")?;
     let mut vram = None;
     for line in std::io::stdin().lock().lines() {
-        let line = line.map_err(|e| e.to_string())?;
+        let line = line.doing("read the initiator's command")?;
+        let bad = |field| HelperError::BadCommand { field, line: line.clone() };
         let w: Vec<&str> = line.split_whitespace().collect();
         let reply = match w.as_slice() {
             ["fill", seed] => {
-                let seed = seed.parse().map_err(|_| "bad seed")?;
+                let seed = seed.parse().map_err(|_| bad("seed"))?;
                 measure::fill(&r, seed);
                 measure::fill(&r3, seed);
                 "OK".to_owned()
             }
             ["digest", which, off, len] => {
                 let mem = if *which == "3" { &r3 } else { &r };
-                let (off, len): (u64, u64) = (off.parse().map_err(|_| "bad off")?, len.parse().map_err(|_| "bad len")?);
+                let (off, len): (u64, u64) =
+                    (off.parse().map_err(|_| bad("off"))?, len.parse().map_err(|_| bad("len"))?);
                 if off.checked_add(len).is_none_or(|end| end > mem.len() as u64) {
                     "ERR out of range".to_owned()
                 } else {
@@ -391,7 +401,7 @@ pub fn serve_target() -> Result<(), String> {
             }
             // Device memory peers reach through CUDA IPC (feature cuda).
             ["vram", len] => {
-                let len: usize = len.parse().map_err(|_| "bad len")?;
+                let len: usize = len.parse().map_err(|_| bad("len"))?;
                 match target_vram(&engine, len) {
                     Ok((m, id)) => {
                         let raw = id.to_raw();
@@ -402,7 +412,8 @@ pub fn serve_target() -> Result<(), String> {
                 }
             }
             ["vdigest", off, len] => {
-                let (off, len): (u64, u64) = (off.parse().map_err(|_| "bad off")?, len.parse().map_err(|_| "bad len")?);
+                let (off, len): (u64, u64) =
+                    (off.parse().map_err(|_| bad("off"))?, len.parse().map_err(|_| bad("len"))?);
                 match vram_digest(vram.as_ref(), off, len) {
                     Ok(d) => format!("DIGEST {d}"),
                     Err(e) => format!("ERR {e}"),
@@ -415,8 +426,8 @@ pub fn serve_target() -> Result<(), String> {
             }
             ["notifs"] => format!("NOTIFS {}", engine.take_notifications().len()),
             ["pong", endpoint, epoch, n] => {
-                let epoch = epoch.parse().map_err(|_| "bad epoch")?;
-                let n: usize = n.parse().map_err(|_| "bad count")?;
+                let epoch = epoch.parse().map_err(|_| bad("epoch"))?;
+                let n: usize = n.parse().map_err(|_| bad("count"))?;
                 match engine.open_segment(endpoint, Some(epoch), Duration::from_secs(10)) {
                     Ok(back) => {
                         let e = engine.clone();
@@ -439,8 +450,7 @@ pub fn serve_target() -> Result<(), String> {
             ["quit"] => break,
             _ => format!("ERR unknown command {line}"),
         };
-        writeln!(out, "{reply}").map_err(|e| e.to_string())?;
-        out.flush().map_err(|e| e.to_string())?;
+        writeln!(out, "{reply}").and_then(|()| out.flush()).doing("answer the initiator")?;
     }
     Ok(())
 }
@@ -452,30 +462,32 @@ type TargetVram = ();
 
 /// Device memory of `len` bytes on device 0, registered for peers.
 #[cfg(feature = "cuda")]
-fn target_vram(engine: &TransferEngine, len: usize) -> Result<(TargetVram, RegistrationId), String> {
-    let m = engine.allocate_cuda_memory(0, len).map_err(|e| e.to_string())?;
-    let range = MemoryRange::cuda(&m, 0, len, Permission::RemoteReadWrite).map_err(|e| e.to_string())?;
-    let id = engine.register_memory_ranges(vec![range]).map_err(|e| e.to_string())?[0];
+fn target_vram(engine: &TransferEngine, len: usize) -> Result<(TargetVram, RegistrationId), Error> {
+    let m = engine.allocate_cuda_memory(0, len)?;
+    let range = MemoryRange::cuda(&m, 0, len, Permission::RemoteReadWrite)?;
+    let id = engine.register_memory_ranges(vec![range])?[0];
     Ok((m, id))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn target_vram(_engine: &TransferEngine, _len: usize) -> Result<(TargetVram, RegistrationId), String> {
-    Err(orbite_core::cuda::availability().err().map(|e| e.to_string()).unwrap_or_default())
+fn target_vram(_engine: &TransferEngine, _len: usize) -> Result<(TargetVram, RegistrationId), Error> {
+    Err(Error::Vram(orbite_core::cuda::availability().err().unwrap_or(orbite_core::cuda::CudaError::NotBuilt)))
 }
 
 /// Digest of bytes of the target's device memory.
 #[cfg(feature = "cuda")]
-fn vram_digest(m: Option<&TargetVram>, off: u64, len: u64) -> Result<u64, String> {
-    let m = m.ok_or("no device memory (ask `vram` first)")?;
-    let mut back = vec![0u8; usize::try_from(len).map_err(|_| "bad len")?];
+fn vram_digest(m: Option<&TargetVram>, off: u64, len: u64) -> Result<u64, Error> {
+    let m = m.ok_or(HelperError::NoDeviceMemory)?;
+    let len = usize::try_from(len)
+        .map_err(|_| HelperError::BadCommand { field: "len", line: format!("vdigest {off} {len}") })?;
+    let mut back = vec![0u8; len];
     // SAFETY: no transfer touches the device memory while the initiator
     // asks for its digest.
-    unsafe { m.read(off as usize, &mut back) }.map_err(|e| e.to_string())?;
+    unsafe { m.read(off as usize, &mut back) }?;
     Ok(digest(&back))
 }
 
 #[cfg(not(feature = "cuda"))]
-fn vram_digest(_m: Option<&TargetVram>, _off: u64, _len: u64) -> Result<u64, String> {
-    Err("built without feature cuda".into())
+fn vram_digest(_m: Option<&TargetVram>, _off: u64, _len: u64) -> Result<u64, Error> {
+    Err(Error::Vram(orbite_core::cuda::availability().err().unwrap_or(orbite_core::cuda::CudaError::NotBuilt)))
 }

@@ -21,8 +21,9 @@ use orbite_core::session::grpc::proto::{
 use orbite_core::session::{KvConnectorInfo, KvSessionService, SystemClock};
 use orbite_core::{Desc, EngineConfig, MemoryRange, Permission, TransferEngine};
 use serde_json::{Value, json};
-use tonic::transport::Channel;
+use tonic::transport::{Channel, Endpoint};
 
+use crate::error::{Doing, Error};
 use crate::measure::percentiles_us;
 
 const KV: u64 = 16384;
@@ -40,39 +41,29 @@ struct Server {
     _pool: orbite_core::HostMemory,
 }
 
-fn start(server_rt: &tokio::runtime::Runtime) -> Result<Server, String> {
-    let engine = TransferEngine::new(EngineConfig::default()).map_err(|e| e.to_string())?;
-    let pool = engine.allocate_host_memory(1 << 20).map_err(|e| e.to_string())?;
-    let id = engine
-        .register_memory_ranges(vec![
-            MemoryRange::host(&pool, 0, 1 << 20, Permission::RemoteRead).map_err(|e| e.to_string())?,
-        ])
-        .map_err(|e| e.to_string())?[0];
+fn start(server_rt: &tokio::runtime::Runtime) -> Result<Server, Error> {
+    let engine = TransferEngine::new(EngineConfig::default())?;
+    let pool = engine.allocate_host_memory(1 << 20)?;
+    let id = engine.register_memory_ranges(vec![MemoryRange::host(&pool, 0, 1 << 20, Permission::RemoteRead)?])?[0];
     let info = KvConnectorInfo { max_tombstones: 4096, ..KvConnectorInfo::default() };
     let service = Arc::new(KvSessionService::new(engine.clone(), info, Arc::new(SystemClock::default())));
     let grpc = KvGrpcService::new(service.clone()).with_kv_regions(vec![Desc::new(id, 0, 1 << 20)]);
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let listener = server_rt
-        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .map_err(|e| format!("cannot listen on loopback: {e}"))?;
-    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let listener = server_rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).doing("listen on loopback")?;
+    let addr = listener.local_addr().doing("read the loopback listener's address")?;
     server_rt.spawn(grpc.serve(listener, async {
         let _ = rx.await;
     }));
     Ok(Server { addr, registration: id.to_raw(), service, stop: Some(tx), _engine: engine, _pool: pool })
 }
 
-async fn channel(addr: std::net::SocketAddr) -> Result<Channel, String> {
-    Channel::from_shared(format!("http://{addr}"))
-        .map_err(|e| e.to_string())?
-        .tcp_nodelay(true)
-        .connect()
-        .await
-        .map_err(|e| format!("cannot connect to {addr}: {e}"))
+async fn channel(addr: std::net::SocketAddr) -> Result<Channel, Error> {
+    let connect = |source| Error::Connect { addr, source };
+    Endpoint::try_from(format!("http://{addr}")).map_err(connect)?.tcp_nodelay(true).connect().await.map_err(connect)
 }
 
 /// One whole session life; returns whether it was attached.
-async fn life(kv: &mut OpenEngineKvClient<Channel>, registration: u64, key: &str) -> Result<bool, String> {
+async fn life(kv: &mut OpenEngineKvClient<Channel>, registration: u64, key: &str) -> Result<bool, Error> {
     let s = kv
         .allocate_kv_session(AllocateKvSessionRequest {
             request_id: key.to_owned(),
@@ -83,8 +74,7 @@ async fn life(kv: &mut OpenEngineKvClient<Channel>, registration: u64, key: &str
             lease_ms: None,
             meta: Some(meta()),
         })
-        .await
-        .map_err(|e| e.to_string())?
+        .await?
         .into_inner();
     let id = s.session_id;
     kv.mark_kv_session_ready(MarkKvSessionReadyRequest {
@@ -92,20 +82,16 @@ async fn life(kv: &mut OpenEngineKvClient<Channel>, registration: u64, key: &str
         ranges: vec![KvRange { registration, offset: 0, len: KV }],
         meta: Some(meta()),
     })
-    .await
-    .map_err(|e| e.to_string())?;
-    let a = kv
-        .attach_kv_session(AttachKvSessionRequest { session_id: id.clone(), meta: Some(meta()) })
-        .await
-        .map_err(|e| e.to_string())?
-        .into_inner();
-    kv.complete_kv_session(CompleteKvSessionRequest { session_id: id.clone() }).await.map_err(|e| e.to_string())?;
-    kv.release_kv_session(ReleaseKvSessionRequest { session_id: id }).await.map_err(|e| e.to_string())?;
+    .await?;
+    let a =
+        kv.attach_kv_session(AttachKvSessionRequest { session_id: id.clone(), meta: Some(meta()) }).await?.into_inner();
+    kv.complete_kv_session(CompleteKvSessionRequest { session_id: id.clone() }).await?;
+    kv.release_kv_session(ReleaseKvSessionRequest { session_id: id }).await?;
     Ok(!a.queued)
 }
 
-async fn echo(d: &mut OrbiteDiagnosticsClient<Channel>) -> Result<(), String> {
-    d.echo(EchoRequest { payload: vec![7; 16] }).await.map_err(|e| e.to_string())?;
+async fn echo(d: &mut OrbiteDiagnosticsClient<Channel>) -> Result<(), Error> {
+    d.echo(EchoRequest { payload: vec![7; 16] }).await?;
     Ok(())
 }
 
@@ -114,19 +100,19 @@ fn round(x: f64, places: i32) -> f64 {
     (x * f).round() / f
 }
 
-pub fn run(quick: bool) -> Result<Vec<Value>, String> {
+pub fn run(quick: bool) -> Result<Vec<Value>, Error> {
     let server_rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .thread_name("bench-grpc-server")
         .build()
-        .map_err(|e| e.to_string())?;
+        .doing("start the server runtime")?;
     let client_rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .thread_name("bench-grpc-client")
         .build()
-        .map_err(|e| e.to_string())?;
+        .doing("start the client runtime")?;
     let mut server = start(&server_rt)?;
     let (addr, registration) = (server.addr, server.registration);
     let (n_echo, n_life) = if quick { (2_000, 400) } else { (20_000, 4_000) };
@@ -156,11 +142,11 @@ pub fn run(quick: bool) -> Result<Vec<Value>, String> {
             ok &= life(&mut kv, registration, &format!("g1-{i}")).await?;
             l.push(t.elapsed().as_secs_f64());
         }
-        Ok::<_, String>((percentiles_us(&mut e), percentiles_us(&mut l), ok))
+        Ok::<_, Error>((percentiles_us(&mut e), percentiles_us(&mut l), ok))
     })?;
 
     // G2: 16 clients, each its own connection, for `secs` each way.
-    let throughput = |sessions: bool| -> Result<(f64, bool), String> {
+    let throughput = |sessions: bool| -> Result<(f64, bool), Error> {
         client_rt.block_on(async {
             let deadline = Instant::now() + Duration::from_secs_f64(secs);
             let mut tasks = Vec::new();
@@ -180,13 +166,13 @@ pub fn run(quick: bool) -> Result<Vec<Value>, String> {
                         }
                         i += 1;
                     }
-                    Ok::<_, String>((rpcs, ok))
+                    Ok::<_, Error>((rpcs, ok))
                 }));
             }
             let start = Instant::now();
             let (mut total, mut ok) = (0u64, true);
             for t in tasks {
-                let (n, o) = t.await.map_err(|e| e.to_string())??;
+                let (n, o) = t.await??;
                 total += n;
                 ok &= o;
             }

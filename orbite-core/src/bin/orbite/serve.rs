@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use orbite_core::endpoint::ALL_INTERFACES;
 use orbite_core::session::grpc::{DEFAULT_MAX_MESSAGE_BYTES, KvGrpcService};
-use orbite_core::session::{KvConnectorInfo, KvSessionService, SystemClock};
-use orbite_core::{EngineConfig, MemoryRange, Permission, TransferEngine};
+use orbite_core::session::{KvConnectorInfo, KvError, KvSessionService, SystemClock};
+use orbite_core::{ConfigError, EngineConfig, MemoryError, MemoryRange, Permission, TransferEngine};
 
 use crate::error::{ValueError, config_document};
 
@@ -75,7 +75,7 @@ pub enum ServeConfigError {
     Json(#[from] serde_json::Error),
     /// `sessions` holds limits the service refuses.
     #[error("sessions: {0}")]
-    Sessions(String),
+    Sessions(orbite_core::session::ConnectorInfoError),
     /// `kv_pool_bytes` is 0.
     #[error("kv_pool_bytes must be at least 1")]
     EmptyKvPool,
@@ -104,23 +104,76 @@ fn style_names(info: &KvConnectorInfo) -> String {
     info.supported_styles.iter().map(name).collect::<Vec<_>>().join(",")
 }
 
-pub fn run(args: ServeArgs) -> Result<(), String> {
+/// Why `orbite serve` stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// `--config`'s `engine` object is not a valid engine configuration.
+    #[error("--config engine: {0}")]
+    EngineConfig(#[source] ConfigError),
+    /// The engine could not be made.
+    #[error("engine: {0}")]
+    Engine(#[source] orbite_core::Error),
+    /// `kv_pool_bytes` does not fit this host's address space.
+    #[error("kv_pool_bytes is too large")]
+    KvPoolTooLarge,
+    /// The KV pool could not be allocated or registered.
+    #[error("kv pool: {0}")]
+    KvPool(#[source] orbite_core::Error),
+    /// The KV pool's range could not be described.
+    #[error("kv pool: {0}")]
+    KvPoolRange(#[source] MemoryError),
+    /// The reaper thread could not be started.
+    #[error("cannot start the reaper: {0}")]
+    Reaper(#[source] KvError),
+    /// The async runtime could not be started.
+    #[error("cannot start the runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    /// `--listen` could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        /// `--listen`.
+        addr: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The listener's address could not be read.
+    #[error("cannot read the listener's address: {0}")]
+    ListenAddr(#[source] std::io::Error),
+    /// SIGTERM and SIGINT could not be watched for.
+    #[error("cannot watch for signals: {0}")]
+    Signals(#[source] std::io::Error),
+    /// The gRPC server stopped with no signal.
+    #[error("the server stopped")]
+    Stopped,
+    /// The gRPC server failed.
+    #[error("the server failed: {0}")]
+    Failed(#[source] tonic::transport::Error),
+    /// The gRPC server's task panicked or was cancelled.
+    #[error("the server task failed: {0}")]
+    Task(#[source] tokio::task::JoinError),
+    /// The drain bound passed with sessions' work not retired.
+    #[error("the drain bound passed with work not retired")]
+    NotDrained,
+}
+
+pub fn run(args: ServeArgs) -> Result<(), ServeError> {
     let c = args.config.unwrap_or_default();
     let mut engine_json = c.engine.clone();
     engine_json.entry("listen").or_insert_with(|| ALL_INTERFACES.into());
     let engine_config = EngineConfig::from_json(&serde_json::Value::Object(engine_json).to_string())
-        .map_err(|e| format!("--config engine: {e}"))?;
-    let engine = TransferEngine::new(engine_config).map_err(|e| format!("engine: {e}"))?;
-    let pool_len = usize::try_from(c.kv_pool_bytes).map_err(|_| "kv_pool_bytes is too large")?;
-    let pool = engine.allocate_host_memory(pool_len).map_err(|e| format!("kv pool: {e}"))?;
+        .map_err(ServeError::EngineConfig)?;
+    let engine = TransferEngine::new(engine_config).map_err(ServeError::Engine)?;
+    let pool_len = usize::try_from(c.kv_pool_bytes).map_err(|_| ServeError::KvPoolTooLarge)?;
+    let pool = engine.allocate_host_memory(pool_len).map_err(ServeError::KvPool)?;
     let ids = engine
         .register_memory_ranges(vec![
-            MemoryRange::host(&pool, 0, pool_len, Permission::RemoteRead).map_err(|e| format!("kv pool: {e}"))?,
+            MemoryRange::host(&pool, 0, pool_len, Permission::RemoteRead).map_err(ServeError::KvPoolRange)?,
         ])
-        .map_err(|e| format!("kv pool: {e}"))?;
+        .map_err(ServeError::KvPool)?;
     let region = orbite_core::Desc { registration: ids[0], offset: 0, len: c.kv_pool_bytes };
     let service = Arc::new(KvSessionService::new(engine.clone(), c.sessions.clone(), Arc::new(SystemClock::default())));
-    let reaper = service.start_reaper(Duration::from_millis(c.reaper_period_ms.max(1))).map_err(|e| e.to_string())?;
+    let reaper = service.start_reaper(Duration::from_millis(c.reaper_period_ms.max(1))).map_err(ServeError::Reaper)?;
     let grpc = KvGrpcService::new(service.clone())
         .with_kv_regions(vec![region])
         .with_max_message_bytes(c.max_message_bytes as usize);
@@ -129,13 +182,13 @@ pub fn run(args: ServeArgs) -> Result<(), String> {
         .enable_all()
         .thread_name("orbite-grpc")
         .build()
-        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+        .map_err(ServeError::Runtime)?;
     let drain_bound = Duration::from_millis(c.drain_timeout_ms);
     let result = runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind(&args.listen)
             .await
-            .map_err(|e| format!("cannot listen on {}: {e}", args.listen))?;
-        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+            .map_err(|source| ServeError::Listen { addr: args.listen.clone(), source })?;
+        let addr = listener.local_addr().map_err(ServeError::ListenAddr)?;
         let info = service.info();
         println!(
             "orbite serve: OpenEngineKv listening on {addr} (incarnation {:016x}; styles {}, default {:?}; \
@@ -158,10 +211,10 @@ pub fn run(args: ServeArgs) -> Result<(), String> {
         }));
         let signal = async {
             use tokio::signal::unix::{SignalKind, signal};
-            let mut term = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
-            let mut int = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
+            let mut term = signal(SignalKind::terminate()).map_err(ServeError::Signals)?;
+            let mut int = signal(SignalKind::interrupt()).map_err(ServeError::Signals)?;
             tokio::select! {
-                _ = term.recv() => Ok::<_, String>("SIGTERM"),
+                _ = term.recv() => Ok::<_, ServeError>("SIGTERM"),
                 _ = int.recv() => Ok("SIGINT"),
             }
         };
@@ -169,9 +222,9 @@ pub fn run(args: ServeArgs) -> Result<(), String> {
             s = signal => s?,
             r = &mut serving => {
                 return match r {
-                    Ok(Ok(())) => Err("the server stopped".to_owned()),
-                    Ok(Err(e)) => Err(format!("the server failed: {e}")),
-                    Err(e) => Err(format!("the server task failed: {e}")),
+                    Ok(Ok(())) => Err(ServeError::Stopped),
+                    Ok(Err(e)) => Err(ServeError::Failed(e)),
+                    Err(e) => Err(ServeError::Task(e)),
                 };
             }
         };
@@ -190,7 +243,7 @@ pub fn run(args: ServeArgs) -> Result<(), String> {
             report.stats.tracked_transfers,
             report.stats.awaiting_cleanup,
         );
-        Ok::<bool, String>(report.drained)
+        Ok::<bool, ServeError>(report.drained)
     });
     runtime.shutdown_timeout(Duration::from_secs(1));
     reaper.stop();
@@ -198,7 +251,7 @@ pub fn run(args: ServeArgs) -> Result<(), String> {
     let close = engine.close();
     let drained = result?;
     println!("orbite serve: stopped ({close:?})");
-    if drained { Ok(()) } else { Err("the drain bound passed with work not retired".into()) }
+    if drained { Ok(()) } else { Err(ServeError::NotDrained) }
 }
 
 #[cfg(test)]

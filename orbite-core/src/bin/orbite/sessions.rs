@@ -18,6 +18,7 @@ use orbite_core::session::{
 use orbite_core::{Desc, EngineConfig, MemoryRange, Permission, TransferEngine};
 use serde_json::{Value, json};
 
+use crate::error::Error;
 use crate::measure::percentiles_us;
 
 fn request(i: u64, meta: &KvTransferMeta, lease_ms: Option<i64>) -> AllocateRequest {
@@ -37,15 +38,11 @@ fn meta() -> KvTransferMeta {
 }
 
 /// S1: the whole life of one session, per session.
-pub fn lifecycle(quick: bool) -> Result<Value, String> {
+pub fn lifecycle(quick: bool) -> Result<Value, Error> {
     let n: u64 = if quick { 2_000 } else { 20_000 };
-    let engine = TransferEngine::new(EngineConfig::default()).map_err(|e| e.to_string())?;
-    let kv = engine.allocate_host_memory(1 << 20).map_err(|e| e.to_string())?;
-    let id = engine
-        .register_memory_ranges(vec![
-            MemoryRange::host(&kv, 0, 1 << 20, Permission::RemoteRead).map_err(|e| e.to_string())?,
-        ])
-        .map_err(|e| e.to_string())?[0];
+    let engine = TransferEngine::new(EngineConfig::default())?;
+    let kv = engine.allocate_host_memory(1 << 20)?;
+    let id = engine.register_memory_ranges(vec![MemoryRange::host(&kv, 0, 1 << 20, Permission::RemoteRead)?])?[0];
     let info = KvConnectorInfo { max_tombstones: 1024, ..KvConnectorInfo::default() };
     let service = KvSessionService::new(engine.clone(), info, Arc::new(SystemClock::default()));
     let meta = meta();
@@ -54,11 +51,11 @@ pub fn lifecycle(quick: bool) -> Result<Value, String> {
     let mut ok = true;
     for i in 0..n + 200 {
         let start = Instant::now();
-        let s = service.allocate(&request(i, &meta, None)).map_err(|e| e.to_string())?;
-        service.mark_ready(s.session_id, &ranges, &meta).map_err(|e| e.to_string())?;
-        let attached = service.attach(s.session_id, &meta).map_err(|e| e.to_string())?;
-        service.complete(s.session_id).map_err(|e| e.to_string())?;
-        service.release(s.session_id).map_err(|e| e.to_string())?;
+        let s = service.allocate(&request(i, &meta, None))?;
+        service.mark_ready(s.session_id, &ranges, &meta)?;
+        let attached = service.attach(s.session_id, &meta)?;
+        service.complete(s.session_id)?;
+        service.release(s.session_id)?;
         let took = start.elapsed().as_secs_f64();
         ok &= matches!(attached, AttachOutcome::Attached(_));
         if i >= 200 {
@@ -73,7 +70,7 @@ pub fn lifecycle(quick: bool) -> Result<Value, String> {
     ok &= stats.pinned_ranges == 0 && service.live_count() == 0;
     let mean = samples.iter().sum::<f64>() / samples.len() as f64 * 1e6;
     let (p50, p99) = percentiles_us(&mut samples);
-    engine.deregister(id).map_err(|e| e.to_string())?;
+    engine.deregister(id)?;
     Ok(json!({
         "system": "orbite", "route": "-", "workload": "S1-session-life", "sessions": n,
         "p50_us": (p50 * 100.0).round() / 100.0, "p99_us": (p99 * 100.0).round() / 100.0,
@@ -94,7 +91,7 @@ impl Rng {
 /// Runs `ticks` ticks of 1 ms over `live` sessions with `renewals` random
 /// renewals per tick; returns (ns per tick with nothing expiring, expired,
 /// visits, ns per expired lease on ticks that expired some).
-fn reaper(live: u64, ticks: u64, renewals: u64) -> Result<(f64, u64, u64, f64), String> {
+fn reaper(live: u64, ticks: u64, renewals: u64) -> Result<(f64, u64, u64, f64), Error> {
     let info = KvConnectorInfo {
         max_live_sessions: live * 2,
         max_lease_ms: 3_600_000,
@@ -107,7 +104,7 @@ fn reaper(live: u64, ticks: u64, renewals: u64) -> Result<(f64, u64, u64, f64), 
     // Leases spread over 100 s; the run covers the first `ticks` ms.
     for i in 0..live {
         let lease = 1 + (rng.next() % 100_000) as i64;
-        m.allocate(&request(i, &meta, Some(lease)), 0).map_err(|e| e.to_string())?;
+        m.allocate(&request(i, &meta, Some(lease)), 0)?;
     }
     let (mut idle_ns, mut idle_ticks, mut busy_ns, mut expired) = (0u128, 0u64, 0u128, 0u64);
     let visits_before = m.reaper_visits();
@@ -137,7 +134,7 @@ fn reaper(live: u64, ticks: u64, renewals: u64) -> Result<(f64, u64, u64, f64), 
 }
 
 /// S2: reaper work against expirations, at 100 000 and 1 000 live sessions.
-pub fn reaper_scaling(quick: bool) -> Result<Vec<Value>, String> {
+pub fn reaper_scaling(quick: bool) -> Result<Vec<Value>, Error> {
     let ticks = if quick { 500 } else { 2_000 };
     let mut rows = Vec::new();
     for live in [100_000u64, 1_000] {
@@ -158,13 +155,13 @@ pub fn reaper_scaling(quick: bool) -> Result<Vec<Value>, String> {
 /// every millisecond: the reaper's CPU time per run (its thread's clock:
 /// the wake-up, the contended lock and a cold cache included) and its share
 /// of one core.
-pub fn reaper_threads(quick: bool) -> Result<Vec<Value>, String> {
+pub fn reaper_threads(quick: bool) -> Result<Vec<Value>, Error> {
     [100_000, 1_000].into_iter().map(|live| reaper_thread(live, quick)).collect()
 }
 
-fn reaper_thread(live: u64, quick: bool) -> Result<Value, String> {
+fn reaper_thread(live: u64, quick: bool) -> Result<Value, Error> {
     let secs = if quick { 0.5 } else { 2.0 };
-    let engine = TransferEngine::new(EngineConfig::default()).map_err(|e| e.to_string())?;
+    let engine = TransferEngine::new(EngineConfig::default())?;
     let info = KvConnectorInfo {
         max_live_sessions: live * 2,
         max_lease_ms: 3_600_000,
@@ -177,9 +174,9 @@ fn reaper_thread(live: u64, quick: bool) -> Result<Value, String> {
     let mut ids = Vec::with_capacity(live as usize);
     for i in 0..live {
         let lease = 600_000 + (rng.next() % 100_000) as i64;
-        ids.push(service.allocate(&request(i, &meta, Some(lease))).map_err(|e| e.to_string())?.session_id);
+        ids.push(service.allocate(&request(i, &meta, Some(lease)))?.session_id);
     }
-    let reaper = service.start_reaper(std::time::Duration::from_millis(5)).map_err(|e| e.to_string())?;
+    let reaper = service.start_reaper(std::time::Duration::from_millis(5))?;
     let before = service.stats();
     let start = Instant::now();
     let mut renewed = 0u64;
@@ -187,7 +184,7 @@ fn reaper_thread(live: u64, quick: bool) -> Result<Value, String> {
         let tick = Instant::now();
         for _ in 0..1_000 {
             let id = ids[(rng.next() % live) as usize];
-            service.renew(id, Some(600_000 + (rng.next() % 100_000) as i64)).map_err(|e| e.to_string())?;
+            service.renew(id, Some(600_000 + (rng.next() % 100_000) as i64))?;
             renewed += 1;
         }
         if let Some(rest) = std::time::Duration::from_millis(1).checked_sub(tick.elapsed()) {

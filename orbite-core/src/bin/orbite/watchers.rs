@@ -18,60 +18,58 @@ use orbite_core::wire::{self, Kind};
 use orbite_core::{EngineConfig, MemoryRange, Permission, TransferEngine};
 use serde_json::{Value, json};
 
+use crate::error::{Doing, Error};
+
 const CALLS: usize = 2_000;
 const STALLED: usize = 200;
 const RANGE: usize = 4096;
 
-fn err(e: impl std::fmt::Display) -> String {
-    e.to_string()
-}
-
 /// Registers `CALLS` ranges one call each, then deregisters them one call
 /// each: the two times.
-fn cycle(e: &TransferEngine, mem: &orbite_core::HostMemory) -> Result<(Duration, Duration), String> {
+fn cycle(e: &TransferEngine, mem: &orbite_core::HostMemory) -> Result<(Duration, Duration), Error> {
     let start = Instant::now();
     let mut ids = Vec::with_capacity(CALLS);
     for k in 0..CALLS {
-        let r = MemoryRange::host(mem, k * RANGE, RANGE, Permission::RemoteRead).map_err(err)?;
-        ids.push(e.register_memory_ranges(vec![r]).map_err(err)?[0]);
+        let r = MemoryRange::host(mem, k * RANGE, RANGE, Permission::RemoteRead)?;
+        ids.push(e.register_memory_ranges(vec![r])?[0]);
     }
     let registered = start.elapsed();
     let start = Instant::now();
     for id in ids {
-        e.deregister(id).map_err(err)?;
+        e.deregister(id)?;
     }
     Ok((registered, start.elapsed()))
 }
 
-fn read_frame(s: &mut TcpStream) -> Result<(wire::Header, Vec<u8>), String> {
+fn read_frame(s: &mut TcpStream) -> Result<(wire::Header, Vec<u8>), Error> {
     let mut h = [0u8; wire::HEADER_LEN];
-    s.read_exact(&mut h).map_err(err)?;
-    let h = wire::decode_header(&h, wire::Limits { max_body: 1 << 20, max_data: 0 }).map_err(err)?;
+    s.read_exact(&mut h).doing("read a frame header from the engine")?;
+    let h = wire::decode_header(&h, wire::Limits { max_body: 1 << 20, max_data: 0 })?;
     let mut body = vec![0u8; h.body_len as usize];
-    s.read_exact(&mut body).map_err(err)?;
+    s.read_exact(&mut body).doing("read a frame body from the engine")?;
     Ok((h, body))
 }
 
 /// The version a Changed frame brings.
-fn pushed(h: &wire::Header, body: &[u8]) -> Result<u64, String> {
-    match wire::Message::decode(h, body).map_err(err)? {
-        wire::Message::Changed { delta, .. } => Ok(orbite_core::segment::Delta::decode(delta).map_err(err)?.version),
-        m => Err(format!("a {:?} frame where Changed was expected", m.kind())),
+fn pushed(h: &wire::Header, body: &[u8]) -> Result<u64, Error> {
+    match wire::Message::decode(h, body)? {
+        wire::Message::Changed { delta, .. } => Ok(orbite_core::segment::Delta::decode(delta)?.version),
+        m => Err(Error::Wire(wire::WireError::OutOfPlace(m.kind()))),
     }
 }
 
 /// A watch connection that subscribed and read the first push.
-fn subscribe(endpoint: &str, epoch: u64) -> Result<TcpStream, String> {
-    let mut s = TcpStream::connect(endpoint).map_err(err)?;
-    s.set_read_timeout(Some(Duration::from_secs(20))).map_err(err)?;
+fn subscribe(endpoint: &str, epoch: u64) -> Result<TcpStream, Error> {
+    let mut s = TcpStream::connect(endpoint).doing("connect a watcher to the engine")?;
+    s.set_read_timeout(Some(Duration::from_secs(20))).doing("set a watcher's read timeout")?;
     let mut body = Vec::new();
     wire::encode_watch(&mut body, epoch, 0, 1 << 20);
     let mut f = wire::encode_header(&wire::header(Kind::Watch, body.len(), 0, 1)).to_vec();
     f.extend_from_slice(&body);
-    s.write_all(&f).map_err(err)?;
+    s.write_all(&f).doing("send a Watch")?;
     match read_frame(&mut s)? {
         (h, _) if h.kind == Kind::Changed => Ok(s),
-        (h, _) => Err(format!("{:?} in answer to a Watch", h.kind)),
+        (h, _) => Err(Error::UnexpectedFrame(h.kind)),
     }
 }
 
@@ -97,17 +95,17 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 /// The `watchers` row.
-pub fn run(quick: bool) -> Result<Value, String> {
+pub fn run(quick: bool) -> Result<Value, Error> {
     let rounds = if quick { 1 } else { 3 };
     let config = EngineConfig {
         listen: Some("127.0.0.1:0".into()),
         max_watchers_per_address: STALLED as u64,
         ..EngineConfig::default()
     };
-    let e = TransferEngine::new(config).map_err(err)?;
+    let e = TransferEngine::new(config)?;
     let endpoint = e.endpoint().unwrap_or_default();
     let port = e.listen_addr().map_or(0, |a| a.port());
-    let mem = e.allocate_host_memory(CALLS * RANGE).map_err(err)?;
+    let mem = e.allocate_host_memory(CALLS * RANGE)?;
     let (mut reg0, mut dereg0, mut reg1, mut dereg1) = (vec![], vec![], vec![], vec![]);
     let (mut unsent, mut verified) = (0u64, true);
     for _ in 0..rounds {
