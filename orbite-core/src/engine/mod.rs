@@ -612,33 +612,11 @@ impl std::fmt::Debug for TransferEngine {
 
 /// The route choice, with how device memory moves when the plan names some
 /// (the reason a caller reads in `Transfer::route()`).
-fn staging_noted(route: crate::RouteChoice, plan: &plan::Plan) -> crate::RouteChoice {
-    #[cfg(feature = "cuda")]
-    {
-        use crate::transport::CopyKind;
-        let mut route = route;
-        let how = match &plan.program.kind {
-            CopyKind::Device { device, peer_alive: None, .. } => {
-                Some(format!("CUDA device memory (device {device}) by driver copies"))
-            }
-            CopyKind::Device { device, .. } => Some(format!(
-                "CUDA device memory (device {device}) by driver copies straight into the peer's shared memory"
-            )),
-            CopyKind::Staged { device, chunk, .. } => Some(format!(
-                "CUDA device memory (device {device}) staged through page-locked buffers of {chunk} bytes"
-            )),
-            _ => plan.staging.map(|d| format!("CUDA device memory (device {d}) staged through the pinned pool")),
-        };
-        if let Some(how) = how {
-            route.reason = format!("{}; {how}", route.reason);
-        }
-        route
+fn staging_noted(mut route: crate::RouteChoice, plan: &plan::Plan) -> crate::RouteChoice {
+    if let Some(how) = plan.program.kind.device_note(plan.staging) {
+        route.reason = format!("{}; {how}", route.reason);
     }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = plan;
-        route
-    }
+    route
 }
 
 impl TransferEngine {

@@ -29,7 +29,6 @@ pub(crate) struct Plan {
     pub program: CopyProgram,
     /// The CUDA device whose memory a tcp task stages through host buffers
     /// (feature `cuda`; `stage`).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "only staged with feature cuda"))]
     pub staging: Option<u32>,
     pub total_bytes: u64,
     pub options: TransferOptions,
@@ -238,7 +237,7 @@ pub(crate) fn build(
     #[cfg(not(feature = "cuda"))]
     let shared = ();
     let (kind, staging) = device_kind(kind, &loans, shared, config, pool)?;
-    let cut = task_bytes(&kind, config.task_bytes);
+    let cut = kind.task_bytes(config.task_bytes);
     let program = build_program(spec.op, kind, &local, &remote, cut);
     #[cfg(feature = "cuda")]
     if matches!(program.kind, CopyKind::Device { .. }) {
@@ -343,16 +342,6 @@ fn overlaps_within_bounds(p: &CopyProgram) -> Result<(), Error> {
 /// Most spans in one route task (bounds a peer request's body).
 pub(crate) const MAX_SPANS_PER_TASK: u32 = 4096;
 
-/// Where tasks are cut. A worker waits for all of one task's operations
-/// on a direct file, so its tasks are cut larger: their operations are
-/// what is in flight at the device.
-fn task_bytes(kind: &CopyKind, configured: u64) -> u64 {
-    match kind {
-        CopyKind::File(entry, _) if entry.dio_align().is_some() => configured.max(crate::file::DIRECT_TASK_BYTES),
-        _ => configured,
-    }
-}
-
 /// Walks both fragmentations at once. Both cover the same total.
 fn build_program(op: Op, kind: CopyKind, local: &[Resolved], remote: &[Resolved], task_bytes: u64) -> CopyProgram {
     let mut spans: Vec<Span> = Vec::with_capacity(local.len().max(remote.len()));
@@ -420,20 +409,20 @@ mod tests {
         std::fs::write(&path, vec![0u8; 4096]).unwrap();
         let bounce = BouncePool::new(1 << 20);
         let buffered = Arc::new(Entry::open(&path, FileMode::ReadWrite, OpenFlags::default()).unwrap());
-        assert_eq!(task_bytes(&CopyKind::File(buffered, bounce.clone()), 1 << 20), 1 << 20);
+        assert_eq!(CopyKind::File(buffered, bounce.clone()).task_bytes(1 << 20), 1 << 20);
         match Entry::open(&path, FileMode::ReadWrite, OpenFlags { direct: true, ..OpenFlags::default() }) {
             Ok(direct) => {
                 let kind = CopyKind::File(Arc::new(direct), bounce);
-                assert_eq!(task_bytes(&kind, 1 << 20), DIRECT_TASK_BYTES);
-                assert_eq!(task_bytes(&kind, 64 << 20), 64 << 20, "a larger setting stands");
+                assert_eq!(kind.task_bytes(1 << 20), DIRECT_TASK_BYTES);
+                assert_eq!(kind.task_bytes(64 << 20), 64 << 20, "a larger setting stands");
                 let one = [r(0, 48 << 20)];
-                let cut = task_bytes(&kind, 1 << 20);
+                let cut = kind.task_bytes(1 << 20);
                 let p = build_program(Op::Write, kind, &one, &one, cut);
                 assert_eq!(p.tasks.len(), 3);
             }
             Err(e) => println!("SKIP: {} refuses O_DIRECT here ({e})", path.display()),
         }
-        assert_eq!(task_bytes(&CopyKind::Memory, 1 << 20), 1 << 20);
+        assert_eq!(CopyKind::Memory.task_bytes(1 << 20), 1 << 20);
         std::fs::remove_file(&path).unwrap();
     }
 

@@ -19,7 +19,7 @@ use crate::engine::plan::Plan;
 use crate::engine::{EngineInner, QueuedExec};
 use crate::error::{BatchError, Error, RegistryError};
 use crate::registry::Registration;
-use crate::transport::{CopyJob, CopyKind, CopyProgram};
+use crate::transport::{CopyJob, CopyProgram};
 use crate::types::Resource;
 use crate::types::TaskReport;
 
@@ -139,10 +139,7 @@ impl CopyJob for RouteTask {
         if self.stage.is_some() {
             return false;
         }
-        // A direct file's read-modify-write may wait for another task's
-        // write of the same file: a helping caller never waits on a copy.
-        let direct_file = matches!(&self.transfer.plan.program.kind, CopyKind::File(f, _) if f.dio_align().is_some());
-        !self.transfer.plan.program.kind.waits_for_device() && !direct_file
+        self.transfer.plan.program.kind.helpable()
     }
 
     fn task(&self) -> u32 {
@@ -422,7 +419,7 @@ impl Transfer {
             return Err(e.into());
         }
         let write = self.shared.plan.program.op == crate::batch::Op::Write;
-        let device = self.shared.way.route() == crate::types::Route::CudaIpc;
+        let device = self.shared.way.lends_device();
         let loan = self.engine.borrow(p, &self.shared.remote_ids, write, device)?;
         // The previous loan (if any) is given back once the lock is released.
         let _previous = {

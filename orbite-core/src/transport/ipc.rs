@@ -95,6 +95,10 @@ impl RouteImpl for CudaIpc {
     fn borrows(&self) -> bool {
         true
     }
+
+    fn lends_device(&self) -> bool {
+        true
+    }
 }
 
 /// The driver copies of an IPC task, for this thread's stream of the

@@ -246,6 +246,45 @@ impl CopyKind {
         #[cfg(not(feature = "cuda"))]
         false
     }
+
+    /// Whether a caller's thread may run its tasks (helping): not one that
+    /// waits for a device, nor a direct file's, whose read-modify-write
+    /// may wait for another task's write of the same file (a helping
+    /// caller never waits on a copy).
+    pub(crate) fn helpable(&self) -> bool {
+        !self.waits_for_device() && !matches!(self, CopyKind::File(f, _) if f.dio_align().is_some())
+    }
+
+    /// Where its tasks are cut, given `task_bytes` (`configured`). A
+    /// worker waits for all of one task's operations on a direct file, so
+    /// those tasks are cut larger: their operations are what is in flight
+    /// at the device.
+    pub(crate) fn task_bytes(&self, configured: u64) -> u64 {
+        match self {
+            CopyKind::File(entry, _) if entry.dio_align().is_some() => configured.max(crate::file::DIRECT_TASK_BYTES),
+            _ => configured,
+        }
+    }
+
+    /// How device memory moves on this kind, for the route's reason
+    /// (`staging`: the device a tcp program stages through).
+    pub(crate) fn device_note(&self, staging: Option<u32>) -> Option<String> {
+        #[cfg(feature = "cuda")]
+        return match self {
+            CopyKind::Device { device, peer_alive: None, .. } => {
+                Some(format!("CUDA device memory (device {device}) by driver copies"))
+            }
+            CopyKind::Device { device, .. } => Some(format!(
+                "CUDA device memory (device {device}) by driver copies straight into the peer's shared memory"
+            )),
+            CopyKind::Staged { device, chunk, .. } => Some(format!(
+                "CUDA device memory (device {device}) staged through page-locked buffers of {chunk} bytes"
+            )),
+            _ => staging.map(|d| format!("CUDA device memory (device {d}) staged through the pinned pool")),
+        };
+        #[cfg(not(feature = "cuda"))]
+        staging.map(|d| format!("CUDA device memory (device {d}) staged through the pinned pool"))
+    }
 }
 
 /// The driver copies of a `Device` task: (destination, source, bytes).

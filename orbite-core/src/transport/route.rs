@@ -96,6 +96,12 @@ pub(crate) trait RouteImpl: Sync {
         false
     }
 
+    /// Whether the ranges it borrows are device memory (lent on the local
+    /// socket only, through CUDA IPC).
+    fn lends_device(&self) -> bool {
+        false
+    }
+
     /// Where its tasks run.
     fn runs(&self) -> Runs {
         Runs::Workers
