@@ -35,7 +35,8 @@ use crate::transport::CopyJob;
 use crate::transport::auth::{Dialed, Initiator, Secret};
 use crate::transport::proto::FrameIn;
 use crate::transport::proto::client::{ClientConn, PeerJob, unsent};
-use crate::transport::sock::{Patience, Stream, epoll_ctl, iov, owned, read_exact_within, tune, writev_within};
+use crate::transport::reactor::{Events, Interest, Poller, Waker};
+use crate::transport::sock::{Patience, Stream, iov, read_exact_within, tune, writev_within};
 use crate::transport::spin::poll;
 use crate::transport::unix::Credentials;
 use crate::wire::{self, Kind, Limits, Message, WireError};
@@ -884,8 +885,8 @@ enum Command<J> {
 /// One driver: its epoll set, its wake-up, and the commands other threads
 /// send it.
 struct Driver<J> {
-    epoll: OwnedFd,
-    wake: OwnedFd,
+    poller: Poller,
+    wake: Waker,
     commands: Mutex<Vec<Command<J>>>,
     /// Commands waiting (read without the lock while polling).
     waiting: AtomicUsize,
@@ -909,13 +910,11 @@ impl<J: CopyJob> Initiators<J> {
     pub fn start(spin: Duration) -> io::Result<Arc<Self>> {
         let mut drivers = Vec::new();
         for _ in 0..driver_threads() {
-            // SAFETY: plain system calls creating descriptors.
-            let epoll = owned(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
-            // SAFETY: as above.
-            let wake = owned(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })?;
-            epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, wake.as_raw_fd(), (libc::EPOLLIN | libc::EPOLLET) as u32, WAKE)?;
+            let poller = Poller::new()?;
+            let wake = Waker::new()?;
+            poller.add(&wake, WAKE, Interest::IN | Interest::ET)?;
             drivers.push(Arc::new(Driver {
-                epoll,
+                poller,
                 wake,
                 commands: Mutex::new(Vec::new()),
                 waiting: AtomicUsize::new(0),
@@ -1003,9 +1002,7 @@ impl<J> Driver<J> {
     }
 
     fn ring(&self) {
-        let one = 1u64;
-        // SAFETY: writes 8 bytes of a live local to our own eventfd.
-        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        self.wake.wake();
     }
 }
 
@@ -1014,7 +1011,7 @@ impl<J: CopyJob> Driver<J> {
         ON_DRIVER.with(|d| d.set(true));
         let mut conns: HashMap<u64, Box<Conn<J>>> = HashMap::new();
         let mut ready: Vec<u64> = Vec::new();
-        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        let mut events = Events::with_capacity(64);
         let mut next_deadline: Option<Instant> = None;
         // Connections with a request outstanding: while there are any, the
         // thread blocks in epoll_wait for their replies (the kernel wakes
@@ -1029,9 +1026,8 @@ impl<J: CopyJob> Driver<J> {
                     match c {
                         Command::Add(mut conn) => {
                             let id = conn.me.id;
-                            let events = (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLRDHUP | libc::EPOLLET) as u32;
-                            if epoll_ctl(&self.epoll, libc::EPOLL_CTL_ADD, conn.stream.as_raw_fd(), events, id).is_err()
-                            {
+                            let interest = Interest::IN | Interest::OUT | Interest::RDHUP | Interest::ET;
+                            if self.poller.add(&conn.stream, id, interest).is_err() {
                                 conn.lose("connection lost: cannot watch the socket");
                             }
                             conns.insert(id, conn);
@@ -1090,38 +1086,26 @@ impl<J: CopyJob> Driver<J> {
                 continue;
             }
             let timeout = if !ready.is_empty() {
-                0
+                Some(Duration::ZERO)
             } else {
                 self.sleeping.store(true, Ordering::SeqCst);
                 if self.waiting.load(Ordering::SeqCst) > 0 {
                     self.sleeping.store(false, Ordering::SeqCst);
                     continue;
                 }
-                match next_deadline {
-                    None => -1,
-                    Some(d) => {
-                        let ms = d.saturating_duration_since(now).as_micros().div_ceil(1000);
-                        ms.min(i32::MAX as u128) as i32
-                    }
-                }
+                // Rounded up to the next millisecond: never woken early.
+                next_deadline.map(|d| d.saturating_duration_since(now))
             };
-            // SAFETY: a live epoll fd and a buffer of `events.len()` entries.
-            let n =
-                unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, timeout) };
+            let waited = self.poller.wait(&mut events, timeout);
             self.sleeping.store(false, Ordering::SeqCst);
-            if n < 0 {
-                continue; // EINTR
+            if waited.is_err() {
+                continue;
             }
-            for ev in &events[..n as usize] {
-                match ev.u64 {
-                    WAKE => {
-                        let mut v = 0u64;
-                        // SAFETY: reads 8 bytes into a live local from our eventfd.
-                        unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
-                    }
+            for ev in events.iter() {
+                match ev.token {
+                    WAKE => self.wake.drain(),
                     id => {
-                        let readable = (libc::EPOLLIN | libc::EPOLLRDHUP | libc::EPOLLHUP | libc::EPOLLERR) as u32;
-                        if ev.events & readable != 0 {
+                        if ev.readable() {
                             if let Some(conn) = conns.get_mut(&id) {
                                 conn.readable = true;
                             }
@@ -1134,7 +1118,7 @@ impl<J: CopyJob> Driver<J> {
     }
 
     fn close(&self, conn: Conn<J>) {
-        let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_DEL, conn.stream.as_raw_fd(), 0, conn.me.id);
+        let _ = self.poller.delete(&conn.stream);
         conn.stream.shutdown();
         conn.link.forget(conn.me);
         if let Role::Watch(_) = conn.role {

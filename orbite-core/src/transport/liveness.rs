@@ -3,13 +3,13 @@
 //! never reached it.
 
 use std::collections::HashMap;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 
-use crate::transport::sock::{epoll_ctl, owned};
+use crate::transport::reactor::{Events, Interest, Poller, pidfd};
 
 use crate::types::{Op, TaskEnd};
 
@@ -34,7 +34,7 @@ pub(crate) struct PeerLiveness {
 
 /// The process's pidfd watcher: one epoll set, one thread.
 struct Watcher {
-    epoll: OwnedFd,
+    poller: Poller,
     flags: Mutex<HashMap<u64, Arc<AtomicBool>>>,
     next: AtomicU64,
 }
@@ -43,29 +43,25 @@ fn watcher() -> Option<&'static Watcher> {
     static WATCHER: OnceLock<Option<Watcher>> = OnceLock::new();
     WATCHER
         .get_or_init(|| {
-            // SAFETY: a plain system call creating a descriptor.
-            let epoll = owned(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) }).ok()?;
-            let epfd = epoll.as_raw_fd();
-            std::thread::Builder::new().name("orbite-peer-watch".into()).spawn(move || watch_loop(epfd)).ok()?;
-            Some(Watcher { epoll, flags: Mutex::new(HashMap::new()), next: AtomicU64::new(1) })
+            let poller = Poller::new().ok()?;
+            std::thread::Builder::new().name("orbite-peer-watch".into()).spawn(watch_loop).ok()?;
+            Some(Watcher { poller, flags: Mutex::new(HashMap::new()), next: AtomicU64::new(1) })
         })
         .as_ref()
 }
 
-fn watch_loop(epfd: i32) {
-    let mut events = [libc::epoll_event { events: 0, u64: 0 }; 32];
+fn watch_loop() {
+    // The watcher is set once this thread runs (it waits for the static).
+    let Some(w) = watcher() else { return };
+    let mut ready = Events::with_capacity(32);
     loop {
-        // SAFETY: the watcher's epoll fd lives as long as the process (a
-        // static); a buffer of `events.len()` entries.
-        let n = unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), events.len() as i32, -1) };
-        if n < 0 {
-            continue; // EINTR
+        if w.poller.wait(&mut ready, None).is_err() {
+            continue;
         }
-        let Some(w) = watcher() else { return };
         let flags = w.flags.lock();
-        for ev in &events[..n as usize] {
+        for r in ready.iter() {
             // One shot: the pidfd stays readable after the exit.
-            if let Some(flag) = flags.get(&{ ev.u64 }) {
+            if let Some(flag) = flags.get(&r.token) {
                 flag.store(false, Ordering::Release);
             }
         }
@@ -80,13 +76,10 @@ impl PeerLiveness {
 
     fn register(pid: i32, alive: &Arc<AtomicBool>) -> Option<(u64, OwnedFd)> {
         let w = watcher()?;
-        // SAFETY: a plain system call; the descriptor is owned below.
-        let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        let pidfd = owned(i32::try_from(pidfd).unwrap_or(-1)).ok()?;
+        let pidfd = pidfd(pid).ok()?;
         let id = w.next.fetch_add(1, Ordering::Relaxed);
         w.flags.lock().insert(id, alive.clone());
-        let events = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
-        if epoll_ctl(&w.epoll, libc::EPOLL_CTL_ADD, pidfd.as_raw_fd(), events, id).is_err() {
+        if w.poller.add(&pidfd, id, Interest::IN | Interest::ONESHOT).is_err() {
             w.flags.lock().remove(&id);
             return None;
         }
@@ -102,7 +95,7 @@ impl PeerLiveness {
 impl Drop for PeerLiveness {
     fn drop(&mut self) {
         if let (Some((id, pidfd)), Some(w)) = (self.watch.take(), watcher()) {
-            let _ = epoll_ctl(&w.epoll, libc::EPOLL_CTL_DEL, pidfd.as_raw_fd(), 0, id);
+            let _ = w.poller.delete(&pidfd);
             w.flags.lock().remove(&id);
             drop(pidfd);
         }

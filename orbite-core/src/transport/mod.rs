@@ -14,6 +14,7 @@ pub(crate) mod loopback;
 pub(crate) mod mapping;
 pub(crate) mod policy;
 pub(crate) mod proto;
+pub(crate) mod reactor;
 pub(crate) mod route;
 pub(crate) mod shm;
 pub(crate) mod sock;

@@ -8,7 +8,7 @@
 
 use std::io;
 use std::net::TcpStream;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 /// Largest iovec count per system call (Linux `UIO_MAXIOV`).
 pub(crate) const IOV_MAX: usize = 1024;
@@ -165,25 +165,6 @@ pub(crate) fn read_exact_within(fd: RawFd, buf: &mut [u8], patience: Option<&Pat
     unsafe { readv_within(fd, &mut v, &mut done, patience) }
 }
 
-/// One `epoll_ctl` call.
-pub(crate) fn epoll_ctl(epoll: &OwnedFd, op: libc::c_int, fd: i32, events: u32, data: u64) -> io::Result<()> {
-    let mut ev = libc::epoll_event { events, u64: data };
-    // SAFETY: a live epoll fd and a pointer to a live event for the call.
-    if unsafe { libc::epoll_ctl(epoll.as_raw_fd(), op, fd, &mut ev) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// Takes ownership of a descriptor a system call returned (or its error).
-pub(crate) fn owned(fd: libc::c_int) -> io::Result<OwnedFd> {
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a fresh descriptor this function now owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-}
-
 /// Sets `TCP_NODELAY` and the socket buffers of a data connection: a
 /// receive buffer of `window` bytes (the kernel doubles it for its
 /// bookkeeping, so the window it advertises is about `window`) and a send
@@ -260,6 +241,12 @@ impl Stream {
 impl AsRawFd for Stream {
     fn as_raw_fd(&self) -> RawFd {
         self.0.as_raw_fd()
+    }
+}
+
+impl std::os::fd::AsFd for Stream {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.0.as_fd()
     }
 }
 

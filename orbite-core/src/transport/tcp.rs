@@ -13,7 +13,7 @@
 
 use std::io;
 use std::net::{SocketAddr, TcpListener};
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixListener;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -29,8 +29,12 @@ use crate::transport::auth::Secret;
 pub(crate) use crate::transport::link::{ANNOUNCE_UNKNOWN, Initiators, LinkOptions, OpenError, PeerLink};
 pub(crate) use crate::transport::proto::client::{ControlDone, ControlJob, PeerFailure, PeerJob};
 use crate::transport::proto::server::{Close, ConnEnd, Event, ServerBudget, ServerConn, TargetSide};
+use crate::transport::reactor::{Events, Interest, Poller, Timer, Waker};
 use crate::transport::route::{PeerReach, Reach, RouteImpl, Runs, Serves};
-use crate::transport::sock::{Stream, epoll_ctl, owned, tune};
+use crate::transport::sock::{Stream, tune};
+
+/// A one-shot read interest: the thread that takes the event re-arms it.
+const ONESHOT_IN: Interest = Interest::IN.union(Interest::ONESHOT);
 use crate::transport::watchers::WatcherLimits;
 pub(crate) use crate::transport::watchers::Watchers;
 use crate::types::{Desc, Route};
@@ -148,10 +152,10 @@ struct ServerShared {
     limits: ServerLimits,
     /// With a secret, every connection authenticates first.
     secret: Option<Arc<Secret>>,
-    epoll: OwnedFd,
+    poller: Poller,
     /// The deadline sweep's timer (armed while there is something to
     /// check: connections, or a resting listener).
-    timer: OwnedFd,
+    timer: Timer,
     timer_armed: Mutex<bool>,
     /// When a resting listener takes connections again.
     accept_resume: Mutex<Option<Instant>>,
@@ -159,8 +163,8 @@ struct ServerShared {
     addresses: Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
     /// Connections that still owe their handshake, oldest first.
     unauthenticated: Mutex<std::collections::VecDeque<u64>>,
-    /// Written once at shutdown; level-triggered, so every thread sees it.
-    stop: OwnedFd,
+    /// Woken once at shutdown; level-triggered, so every thread sees it.
+    stop: Waker,
     listener: TcpListener,
     /// The local socket (same-host peers prove who they reach over it).
     local: Option<UnixListener>,
@@ -247,26 +251,21 @@ impl Server {
         let listener = TcpListener::bind(bind)?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
-        // SAFETY: plain system calls creating descriptors.
-        let epoll = owned(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) })?;
-        // SAFETY: as above.
-        let stop = owned(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })?;
-        epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, stop.as_raw_fd(), libc::EPOLLIN as u32, STOP)?;
-        let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
-        epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, listener.as_raw_fd(), oneshot, LISTENER)?;
+        let poller = Poller::new()?;
+        let stop = Waker::new()?;
+        poller.add(&stop, STOP, Interest::IN)?;
+        poller.add(&listener, LISTENER, ONESHOT_IN)?;
         let (local, local_name) = match local.and_then(|n| crate::transport::unix::bind(n).ok().map(|l| (l, n))) {
             Some((l, n)) => {
-                epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, l.as_raw_fd(), oneshot, LOCAL)?;
+                poller.add(&l, LOCAL, ONESHOT_IN)?;
                 (Some(l), Some(n.to_owned()))
             }
             None => (None, None),
         };
-        // SAFETY: as above.
-        let timer =
-            owned(unsafe { libc::timerfd_create(libc::CLOCK_MONOTONIC, libc::TFD_CLOEXEC | libc::TFD_NONBLOCK) })?;
-        epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, timer.as_raw_fd(), oneshot, TIMER)?;
+        let timer = Timer::new()?;
+        poller.add(&timer, TIMER, ONESHOT_IN)?;
         let watchers = Arc::new(Watchers::new(limits.watchers, budget.counters.clone())?);
-        epoll_ctl(&epoll, libc::EPOLL_CTL_ADD, watchers.wake_fd().as_raw_fd(), oneshot, WATCHERS)?;
+        poller.add(watchers.wake_fd(), WATCHERS, ONESHOT_IN)?;
         let shared = Arc::new(ServerShared {
             turn: turn.max(1),
             limits,
@@ -276,7 +275,7 @@ impl Server {
             accept_resume: Mutex::new(None),
             addresses: Mutex::new(std::collections::HashMap::new()),
             unauthenticated: Mutex::new(std::collections::VecDeque::new()),
-            epoll,
+            poller,
             stop,
             listener,
             local,
@@ -327,9 +326,7 @@ impl Server {
 
     /// Stops serving, closes every connection and joins the threads.
     pub fn shutdown(&self) {
-        let one = 1u64;
-        // SAFETY: writes 8 bytes of a live local to our own eventfd.
-        unsafe { libc::write(self.shared.stop.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        self.shared.stop.wake();
         let threads = std::mem::take(&mut *self.threads.lock());
         for t in threads {
             let _ = t.join();
@@ -343,18 +340,13 @@ impl Server {
 
 impl ServerShared {
     fn run(&self) {
-        let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
+        let mut ready = Events::with_capacity(64);
         loop {
-            // SAFETY: a live epoll fd and a buffer of `events.len()` entries.
-            let n = unsafe { libc::epoll_wait(self.epoll.as_raw_fd(), events.as_mut_ptr(), events.len() as i32, -1) };
-            if n < 0 {
-                if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
+            if self.poller.wait(&mut ready, None).is_err() {
                 return;
             }
-            for ev in &events[..n as usize] {
-                match ev.u64 {
+            for r in ready.iter() {
+                match r.token {
                     STOP => return,
                     LISTENER => self.accept(),
                     LOCAL => self.accept_local(),
@@ -371,9 +363,7 @@ impl ServerShared {
         if let Some(side) = self.side.upgrade() {
             self.watchers.push_round(&|| side.registry_version(), &|since, budget| side.changes(since, budget));
         }
-        let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
-        let fd = self.watchers.wake_fd().as_raw_fd();
-        let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_MOD, fd, oneshot, WATCHERS);
+        let _ = self.poller.modify(self.watchers.wake_fd(), WATCHERS, ONESHOT_IN);
     }
 
     /// Accepts every waiting connection within the caps, then re-arms the
@@ -416,8 +406,7 @@ impl ServerShared {
             };
             self.admit(stream.into(), peer, ConnEnd::Tcp(here));
         }
-        let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
-        let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_MOD, self.listener.as_raw_fd(), oneshot, LISTENER);
+        let _ = self.poller.modify(&self.listener, LISTENER, ONESHOT_IN);
     }
 
     /// [`Self::accept`] for the local socket: only processes of this user
@@ -447,8 +436,7 @@ impl ServerShared {
             }
             self.admit(stream.into(), None, ConnEnd::Local);
         }
-        let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
-        let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_MOD, local.as_raw_fd(), oneshot, LOCAL);
+        let _ = self.poller.modify(local, LOCAL, ONESHOT_IN);
     }
 
     /// Makes room for one more connection that owes its handshake
@@ -484,7 +472,6 @@ impl ServerShared {
     /// Serves an accepted connection (within the caps, already counted).
     fn admit(&self, stream: Stream, peer: Option<std::net::IpAddr>, at: ConnEnd) {
         let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
-        let fd = stream.as_raw_fd();
         let now = Instant::now();
         // A connection that must authenticate owes its handshake at
         // once (the initiator sends it on connect); without a secret a
@@ -508,10 +495,7 @@ impl ServerShared {
         let conn =
             Arc::new(ServedConn { stream: Arc::new(stream), peer, machine: Mutex::new(served), _counted: counted });
         self.conns.lock().insert(id, conn.clone());
-        let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
-        if conn.stream.set_nonblocking().is_err()
-            || epoll_ctl(&self.epoll, libc::EPOLL_CTL_ADD, fd, oneshot, id).is_err()
-        {
+        if conn.stream.set_nonblocking().is_err() || self.poller.add(&*conn.stream, id, ONESHOT_IN).is_err() {
             self.close(id);
             return;
         }
@@ -528,11 +512,7 @@ impl ServerShared {
     }
 
     fn set_timer(&self, every: Option<Duration>) {
-        let ts = |d: Duration| libc::timespec { tv_sec: d.as_secs() as libc::time_t, tv_nsec: d.subsec_nanos() as _ };
-        let d = every.unwrap_or(Duration::ZERO);
-        let spec = libc::itimerspec { it_interval: ts(d), it_value: ts(d) };
-        // SAFETY: a live timerfd and a pointer to a live itimerspec.
-        unsafe { libc::timerfd_settime(self.timer.as_raw_fd(), 0, &spec, std::ptr::null_mut()) };
+        self.timer.set_periodic(every);
     }
 
     /// The deadline sweep: closes connections whose exchange took longer
@@ -541,9 +521,7 @@ impl ServerShared {
     /// wakes a resting listener. A connection being served right now is
     /// moving bytes: it is not checked.
     fn sweep(&self) {
-        let mut v = 0u64;
-        // SAFETY: reads 8 bytes into a live local from our timerfd.
-        unsafe { libc::read(self.timer.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        self.timer.drain();
         let now = Instant::now();
         let conns: Vec<(u64, Arc<ServedConn>)> = self.conns.lock().iter().map(|(i, c)| (*i, c.clone())).collect();
         let mut expired = Vec::new();
@@ -590,8 +568,7 @@ impl ServerShared {
             due
         };
         if resume {
-            let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
-            let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_MOD, self.listener.as_raw_fd(), oneshot, LISTENER);
+            let _ = self.poller.modify(&self.listener, LISTENER, ONESHOT_IN);
         }
         {
             // Nothing left to watch: the timer stops (idle means idle).
@@ -601,8 +578,7 @@ impl ServerShared {
                 self.set_timer(None);
             }
         }
-        let oneshot = (libc::EPOLLIN | libc::EPOLLONESHOT) as u32;
-        let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_MOD, self.timer.as_raw_fd(), oneshot, TIMER);
+        let _ = self.poller.modify(&self.timer, TIMER, ONESHOT_IN);
     }
 
     /// Serves connection `id` until its socket would block (then re-arms
@@ -624,7 +600,7 @@ impl ServerShared {
             if moved >= self.turn {
                 // Others' turn. Wake again for what this one waits for: a
                 // reply half sent needs the socket writable, not readable.
-                break if m.send_buf().is_some() { libc::EPOLLOUT } else { libc::EPOLLIN };
+                break if m.send_buf().is_some() { Interest::OUT } else { Interest::IN };
             }
             let fds: Vec<i32> = m.send_fds().iter().map(AsRawFd::as_raw_fd).collect();
             if let Some(out) = m.send_buf() {
@@ -644,14 +620,14 @@ impl ServerShared {
                 }
                 match io::Error::last_os_error().kind() {
                     io::ErrorKind::Interrupted => continue,
-                    io::ErrorKind::WouldBlock => break libc::EPOLLOUT,
-                    _ => break 0,
+                    io::ErrorKind::WouldBlock => break Interest::OUT,
+                    _ => break Interest::empty(),
                 }
             }
             if drained {
-                break libc::EPOLLIN;
+                break Interest::IN;
             }
-            let Some(side) = self.side.upgrade() else { break 0 };
+            let Some(side) = self.side.upgrade() else { break Interest::empty() };
             let Some(into) = m.recv_buf() else { continue };
             let asked: usize = into[..into.len().min(1024)].iter().map(|v| v.iov_len).sum();
             // SAFETY: the machine's iovecs address its own buffers or
@@ -659,13 +635,13 @@ impl ServerShared {
             // reference aliases while the kernel writes them.
             let r = unsafe { libc::readv(fd, into.as_ptr(), into.len().min(1024) as i32) };
             if r == 0 {
-                break 0; // the peer closed
+                break Interest::empty(); // the peer closed
             }
             if r < 0 {
                 match io::Error::last_os_error().kind() {
                     io::ErrorKind::Interrupted => continue,
-                    io::ErrorKind::WouldBlock => break libc::EPOLLIN,
-                    _ => break 0,
+                    io::ErrorKind::WouldBlock => break Interest::IN,
+                    _ => break Interest::empty(),
                 }
             }
             moved += r as usize;
@@ -690,9 +666,9 @@ impl ServerShared {
                     }
                     let from = conn.peer.map_or_else(|| "the local socket".to_owned(), |ip| ip.to_string());
                     side.auth_failed(&from, m.refusal().unwrap_or("refused"));
-                    break 0;
+                    break Interest::empty();
                 }
-                Err(Close::Malformed(_)) => break 0, // malformed: close this connection only
+                Err(Close::Malformed(_)) => break Interest::empty(), // malformed: close this connection only
             }
         };
         // The clock: an exchange starts when a frame completes (or, for a
@@ -715,12 +691,11 @@ impl ServerShared {
             served.busy_since = Some(now);
         }
         drop(g);
-        if wait == 0 {
+        if wait.is_empty() {
             self.close(id);
             return;
         }
-        let events = (wait | libc::EPOLLONESHOT) as u32;
-        if epoll_ctl(&self.epoll, libc::EPOLL_CTL_MOD, fd, events, id).is_err() {
+        if self.poller.modify(&*conn.stream, id, wait | Interest::ONESHOT).is_err() {
             self.close(id);
         }
     }
@@ -749,7 +724,7 @@ impl ServerShared {
                 self.unauthenticated.lock().retain(|c| *c != id);
             }
         }
-        let _ = epoll_ctl(&self.epoll, libc::EPOLL_CTL_DEL, conn.stream.as_raw_fd(), 0, id);
+        let _ = self.poller.delete(&*conn.stream);
         conn.stream.shutdown();
         self.watchers.forget(id);
         // The borrower is gone with its connection: its machine, and with

@@ -16,7 +16,7 @@
 //! per peer address.
 
 use std::net::IpAddr;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
@@ -181,15 +181,14 @@ pub(crate) struct Watchers {
     /// A change waits to be pushed (a server thread was woken for it).
     dirty: AtomicBool,
     /// What wakes a server thread to push (in the server's epoll set).
-    wake: OwnedFd,
+    wake: crate::transport::reactor::Waker,
     limits: WatcherLimits,
     counters: Arc<Counters>,
 }
 
 impl Watchers {
     pub fn new(limits: WatcherLimits, counters: Arc<Counters>) -> std::io::Result<Self> {
-        // SAFETY: a plain system call creating a descriptor.
-        let wake = crate::transport::sock::owned(unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) })?;
+        let wake = crate::transport::reactor::Waker::new()?;
         Ok(Watchers {
             subs: Mutex::new(Arc::default()),
             count: AtomicUsize::new(0),
@@ -201,7 +200,7 @@ impl Watchers {
     }
 
     /// The descriptor that becomes readable when a push round is due.
-    pub fn wake_fd(&self) -> &OwnedFd {
+    pub fn wake_fd(&self) -> &crate::transport::reactor::Waker {
         &self.wake
     }
 
@@ -256,9 +255,7 @@ impl Watchers {
         if self.count.load(Ordering::Acquire) == 0 || self.dirty.swap(true, Ordering::SeqCst) {
             return;
         }
-        let one = 1u64;
-        // SAFETY: writes 8 bytes of a live local to our own eventfd.
-        unsafe { libc::write(self.wake.as_raw_fd(), (&one as *const u64).cast(), 8) };
+        self.wake.wake();
     }
 
     /// A server thread's push round (the wake fd was readable): every
@@ -266,9 +263,7 @@ impl Watchers {
     /// registry's version (`version`, read once the round began: a change
     /// after that wakes another round).
     pub fn push_round(&self, version: &dyn Fn() -> u64, changes: ChangesSince<'_>) {
-        let mut v = 0u64;
-        // SAFETY: reads 8 bytes into a live local from our eventfd.
-        unsafe { libc::read(self.wake.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+        self.wake.drain();
         self.dirty.store(false, Ordering::SeqCst);
         let version = version();
         let subs = self.subs.lock().clone();
