@@ -92,25 +92,30 @@ impl AdmissionState {
     }
 }
 
+/// Where an admitted task runs.
+enum Where {
+    /// Its peer's link (frames to the peer's server).
+    PeerLink,
+    /// The posting thread (a lone small task).
+    Inline,
+    /// The local route workers.
+    Workers,
+}
+
+/// The engine, by what each part owns.
 pub(crate) struct EngineInner {
+    /// Its limits and settings.
     config: EngineConfig,
+    /// Every budget's charge.
     counters: Arc<Counters>,
+    /// This engine's registrations.
     registry: Registry,
     /// Admission: the queue, its events and the progress worker.
     admission: Admission,
-    drain_lock: Mutex<()>,
-    drain_cv: Condvar,
-    route: LocalRoute<RouteTask>,
-    /// Page-locked buffers of staged tcp tasks (feature `cuda`).
-    #[cfg(feature = "cuda")]
-    staging_pool: Arc<stage::StagingPool>,
-    /// Aligned buffers for unaligned spans of `O_DIRECT` files, charged
-    /// as staging within `max_staging_bytes`.
-    bounce_pool: Arc<crate::file::BouncePool>,
-    active: Mutex<HashMap<u64, Weak<TransferShared>>>,
-    closed: AtomicBool,
-    close_finished: AtomicBool,
-    next_transfer: AtomicU64,
+    /// Where tasks run, and what they stage through.
+    routes: Routes,
+    /// The live transfers, and the engine's close.
+    life: Lifecycle,
     /// This engine's identity for this run.
     epoch: u64,
     boot_id: [u8; 16],
@@ -120,8 +125,31 @@ pub(crate) struct EngineInner {
     peers: Peers,
     /// Received notifications and the same-host inbox.
     notifications: notify::Notifications,
+}
+
+/// Where an engine's tasks run: its route workers, the buffers device and
+/// direct-file tasks stage through, and the test hooks.
+struct Routes {
+    workers: LocalRoute<RouteTask>,
+    /// Page-locked buffers of staged tcp tasks (feature `cuda`).
+    #[cfg(feature = "cuda")]
+    staging_pool: Arc<stage::StagingPool>,
+    /// Aligned buffers for unaligned spans of `O_DIRECT` files, charged
+    /// as staging within `max_staging_bytes`.
+    bounce_pool: Arc<crate::file::BouncePool>,
     /// Test hooks (feature `fault-injection`); none in a shipped build.
     hooks: Option<Arc<dyn Hooks<RouteTask>>>,
+}
+
+/// An engine's transfers and its close: the live transfers (weakly), the
+/// close flags, and what a draining close waits on.
+struct Lifecycle {
+    active: Mutex<HashMap<u64, Weak<TransferShared>>>,
+    next_transfer: AtomicU64,
+    closed: AtomicBool,
+    close_finished: AtomicBool,
+    drain_lock: Mutex<()>,
+    drain_cv: Condvar,
 }
 
 /// A lease on a peer's imported segment: transfers target it with
@@ -187,7 +215,7 @@ impl EngineInner {
     }
 
     fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Acquire)
+        self.life.closed.load(Ordering::Acquire)
     }
 
     /// Tells watching peers the registry changed: a server thread pushes
@@ -199,16 +227,16 @@ impl EngineInner {
     }
 
     fn remember_active(&self, t: &Arc<TransferShared>) {
-        self.active.lock().insert(t.id, Arc::downgrade(t));
+        self.life.active.lock().insert(t.id, Arc::downgrade(t));
     }
 
     fn forget_active(&self, id: u64) {
-        self.active.lock().remove(&id);
+        self.life.active.lock().remove(&id);
     }
 
     fn notify_drain(&self) {
-        let _g = self.drain_lock.lock();
-        self.drain_cv.notify_all();
+        let _g = self.life.drain_lock.lock();
+        self.life.drain_cv.notify_all();
     }
 
     /// Expires queued work past its deadline, then admits tasks in intent
@@ -225,25 +253,8 @@ impl EngineInner {
         a: &mut AdmissionState,
         mut inline: Option<(&Arc<TransferShared>, &mut Option<RouteTask>)>,
     ) {
+        self.expire_due(a);
         let AdmissionState { queue, graveyard, .. } = a;
-        if queue.has_deadlines() {
-            let now = Instant::now();
-            let mut expired = Vec::new();
-            queue.take_expired(now, |q| expired.push(q));
-            for q in expired {
-                let after = {
-                    let mut cell = q.transfer.cell.lock();
-                    let retired = cell.life.active_mut(q.seq).is_some_and(|m| m.expire());
-                    retired.then(|| cell.on_retired())
-                };
-                if let Some(after) = after {
-                    after.complete(self, &q.transfer);
-                }
-                graveyard.push(q);
-            }
-        }
-        let max_tasks = self.config.max_tasks_in_flight;
-        let max_bytes = self.config.max_bytes_in_flight;
         // Tasks admitted by this pass start after it: a task that fails at
         // once must not stop the admission of its siblings half-way through
         // the pass (what one pass admits, starts, so an outcome does not
@@ -262,20 +273,13 @@ impl EngineInner {
                 continue;
             };
             let bytes = transfer.plan.program.tasks[task as usize].bytes;
-            let tasks_now = self.counters.get(Counter::TasksInFlight);
-            let bytes_now = self.counters.get(Counter::BytesInFlight);
-            if tasks_now >= max_tasks || bytes_now + bytes > max_bytes {
+            let Some(in_flight) = self.within_budgets(bytes) else {
                 break; // strict order: nothing overtakes the head
-            }
+            };
             let m = cell.life.active_mut(seq).expect("checked above");
             m.admit_next();
             let all_started = m.admissions_closed();
             drop(cell);
-            let in_flight = Charge::try_new(
-                &self.counters,
-                [(Counter::BytesInFlight, bytes, None), (Counter::TasksInFlight, 1, None)],
-            )
-            .ok();
             queue.note_served(class);
             if all_started {
                 graveyard.extend(queue.pop_front(class));
@@ -289,38 +293,84 @@ impl EngineInner {
                 #[cfg(feature = "cuda")]
                 stage: transfer.plan.staging.map(|d| Box::new(stage::TcpStage::new(d))),
             };
-            #[cfg(feature = "cuda")]
-            let staged = job.stage.is_some();
-            #[cfg(not(feature = "cuda"))]
-            let staged = false;
-            match (&transfer.target, transfer.way.runs()) {
-                // A staged task is taken by a worker first (its buffer).
-                (PlanTarget::Peer(_), Runs::PeerLink) if !staged => remote.push(job),
-                _ if inline.as_ref().is_some_and(|(t, slot)| {
-                    slot.is_none()
-                        && Arc::ptr_eq(t, &transfer)
-                        && transfer.plan.program.tasks.len() == 1
-                        && bytes <= self.config.inline_max_bytes
-                        && !transfer.plan.program.kind.waits_for_device()
-                        && !staged
-                }) =>
-                {
+            match self.runs_where(&job, bytes, inline.as_ref().map(|(t, slot)| (*t, slot.is_none()))) {
+                Where::PeerLink => remote.push(job),
+                Where::Inline => {
                     if let Some((_, slot)) = inline.as_mut() {
                         **slot = Some(job);
                     }
                 }
-                // The self connection and the one-sided routes copy on the
-                // local workers: the peer spends no CPU.
-                _ => local.push(job),
+                Where::Workers => local.push(job),
             }
         }
-        self.route.submit_all(local);
+        self.routes.workers.submit_all(local);
         for job in remote {
             if let PlanTarget::Peer(p) = &job.transfer.target {
                 let link = p.link.clone();
                 link.submit(PeerJob::Task(job));
             }
         }
+    }
+
+    /// Expires queued executions past their deadline (their transfers
+    /// retire them); the queue's entries go to the graveyard.
+    fn expire_due(self: &Arc<Self>, a: &mut AdmissionState) {
+        let AdmissionState { queue, graveyard, .. } = a;
+        if !queue.has_deadlines() {
+            return;
+        }
+        let now = Instant::now();
+        let mut expired = Vec::new();
+        queue.take_expired(now, |q| expired.push(q));
+        for q in expired {
+            let after = {
+                let mut cell = q.transfer.cell.lock();
+                let retired = cell.life.active_mut(q.seq).is_some_and(|m| m.expire());
+                retired.then(|| cell.on_retired())
+            };
+            if let Some(after) = after {
+                after.complete(self, &q.transfer);
+            }
+            graveyard.push(q);
+        }
+    }
+
+    /// The in-flight charge of one more task of `bytes`, if the task and
+    /// byte budgets take it (`None`: the head waits).
+    fn within_budgets(&self, bytes: u64) -> Option<Option<Charge>> {
+        let tasks_now = self.counters.get(Counter::TasksInFlight);
+        let bytes_now = self.counters.get(Counter::BytesInFlight);
+        if tasks_now >= self.config.max_tasks_in_flight || bytes_now + bytes > self.config.max_bytes_in_flight {
+            return None;
+        }
+        Some(
+            Charge::try_new(&self.counters, [(Counter::BytesInFlight, bytes, None), (Counter::TasksInFlight, 1, None)])
+                .ok(),
+        )
+    }
+
+    /// Where an admitted task runs: on its peer's link (a two-sided route),
+    /// on the posting thread (`inline`: the transfer it posts, and whether
+    /// its slot is free; the inline rule), or on the local workers (the
+    /// self connection and the one-sided routes: the peer spends no CPU).
+    fn runs_where(&self, job: &RouteTask, bytes: u64, inline: Option<(&Arc<TransferShared>, bool)>) -> Where {
+        let transfer = &job.transfer;
+        #[cfg(feature = "cuda")]
+        let staged = job.stage.is_some();
+        #[cfg(not(feature = "cuda"))]
+        let staged = false;
+        // A staged task is taken by a worker first (its buffer).
+        if matches!(transfer.target, PlanTarget::Peer(_)) && transfer.way.runs() == Runs::PeerLink && !staged {
+            return Where::PeerLink;
+        }
+        let inline_ok = inline.is_some_and(|(t, free)| {
+            free && Arc::ptr_eq(t, transfer)
+                && transfer.plan.program.tasks.len() == 1
+                && bytes <= self.config.inline_max_bytes
+                && !transfer.plan.program.kind.waits_for_device()
+                && !staged
+        });
+        if inline_ok { Where::Inline } else { Where::Workers }
     }
 
     /// One bounded progress step for a caller that polls. Nothing queued:
@@ -377,9 +427,9 @@ impl EngineInner {
 
     fn wait_idle(&self, timeout: Duration) -> bool {
         let deadline = crate::time::deadline_after(timeout);
-        let mut g = self.drain_lock.lock();
+        let mut g = self.life.drain_lock.lock();
         while self.counters.get(Counter::Executions) > 0 {
-            if self.drain_cv.wait_until(&mut g, deadline).timed_out() {
+            if self.life.drain_cv.wait_until(&mut g, deadline).timed_out() {
                 return self.counters.get(Counter::Executions) == 0;
             }
         }
@@ -387,7 +437,7 @@ impl EngineInner {
     }
 
     fn close(self: &Arc<Self>, timeout: Duration) -> CloseReport {
-        self.closed.store(true, Ordering::Release);
+        self.life.closed.store(true, Ordering::Release);
         // Queued work never starts: cancel it (proven not started).
         let (afters, grave) = {
             let mut a = self.admission.state.lock();
@@ -426,18 +476,18 @@ impl EngineInner {
             let _ = t.join();
         }
         if drained {
-            self.route.shutdown();
+            self.routes.workers.shutdown();
             #[cfg(feature = "cuda")]
-            self.staging_pool.clear();
-            self.bounce_pool.clear();
+            self.routes.staging_pool.clear();
+            self.routes.bounce_pool.clear();
         }
         self.registry.deregister_all(&self.counters);
-        self.close_finished.store(true, Ordering::Release);
+        self.life.close_finished.store(true, Ordering::Release);
         CloseReport { drained, unquiesced }
     }
 
     fn unquiesced(&self) -> Vec<UnquiescedExecution> {
-        let live: Vec<Arc<TransferShared>> = self.active.lock().values().filter_map(Weak::upgrade).collect();
+        let live: Vec<Arc<TransferShared>> = self.life.active.lock().values().filter_map(Weak::upgrade).collect();
         live.iter()
             .filter_map(|t| {
                 let cell = t.cell.lock();
@@ -645,24 +695,28 @@ impl TransferEngine {
                 worker_wake: (Mutex::new(false), Condvar::new()),
                 worker: Mutex::new(None),
             },
-            #[cfg(feature = "cuda")]
-            staging_pool: Arc::new(stage::StagingPool::new(counters.clone(), config.max_staging_bytes)),
-            bounce_pool: crate::file::BouncePool::charged(counters.clone(), config.max_staging_bytes),
+            routes: Routes {
+                workers: route,
+                #[cfg(feature = "cuda")]
+                staging_pool: Arc::new(stage::StagingPool::new(counters.clone(), config.max_staging_bytes)),
+                bounce_pool: crate::file::BouncePool::charged(counters.clone(), config.max_staging_bytes),
+                hooks,
+            },
+            life: Lifecycle {
+                active: Mutex::new(HashMap::new()),
+                next_transfer: AtomicU64::new(1),
+                closed: AtomicBool::new(false),
+                close_finished: AtomicBool::new(false),
+                drain_lock: Mutex::new(()),
+                drain_cv: Condvar::new(),
+            },
             counters,
             registry: Registry::default(),
-            drain_lock: Mutex::new(()),
-            drain_cv: Condvar::new(),
-            route,
-            active: Mutex::new(HashMap::new()),
-            closed: AtomicBool::new(false),
-            close_finished: AtomicBool::new(false),
-            next_transfer: AtomicU64::new(1),
             epoch: new_epoch(),
             boot_id: crate::segment::local_boot_id(),
             listener: serve::Listener { secret, ..serve::Listener::default() },
             peers: Peers { next_borrow: AtomicU64::new(1), ..Peers::default() },
             notifications: notify::Notifications::default(),
-            hooks,
             config,
         });
         if let Some(bind) = inner.config.listen.clone() {
@@ -888,7 +942,7 @@ impl TransferEngine {
         let (plan, loans, way, route) = {
             let reach = match (&target, &view) {
                 (PlanTarget::Peer(p), Some(v)) => Reach::Peer(p.reach(v)),
-                (PlanTarget::File(f), _) => Reach::File(f, &inner.bounce_pool),
+                (PlanTarget::File(f), _) => Reach::File(f, &inner.routes.bounce_pool),
                 _ => Reach::Loopback,
             };
             let policy = spec.options.route.unwrap_or(inner.config.route);
@@ -903,7 +957,7 @@ impl TransferEngine {
             };
             let table = inner.registry.lock();
             #[cfg(feature = "cuda")]
-            let pool = &inner.staging_pool;
+            let pool = &inner.routes.staging_pool;
             #[cfg(not(feature = "cuda"))]
             let pool = ();
             let (plan, loans) = plan::build(spec, remote_side, kind, &table, &inner.config, pool)?;
@@ -929,7 +983,7 @@ impl TransferEngine {
             });
         }
         let shared = Arc::new(TransferShared {
-            id: inner.next_transfer.fetch_add(1, Ordering::Relaxed),
+            id: inner.life.next_transfer.fetch_add(1, Ordering::Relaxed),
             plan,
             target,
             way,
@@ -955,7 +1009,7 @@ impl TransferEngine {
     pub fn stats(&self) -> Stats {
         let inner = self.inner();
         let mut s = inner.counters.snapshot();
-        if inner.close_finished.load(Ordering::Acquire) {
+        if inner.life.close_finished.load(Ordering::Acquire) {
             s.unquiesced_owners = s.executions;
         }
         s
@@ -964,13 +1018,13 @@ impl TransferEngine {
     /// Cumulative time route workers spent moving bytes (excludes queueing,
     /// admission and completion): what the copies themselves cost.
     pub fn route_busy(&self) -> Duration {
-        self.inner().route.busy()
+        self.inner().routes.workers.busy()
     }
 
     /// Route tasks the callers' own threads copied while they posted,
     /// polled or waited (`Transfer::post`, `check`, `wait`), cumulative.
     pub fn route_helped(&self) -> u64 {
-        self.inner().route.helped()
+        self.inner().routes.workers.helped()
     }
 
     /// Blocks until no execution is active, or `timeout` passes.
@@ -1103,7 +1157,7 @@ impl TransferEngine {
 #[cfg(feature = "fault-injection")]
 impl TransferEngine {
     fn fault_control(&self) -> &dyn crate::transport::fault::FaultControl {
-        let hooks = self.inner().hooks.as_ref().and_then(|h| h.as_any());
+        let hooks = self.inner().routes.hooks.as_ref().and_then(|h| h.as_any());
         hooks
             .and_then(|a| a.downcast_ref::<crate::transport::fault::FaultState<RouteTask>>())
             .expect("an engine built with fault-injection has fault hooks")

@@ -148,7 +148,7 @@ impl EngineInner {
             Some(addr) => crate::transport::cma::probe(cred.pid, addr),
             None => Err("the peer exports no readable registration to probe".into()),
         };
-        let cma = match &self.hooks {
+        let cma = match &self.routes.hooks {
             Some(h) => h.cma_probe(cma),
             None => cma,
         };

@@ -230,14 +230,14 @@ impl TargetSide for EngineInner {
             })
             .collect::<Vec<_>>();
         debug_assert_eq!(fds.len(), entries.iter().filter(|e| e.has_fd()).count());
-        if let Some(h) = &self.hooks {
+        if let Some(h) = &self.routes.hooks {
             h.ipc_answer(&mut entries, &mut fds);
         }
         (entries, fds)
     }
 
     fn remote_gate(&self) {
-        if let Some(h) = &self.hooks {
+        if let Some(h) = &self.routes.hooks {
             h.before_remote_bytes();
         }
     }
@@ -324,6 +324,7 @@ impl EngineInner {
         let total: u64 = ranges.iter().map(|r| r.2).sum();
         let len = total.max(self.config.task_bytes);
         let buffer = self
+            .routes
             .staging_pool
             .take(device, len)
             .map_err(|why| (RemoteStatus::ResourceExhausted, format!("no staging buffer: {why}")))?;

@@ -160,7 +160,7 @@ impl CopyJob for RouteTask {
         let program = &self.transfer.plan.program;
         let spans = program.task_spans(self.task);
         let len = self.engine.config.task_bytes;
-        Some(stage.copy_locally(&self.engine.staging_pool, len, program.op, spans, limit))
+        Some(stage.copy_locally(&self.engine.routes.staging_pool, len, program.op, spans, limit))
     }
 
     #[cfg_attr(not(feature = "cuda"), allow(unused_mut, reason = "only a staged task is changed"))]
@@ -192,7 +192,7 @@ impl CopyJob for RouteTask {
                         link.submit(crate::transport::tcp::PeerJob::Task(self));
                     } else {
                         let engine = self.engine.clone();
-                        engine.route.submit(self);
+                        engine.routes.workers.submit(self);
                     }
                     return;
                 }
@@ -389,10 +389,10 @@ impl Transfer {
             engine.wake_worker();
         }
         if let Some(job) = inline {
-            engine.route.run_inline(job);
+            engine.routes.workers.run_inline(job);
         } else {
             // A caller that posts lends its thread for one task of its own.
-            engine.route.help(self.owner());
+            engine.routes.workers.help(self.owner());
         }
         Ok(())
     }
@@ -441,7 +441,7 @@ impl Transfer {
     /// a core from the workers that do.
     pub fn check(&self) -> TransferStatus {
         self.engine.progress_step();
-        self.engine.route.help(self.owner());
+        self.engine.routes.workers.help(self.owner());
         self.status()
     }
 
@@ -461,7 +461,7 @@ impl Transfer {
             self.engine.progress_step();
             // The waiting thread copies this transfer's tasks queued next,
             // on a core no worker is copying on.
-            while self.engine.route.help_on_a_free_core(self.owner()) {}
+            while self.engine.routes.workers.help_on_a_free_core(self.owner()) {}
             let seen = self.shared.retirements.load(Ordering::Acquire);
             let mut cell = self.shared.cell.lock();
             let status = cell.life.status();
