@@ -946,8 +946,7 @@ impl TransferEngine {
                 _ => Reach::Loopback,
             };
             let policy = spec.options.route.unwrap_or(inner.config.route);
-            let (way, route) = crate::transport::policy::choose(policy, &reach, spec.remote)?;
-            let kind = way.copy_kind(&reach);
+            let (way, route, kind) = crate::transport::policy::choose(policy, &reach, spec.remote)?;
             let remote_side = match (&reach, &target) {
                 (Reach::Peer(r), _) => plan::RemoteSide::Peer { regs: r.segment.registrations(), route: way, reach: r },
                 (_, PlanTarget::File(f)) => {

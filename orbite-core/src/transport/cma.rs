@@ -23,14 +23,17 @@ impl RouteImpl for Cma {
         Serves::Peer
     }
 
-    fn reaches(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<(), String> {
+    fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<CopyKind, String> {
         let Reach::Peer(p) = target else { return Err("not a peer".into()) };
-        p.same_host.map_err(str::to_owned)?.cma.clone()?;
+        let h = p.same_host.map_err(str::to_owned)?;
+        h.cma.clone()?;
         // A device address of the peer is no memory the kernel can copy.
-        match remote.iter().find_map(|d| p.segment.get(d.registration.to_raw()).and_then(|r| r.device)) {
-            Some(device) => Err(format!("a target range is CUDA device memory (device {device}) of the peer")),
-            None => Ok(()),
+        if let Some(device) = remote.iter().find_map(|d| p.segment.get(d.registration.to_raw()).and_then(|r| r.device))
+        {
+            return Err(format!("a target range is CUDA device memory (device {device}) of the peer"));
         }
+        // The pid the kernel reported for the proven peer.
+        Ok(CopyKind::Cma { pid: h.pid, peer_alive: p.alive.map(|l| l.handle()) })
     }
 
     fn auto_reason(&self) -> Option<&'static str> {
@@ -40,17 +43,6 @@ impl RouteImpl for Cma {
     fn address(&self, _target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), String> {
         // Addresses in the peer's process.
         Ok((r.addr, 0))
-    }
-
-    fn copy_kind(&self, target: &Reach<'_>) -> CopyKind {
-        match target {
-            // The pid the kernel reported for the proven peer.
-            Reach::Peer(PeerReach { same_host: Ok(h), alive, .. }) => {
-                CopyKind::Cma { pid: h.pid, peer_alive: alive.map(|l| l.handle()) }
-            }
-            // `reaches` refused every other target at prepare.
-            _ => CopyKind::Frames,
-        }
     }
 
     fn borrows(&self) -> bool {

@@ -21,23 +21,15 @@ impl RouteImpl for File {
         Serves::File
     }
 
-    fn reaches(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<(), String> {
+    fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<CopyKind, String> {
         match target {
-            Reach::File(..) => Ok(()),
+            Reach::File(entry, bounce) => Ok(CopyKind::File(Arc::clone(entry), Arc::clone(bounce))),
             _ => Err("not a file".into()),
         }
     }
 
     fn address(&self, _target: &PeerReach<'_>, _r: &ExportedRegistration) -> Result<(u64, u64), String> {
         Err("a file is addressed by extents".into())
-    }
-
-    fn copy_kind(&self, target: &Reach<'_>) -> CopyKind {
-        match target {
-            Reach::File(entry, bounce) => CopyKind::File(Arc::clone(entry), Arc::clone(bounce)),
-            // `reaches` refused every other target at prepare.
-            _ => CopyKind::Frames,
-        }
     }
 }
 

@@ -34,7 +34,7 @@ impl RouteImpl for CudaIpc {
         Serves::Peer
     }
 
-    fn reaches(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<(), String> {
+    fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<CopyKind, String> {
         let Reach::Peer(p) = target else { return Err("not a peer".into()) };
         let h = p.same_host.map_err(str::to_owned)?;
         h.ipc.as_ref().map_err(Clone::clone)?;
@@ -53,7 +53,18 @@ impl RouteImpl for CudaIpc {
             }
             Self::imported(p, raw)?;
         }
-        Ok(())
+        #[cfg(feature = "cuda")]
+        {
+            // Every import the program may name, kept open while it lives.
+            // Sorted by address, each once (registrations share them).
+            let mut mappings: Vec<Arc<crate::cuda::IpcMapping>> =
+                p.imports.values().filter_map(|i| i.as_ref().ok()).map(|i| i.mapping.clone()).collect();
+            mappings.sort_unstable_by_key(|m| m.ptr);
+            mappings.dedup_by_key(|m| m.ptr);
+            Ok(CopyKind::Ipc { mappings, peer_alive: p.alive.map(|l| l.handle()), pins: Vec::new() })
+        }
+        #[cfg(not(feature = "cuda"))]
+        Err(crate::cuda::CudaError::NotBuilt.to_string())
     }
 
     fn auto_reason(&self) -> Option<&'static str> {
@@ -73,23 +84,6 @@ impl RouteImpl for CudaIpc {
             let _ = i;
             Err("built without feature cuda".into())
         }
-    }
-
-    fn copy_kind(&self, target: &Reach<'_>) -> CopyKind {
-        #[cfg(feature = "cuda")]
-        if let Reach::Peer(p) = target {
-            // Every import the program may name, kept open while it lives.
-            // Sorted by address, each once (registrations share them).
-            let mut mappings: Vec<Arc<crate::cuda::IpcMapping>> =
-                p.imports.values().filter_map(|i| i.as_ref().ok()).map(|i| i.mapping.clone()).collect();
-            mappings.sort_unstable_by_key(|m| m.ptr);
-            mappings.dedup_by_key(|m| m.ptr);
-            let peer_alive = p.alive.map(|l| l.handle());
-            return CopyKind::Ipc { mappings, peer_alive, pins: Vec::new() };
-        }
-        let _ = target;
-        // `reaches` refused every other target at prepare.
-        CopyKind::Frames
     }
 
     fn borrows(&self) -> bool {

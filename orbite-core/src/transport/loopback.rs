@@ -18,18 +18,14 @@ impl RouteImpl for Loopback {
         Serves::Loopback
     }
 
-    fn reaches(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<(), String> {
+    fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<CopyKind, String> {
         match target {
-            Reach::Loopback => Ok(()),
+            Reach::Loopback => Ok(CopyKind::Memory),
             _ => Err("not this engine".into()),
         }
     }
 
     fn address(&self, _target: &PeerReach<'_>, _r: &ExportedRegistration) -> Result<(u64, u64), String> {
         Err("the self connection addresses this engine's registrations".into())
-    }
-
-    fn copy_kind(&self, _target: &Reach<'_>) -> CopyKind {
-        CopyKind::Memory
     }
 }

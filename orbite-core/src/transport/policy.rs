@@ -4,8 +4,8 @@
 //! Adding a route is its file and one line in [`ROUTES`] (plus its names
 //! in `types::Route` and, for a new way of copying, a `CopyKind`).
 
-use crate::transport::PeerError;
 use crate::transport::route::{Reach, RouteImpl, Serves};
+use crate::transport::{CopyKind, PeerError};
 use crate::types::{Desc, Route, RouteChoice, RoutePolicy};
 
 /// Every route. For peers, `auto` prefers them in this order.
@@ -30,20 +30,22 @@ pub(crate) fn choose(
     policy: RoutePolicy,
     target: &Reach<'_>,
     remote: &[Desc],
-) -> Result<(&'static dyn RouteImpl, RouteChoice), PeerError> {
+) -> Result<(&'static dyn RouteImpl, RouteChoice, CopyKind), PeerError> {
     let serves = match target {
         Reach::Loopback => Serves::Loopback,
         Reach::Peer(_) => Serves::Peer,
         Reach::File(..) => Serves::File,
     };
-    let choice = |r: &'static dyn RouteImpl, reason: String| Ok((r, RouteChoice { route: r.route(), reason }));
+    let choice =
+        |r: &'static dyn RouteImpl, kind, reason: String| Ok((r, RouteChoice { route: r.route(), reason }, kind));
     if serves != Serves::Peer {
         let r = ROUTES.iter().copied().find(|r| r.serves() == serves).expect("a route for every target");
         let reason = match serves {
             Serves::Loopback => "self connection",
             _ => "local file",
         };
-        return choice(r, reason.into());
+        let kind = r.plan(target, remote).map_err(|reason| PeerError::RouteUnavailable { route: r.route(), reason })?;
+        return choice(r, kind, reason.into());
     }
     let forced = match policy {
         RoutePolicy::Auto => None,
@@ -54,8 +56,8 @@ pub(crate) fn choose(
     };
     if let Some(route) = forced {
         let r = by_name(route);
-        return match r.reaches(target, remote) {
-            Ok(()) => choice(r, format!("policy {}", name(route))),
+        return match r.plan(target, remote) {
+            Ok(kind) => choice(r, kind, format!("policy {}", name(route))),
             Err(reason) => Err(PeerError::RouteUnavailable { route, reason }),
         };
     }
@@ -63,10 +65,10 @@ pub(crate) fn choose(
     // what ruled out the ones before it.
     let mut ruled_out = Vec::new();
     for r in ROUTES.iter().copied().filter(|r| r.serves() == Serves::Peer) {
-        match r.reaches(target, remote) {
-            Ok(()) => {
+        match r.plan(target, remote) {
+            Ok(kind) => {
                 let parts: Vec<String> = r.auto_reason().map(str::to_owned).into_iter().chain(ruled_out).collect();
-                return choice(r, format!("auto: {}", parts.join("; ")));
+                return choice(r, kind, format!("auto: {}", parts.join("; ")));
             }
             Err(why) => ruled_out.push(format!("not {}: {why}", name(r.route()))),
         }

@@ -74,9 +74,10 @@ pub(crate) trait RouteImpl: Sync {
     /// The targets it serves.
     fn serves(&self) -> Serves;
 
-    /// Capability check at prepare: whether it reaches every target range
-    /// `remote` names (why not, if not).
-    fn reaches(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<(), String>;
+    /// Prepare's capability check and copy program in one: the kind of
+    /// copy that reaches every target range `remote` names, or why this
+    /// route does not reach them.
+    fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<CopyKind, String>;
 
     /// What the `auto` policy says when it picks this route.
     fn auto_reason(&self) -> Option<&'static str> {
@@ -86,9 +87,6 @@ pub(crate) trait RouteImpl: Sync {
     /// Addressing of a peer registration: the base its spans' `remote`
     /// counts from, and the raw id spans carry (0: none).
     fn address(&self, target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), String>;
-
-    /// The copy program's kind.
-    fn copy_kind(&self, target: &Reach<'_>) -> CopyKind;
 
     /// Leases: whether the target must lend the ranges while transfers may
     /// touch them (one-sided routes, which bypass the target's server).

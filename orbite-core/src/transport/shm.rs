@@ -21,7 +21,7 @@ impl RouteImpl for Shm {
         Serves::Peer
     }
 
-    fn reaches(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<(), String> {
+    fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<CopyKind, String> {
         let Reach::Peer(p) = target else { return Err("not a peer".into()) };
         p.same_host.map_err(str::to_owned)?;
         remote
@@ -40,7 +40,8 @@ impl RouteImpl for Shm {
                     _ => Err("registration outside its shared allocation"),
                 }
             })
-            .map_err(str::to_owned)
+            .map_err(str::to_owned)?;
+        Ok(CopyKind::Mapped { peer_alive: p.alive.map(|l| l.handle()) })
     }
 
     fn auto_reason(&self) -> Option<&'static str> {
@@ -51,14 +52,6 @@ impl RouteImpl for Shm {
         // Addresses of its shared allocation mapped here.
         let base = mapped_base(target.maps, r).ok_or_else(|| format!("{} is not mapped shared memory", r.id))?;
         Ok((base, 0))
-    }
-
-    fn copy_kind(&self, target: &Reach<'_>) -> CopyKind {
-        let peer_alive = match target {
-            Reach::Peer(p) => p.alive.map(|l| l.handle()),
-            _ => None,
-        };
-        CopyKind::Mapped { peer_alive }
     }
 
     fn borrows(&self) -> bool {

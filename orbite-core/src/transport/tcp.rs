@@ -52,9 +52,10 @@ impl RouteImpl for Tcp {
         Serves::Peer
     }
 
-    fn reaches(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<(), String> {
+    fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<CopyKind, String> {
         match target {
-            Reach::Peer(_) => Ok(()),
+            // Frames to the peer's server, which copies.
+            Reach::Peer(_) => Ok(CopyKind::Frames),
             _ => Err("not a peer".into()),
         }
     }
@@ -62,10 +63,6 @@ impl RouteImpl for Tcp {
     fn address(&self, _target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), String> {
         // Offsets in the peer's registration, named on the wire.
         Ok((0, r.id.to_raw()))
-    }
-
-    fn copy_kind(&self, _target: &Reach<'_>) -> CopyKind {
-        CopyKind::Frames
     }
 
     fn runs(&self) -> Runs {
