@@ -38,7 +38,7 @@ use crate::registry::Registry;
 use crate::segment::{ExportedRegistration, SegmentDescriptor};
 use crate::transport::hooks::Hooks;
 use crate::transport::local::LocalRoute;
-use crate::transport::route::{Reach, Runs};
+use crate::transport::route::Reach;
 use crate::transport::tcp::{PeerJob, Server};
 use crate::types::{RegistrationId, Resource};
 use transfer::Peer;
@@ -360,7 +360,7 @@ impl EngineInner {
         #[cfg(not(feature = "cuda"))]
         let staged = false;
         // A staged task is taken by a worker first (its buffer).
-        if matches!(transfer.target, PlanTarget::Peer(_)) && transfer.way.runs() == Runs::PeerLink && !staged {
+        if matches!(transfer.target, PlanTarget::Peer(_)) && transfer.way.sends_frames() && !staged {
             return Where::PeerLink;
         }
         let inline_ok = inline.is_some_and(|(t, free)| {

@@ -17,7 +17,6 @@ use crate::batch::{Desc, TransferOptions};
 use crate::config::EngineConfig;
 use crate::engine::TransferSpec;
 use crate::error::{BatchError, Error, PeerError};
-use crate::memory::MemoryKind;
 use crate::registry::{Registration, Table};
 use crate::segment::ExportedRegistration;
 use crate::transport::route::{PeerReach, RouteImpl};
@@ -218,30 +217,12 @@ pub(crate) fn build(
     ids.sort_unstable();
     ids.dedup();
     let loans = ids.iter().map(|id| table.get(*id).cloned()).collect::<Result<Vec<_>, _>>()?;
-    // The peer's shared allocations the target ranges lie in (a device
-    // copy into them pins them for the driver).
-    #[cfg(feature = "cuda")]
-    let shared = match &remote_side {
-        RemoteSide::Peer { regs, reach, .. } if matches!(kind, CopyKind::Mapped { .. }) => {
-            let mut names: Vec<&str> = spec
-                .remote
-                .iter()
-                .filter_map(|d| regs.get(&d.registration.to_raw())?.shm.as_ref().map(|(n, _)| n.as_str()))
-                .collect();
-            names.sort_unstable();
-            names.dedup();
-            names.iter().filter_map(|n| reach.maps.get(*n)?.as_ref().ok().cloned()).collect()
-        }
-        _ => Vec::new(),
-    };
-    #[cfg(not(feature = "cuda"))]
-    let shared = ();
-    let (kind, staging) = device_kind(kind, &loans, shared, config, pool)?;
+    let (kind, staging) = kind.for_memory(&loans, config, pool).map_err(|e| Error::NotSupported(e.to_string()))?;
     let cut = kind.task_bytes(config.task_bytes);
     let program = build_program(spec.op, kind, &local, &remote, cut);
     #[cfg(feature = "cuda")]
-    if matches!(program.kind, CopyKind::Device { .. }) {
-        overlaps_within_bounds(&program)?;
+    if let Some((index, reason)) = program.device_overlaps() {
+        return Err(BatchError::InvalidDescriptor { side: "remote", index, reason }.into());
     }
     let plan = Plan {
         program,
@@ -251,92 +232,6 @@ pub(crate) fn build(
         notification: spec.notification.map(Box::from),
     };
     Ok((plan, loans))
-}
-
-/// The copy kind with device memory named: the self connection copies
-/// through the driver; every other route is refused until it stages device
-/// memory (no CPU copy is ever handed a device address).
-fn device_kind(
-    kind: CopyKind,
-    loans: &[Arc<Registration>],
-    #[cfg(feature = "cuda")] shared: Vec<Arc<crate::transport::mapping::ShmMapping>>,
-    #[cfg(not(feature = "cuda"))] shared: (),
-    config: &EngineConfig,
-    #[cfg(feature = "cuda")] pool: &Arc<crate::transport::staged::StagingPool>,
-    #[cfg(not(feature = "cuda"))] pool: (),
-) -> Result<(CopyKind, Option<u32>), Error> {
-    #[cfg(feature = "cuda")]
-    let host_pins = || -> Vec<Arc<crate::cuda::HostPin>> {
-        if !config.cuda_pin_host {
-            return Vec::new();
-        }
-        loans.iter().filter_map(|r| r.pin.clone()).collect()
-    };
-    // Driver copies already, whatever the local side is.
-    #[cfg(feature = "cuda")]
-    if let CopyKind::Ipc { mappings, peer_alive, .. } = kind {
-        return Ok((CopyKind::Ipc { mappings, peer_alive, pins: host_pins() }, None));
-    }
-    let Some(device) = loans.iter().find_map(|r| match r.kind {
-        MemoryKind::Cuda { device } => Some(device),
-        _ => None,
-    }) else {
-        return Ok((kind, None));
-    };
-    let _ = (config, &pool, &shared);
-    match kind {
-        #[cfg(feature = "cuda")]
-        CopyKind::Memory => Ok((CopyKind::Device { device, pins: host_pins(), peer_alive: None }, None)),
-        // Straight into the peer's mapping: the device reaches any host
-        // memory of this process.
-        #[cfg(feature = "cuda")]
-        CopyKind::Mapped { peer_alive } => {
-            let mut pins = host_pins();
-            if config.cuda_pin_host {
-                pins.extend(shared.into_iter().map(|m| m.pin.clone()));
-            }
-            Ok((CopyKind::Device { device, pins, peer_alive }, None))
-        }
-        #[cfg(feature = "cuda")]
-        inner @ CopyKind::Cma { .. } => Ok((
-            CopyKind::Staged { device, chunk: config.staging_chunk_bytes, pool: pool.clone(), inner: Box::new(inner) },
-            None,
-        )),
-        #[cfg(feature = "cuda")]
-        CopyKind::Frames => Ok((CopyKind::Frames, Some(device))),
-        // Files take host memory only: the bytes bounce through the
-        // staging pool's page-locked buffers, as for cma.
-        #[cfg(feature = "cuda")]
-        inner @ CopyKind::File(..) => Ok((
-            CopyKind::Staged { device, chunk: config.staging_chunk_bytes, pool: pool.clone(), inner: Box::new(inner) },
-            None,
-        )),
-        #[allow(unreachable_patterns, reason = "without feature cuda no device registration exists")]
-        other => Err(Error::NotSupported(format!("CUDA device memory (device {device}) with {other:?}"))),
-    }
-}
-
-/// Device copies within one engine whose source and destination overlap
-/// are cut into pieces (memmove semantics); a span that would need more
-/// than [`crate::transport::MAX_OVERLAP_PIECES`] is refused.
-#[cfg(feature = "cuda")]
-fn overlaps_within_bounds(p: &CopyProgram) -> Result<(), Error> {
-    for (index, s) in p.spans.iter().enumerate() {
-        let (src, dst) = match p.op {
-            Op::Write => (s.local, s.remote),
-            Op::Read => (s.remote, s.local),
-        };
-        if crate::transport::memmove_pieces(dst, src, s.len) > crate::transport::MAX_OVERLAP_PIECES {
-            let reason = format!(
-                "span {index}: source and destination of {} bytes of device memory overlap {} bytes apart: more than {} copies",
-                s.len,
-                dst.abs_diff(src),
-                crate::transport::MAX_OVERLAP_PIECES
-            );
-            return Err(BatchError::InvalidDescriptor { side: "remote", index, reason }.into());
-        }
-    }
-    Ok(())
 }
 
 /// Most spans in one route task (bounds a peer request's body).

@@ -66,6 +66,42 @@ pub(crate) struct CopyProgram {
     pub tasks: Vec<TaskRange>,
 }
 
+impl CopyProgram {
+    /// Device copies within one engine whose source and destination
+    /// overlap are cut into pieces (memmove semantics): the first span
+    /// that would need more than [`MAX_OVERLAP_PIECES`] copies, and why.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device_overlaps(&self) -> Option<(usize, String)> {
+        let p = self;
+        if !matches!(p.kind, CopyKind::Device { .. }) {
+            return None;
+        }
+        p.spans.iter().enumerate().find_map(|(index, s)| {
+            let (src, dst) = match p.op {
+                Op::Write => (s.local, s.remote),
+                Op::Read => (s.remote, s.local),
+            };
+            (memmove_pieces(dst, src, s.len) > MAX_OVERLAP_PIECES).then(|| {
+                let reason = format!(
+                    "span {index}: source and destination of {} bytes of device memory overlap {} bytes apart: more than {} copies",
+                    s.len,
+                    dst.abs_diff(src),
+                    MAX_OVERLAP_PIECES
+                );
+                (index, reason)
+            })
+        })
+    }
+}
+
+/// Device memory with a copy kind that cannot take it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("CUDA device memory (device {device}) with {kind}")]
+pub(crate) struct NoDeviceCopy {
+    pub device: u32,
+    pub kind: String,
+}
+
 /// How a program's spans are copied: one kind per way of moving bytes.
 #[derive(Debug)]
 pub(crate) enum CopyKind {
@@ -74,7 +110,13 @@ pub(crate) enum CopyKind {
     /// `remote` are addresses of a peer's shared allocation mapped here;
     /// the peer process is checked after each task (bytes that went into
     /// a dead peer's memory did not reach it).
-    Mapped { peer_alive: Option<LivenessCheck> },
+    Mapped {
+        peer_alive: Option<LivenessCheck>,
+        /// The target ranges' shared allocations, for a device copy to
+        /// pin them for the driver (feature `cuda`).
+        #[cfg(feature = "cuda")]
+        shared_pins: Vec<Arc<crate::cuda::HostPin>>,
+    },
     /// `remote` are addresses in process `pid` (cross-memory copies),
     /// checked after each task as for `Mapped`.
     Cma { pid: i32, peer_alive: Option<LivenessCheck> },
@@ -137,7 +179,7 @@ impl CopyKind {
             // SAFETY: the job retains the range loans of every span, and
             // the lifecycle admits each task once.
             CopyKind::Memory => (unsafe { copy_spans(op, spans, limit) }, None),
-            CopyKind::Mapped { peer_alive } => shm::copy(op, spans, limit, peer_alive.as_ref()),
+            CopyKind::Mapped { peer_alive, .. } => shm::copy(op, spans, limit, peer_alive.as_ref()),
             CopyKind::Cma { pid, peer_alive } => cma::copy_task(*pid, op, spans, limit, peer_alive.as_ref()),
             CopyKind::File(entry, bounce) => file::copy(entry, bounce, op, spans, limit),
             CopyKind::Frames => {
@@ -246,6 +288,71 @@ impl CopyKind {
         return matches!(self, CopyKind::Device { .. } | CopyKind::Staged { .. } | CopyKind::Ipc { .. });
         #[cfg(not(feature = "cuda"))]
         false
+    }
+
+    /// The kind for the memory a transfer's local ranges are in (`loans`):
+    /// with CUDA device memory among them, the self connection copies
+    /// through the driver, straight into a same-host peer's mapping too;
+    /// cma and files stage through the pool's page-locked buffers; tcp
+    /// stages on its worker (the device it stages, the second value). No
+    /// CPU copy is ever handed a device address: any other pairing is
+    /// refused.
+    pub(crate) fn for_memory(
+        self,
+        loans: &[Arc<crate::registry::Registration>],
+        config: &crate::config::EngineConfig,
+        #[cfg(feature = "cuda")] pool: &Arc<staged::StagingPool>,
+        #[cfg(not(feature = "cuda"))] pool: (),
+    ) -> Result<(CopyKind, Option<u32>), NoDeviceCopy> {
+        #[cfg(feature = "cuda")]
+        let host_pins = || -> Vec<Arc<crate::cuda::HostPin>> {
+            if !config.cuda_pin_host {
+                return Vec::new();
+            }
+            loans.iter().filter_map(|r| r.pin.clone()).collect()
+        };
+        // Driver copies already, whatever the local side is.
+        #[cfg(feature = "cuda")]
+        if let CopyKind::Ipc { mappings, peer_alive, .. } = self {
+            return Ok((CopyKind::Ipc { mappings, peer_alive, pins: host_pins() }, None));
+        }
+        let Some(device) = loans.iter().find_map(|r| match r.kind {
+            crate::memory::MemoryKind::Cuda { device } => Some(device),
+            _ => None,
+        }) else {
+            return Ok((self, None));
+        };
+        let _ = (config, &pool);
+        match self {
+            #[cfg(feature = "cuda")]
+            CopyKind::Memory => Ok((CopyKind::Device { device, pins: host_pins(), peer_alive: None }, None)),
+            // Straight into the peer's mapping: the device reaches any host
+            // memory of this process.
+            #[cfg(feature = "cuda")]
+            CopyKind::Mapped { peer_alive, shared_pins } => {
+                let mut pins = host_pins();
+                if config.cuda_pin_host {
+                    pins.extend(shared_pins);
+                }
+                Ok((CopyKind::Device { device, pins, peer_alive }, None))
+            }
+            // Files take host memory only: the bytes bounce through the
+            // staging pool's page-locked buffers, as for cma.
+            #[cfg(feature = "cuda")]
+            inner @ (CopyKind::Cma { .. } | CopyKind::File(..)) => Ok((
+                CopyKind::Staged {
+                    device,
+                    chunk: config.staging_chunk_bytes,
+                    pool: pool.clone(),
+                    inner: Box::new(inner),
+                },
+                None,
+            )),
+            #[cfg(feature = "cuda")]
+            CopyKind::Frames => Ok((CopyKind::Frames, Some(device))),
+            #[allow(unreachable_patterns, reason = "without feature cuda no device registration exists")]
+            other => Err(NoDeviceCopy { device, kind: format!("{other:?}") }),
+        }
     }
 
     /// Whether a caller's thread may run its tasks (helping): not one that

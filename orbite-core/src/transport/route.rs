@@ -104,4 +104,10 @@ pub(crate) trait RouteImpl: Sync {
     fn runs(&self) -> Runs {
         Runs::Workers
     }
+
+    /// Whether its tasks are frames the peer's link sends (else this
+    /// process copies them).
+    fn sends_frames(&self) -> bool {
+        self.runs() == Runs::PeerLink
+    }
 }

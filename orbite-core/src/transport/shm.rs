@@ -41,7 +41,23 @@ impl RouteImpl for Shm {
                 }
             })
             .map_err(str::to_owned)?;
-        Ok(CopyKind::Mapped { peer_alive: p.alive.map(|l| l.handle()) })
+        // The shared allocations the target ranges lie in (a device copy
+        // into them pins them for the driver).
+        #[cfg(feature = "cuda")]
+        let shared_pins = {
+            let mut names: Vec<&str> = remote
+                .iter()
+                .filter_map(|d| p.segment.get(d.registration.to_raw())?.shm.as_ref().map(|(n, _)| n.as_str()))
+                .collect();
+            names.sort_unstable();
+            names.dedup();
+            names.iter().filter_map(|n| p.maps.get(*n)?.as_ref().ok().map(|m| m.pin.clone())).collect()
+        };
+        Ok(CopyKind::Mapped {
+            peer_alive: p.alive.map(|l| l.handle()),
+            #[cfg(feature = "cuda")]
+            shared_pins,
+        })
     }
 
     fn auto_reason(&self) -> Option<&'static str> {
