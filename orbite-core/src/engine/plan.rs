@@ -179,7 +179,7 @@ pub(crate) fn build(
                 let r = regs.get(&id.to_raw()).ok_or(PeerError::UnknownRemoteRegistration(id))?;
                 let (base, wire_id) = route
                     .address(reach, r)
-                    .map_err(|reason| PeerError::RouteUnavailable { route: route.route(), reason })?;
+                    .map_err(|why| PeerError::RouteUnavailable { route: route.route(), reason: why.to_string() })?;
                 Ok(View { id, base, wire_id, len: r.len, permission: r.permission, loan: false })
             };
             resolve("remote", spec.remote, config, Some(needs), peer_view, &mut ids)?

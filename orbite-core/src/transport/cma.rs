@@ -7,7 +7,7 @@ use std::io;
 
 use crate::segment::ExportedRegistration;
 use crate::transport::liveness::LivenessCheck;
-use crate::transport::route::{PeerReach, Reach, RouteImpl, Serves};
+use crate::transport::route::{PeerReach, Reach, RouteImpl, Serves, Unreachable};
 use crate::transport::{CopyKind, Span};
 use crate::types::{Desc, Op, Route, TaskEnd};
 
@@ -23,14 +23,14 @@ impl RouteImpl for Cma {
         Serves::Peer
     }
 
-    fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<CopyKind, String> {
-        let Reach::Peer(p) = target else { return Err("not a peer".into()) };
-        let h = p.same_host.map_err(str::to_owned)?;
-        h.cma.clone()?;
+    fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<CopyKind, Unreachable> {
+        let Reach::Peer(p) = target else { return Err(Unreachable::NotPeer) };
+        let h = p.same_host.map_err(|why| Unreachable::NotSameHost(why.to_owned()))?;
+        h.cma.clone().map_err(Unreachable::CmaDenied)?;
         // A device address of the peer is no memory the kernel can copy.
         if let Some(device) = remote.iter().find_map(|d| p.segment.get(d.registration.to_raw()).and_then(|r| r.device))
         {
-            return Err(format!("a target range is CUDA device memory (device {device}) of the peer"));
+            return Err(Unreachable::PeerDeviceMemory(device));
         }
         // The pid the kernel reported for the proven peer.
         Ok(CopyKind::Cma { pid: h.pid, peer_alive: p.alive.map(|l| l.handle()) })
@@ -40,7 +40,7 @@ impl RouteImpl for Cma {
         Some("same boot, CMA permitted")
     }
 
-    fn address(&self, _target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), String> {
+    fn address(&self, _target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), Unreachable> {
         // Addresses in the peer's process.
         Ok((r.addr, 0))
     }

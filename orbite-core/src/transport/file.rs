@@ -4,8 +4,7 @@
 use std::sync::Arc;
 
 use crate::file::{BouncePool, Entry, FileIo, FileOp, FileSpan};
-use crate::segment::ExportedRegistration;
-use crate::transport::route::{PeerReach, Reach, RouteImpl, Serves};
+use crate::transport::route::{Reach, RouteImpl, Serves, Unreachable};
 use crate::transport::{CopyKind, Span};
 use crate::types::{Desc, Op, Route, TaskEnd};
 
@@ -21,15 +20,11 @@ impl RouteImpl for File {
         Serves::File
     }
 
-    fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<CopyKind, String> {
+    fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<CopyKind, Unreachable> {
         match target {
             Reach::File(entry, bounce) => Ok(CopyKind::File(Arc::clone(entry), Arc::clone(bounce))),
-            _ => Err("not a file".into()),
+            _ => Err(Unreachable::NotFile),
         }
-    }
-
-    fn address(&self, _target: &PeerReach<'_>, _r: &ExportedRegistration) -> Result<(u64, u64), String> {
-        Err("a file is addressed by extents".into())
     }
 }
 

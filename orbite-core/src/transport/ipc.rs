@@ -9,18 +9,18 @@ use std::sync::Arc;
 use crate::segment::ExportedRegistration;
 use crate::transport::CopyKind;
 use crate::transport::mapping::Imported;
-use crate::transport::route::{PeerReach, Reach, RouteImpl, Serves};
+use crate::transport::route::{PeerReach, Reach, RouteImpl, Serves, Unreachable};
 use crate::types::{Desc, Route};
 
 /// The cuda-ipc route.
 pub(crate) struct CudaIpc;
 
 impl CudaIpc {
-    fn imported<'a>(p: &'a PeerReach<'_>, raw: u64) -> Result<&'a Arc<Imported>, String> {
+    fn imported<'a>(p: &'a PeerReach<'_>, raw: u64) -> Result<&'a Arc<Imported>, Unreachable> {
         match p.imports.get(&raw) {
             Some(Ok(i)) => Ok(i),
-            Some(Err(why)) => Err(format!("the peer's device memory is not imported: {why}")),
-            None => Err("the peer's device memory is not imported (yet)".into()),
+            Some(Err(why)) => Err(Unreachable::NotImported(Some(why.clone()))),
+            None => Err(Unreachable::NotImported(None)),
         }
     }
 }
@@ -34,10 +34,10 @@ impl RouteImpl for CudaIpc {
         Serves::Peer
     }
 
-    fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<CopyKind, String> {
-        let Reach::Peer(p) = target else { return Err("not a peer".into()) };
-        let h = p.same_host.map_err(str::to_owned)?;
-        h.ipc.as_ref().map_err(Clone::clone)?;
+    fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<CopyKind, Unreachable> {
+        let Reach::Peer(p) = target else { return Err(Unreachable::NotPeer) };
+        let h = p.same_host.map_err(|why| Unreachable::NotSameHost(why.to_owned()))?;
+        h.ipc.as_ref().map_err(|why| Unreachable::IpcUnavailable(why.clone()))?;
         let mut last = None;
         for d in remote {
             let raw = d.registration.to_raw();
@@ -46,7 +46,7 @@ impl RouteImpl for CudaIpc {
             }
             last = Some(raw);
             match p.segment.get(raw) {
-                Some(r) if r.device.is_none() => return Err("a target range is host memory".into()),
+                Some(r) if r.device.is_none() => return Err(Unreachable::PeerHostMemory),
                 // Unknown ids are refused by prepare, with their own error.
                 None => continue,
                 Some(_) => {}
@@ -64,14 +64,14 @@ impl RouteImpl for CudaIpc {
             Ok(CopyKind::Ipc { mappings, peer_alive: p.alive.map(|l| l.handle()), pins: Vec::new() })
         }
         #[cfg(not(feature = "cuda"))]
-        Err(crate::cuda::CudaError::NotBuilt.to_string())
+        Err(crate::cuda::CudaError::NotBuilt.into())
     }
 
     fn auto_reason(&self) -> Option<&'static str> {
         Some("same host, the peer's device memory opened through CUDA IPC")
     }
 
-    fn address(&self, target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), String> {
+    fn address(&self, target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), Unreachable> {
         let i = Self::imported(target, r.id.to_raw())?;
         #[cfg(feature = "cuda")]
         {
@@ -82,7 +82,7 @@ impl RouteImpl for CudaIpc {
         #[cfg(not(feature = "cuda"))]
         {
             let _ = i;
-            Err("built without feature cuda".into())
+            Err(crate::cuda::CudaError::NotBuilt.into())
         }
     }
 

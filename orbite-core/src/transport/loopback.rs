@@ -1,9 +1,8 @@
 //! The self connection: copies between registrations of this engine (what
 //! NIXL uses for local transfers), on the local workers.
 
-use crate::segment::ExportedRegistration;
 use crate::transport::CopyKind;
-use crate::transport::route::{PeerReach, Reach, RouteImpl, Serves};
+use crate::transport::route::{Reach, RouteImpl, Serves, Unreachable};
 use crate::types::{Desc, Route};
 
 /// The self-connection route.
@@ -18,14 +17,10 @@ impl RouteImpl for Loopback {
         Serves::Loopback
     }
 
-    fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<CopyKind, String> {
+    fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<CopyKind, Unreachable> {
         match target {
             Reach::Loopback => Ok(CopyKind::Memory),
-            _ => Err("not this engine".into()),
+            _ => Err(Unreachable::NotThisEngine),
         }
-    }
-
-    fn address(&self, _target: &PeerReach<'_>, _r: &ExportedRegistration) -> Result<(u64, u64), String> {
-        Err("the self connection addresses this engine's registrations".into())
     }
 }

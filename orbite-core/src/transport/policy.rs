@@ -44,7 +44,9 @@ pub(crate) fn choose(
             Serves::Loopback => "self connection",
             _ => "local file",
         };
-        let kind = r.plan(target, remote).map_err(|reason| PeerError::RouteUnavailable { route: r.route(), reason })?;
+        let kind = r
+            .plan(target, remote)
+            .map_err(|why| PeerError::RouteUnavailable { route: r.route(), reason: why.to_string() })?;
         return choice(r, kind, reason.into());
     }
     let forced = match policy {
@@ -58,7 +60,7 @@ pub(crate) fn choose(
         let r = by_name(route);
         return match r.plan(target, remote) {
             Ok(kind) => choice(r, kind, format!("policy {}", name(route))),
-            Err(reason) => Err(PeerError::RouteUnavailable { route, reason }),
+            Err(why) => Err(PeerError::RouteUnavailable { route, reason: why.to_string() }),
         };
     }
     // auto: the first peer route that reaches every range; the reason says

@@ -5,7 +5,7 @@
 
 use crate::segment::ExportedRegistration;
 use crate::transport::mapping::mapped_base;
-use crate::transport::route::{PeerReach, Reach, RouteImpl, Serves};
+use crate::transport::route::{PeerReach, Reach, RouteImpl, Serves, Unreachable};
 use crate::transport::{CopyKind, copy_spans};
 use crate::types::{Desc, Route};
 
@@ -21,26 +21,18 @@ impl RouteImpl for Shm {
         Serves::Peer
     }
 
-    fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<CopyKind, String> {
-        let Reach::Peer(p) = target else { return Err("not a peer".into()) };
-        p.same_host.map_err(str::to_owned)?;
-        remote
-            .iter()
-            .try_for_each(|d| {
-                let r = p.segment.get(d.registration.to_raw()).ok_or("names an unknown registration")?;
-                let (name, offset) = r.shm.as_ref().ok_or("not every target range is shared memory")?;
-                let map = p
-                    .maps
-                    .get(name)
-                    .ok_or("shared allocation not mapped")?
-                    .as_ref()
-                    .map_err(|_| "shared allocation could not be mapped")?;
-                match offset.checked_add(r.len) {
-                    Some(end) if end <= map.len as u64 => Ok(()),
-                    _ => Err("registration outside its shared allocation"),
-                }
-            })
-            .map_err(str::to_owned)?;
+    fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<CopyKind, Unreachable> {
+        let Reach::Peer(p) = target else { return Err(Unreachable::NotPeer) };
+        p.same_host.map_err(|why| Unreachable::NotSameHost(why.to_owned()))?;
+        remote.iter().try_for_each(|d| {
+            let r = p.segment.get(d.registration.to_raw()).ok_or(Unreachable::UnknownRegistration)?;
+            let (name, offset) = r.shm.as_ref().ok_or(Unreachable::NotShared)?;
+            let map = p.maps.get(name).ok_or(Unreachable::NotMapped)?.as_ref().map_err(|_| Unreachable::MapFailed)?;
+            match offset.checked_add(r.len) {
+                Some(end) if end <= map.len as u64 => Ok(()),
+                _ => Err(Unreachable::OutsideShared),
+            }
+        })?;
         // The shared allocations the target ranges lie in (a device copy
         // into them pins them for the driver).
         #[cfg(feature = "cuda")]
@@ -64,9 +56,9 @@ impl RouteImpl for Shm {
         Some("every target range is shared memory on this boot")
     }
 
-    fn address(&self, target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), String> {
+    fn address(&self, target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), Unreachable> {
         // Addresses of its shared allocation mapped here.
-        let base = mapped_base(target.maps, r).ok_or_else(|| format!("{} is not mapped shared memory", r.id))?;
+        let base = mapped_base(target.maps, r).ok_or(Unreachable::NotMapped)?;
         Ok((base, 0))
     }
 

@@ -30,7 +30,7 @@ pub(crate) use crate::transport::link::{ANNOUNCE_UNKNOWN, Initiators, LinkOption
 pub(crate) use crate::transport::proto::client::{ControlDone, ControlJob, PeerFailure, PeerJob};
 use crate::transport::proto::server::{Close, ConnEnd, Event, ServerBudget, ServerConn, TargetSide};
 use crate::transport::reactor::{Events, Interest, Poller, Timer, Waker};
-use crate::transport::route::{PeerReach, Reach, RouteImpl, Runs, Serves};
+use crate::transport::route::{PeerReach, Reach, RouteImpl, Runs, Serves, Unreachable};
 use crate::transport::sock::{Stream, tune};
 
 /// A one-shot read interest: the thread that takes the event re-arms it.
@@ -52,15 +52,15 @@ impl RouteImpl for Tcp {
         Serves::Peer
     }
 
-    fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<CopyKind, String> {
+    fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<CopyKind, Unreachable> {
         match target {
             // Frames to the peer's server, which copies.
             Reach::Peer(_) => Ok(CopyKind::Frames),
-            _ => Err("not a peer".into()),
+            _ => Err(Unreachable::NotPeer),
         }
     }
 
-    fn address(&self, _target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), String> {
+    fn address(&self, _target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), Unreachable> {
         // Offsets in the peer's registration, named on the wire.
         Ok((0, r.id.to_raw()))
     }
