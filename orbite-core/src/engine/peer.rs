@@ -377,7 +377,11 @@ pub(crate) fn map_shared<J: CopyJob>(
     }
     let refs: Vec<&str> = names.iter().map(String::as_str).collect();
     match link.fetch_shared(&refs) {
-        Ok(fds) => names.iter().cloned().zip(fds.into_iter().map(|fd| fd.and_then(map_fd).map(Arc::new))).collect(),
+        Ok(fds) => names
+            .iter()
+            .cloned()
+            .zip(fds.into_iter().map(|fd| fd.and_then(|fd| map_fd(fd).map_err(|e| e.to_string())).map(Arc::new)))
+            .collect(),
         Err(why) => names.iter().map(|n| (n.clone(), Err(why.clone()))).collect(),
     }
 }

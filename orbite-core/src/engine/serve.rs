@@ -178,19 +178,20 @@ impl TargetSide for EngineInner {
         }
         // (device, address, length) of live, remotely reachable device
         // registrations; the driver is asked outside the registry lock.
-        let found: Vec<Result<(u32, u64, u64), String>> = {
+        // A registration that is not is answered with its refusal.
+        let found: Vec<Result<(u32, u64, u64), IpcEntry>> = {
             let table = self.registry.lock();
             ids.iter()
                 .map(|&raw| {
                     let id = RegistrationId::from_raw(raw);
-                    let reg = table.get(id).map_err(|e| e.to_string())?;
+                    let reg = table.get(id).map_err(|e| refused(&e.to_string()))?;
                     let reachable = reg.permission.remote_read() || reg.permission.remote_write();
                     match reg.kind {
                         crate::memory::MemoryKind::Cuda { device } if reachable && !reg.is_fenced() => {
                             Ok((device, reg.base as u64, reg.len))
                         }
-                        crate::memory::MemoryKind::Cuda { .. } => Err(format!("{id} is not open to peers")),
-                        _ => Err(format!("{id} is not CUDA device memory")),
+                        crate::memory::MemoryKind::Cuda { .. } => Err(refused(&format!("{id} is not open to peers"))),
+                        _ => Err(refused(&format!("{id} is not CUDA device memory"))),
                     }
                 })
                 .collect()
@@ -200,7 +201,7 @@ impl TargetSide for EngineInner {
         let mut entries = found
             .into_iter()
             .map(|f| match f {
-                Err(why) => refused(&why),
+                Err(entry) => entry,
                 #[cfg(feature = "cuda")]
                 Ok((device, addr, len)) => match crate::cuda::ipc_export(device, addr, len) {
                     Ok(x) => match x.handle {

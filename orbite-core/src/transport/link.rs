@@ -238,7 +238,7 @@ fn connect_local(
     if opts.own_socket.as_deref() == Some(name) {
         return Err("the peer names this engine's own local socket".into());
     }
-    let (s, cred) = crate::transport::unix::connect(name, opts.tick())?;
+    let (s, cred) = crate::transport::unix::connect(name, opts.tick()).map_err(|e| e.to_string())?;
     if let Some(secret) = secret {
         let dialed = Dialed { name: name.to_owned(), reached: None };
         authenticate(s.as_raw_fd(), secret, my_epoch, Some(epoch), &dialed, patience).map_err(said)?;

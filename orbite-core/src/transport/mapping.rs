@@ -36,22 +36,37 @@ impl Drop for ShmMapping {
 /// A peer's shared allocations mapped here, by name (or why not).
 pub(crate) type SharedMaps = HashMap<String, Result<Arc<ShmMapping>, String>>;
 
+/// Why a peer's shared allocation is not mapped here.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum MapError {
+    #[error("the peer's shared memory is not sealed against shrinking")]
+    NotSealed,
+    #[error("the peer's shared memory is not a memory file")]
+    NotMemoryFile,
+    #[error("the peer's shared memory is not ordinary shared memory")]
+    NotOrdinary,
+    #[error("the peer's shared memory is empty")]
+    Empty,
+    #[error("cannot map the peer's shared memory: {0}")]
+    Mmap(String),
+}
+
 /// Maps a shared allocation a same-host peer handed over (a descriptor
 /// received over its local socket). It must be sealed against shrinking:
 /// then nobody, its owner included, can truncate it under this mapping,
 /// which would fault this process on its next access.
-pub(crate) fn map_fd(fd: std::os::fd::OwnedFd) -> Result<ShmMapping, String> {
+pub(crate) fn map_fd(fd: std::os::fd::OwnedFd) -> Result<ShmMapping, MapError> {
     use std::os::fd::AsRawFd;
     // SAFETY: fcntl on a descriptor this function owns.
     let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
     if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
-        return Err("the peer's shared memory is not sealed against shrinking".into());
+        return Err(MapError::NotSealed);
     }
     // SAFETY: stat is plain data; fstat fills it.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fstat on an owned descriptor into a live stat.
     if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 || st.st_mode & libc::S_IFMT != libc::S_IFREG {
-        return Err("the peer's shared memory is not a memory file".into());
+        return Err(MapError::NotMemoryFile);
     }
     // Huge pages fault (SIGBUS) when the pool runs dry: only ordinary
     // shared memory is mapped.
@@ -59,11 +74,11 @@ pub(crate) fn map_fd(fd: std::os::fd::OwnedFd) -> Result<ShmMapping, String> {
     let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: fstatfs on an owned descriptor into a live statfs.
     if unsafe { libc::fstatfs(fd.as_raw_fd(), &mut fs) } != 0 || fs.f_type == libc::HUGETLBFS_MAGIC {
-        return Err("the peer's shared memory is not ordinary shared memory".into());
+        return Err(MapError::NotOrdinary);
     }
     let len = usize::try_from(st.st_size).unwrap_or(0);
     if len == 0 {
-        return Err("the peer's shared memory is empty".into());
+        return Err(MapError::Empty);
     }
     // SAFETY: a fresh shared mapping of the whole (sealed) file; nothing in
     // this process aliases it yet.
@@ -71,7 +86,7 @@ pub(crate) fn map_fd(fd: std::os::fd::OwnedFd) -> Result<ShmMapping, String> {
         libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0)
     };
     if raw == libc::MAP_FAILED {
-        return Err(format!("cannot map the peer's shared memory: {}", std::io::Error::last_os_error()));
+        return Err(MapError::Mmap(std::io::Error::last_os_error().to_string()));
     }
     Ok(ShmMapping {
         ptr: raw.cast(),
@@ -128,7 +143,7 @@ mod tests {
     fn only_memory_sealed_against_shrinking_is_mapped() {
         let m = map_fd(memfd(true)).unwrap();
         assert_eq!(m.len, 8192);
-        assert!(map_fd(memfd(false)).err().is_some_and(|e| e.contains("sealed")));
+        assert_eq!(map_fd(memfd(false)).err(), Some(super::MapError::NotSealed));
         let file: OwnedFd = std::fs::File::open("/proc/self/stat").unwrap().into();
         assert!(map_fd(file).is_err(), "a file that is not a sealed memfd");
         let dir: OwnedFd = std::fs::File::open("/").unwrap().into();

@@ -652,7 +652,7 @@ impl ServerShared {
                     match self.watchers.subscribe(id, conn.peer, (epoch, request, budget, since), socket, now, &changes)
                     {
                         Ok(()) => served.watching = true,
-                        Err(why) => m.refuse_request(request, wire::RemoteStatus::ResourceExhausted, &why),
+                        Err(why) => m.refuse_request(request, wire::RemoteStatus::ResourceExhausted, &why.to_string()),
                     }
                 }
                 Err(Close::Unauthenticated) => {

@@ -64,18 +64,41 @@ pub(crate) fn my_uid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
+/// Why a local socket did not lead to a process of this user.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum LocalConnectError {
+    #[error("{0:?} is not a local socket name")]
+    NotSocketName(String),
+    #[error("socket: {0}")]
+    Socket(String),
+    #[error("nothing listens on the local socket {0} here (another network namespace)")]
+    NothingListens(String),
+    #[error("the local socket {0} is busy")]
+    Busy(String),
+    #[error("cannot connect to the local socket {name}: {err}")]
+    Connect { name: String, err: String },
+    #[error("SO_PEERCRED: {0}")]
+    Credentials(String),
+    #[error("the local socket {name} belongs to uid {uid}, not this user ({me})")]
+    OtherUser { name: String, uid: u32, me: u32 },
+    #[error("the process behind the local socket {0} is not visible in this pid namespace")]
+    PidHidden(String),
+    #[error("{0}")]
+    Setup(String),
+}
+
 /// Connects to the abstract socket `name` without waiting for a full
 /// backlog, then checks that a process of this user listens there: the
 /// blocking stream (its calls time out every `tick`) and its listener's
 /// credentials.
-pub(crate) fn connect(name: &str, tick: std::time::Duration) -> Result<(UnixStream, Credentials), String> {
+pub(crate) fn connect(name: &str, tick: std::time::Duration) -> Result<(UnixStream, Credentials), LocalConnectError> {
     if !is_socket_name(name) {
-        return Err(format!("{name:?} is not a local socket name"));
+        return Err(LocalConnectError::NotSocketName(name.to_owned()));
     }
     // SAFETY: plain system call creating a descriptor.
     let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC | libc::SOCK_NONBLOCK, 0) };
     if fd < 0 {
-        return Err(format!("socket: {}", io::Error::last_os_error()));
+        return Err(LocalConnectError::Socket(io::Error::last_os_error().to_string()));
     }
     // SAFETY: a fresh descriptor this function now owns.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
@@ -93,28 +116,26 @@ pub(crate) fn connect(name: &str, tick: std::time::Duration) -> Result<(UnixStre
     if r < 0 {
         let e = io::Error::last_os_error();
         return Err(match e.raw_os_error() {
-            Some(libc::ECONNREFUSED) | Some(libc::ENOENT) => {
-                format!("nothing listens on the local socket {name} here (another network namespace)")
-            }
-            Some(libc::EAGAIN) => format!("the local socket {name} is busy"),
-            _ => format!("cannot connect to the local socket {name}: {e}"),
+            Some(libc::ECONNREFUSED) | Some(libc::ENOENT) => LocalConnectError::NothingListens(name.to_owned()),
+            Some(libc::EAGAIN) => LocalConnectError::Busy(name.to_owned()),
+            _ => LocalConnectError::Connect { name: name.to_owned(), err: e.to_string() },
         });
     }
     let s = UnixStream::from(fd);
-    let cred = peer_credentials(s.as_raw_fd()).map_err(|e| format!("SO_PEERCRED: {e}"))?;
+    let cred = peer_credentials(s.as_raw_fd()).map_err(|e| LocalConnectError::Credentials(e.to_string()))?;
     let me = my_uid();
     if cred.uid != me {
-        return Err(format!("the local socket {name} belongs to uid {}, not this user ({me})", cred.uid));
+        return Err(LocalConnectError::OtherUser { name: name.to_owned(), uid: cred.uid, me });
     }
     if cred.pid <= 0 {
-        return Err(format!("the process behind the local socket {name} is not visible in this pid namespace"));
+        return Err(LocalConnectError::PidHidden(name.to_owned()));
     }
     let setup = || -> io::Result<()> {
         s.set_nonblocking(false)?;
         s.set_read_timeout(Some(tick))?;
         s.set_write_timeout(Some(tick))
     };
-    setup().map_err(|e| e.to_string())?;
+    setup().map_err(|e| LocalConnectError::Setup(e.to_string()))?;
     Ok((s, cred))
 }
 
@@ -210,7 +231,10 @@ mod tests {
         let (accepted, _) = l.accept().unwrap();
         assert_eq!(peer_credentials(accepted.as_raw_fd()).unwrap().pid, std::process::id() as i32);
         drop((s, accepted, l));
-        assert!(connect(&name, std::time::Duration::from_millis(10)).unwrap_err().contains("nothing listens"));
+        assert_eq!(
+            connect(&name, std::time::Duration::from_millis(10)).unwrap_err(),
+            LocalConnectError::NothingListens(name.clone())
+        );
         assert!(connect("/etc/passwd", std::time::Duration::from_millis(10)).is_err());
     }
 

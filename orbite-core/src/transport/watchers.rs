@@ -186,6 +186,15 @@ pub(crate) struct Watchers {
     counters: Arc<Counters>,
 }
 
+/// Why a subscription is refused: a cap is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum WatchRefused {
+    #[error("this engine has {0} watchers (max_watchers)")]
+    Total(usize),
+    #[error("{0} watchers from one address (max_watchers_per_address)")]
+    PerAddress(usize),
+}
+
 impl Watchers {
     pub fn new(limits: WatcherLimits, counters: Arc<Counters>) -> std::io::Result<Self> {
         let wake = crate::transport::reactor::Waker::new()?;
@@ -214,16 +223,15 @@ impl Watchers {
         socket: Arc<Stream>,
         now: u64,
         changes: ChangesSince<'_>,
-    ) -> Result<(), String> {
+    ) -> Result<(), WatchRefused> {
         let sub = {
             let mut subs = self.subs.lock();
             let others = subs.iter().filter(|x| x.conn != conn);
             if others.clone().count() >= self.limits.total {
-                return Err(format!("this engine has {} watchers (max_watchers)", self.limits.total));
+                return Err(WatchRefused::Total(self.limits.total));
             }
             if others.filter(|x| x.peer == peer).count() >= self.limits.per_address {
-                let n = self.limits.per_address;
-                return Err(format!("{n} watchers from one address (max_watchers_per_address)"));
+                return Err(WatchRefused::PerAddress(self.limits.per_address));
             }
             // What the watcher leaves unsent stays in its socket, bounded.
             crate::transport::sock::set_send_buffer(&socket, PUSH_BUDGET);
