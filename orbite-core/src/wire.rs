@@ -324,6 +324,8 @@ pub struct Request<'a> {
     /// The epoch the initiator believes the target has.
     pub target_epoch: u64,
     descs: &'a [u8],
+    /// The lengths' sum (`None` on overflow), summed once at decode.
+    total: Option<u64>,
 }
 
 impl<'a> Request<'a> {
@@ -338,7 +340,9 @@ impl<'a> Request<'a> {
         if count.checked_mul(DESC_LEN) != Some(descs.len()) || count == 0 {
             return Err(WireError::Malformed("request"));
         }
-        Ok(Request { target_epoch, descs })
+        let mut r = Request { target_epoch, descs, total: None };
+        r.total = r.descs().try_fold(0u64, |acc, d| acc.checked_add(d.len));
+        Ok(r)
     }
 
     /// Number of descriptors.
@@ -360,9 +364,9 @@ impl<'a> Request<'a> {
         })
     }
 
-    /// Sum of the lengths, or `None` on overflow.
+    /// Sum of the lengths, or `None` on overflow (summed at decode).
     pub fn total_len(&self) -> Option<u64> {
-        self.descs().try_fold(0u64, |acc, d| acc.checked_add(d.len))
+        self.total
     }
 }
 
