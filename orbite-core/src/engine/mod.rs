@@ -11,8 +11,6 @@ mod peers;
 pub(crate) mod plan;
 mod serve;
 mod spec;
-#[cfg(feature = "cuda")]
-mod stage;
 mod transfer;
 
 pub use notify::Notification;
@@ -38,8 +36,9 @@ use crate::registry::Registry;
 use crate::segment::{ExportedRegistration, SegmentDescriptor};
 use crate::transport::hooks::Hooks;
 use crate::transport::local::LocalRoute;
-use crate::transport::route::Reach;
-use crate::transport::tcp::{PeerJob, Server};
+use crate::transport::proto::client::PeerJob;
+use crate::transport::routes::Reach;
+use crate::transport::server::Server;
 use crate::types::{RegistrationId, Resource};
 use transfer::Peer;
 use transfer::{Cell, Owners, PlanTarget, RouteTask, TransferShared};
@@ -74,7 +73,7 @@ pub(crate) struct Peers {
     pub next_borrow: AtomicU64,
     /// The threads driving every link's connections (started with the
     /// first opened peer).
-    pub initiators: Mutex<Option<Arc<crate::transport::tcp::Initiators<RouteTask>>>>,
+    pub initiators: Mutex<Option<Arc<crate::transport::link::Initiators<RouteTask>>>>,
 }
 
 pub(crate) struct AdmissionState {
@@ -133,7 +132,7 @@ struct Routes {
     workers: LocalRoute<RouteTask>,
     /// Page-locked buffers of staged tcp tasks (feature `cuda`).
     #[cfg(feature = "cuda")]
-    staging_pool: Arc<stage::StagingPool>,
+    staging_pool: Arc<crate::transport::routes::staging::StagingPool>,
     /// Aligned buffers for unaligned spans of `O_DIRECT` files, charged
     /// as staging within `max_staging_bytes`.
     bounce_pool: Arc<crate::file::BouncePool>,
@@ -291,7 +290,12 @@ impl EngineInner {
                 task,
                 in_flight,
                 #[cfg(feature = "cuda")]
-                stage: transfer.plan.staging.map(|d| Box::new(stage::TcpStage::new(d))),
+                stage: transfer
+                    .plan
+                    .program
+                    .mover
+                    .staging()
+                    .map(|d| Box::new(crate::transport::routes::staging::TcpStage::new(d))),
             };
             match self.runs_where(&job, bytes, inline.as_ref().map(|(t, slot)| (*t, slot.is_none()))) {
                 Where::PeerLink => remote.push(job),
@@ -360,14 +364,14 @@ impl EngineInner {
         #[cfg(not(feature = "cuda"))]
         let staged = false;
         // A staged task is taken by a worker first (its buffer).
-        if matches!(transfer.target, PlanTarget::Peer(_)) && transfer.way.sends_frames() && !staged {
+        if matches!(transfer.target, PlanTarget::Peer(_)) && transfer.plan.program.mover.sends_frames() && !staged {
             return Where::PeerLink;
         }
         let inline_ok = inline.is_some_and(|(t, free)| {
             free && Arc::ptr_eq(t, transfer)
                 && transfer.plan.program.tasks.len() == 1
                 && bytes <= self.config.inline_max_bytes
-                && !transfer.plan.program.kind.waits_for_device()
+                && !transfer.plan.program.mover.waits_for_device()
                 && !staged
         });
         if inline_ok { Where::Inline } else { Where::Workers }
@@ -663,7 +667,7 @@ impl std::fmt::Debug for TransferEngine {
 /// The route choice, with how device memory moves when the plan names some
 /// (the reason a caller reads in `Transfer::route()`).
 fn staging_noted(mut route: crate::RouteChoice, plan: &plan::Plan) -> crate::RouteChoice {
-    if let Some(how) = plan.program.kind.device_note(plan.staging) {
+    if let Some(how) = plan.program.mover.device_note() {
         route.reason = format!("{}; {how}", route.reason);
     }
     route
@@ -698,7 +702,10 @@ impl TransferEngine {
             routes: Routes {
                 workers: route,
                 #[cfg(feature = "cuda")]
-                staging_pool: Arc::new(stage::StagingPool::new(counters.clone(), config.max_staging_bytes)),
+                staging_pool: Arc::new(crate::transport::routes::staging::StagingPool::new(
+                    counters.clone(),
+                    config.max_staging_bytes,
+                )),
                 bounce_pool: crate::file::BouncePool::charged(counters.clone(), config.max_staging_bytes),
                 hooks,
             },
@@ -946,7 +953,7 @@ impl TransferEngine {
                 _ => Reach::Loopback,
             };
             let policy = spec.options.route.unwrap_or(inner.config.route);
-            let (way, route, kind) = crate::transport::policy::choose(policy, &reach, spec.remote)?;
+            let (way, route, mover) = crate::transport::routes::choose(policy, &reach, spec.remote)?;
             let remote_side = match (&reach, &target) {
                 (Reach::Peer(r), _) => plan::RemoteSide::Peer { regs: r.segment.registrations(), route: way, reach: r },
                 (_, PlanTarget::File(f)) => {
@@ -959,7 +966,7 @@ impl TransferEngine {
             let pool = &inner.routes.staging_pool;
             #[cfg(not(feature = "cuda"))]
             let pool = ();
-            let (plan, loans) = plan::build(spec, remote_side, kind, &table, &inner.config, pool)?;
+            let (plan, loans) = plan::build(spec, remote_side, mover, &table, &inner.config, pool)?;
             let route = staging_noted(route, &plan);
             (plan, loans, way, route)
         };

@@ -10,9 +10,10 @@ use parking_lot::{Condvar, Mutex, RwLock, RwLockReadGuard};
 use crate::error::PeerError;
 use crate::segment::{Delta, SegmentView};
 use crate::transport::CopyJob;
+use crate::transport::link::{ANNOUNCE_UNKNOWN, PeerLink};
 use crate::transport::mapping::{SharedMaps, ShmMapping, map_fd, unmapped};
-use crate::transport::route::{PeerReach, SameHost};
-use crate::transport::tcp::{ANNOUNCE_UNKNOWN, ControlJob, PeerJob, PeerLink};
+use crate::transport::proto::client::{ControlJob, PeerJob};
+use crate::transport::routes::{PeerReach, SameHost};
 use crate::wire::Kind;
 
 pub(crate) struct PeerState {

@@ -14,9 +14,10 @@ use crate::engine::transfer::{Peer, RemoteLoan, RouteTask};
 use crate::engine::{EngineInner, RemoteSegment};
 use crate::error::{Error, PeerError};
 use crate::segment::{Delta, ExportedRegistration, SegmentView};
+use crate::transport::link::{Initiators, PeerLink};
 use crate::transport::mapping::unmapped;
-use crate::transport::route::SameHost;
-use crate::transport::tcp::{ControlDone, ControlJob, Initiators, PeerFailure, PeerJob, PeerLink};
+use crate::transport::proto::client::{ControlDone, ControlJob, PeerFailure, PeerJob};
+use crate::transport::routes::SameHost;
 use crate::wire::{Kind, NotifyEnvelope};
 /// A one-shot answer slot for a synchronous peer call.
 type Reply = (Mutex<Option<Result<Vec<u8>, PeerFailure>>>, Condvar);
@@ -35,7 +36,7 @@ impl EngineInner {
             return Err(PeerError::OwnEngine { epoch: self.epoch }.into());
         }
         let c = &self.config;
-        let opts = crate::transport::tcp::LinkOptions {
+        let opts = crate::transport::link::LinkOptions {
             connections: c.connections_per_peer,
             io_timeout: c.peer_timeout(),
             min_rate: c.peer_min_bytes_per_s,
@@ -46,7 +47,7 @@ impl EngineInner {
             own_socket: self.listener.local_socket.get().map(|s| Arc::from(s.as_str())),
             keepalive: (c.peer_keepalive_ms > 0).then(|| Duration::from_millis(c.peer_keepalive_ms)),
         };
-        use crate::transport::tcp::OpenError;
+        use crate::transport::link::OpenError;
         let drivers = self.initiators().map_err(|e| PeerError::Connect(format!("initiator threads: {e}")))?;
         let secret = self.listener.secret.clone();
         let link = PeerLink::open(&drivers, endpoint, expected_epoch, timeout, self.epoch, opts, secret).map_err(
@@ -145,7 +146,7 @@ impl EngineInner {
             .find(|r| r.permission.remote_read() && r.len > 0 && r.device.is_none())
             .map(|r| r.addr);
         let cma = match probe_at {
-            Some(addr) => crate::transport::cma::probe(cred.pid, addr),
+            Some(addr) => crate::transport::routes::cma::probe(cred.pid, addr),
             None => Err("the peer exports no readable registration to probe".into()),
         };
         let cma = match &self.routes.hooks {

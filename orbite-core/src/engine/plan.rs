@@ -19,16 +19,14 @@ use crate::engine::TransferSpec;
 use crate::error::{BatchError, Error, PeerError};
 use crate::registry::{Registration, Table};
 use crate::segment::ExportedRegistration;
-use crate::transport::route::{PeerReach, RouteImpl};
-use crate::transport::{CopyKind, CopyProgram, Span, TaskRange};
+use crate::transport::routes::Mover;
+use crate::transport::routes::{PeerReach, RouteImpl};
+use crate::transport::{CopyProgram, Span, TaskRange};
 use crate::types::{Op, Permission, RegistrationId, Resource};
 
 /// A validated transfer: its copy program, immutable after prepare.
 pub(crate) struct Plan {
     pub program: CopyProgram,
-    /// The CUDA device whose memory a tcp task stages through host buffers
-    /// (feature `cuda`; `stage`).
-    pub staging: Option<u32>,
     pub total_bytes: u64,
     pub options: TransferOptions,
     pub notification: Option<Box<[u8]>>,
@@ -158,10 +156,10 @@ fn local_view(table: &Table, id: RegistrationId) -> Result<View, Error> {
 pub(crate) fn build(
     spec: &TransferSpec<'_>,
     remote_side: RemoteSide<'_>,
-    kind: CopyKind,
+    mover: Mover,
     table: &Table,
     config: &EngineConfig,
-    #[cfg(feature = "cuda")] pool: &Arc<crate::transport::staged::StagingPool>,
+    #[cfg(feature = "cuda")] pool: &Arc<crate::transport::routes::staging::StagingPool>,
     #[cfg(not(feature = "cuda"))] pool: (),
 ) -> Result<(Plan, Loans), Error> {
     let mut ids = Vec::new();
@@ -217,16 +215,15 @@ pub(crate) fn build(
     ids.sort_unstable();
     ids.dedup();
     let loans = ids.iter().map(|id| table.get(*id).cloned()).collect::<Result<Vec<_>, _>>()?;
-    let (kind, staging) = kind.for_memory(&loans, config, pool).map_err(|e| Error::NotSupported(e.to_string()))?;
-    let cut = kind.task_bytes(config.task_bytes);
-    let program = build_program(spec.op, kind, &local, &remote, cut);
+    let mover = mover.for_memory(&loans, config, pool).map_err(|e| Error::NotSupported(e.to_string()))?;
+    let cut = mover.task_bytes(config.task_bytes);
+    let program = build_program(spec.op, mover, &local, &remote, cut);
     #[cfg(feature = "cuda")]
     if let Some((index, reason)) = program.device_overlaps() {
         return Err(BatchError::InvalidDescriptor { side: "remote", index, reason }.into());
     }
     let plan = Plan {
         program,
-        staging,
         total_bytes: local_total,
         options: spec.options,
         notification: spec.notification.map(Box::from),
@@ -238,7 +235,7 @@ pub(crate) fn build(
 pub(crate) const MAX_SPANS_PER_TASK: u32 = 4096;
 
 /// Walks both fragmentations at once. Both cover the same total.
-fn build_program(op: Op, kind: CopyKind, local: &[Resolved], remote: &[Resolved], task_bytes: u64) -> CopyProgram {
+fn build_program(op: Op, mover: Mover, local: &[Resolved], remote: &[Resolved], task_bytes: u64) -> CopyProgram {
     let mut spans: Vec<Span> = Vec::with_capacity(local.len().max(remote.len()));
     let mut tasks: Vec<TaskRange> = Vec::new();
     let (mut i, mut j) = (0usize, 0usize);
@@ -282,12 +279,13 @@ fn build_program(op: Op, kind: CopyKind, local: &[Resolved], remote: &[Resolved]
     if task.bytes > 0 {
         tasks.push(task);
     }
-    CopyProgram { op, kind, spans, tasks }
+    CopyProgram { op, mover, spans, tasks }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::transport::routes::CopyKind;
 
     fn r(addr: u64, len: u64) -> Resolved {
         Resolved { addr, reg: 0, len }
@@ -304,10 +302,10 @@ mod tests {
         std::fs::write(&path, vec![0u8; 4096]).unwrap();
         let bounce = BouncePool::new(1 << 20);
         let buffered = Arc::new(Entry::open(&path, FileMode::ReadWrite, OpenFlags::default()).unwrap());
-        assert_eq!(CopyKind::File(buffered, bounce.clone()).task_bytes(1 << 20), 1 << 20);
+        assert_eq!(Mover::Copy(CopyKind::File(buffered, bounce.clone())).task_bytes(1 << 20), 1 << 20);
         match Entry::open(&path, FileMode::ReadWrite, OpenFlags { direct: true, ..OpenFlags::default() }) {
             Ok(direct) => {
-                let kind = CopyKind::File(Arc::new(direct), bounce);
+                let kind = Mover::Copy(CopyKind::File(Arc::new(direct), bounce));
                 assert_eq!(kind.task_bytes(1 << 20), DIRECT_TASK_BYTES);
                 assert_eq!(kind.task_bytes(64 << 20), 64 << 20, "a larger setting stands");
                 let one = [r(0, 48 << 20)];
@@ -317,7 +315,7 @@ mod tests {
             }
             Err(e) => println!("SKIP: {} refuses O_DIRECT here ({e})", path.display()),
         }
-        assert_eq!(CopyKind::Memory.task_bytes(1 << 20), 1 << 20);
+        assert_eq!(Mover::Copy(CopyKind::Memory).task_bytes(1 << 20), 1 << 20);
         std::fs::remove_file(&path).unwrap();
     }
 
@@ -325,7 +323,7 @@ mod tests {
     fn different_fragmentations_meet_in_spans() {
         let p = build_program(
             Op::Write,
-            CopyKind::Memory,
+            Mover::Copy(CopyKind::Memory),
             &[r(1000, 10), r(2000, 20)],
             &[r(5000, 25), r(9000, 5)],
             1 << 20,
@@ -339,7 +337,7 @@ mod tests {
     fn contiguous_descriptors_merge_and_tasks_split_large_ones() {
         let p = build_program(
             Op::Read,
-            CopyKind::Memory,
+            Mover::Copy(CopyKind::Memory),
             &[r(0x1000, 4), r(0x1004, 4), r(0x1008, 16)],
             &[r(0x8000, 8), r(0x8008, 16)],
             10,
@@ -354,12 +352,12 @@ mod tests {
 
     #[test]
     fn spans_never_merge_across_tasks_or_remote_registrations() {
-        let p = build_program(Op::Write, CopyKind::Memory, &[r(0, 8)], &[r(100, 8)], 4);
+        let p = build_program(Op::Write, Mover::Copy(CopyKind::Memory), &[r(0, 8)], &[r(100, 8)], 4);
         assert_eq!(p.tasks.len(), 2);
         assert_eq!(p.task_spans(1)[0].local, 4);
         let a = Resolved { addr: 0, reg: 1, len: 4 };
         let b = Resolved { addr: 4, reg: 2, len: 4 };
-        let p = build_program(Op::Write, CopyKind::Memory, &[r(0, 8)], &[a, b], 100);
+        let p = build_program(Op::Write, Mover::Copy(CopyKind::Memory), &[r(0, 8)], &[a, b], 100);
         assert_eq!(p.spans.len(), 2, "same offsets in different registrations never merge");
     }
 
@@ -368,7 +366,7 @@ mod tests {
         let n = MAX_SPANS_PER_TASK as u64 + 10;
         let local: Vec<Resolved> = (0..n).map(|i| r(i * 2, 1)).collect();
         let remote: Vec<Resolved> = (0..n).map(|i| r(100_000 + i * 2, 1)).collect();
-        let p = build_program(Op::Write, CopyKind::Memory, &local, &remote, 1 << 30);
+        let p = build_program(Op::Write, Mover::Copy(CopyKind::Memory), &local, &remote, 1 << 30);
         assert_eq!(p.tasks.len(), 2);
         assert_eq!(p.task_spans(0).len() as u32, MAX_SPANS_PER_TASK);
     }

@@ -12,8 +12,9 @@ use crate::engine::notify::Notification;
 use crate::registry::Registration;
 use crate::segment::{Delta, ExportedRegistration, SegmentDescriptor};
 use crate::transport::proto::server::{BorrowLimits, TargetSide};
+use crate::transport::server::Server;
 use crate::transport::sock::iov;
-use crate::transport::tcp::{Server, Watchers};
+use crate::transport::watchers::Watchers;
 use crate::types::RegistrationId;
 use crate::wire::{Limits, NotifyEnvelope, RemoteStatus, Request};
 
@@ -329,7 +330,7 @@ impl EngineInner {
             .staging_pool
             .take(device, len)
             .map_err(|why| (RemoteStatus::ResourceExhausted, format!("no staging buffer: {why}")))?;
-        let mut stage = crate::engine::stage::ServerStage { device, buffer, copies: Vec::new(), write };
+        let mut stage = crate::transport::routes::staging::ServerStage { device, buffer, copies: Vec::new(), write };
         let base = stage.buffer_addr();
         let mut at = 0u64;
         for &(i, dev, n, _) in ranges {
@@ -358,10 +359,10 @@ impl EngineInner {
     }
 
     /// What the listener accepts, and how long it waits for a peer.
-    pub(crate) fn server_limits(&self) -> crate::transport::tcp::ServerLimits {
+    pub(crate) fn server_limits(&self) -> crate::transport::server::ServerLimits {
         let c = &self.config;
         let count = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
-        crate::transport::tcp::ServerLimits {
+        crate::transport::server::ServerLimits {
             max_connections: count(c.max_connections),
             per_address: count(c.max_connections_per_address),
             frame_timeout: Duration::from_millis(c.server_frame_timeout_ms),

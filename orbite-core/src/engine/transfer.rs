@@ -58,7 +58,7 @@ pub(crate) struct TransferShared {
     pub plan: Plan,
     pub target: PlanTarget,
     /// The route it takes.
-    pub way: &'static dyn crate::transport::route::RouteImpl,
+    pub way: &'static dyn crate::transport::routes::RouteImpl,
     /// Which route, and why.
     pub route: crate::types::RouteChoice,
     /// Raw ids and lengths of the peer registrations the transfer names
@@ -122,7 +122,7 @@ pub(crate) struct RouteTask {
     pub in_flight: Option<Charge>,
     /// A tcp task staging CUDA device memory through a host buffer.
     #[cfg(feature = "cuda")]
-    pub stage: Option<Box<super::stage::TcpStage>>,
+    pub stage: Option<Box<crate::transport::routes::staging::TcpStage>>,
 }
 
 impl CopyJob for RouteTask {
@@ -139,7 +139,7 @@ impl CopyJob for RouteTask {
         if self.stage.is_some() {
             return false;
         }
-        self.transfer.plan.program.kind.helpable()
+        self.transfer.plan.program.mover.helpable()
     }
 
     fn task(&self) -> u32 {
@@ -148,7 +148,9 @@ impl CopyJob for RouteTask {
 
     fn spans(&self) -> &[crate::transport::Span] {
         #[cfg(feature = "cuda")]
-        if let Some(s) = self.stage.as_ref().filter(|s| matches!(s.phase, super::stage::Phase::Link)) {
+        if let Some(s) =
+            self.stage.as_ref().filter(|s| matches!(s.phase, crate::transport::routes::staging::Phase::Link))
+        {
             return &s.spans; // the link moves the buffer
         }
         self.program().task_spans(self.task)
@@ -167,7 +169,7 @@ impl CopyJob for RouteTask {
     fn finish(mut self, report: TaskReport) {
         #[cfg(feature = "cuda")]
         if let Some(mut stage) = self.stage.take() {
-            use super::stage::Phase;
+            use crate::transport::routes::staging::Phase;
             let op = self.transfer.plan.program.op;
             let next = match stage.phase {
                 Phase::In => stage.after_in(report),
@@ -189,7 +191,7 @@ impl CopyJob for RouteTask {
                             });
                         };
                         let link = p.link.clone();
-                        link.submit(crate::transport::tcp::PeerJob::Task(self));
+                        link.submit(crate::transport::proto::client::PeerJob::Task(self));
                     } else {
                         let engine = self.engine.clone();
                         engine.routes.workers.submit(self);

@@ -248,7 +248,7 @@ fn worker<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
     #[cfg(feature = "cuda")]
     {
         crate::cuda::release_thread_streams();
-        crate::transport::staged::release_thread_stagers();
+        crate::transport::routes::staging::release_thread_stagers();
     }
 }
 
@@ -272,7 +272,7 @@ const STAGED_DEPTH: usize = 2;
 struct InFlight<J> {
     job: J,
     planned: u64,
-    issued: crate::transport::Issued,
+    issued: crate::transport::routes::device::Issued,
 }
 
 fn work<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
@@ -294,11 +294,11 @@ fn work<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
                     // for its CPU copies), and only one the staging bound
                     // has room for; until then the oldest task in flight
                     // completes and gives its buffer back.
-                    let kind = &job.program().kind;
-                    if kind.stages_in_one(job.spans()) {
+                    let kind = job.program().mover.copies();
+                    if kind.is_some_and(|k| k.stages_in_one(job.spans())) {
                         while !in_flight.is_empty()
                             && (in_flight.iter().filter(|f| f.issued.is_staged()).count() >= STAGED_DEPTH
-                                || !kind.staging_room(job.spans()))
+                                || !kind.is_some_and(|k| k.staging_room(job.spans())))
                         {
                             if let Some(f) = in_flight.pop_front() {
                                 complete(shared, f);
@@ -382,7 +382,7 @@ fn dispatch<J: CopyJob>(
     }
     let began = Instant::now();
     let p = job.program();
-    let issued = p.kind.issue(p.op, job.spans(), u64::MAX);
+    let issued = p.mover.copies().and_then(|k| k.issue(p.op, job.spans(), u64::MAX));
     shared.busy_ns.fetch_add(began.elapsed().as_nanos() as u64, Ordering::Relaxed);
     match issued {
         None => start(shared, job, directive),
@@ -402,7 +402,11 @@ fn dispatch<J: CopyJob>(
 fn complete<J: CopyJob>(shared: &Arc<RouteShared<J>>, f: InFlight<J>) {
     let began = Instant::now();
     let p = f.job.program();
-    let (done, failed) = p.kind.complete(p.op, f.issued);
+    // Only copies issue (`dispatch`).
+    let (done, failed) = match p.mover.copies() {
+        Some(kind) => kind.complete(p.op, f.issued),
+        None => (0, Some(TaskEnd::Failed { effect_unknown: true })),
+    };
     shared.busy_ns.fetch_add(began.elapsed().as_nanos() as u64, Ordering::Relaxed);
     f.job.finish(TaskReport { planned: f.planned, done, end: failed.unwrap_or(TaskEnd::Complete) });
 }
@@ -415,7 +419,12 @@ fn copy<J: CopyJob>(job: &mut J, limit: u64, busy_ns: &AtomicU64) -> (u64, Optio
         Some(r) => r,
         None => {
             let p = job.program();
-            p.kind.copy(p.op, job.spans(), limit)
+            match p.mover.copies() {
+                Some(kind) => kind.copy(p.op, job.spans(), limit),
+                // Frames go to the peer's link (a staged task's after its
+                // worker phase, `copy_locally`), never to a copy here.
+                None => (0, Some(TaskEnd::Failed { effect_unknown: false })),
+            }
         }
     };
     busy_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -425,7 +434,8 @@ fn copy<J: CopyJob>(job: &mut J, limit: u64, busy_ns: &AtomicU64) -> (u64, Optio
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::{CopyKind, CopyProgram, Span, TaskRange};
+    use crate::transport::routes::{CopyKind, Mover};
+    use crate::transport::{CopyProgram, Span, TaskRange};
     use crate::types::Op;
 
     /// One task of 8 bytes from `src` to `dst` (this process), of transfer
@@ -466,7 +476,7 @@ mod tests {
         let job = |owner: usize, helpable: bool, k: usize| Job {
             program: CopyProgram {
                 op: Op::Write,
-                kind: CopyKind::Memory,
+                mover: Mover::Copy(CopyKind::Memory),
                 spans: vec![Span { local: src.as_ptr() as u64, remote: dst[k].as_ptr() as u64, remote_reg: 0, len: 8 }],
                 tasks: vec![TaskRange { first_span: 0, end_span: 1, bytes: 8 }],
             },

@@ -415,7 +415,8 @@ mod tests {
     //! Every job completes exactly once, with what the model says.
 
     use super::*;
-    use crate::transport::{CopyKind, CopyProgram, Span, TaskRange};
+    use crate::transport::routes::Mover;
+    use crate::transport::{CopyProgram, Span, TaskRange};
     use proptest::prelude::*;
     use std::sync::Arc;
 
@@ -588,8 +589,12 @@ mod tests {
                 let i = next;
                 next += 1;
                 if lost {
-                    let program =
-                        Arc::new(CopyProgram { op: Op::Write, kind: CopyKind::Frames, spans: vec![], tasks: vec![] });
+                    let program = Arc::new(CopyProgram {
+                        op: Op::Write,
+                        mover: Mover::Frames { staging: None },
+                        spans: vec![],
+                        tasks: vec![],
+                    });
                     let pj = match jobs[i].0 {
                         Job::Control => PeerJob::Control(ControlJob {
                             kind: Kind::Notify,
@@ -689,7 +694,7 @@ mod tests {
         spans.push(Span { local: base + a, remote: a, remote_reg: 1, len: n - a });
         spans.retain(|s| s.len > 0);
         let tasks = vec![TaskRange { first_span: 0, end_span: spans.len() as u32, bytes: n }];
-        Some(Arc::new(CopyProgram { op, kind: CopyKind::Frames, spans, tasks }))
+        Some(Arc::new(CopyProgram { op, mover: Mover::Frames { staging: None }, spans, tasks }))
     }
 
     proptest! {

@@ -25,10 +25,11 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::CopyKind;
 use crate::charge::{Charge, Counter, Counters};
 use crate::cuda::{PinnedBuffer, Stager, Ticket};
-use crate::transport::{CopyKind, Span};
-use crate::types::{Op, TaskEnd};
+use crate::transport::Span;
+use crate::types::{Op, TaskEnd, TaskReport};
 
 thread_local! {
     /// This worker's stagers (a stream and two events), by device.
@@ -461,6 +462,188 @@ impl Drop for Pooled {
         if let Some(item) = self.item.take() {
             self.pool.free.lock().push(item);
         }
+    }
+}
+
+// The tcp route's staging: the initiator stages a task's device bytes
+// through a pool buffer around its link (`TcpStage`); the target stages a
+// peer's request that names its device memory (`ServerStage`).
+
+/// Where a staged task is.
+pub(crate) enum Phase {
+    /// At a route worker: take a buffer (and fill it, for a WRITE).
+    In,
+    /// At the peer link, with the buffer as its local side.
+    Link,
+    /// At a route worker again (READ): the buffer to the device.
+    Out,
+}
+
+pub(crate) struct TcpStage {
+    pub device: u32,
+    pub phase: Phase,
+    buffer: Option<Pooled>,
+    /// The task's spans with their local side in the buffer.
+    pub spans: Vec<Span>,
+    /// What the link reported (READ: applied after the device copy).
+    link_report: Option<TaskReport>,
+}
+
+impl TcpStage {
+    pub fn new(device: u32) -> Self {
+        TcpStage { device, phase: Phase::In, buffer: None, spans: Vec::new(), link_report: None }
+    }
+
+    /// The worker's part: phase `In` (take a buffer, and for a WRITE copy
+    /// the device bytes into it, at most `limit`) or `Out` (READ: copy the
+    /// bytes the link landed to the device).
+    pub fn copy_locally(
+        &mut self,
+        pool: &Arc<StagingPool>,
+        buffer_len: u64,
+        op: Op,
+        spans: &[Span],
+        limit: u64,
+    ) -> (u64, Option<TaskEnd>) {
+        match self.phase {
+            Phase::In => {
+                let buf = match pool.take(self.device, buffer_len) {
+                    Ok(b) => b,
+                    Err(_) => return (0, Some(TaskEnd::Failed { effect_unknown: false })),
+                };
+                let base = buf.addr();
+                let mut at = 0;
+                self.spans = spans
+                    .iter()
+                    .map(|s| {
+                        let m = Span { local: base + at, remote: s.remote, remote_reg: s.remote_reg, len: s.len };
+                        at += s.len;
+                        m
+                    })
+                    .collect();
+                self.buffer = Some(buf);
+                match op {
+                    Op::Read => (spans.iter().map(|s| s.len).sum(), None),
+                    Op::Write => {
+                        let copies = pairs(spans, &self.spans, limit, |dev, host| (host, dev));
+                        let (done, err) = crate::cuda::copy_on_stream(self.device, &copies);
+                        (done, err.map(|_| TaskEnd::Failed { effect_unknown: false }))
+                    }
+                }
+            }
+            Phase::Out => {
+                let landed = self.link_report.map_or(0, |r| r.done);
+                let copies = pairs(spans, &self.spans, landed.min(limit), |dev, host| (dev, host));
+                let (done, err) = crate::cuda::copy_on_stream(self.device, &copies);
+                (done, err.map(|_| TaskEnd::Failed { effect_unknown: true }))
+            }
+            Phase::Link => {
+                debug_assert!(false, "the link's phase never runs on a worker");
+                (0, Some(TaskEnd::Failed { effect_unknown: false }))
+            }
+        }
+    }
+
+    /// After the worker's phase `In`: whether the task goes on to the link;
+    /// if not, the report it ends with (for a WRITE nothing was sent).
+    pub fn after_in(&mut self, report: TaskReport) -> Result<(), TaskReport> {
+        if report.end == TaskEnd::Complete && report.done == report.planned {
+            self.phase = Phase::Link;
+            return Ok(());
+        }
+        self.buffer = None;
+        let end = match report.end {
+            TaskEnd::Complete => TaskEnd::Short,
+            e => e,
+        };
+        Err(TaskReport { planned: report.planned, done: 0, end })
+    }
+
+    /// After the link: READ goes on to phase `Out` (`Ok`); a WRITE ends with
+    /// the link's report (`Err`), its buffer back in the pool.
+    pub fn after_link(&mut self, op: Op, report: TaskReport) -> Result<(), TaskReport> {
+        match op {
+            Op::Read => {
+                self.link_report = Some(report);
+                self.phase = Phase::Out;
+                Ok(())
+            }
+            Op::Write => {
+                self.buffer = None;
+                Err(report)
+            }
+        }
+    }
+
+    /// After phase `Out`: the task's report (the link's, unless the device
+    /// copy failed).
+    pub fn after_out(&mut self, report: TaskReport) -> TaskReport {
+        self.buffer = None;
+        let link = self.link_report.take().unwrap_or(report);
+        match report.end {
+            TaskEnd::Complete => link,
+            failed => TaskReport { planned: link.planned, done: report.done.min(link.done), end: failed },
+        }
+    }
+}
+
+/// Device/host address pairs of the first `limit` bytes of `dev` (the
+/// task's spans) and `host` (the same spans in the buffer), as
+/// (destination, source, bytes) by `order(device, host)`.
+fn pairs(dev: &[Span], host: &[Span], limit: u64, order: impl Fn(u64, u64) -> (u64, u64)) -> Vec<(u64, u64, u64)> {
+    let mut left = limit;
+    let mut out = Vec::with_capacity(dev.len());
+    for (d, h) in dev.iter().zip(host) {
+        if left == 0 {
+            break;
+        }
+        let n = d.len.min(left);
+        let (dst, src) = order(d.local, h.local);
+        out.push((dst, src, n));
+        left -= n;
+    }
+    out
+}
+
+/// The target's staging of a peer's WRITE or READ that names its device
+/// memory (tcp): a buffer of the pool the request's device ranges go
+/// through; a READ's device bytes are copied into it before the reply is
+/// sent, a WRITE's are copied out of it once the payload is in
+/// ([`Landing::land`](crate::transport::proto::server::Landing::land)).
+/// The server thread waits for those copies.
+pub(crate) struct ServerStage {
+    pub(crate) device: u32,
+    pub(crate) buffer: Pooled,
+    /// (device address, buffer address, bytes).
+    pub(crate) copies: Vec<(u64, u64, u64)>,
+    pub(crate) write: bool,
+}
+
+impl crate::transport::proto::server::Landing for ServerStage {
+    fn land(&mut self) -> Result<(), crate::cuda::CudaError> {
+        if !self.write {
+            return Ok(());
+        }
+        // (device, buffer, bytes) is already (destination, source, bytes).
+        match crate::cuda::copy_on_stream(self.device, &self.copies) {
+            (_, None) => Ok(()),
+            (_, Some(why)) => Err(why),
+        }
+    }
+}
+
+impl ServerStage {
+    /// A READ's device bytes into the buffer, now (before the reply).
+    pub(crate) fn fill(&self) -> Result<(), crate::cuda::CudaError> {
+        let copies: Vec<_> = self.copies.iter().map(|&(dev, buf, n)| (buf, dev, n)).collect();
+        match crate::cuda::copy_on_stream(self.device, &copies) {
+            (_, None) => Ok(()),
+            (_, Some(why)) => Err(why),
+        }
+    }
+
+    pub(crate) fn buffer_addr(&self) -> u64 {
+        self.buffer.addr()
     }
 }
 

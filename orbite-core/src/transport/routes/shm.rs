@@ -3,10 +3,9 @@
 //! CPU; it lends the ranges (a Borrow) for as long as transfers may touch
 //! them.
 
+use super::{CopyKind, Mover, PeerReach, Reach, RouteImpl, Serves, Unreachable};
 use crate::segment::ExportedRegistration;
 use crate::transport::mapping::mapped_base;
-use crate::transport::route::{PeerReach, Reach, RouteImpl, Serves, Unreachable};
-use crate::transport::{CopyKind, copy_spans};
 use crate::types::{Desc, Route};
 
 /// The shm route.
@@ -21,7 +20,7 @@ impl RouteImpl for Shm {
         Serves::Peer
     }
 
-    fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<CopyKind, Unreachable> {
+    fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {
         let Reach::Peer(p) = target else { return Err(Unreachable::NotPeer) };
         p.same_host.map_err(|why| Unreachable::NotSameHost(why.to_owned()))?;
         remote.iter().try_for_each(|d| {
@@ -45,11 +44,11 @@ impl RouteImpl for Shm {
             names.dedup();
             names.iter().filter_map(|n| p.maps.get(*n)?.as_ref().ok().map(|m| m.pin.clone())).collect()
         };
-        Ok(CopyKind::Mapped {
+        Ok(Mover::Copy(CopyKind::Mapped {
             peer_alive: p.alive.map(|l| l.handle()),
             #[cfg(feature = "cuda")]
             shared_pins,
-        })
+        }))
     }
 
     fn auto_reason(&self) -> Option<&'static str> {
@@ -78,6 +77,6 @@ pub(crate) fn copy(
 ) -> (u64, Option<crate::types::TaskEnd>) {
     // SAFETY: the job retains the range loans (and mappings) of every
     // span, and the lifecycle admits each task once.
-    let done = unsafe { copy_spans(op, spans, limit) };
+    let done = unsafe { super::loopback::copy_spans(op, spans, limit) };
     (done, crate::transport::liveness::after_one_sided(op, peer_alive))
 }

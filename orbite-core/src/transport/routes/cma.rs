@@ -5,10 +5,10 @@
 
 use std::io;
 
+use super::{CopyKind, Mover, PeerReach, Reach, RouteImpl, Serves, Unreachable};
 use crate::segment::ExportedRegistration;
+use crate::transport::Span;
 use crate::transport::liveness::LivenessCheck;
-use crate::transport::route::{PeerReach, Reach, RouteImpl, Serves, Unreachable};
-use crate::transport::{CopyKind, Span};
 use crate::types::{Desc, Op, Route, TaskEnd};
 
 /// The cma route.
@@ -23,7 +23,7 @@ impl RouteImpl for Cma {
         Serves::Peer
     }
 
-    fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<CopyKind, Unreachable> {
+    fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {
         let Reach::Peer(p) = target else { return Err(Unreachable::NotPeer) };
         let h = p.same_host.map_err(|why| Unreachable::NotSameHost(why.to_owned()))?;
         h.cma.clone().map_err(Unreachable::CmaDenied)?;
@@ -33,7 +33,7 @@ impl RouteImpl for Cma {
             return Err(Unreachable::PeerDeviceMemory(device));
         }
         // The pid the kernel reported for the proven peer.
-        Ok(CopyKind::Cma { pid: h.pid, peer_alive: p.alive.map(|l| l.handle()) })
+        Ok(Mover::Copy(CopyKind::Cma { pid: h.pid, peer_alive: p.alive.map(|l| l.handle()) }))
     }
 
     fn auto_reason(&self) -> Option<&'static str> {

@@ -6,10 +6,11 @@
 
 use std::sync::Arc;
 
+#[cfg(feature = "cuda")]
+use super::CopyKind;
+use super::{Mover, PeerReach, Reach, RouteImpl, Serves, Unreachable};
 use crate::segment::ExportedRegistration;
-use crate::transport::CopyKind;
 use crate::transport::mapping::Imported;
-use crate::transport::route::{PeerReach, Reach, RouteImpl, Serves, Unreachable};
 use crate::types::{Desc, Route};
 
 /// The cuda-ipc route.
@@ -34,7 +35,7 @@ impl RouteImpl for CudaIpc {
         Serves::Peer
     }
 
-    fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<CopyKind, Unreachable> {
+    fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {
         let Reach::Peer(p) = target else { return Err(Unreachable::NotPeer) };
         let h = p.same_host.map_err(|why| Unreachable::NotSameHost(why.to_owned()))?;
         h.ipc.as_ref().map_err(|why| Unreachable::IpcUnavailable(why.clone()))?;
@@ -61,7 +62,7 @@ impl RouteImpl for CudaIpc {
                 p.imports.values().filter_map(|i| i.as_ref().ok()).map(|i| i.mapping.clone()).collect();
             mappings.sort_unstable_by_key(|m| m.ptr);
             mappings.dedup_by_key(|m| m.ptr);
-            Ok(CopyKind::Ipc { mappings, peer_alive: p.alive.map(|l| l.handle()), pins: Vec::new() })
+            Ok(Mover::Copy(CopyKind::Ipc { mappings, peer_alive: p.alive.map(|l| l.handle()), pins: Vec::new() }))
         }
         #[cfg(not(feature = "cuda"))]
         Err(crate::cuda::CudaError::NotBuilt.into())

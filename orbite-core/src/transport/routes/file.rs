@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 
+use super::{CopyKind, Mover, Reach, RouteImpl, Serves, Unreachable};
 use crate::file::{BouncePool, Entry, FileIo, FileOp, FileSpan};
-use crate::transport::route::{Reach, RouteImpl, Serves, Unreachable};
-use crate::transport::{CopyKind, Span};
+use crate::transport::Span;
 use crate::types::{Desc, Op, Route, TaskEnd};
 
 /// The file route.
@@ -20,9 +20,9 @@ impl RouteImpl for File {
         Serves::File
     }
 
-    fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<CopyKind, Unreachable> {
+    fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<Mover, Unreachable> {
         match target {
-            Reach::File(entry, bounce) => Ok(CopyKind::File(Arc::clone(entry), Arc::clone(bounce))),
+            Reach::File(entry, bounce) => Ok(Mover::Copy(CopyKind::File(Arc::clone(entry), Arc::clone(bounce)))),
             _ => Err(Unreachable::NotFile),
         }
     }

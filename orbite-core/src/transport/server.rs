@@ -1,5 +1,7 @@
-//! The TCP route: a target server that lands peers' requests in registered
-//! memory; its initiator side (per-peer links) is `transport::link`.
+//! The target server: every accepted connection of the tcp route (and of
+//! the local socket) as a `proto::server` machine, driven by a fixed set of
+//! threads over one epoll set; it lands peers' requests in registered
+//! memory. The initiator side (per-peer links) is `transport::link`.
 //!
 //! Data path: a WRITE frame is a header, a body of remote descriptors and
 //! the payload, sent with one `writev` straight from registered memory; the
@@ -23,52 +25,16 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 
 use crate::charge::{Charge, Counter};
-use crate::segment::ExportedRegistration;
-use crate::transport::CopyKind;
 use crate::transport::auth::Secret;
-pub(crate) use crate::transport::link::{ANNOUNCE_UNKNOWN, Initiators, LinkOptions, OpenError, PeerLink};
-pub(crate) use crate::transport::proto::client::{ControlDone, ControlJob, PeerFailure, PeerJob};
 use crate::transport::proto::server::{Close, ConnEnd, Event, ServerBudget, ServerConn, TargetSide};
 use crate::transport::reactor::{Events, Interest, Poller, Timer, Waker};
-use crate::transport::route::{PeerReach, Reach, RouteImpl, Runs, Serves, Unreachable};
 use crate::transport::sock::{Stream, tune};
 
 /// A one-shot read interest: the thread that takes the event re-arms it.
 const ONESHOT_IN: Interest = Interest::IN.union(Interest::ONESHOT);
 use crate::transport::watchers::WatcherLimits;
-pub(crate) use crate::transport::watchers::Watchers;
-use crate::types::{Desc, Route};
+use crate::transport::watchers::Watchers;
 use crate::wire;
-
-/// The tcp route.
-pub(crate) struct Tcp;
-
-impl RouteImpl for Tcp {
-    fn route(&self) -> Route {
-        Route::Tcp
-    }
-
-    fn serves(&self) -> Serves {
-        Serves::Peer
-    }
-
-    fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<CopyKind, Unreachable> {
-        match target {
-            // Frames to the peer's server, which copies.
-            Reach::Peer(_) => Ok(CopyKind::Frames),
-            _ => Err(Unreachable::NotPeer),
-        }
-    }
-
-    fn address(&self, _target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), Unreachable> {
-        // Offsets in the peer's registration, named on the wire.
-        Ok((0, r.id.to_raw()))
-    }
-
-    fn runs(&self) -> Runs {
-        Runs::PeerLink
-    }
-}
 
 /// The listening side: every accepted connection's [`ServerConn`], driven
 /// by a fixed set of threads over one epoll set, so the thread count does
