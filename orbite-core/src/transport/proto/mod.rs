@@ -4,6 +4,8 @@
 //! them over sockets.
 
 pub(crate) mod client;
+#[cfg(test)]
+mod pair;
 pub(crate) mod server;
 
 use crate::transport::framebuf::{BufferBudget, FrameBuf, RESTING};
