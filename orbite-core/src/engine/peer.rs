@@ -12,6 +12,7 @@ use crate::segment::{Delta, SegmentView};
 use crate::transport::CopyJob;
 use crate::transport::link::{ANNOUNCE_UNKNOWN, PeerLink};
 use crate::transport::mapping::{SharedMaps, ShmMapping, map_fd, unmapped};
+use crate::transport::peer_errors::{ImportError, LocalError, ShareError};
 use crate::transport::proto::client::{ControlJob, PeerJob};
 use crate::transport::routes::{PeerReach, SameHost};
 use crate::wire::Kind;
@@ -45,7 +46,7 @@ pub(crate) struct Peer<J: CopyJob> {
     /// before asking once more.
     pub(crate) refresh_lock: Mutex<u64>,
     /// `Err(why)` when the peer is not proven to run on this host.
-    pub same_host: Result<SameHost, String>,
+    pub same_host: Result<SameHost, LocalError>,
     /// For a same-host peer: whether its process still runs.
     pub liveness: Option<crate::transport::liveness::PeerLiveness>,
     /// For a same-host peer: its notification inbox, mapped here.
@@ -74,7 +75,7 @@ impl<J: CopyJob> Peer<J> {
         link: Arc<PeerLink<J>>,
         endpoint: &str,
         view: PeerView,
-        same_host: Result<SameHost, String>,
+        same_host: Result<SameHost, LocalError>,
         liveness: Option<crate::transport::liveness::PeerLiveness>,
         inbox: Option<(Arc<ShmMapping>, crate::transport::inbox::Inbox)>,
     ) -> Self {
@@ -167,7 +168,7 @@ impl<J: CopyJob> Peer<J> {
         PeerReach {
             segment: &view.segment,
             maps: &view.maps,
-            same_host: self.same_host.as_ref().map_err(String::as_str),
+            same_host: self.same_host.as_ref(),
             alive: self.liveness.as_ref(),
             imports: &view.imports,
         }
@@ -243,14 +244,17 @@ impl<J: CopyJob> Peer<J> {
     /// the peer for their handles over its local socket and opens each
     /// allocation once. The registration must lie inside the mapping, as
     /// this process's driver reports it.
-    fn import_device(&self, ids: &[u64]) -> Vec<(u64, Result<Arc<crate::transport::mapping::Imported>, String>)> {
+    fn import_device(&self, ids: &[u64]) -> Vec<(u64, Result<Arc<crate::transport::mapping::Imported>, ImportError>)> {
         if ids.is_empty() {
             return Vec::new();
         }
-        let asked = self.same_host.as_ref().and_then(|h| h.ipc.as_ref()).map_err(Clone::clone).and_then(|c| {
-            let entries = self.link.fetch_ipc(ids)?;
-            Ok((c.clone(), entries))
-        });
+        let asked = match &self.same_host {
+            Err(why) => Err(ImportError::NotLocal(why.clone())),
+            Ok(h) => match &h.ipc {
+                Err(off) => Err(ImportError::Off(off.clone())),
+                Ok(c) => self.link.fetch_ipc(ids).map(|entries| (c.clone(), entries)).map_err(ImportError::NotLocal),
+            },
+        };
         let (counters, entries) = match asked {
             Ok(a) => a,
             Err(why) => return ids.iter().map(|id| (*id, Err(why.clone()))).collect(),
@@ -290,7 +294,7 @@ impl<J: CopyJob> Drop for Peer<J> {
 /// The raw ids of device registrations in `regs` this engine imports from
 /// a peer (a same-host one, with IPC allowed), remotely reachable ones.
 fn importable<'a>(
-    same_host: &Result<SameHost, String>,
+    same_host: &Result<SameHost, LocalError>,
     regs: impl Iterator<Item = &'a crate::segment::ExportedRegistration>,
 ) -> std::collections::HashSet<u64> {
     if !same_host.as_ref().is_ok_and(|h| h.ipc.is_ok()) {
@@ -321,7 +325,7 @@ fn open_entry(
     len: Option<u64>,
     counters: &Arc<crate::charge::Counters>,
     opened: &mut Vec<(Opened, Arc<crate::cuda::IpcMapping>)>,
-) -> Result<crate::transport::mapping::Imported, String> {
+) -> Result<crate::transport::mapping::Imported, ImportError> {
     use crate::cuda::IpcMapping;
     use crate::wire::IpcEntry;
     let (key, uuid, offset, alloc_len) = match &entry {
@@ -329,18 +333,16 @@ fn open_entry(
         IpcEntry::Shareable { uuid, alloc_base, offset, alloc_len } => {
             (Opened::Shareable(*alloc_base), uuid, *offset, *alloc_len)
         }
-        IpcEntry::Refused(why) => return Err(format!("the peer did not export it: {why}")),
+        IpcEntry::Refused(why) => return Err(ImportError::NotExported(why.clone())),
     };
-    let len = len.ok_or_else(|| "the peer no longer has it".to_owned())?;
+    let len = len.ok_or(ImportError::Gone)?;
     let mapping = match opened.iter().find(|(k, _)| *k == key) {
         Some((_, m)) => m.clone(),
         None => {
             let m = match (&key, fd) {
-                (Opened::Legacy(handle), _) => IpcMapping::open(handle, uuid, counters).map_err(|e| e.to_string())?,
-                (Opened::Shareable(_), Some(fd)) => {
-                    IpcMapping::import_shareable(fd, uuid, alloc_len, counters).map_err(|e| e.to_string())?
-                }
-                (Opened::Shareable(_), None) => return Err("the peer sent no descriptor for it".into()),
+                (Opened::Legacy(handle), _) => IpcMapping::open(handle, uuid, counters)?,
+                (Opened::Shareable(_), Some(fd)) => IpcMapping::import_shareable(fd, uuid, alloc_len, counters)?,
+                (Opened::Shareable(_), None) => return Err(ImportError::NoDescriptor),
             };
             let m = Arc::new(m);
             opened.push((key, m.clone()));
@@ -348,11 +350,11 @@ fn open_entry(
         }
     };
     if mapping.len != alloc_len {
-        return Err(format!("the peer says its allocation has {alloc_len} bytes, the mapping has {}", mapping.len));
+        return Err(ImportError::SizeMismatch { said: alloc_len, mapped: mapping.len });
     }
     match offset.checked_add(len) {
         Some(end) if end <= mapping.len => Ok(crate::transport::mapping::Imported { mapping, offset }),
-        _ => Err(format!("{offset}+{len} lies outside the peer's allocation of {} bytes", mapping.len)),
+        _ => Err(ImportError::Outside { offset, len, alloc: mapping.len }),
     }
 }
 
@@ -363,8 +365,8 @@ fn open_entry(
     _len: Option<u64>,
     _counters: &Arc<crate::charge::Counters>,
     _opened: &mut Vec<((), ())>,
-) -> Result<crate::transport::mapping::Imported, String> {
-    Err("built without feature cuda".into())
+) -> Result<crate::transport::mapping::Imported, ImportError> {
+    Err(ImportError::Driver(crate::cuda::CudaError::NotBuilt))
 }
 
 /// Maps a proven same-host peer's shared allocations `names`: each mapping,
@@ -372,7 +374,7 @@ fn open_entry(
 pub(crate) fn map_shared<J: CopyJob>(
     link: &PeerLink<J>,
     names: &[String],
-) -> Vec<(String, Result<Arc<ShmMapping>, String>)> {
+) -> Vec<(String, Result<Arc<ShmMapping>, ShareError>)> {
     if names.is_empty() {
         return Vec::new();
     }
@@ -381,9 +383,9 @@ pub(crate) fn map_shared<J: CopyJob>(
         Ok(fds) => names
             .iter()
             .cloned()
-            .zip(fds.into_iter().map(|fd| fd.and_then(|fd| map_fd(fd).map_err(|e| e.to_string())).map(Arc::new)))
+            .zip(fds.into_iter().map(|fd| fd.and_then(|fd| Ok(map_fd(fd)?)).map(Arc::new)))
             .collect(),
-        Err(why) => names.iter().map(|n| (n.clone(), Err(why.clone()))).collect(),
+        Err(why) => names.iter().map(|n| (n.clone(), Err(ShareError::Ask(why.clone())))).collect(),
     }
 }
 

@@ -16,6 +16,7 @@ use crate::error::{Error, PeerError};
 use crate::segment::{Delta, ExportedRegistration, SegmentView};
 use crate::transport::link::{Initiators, PeerLink};
 use crate::transport::mapping::unmapped;
+use crate::transport::peer_errors::{CmaRefused, IpcOff, LocalError};
 use crate::transport::proto::client::{ControlDone, ControlJob, PeerFailure, PeerJob};
 use crate::transport::routes::SameHost;
 use crate::wire::{Kind, NotifyEnvelope};
@@ -137,7 +138,7 @@ impl EngineInner {
     /// What this engine may do with a peer proven to run on this host
     /// (the link's local proof): CMA only toward the pid the kernel
     /// reported, probed there.
-    fn same_host(&self, link: &PeerLink<RouteTask>) -> Result<SameHost, String> {
+    fn same_host(&self, link: &PeerLink<RouteTask>) -> Result<SameHost, LocalError> {
         let cred = link.local.as_ref().map_err(Clone::clone)?;
         let d = &link.descriptor;
         let probe_at = d
@@ -147,7 +148,7 @@ impl EngineInner {
             .map(|r| r.addr);
         let cma = match probe_at {
             Some(addr) => crate::transport::routes::cma::probe(cred.pid, addr),
-            None => Err("the peer exports no readable registration to probe".into()),
+            None => Err(CmaRefused::NothingToProbe),
         };
         let cma = match &self.routes.hooks {
             Some(h) => h.cma_probe(cma),
@@ -158,11 +159,11 @@ impl EngineInner {
 
     /// Whether this engine opens same-host peers' device memory through
     /// CUDA IPC, or why not.
-    fn ipc_allowed(&self) -> Result<Arc<crate::charge::Counters>, String> {
+    fn ipc_allowed(&self) -> Result<Arc<crate::charge::Counters>, IpcOff> {
         if !self.config.cuda_ipc {
-            return Err("CUDA IPC is off (cuda_ipc)".into());
+            return Err(IpcOff::Disabled);
         }
-        crate::cuda::availability().map_err(|why| format!("no CUDA here: {why}"))?;
+        crate::cuda::availability().map_err(IpcOff::NoCuda)?;
         Ok(self.counters.clone())
     }
 

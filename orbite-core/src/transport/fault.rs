@@ -205,9 +205,12 @@ impl<J: Send + 'static> Hooks<J> for FaultState<J> {
         held.1 -= 1;
     }
 
-    fn cma_probe(&self, probe: Result<(), String>) -> Result<(), String> {
+    fn cma_probe(
+        &self,
+        probe: Result<(), crate::transport::peer_errors::CmaRefused>,
+    ) -> Result<(), crate::transport::peer_errors::CmaRefused> {
         if self.deny_cma.load(Ordering::Acquire) {
-            return Err("process_vm_readv denied (injected by a test)".into());
+            return Err(crate::transport::peer_errors::CmaRefused::Injected);
         }
         probe
     }

@@ -55,7 +55,10 @@ pub(crate) trait Hooks<J>: Send + Sync {
     fn before_remote_bytes(&self) {}
 
     /// Sees the CMA probe of a same-host peer and may replace its result.
-    fn cma_probe(&self, probe: Result<(), String>) -> Result<(), String> {
+    fn cma_probe(
+        &self,
+        probe: Result<(), crate::transport::peer_errors::CmaRefused>,
+    ) -> Result<(), crate::transport::peer_errors::CmaRefused> {
         probe
     }
 

@@ -33,6 +33,8 @@ use parking_lot::{Condvar, Mutex};
 use crate::segment::{Delta, SegmentDescriptor};
 use crate::transport::CopyJob;
 use crate::transport::auth::{Dialed, Initiator, Secret};
+pub(crate) use crate::transport::peer_errors::OpenError;
+use crate::transport::peer_errors::{LocalError, ShareError};
 use crate::transport::proto::FrameIn;
 use crate::transport::proto::client::{ClientConn, PeerJob, unsent};
 use crate::transport::reactor::{Events, Interest, Poller, Waker};
@@ -85,23 +87,6 @@ impl LinkOptions {
             rate => now.checked_add(self.stall().saturating_add(crate::time::at_rate(bytes, rate))),
         }
     }
-}
-
-/// Errors of opening a link.
-#[derive(Debug)]
-pub(crate) enum OpenError {
-    Connect(String),
-    Protocol(String),
-    EpochMismatch {
-        expected: u64,
-        found: u64,
-    },
-    /// The handshake failed: the peer refused this engine's proof (or
-    /// wants one it does not have), or could not prove the secret.
-    Unauthenticated(String),
-    /// The peer is this engine itself (it describes or proves this
-    /// engine's own epoch).
-    OwnEngine,
 }
 
 /// Runs the initiator's side of the authentication exchange on a fresh,
@@ -204,15 +189,6 @@ fn describe(
     Ok((descriptor, h.minor))
 }
 
-/// What an [`OpenError`] says, for a reason string.
-fn said(e: OpenError) -> String {
-    match e {
-        OpenError::Connect(m) | OpenError::Protocol(m) | OpenError::Unauthenticated(m) => m,
-        OpenError::EpochMismatch { expected, found } => format!("epoch {found:#x} where {expected:#x} was expected"),
-        OpenError::OwnEngine => "the peer is this engine itself".into(),
-    }
-}
-
 /// A peer proven to run on this host: the kernel's word on its process,
 /// and what that process itself described.
 pub(crate) struct LocalProof {
@@ -234,14 +210,14 @@ fn connect_local(
     secret: Option<&Arc<Secret>>,
     opts: &LinkOptions,
     patience: &Patience,
-) -> Result<(Stream, Credentials), String> {
+) -> Result<(Stream, Credentials), LocalError> {
     if opts.own_socket.as_deref() == Some(name) {
-        return Err("the peer names this engine's own local socket".into());
+        return Err(LocalError::OwnSocket);
     }
-    let (s, cred) = crate::transport::unix::connect(name, opts.tick()).map_err(|e| e.to_string())?;
+    let (s, cred) = crate::transport::unix::connect(name, opts.tick())?;
     if let Some(secret) = secret {
         let dialed = Dialed { name: name.to_owned(), reached: None };
-        authenticate(s.as_raw_fd(), secret, my_epoch, Some(epoch), &dialed, patience).map_err(said)?;
+        authenticate(s.as_raw_fd(), secret, my_epoch, Some(epoch), &dialed, patience).map_err(LocalError::Handshake)?;
     }
     Ok((s.into(), cred))
 }
@@ -257,19 +233,19 @@ fn prove_local(
     secret: Option<&Arc<Secret>>,
     opts: &LinkOptions,
     patience: &Patience,
-) -> Result<LocalProof, String> {
+) -> Result<LocalProof, LocalError> {
     if !claimed.same_boot(&opts.boot_id) {
-        return Err("peer is not on this boot".into());
+        return Err(LocalError::OtherBoot);
     }
     if claimed.local_socket.is_empty() {
-        return Err("the peer offers no local socket to prove it runs on this host".into());
+        return Err(LocalError::NoSocket);
     }
     let (stream, cred) = connect_local(&claimed.local_socket, claimed.epoch, my_epoch, secret, opts, patience)?;
     // The engine behind the socket describes itself, under the claimed
     // epoch or not at all. It may be another engine of this very process
     // (two NIXL agents in one process): its registrations are its own.
-    let (descriptor, _) = describe(stream.as_raw_fd(), my_epoch, Some(claimed.epoch), opts, patience)
-        .map_err(|e| format!("the process behind the local socket: {}", said(e)))?;
+    let (descriptor, _) =
+        describe(stream.as_raw_fd(), my_epoch, Some(claimed.epoch), opts, patience).map_err(LocalError::Describe)?;
     Ok(LocalProof { cred, stream, descriptor })
 }
 
@@ -319,7 +295,7 @@ pub(crate) struct PeerLink<J> {
     pub descriptor: SegmentDescriptor,
     /// The kernel's word on a same-host peer's process, or why the peer
     /// is not one (then only the tcp route reaches it).
-    pub local: Result<Credentials, String>,
+    pub local: Result<Credentials, LocalError>,
     queue: Mutex<LinkQueue<J>>,
     opts: LinkOptions,
     next_request: AtomicU64,
@@ -419,7 +395,7 @@ impl<J: CopyJob> PeerLink<J> {
             Ok(cred) => {
                 let (s, again) =
                     connect_local(&descriptor.local_socket, descriptor.epoch, my_epoch, secret, &opts, &open_patience)
-                        .map_err(OpenError::Connect)?;
+                        .map_err(|e| OpenError::Connect(e.to_string()))?;
                 if again.pid != cred.pid {
                     return Err(OpenError::Protocol("the peer's local socket changed hands".into()));
                 }
@@ -500,18 +476,18 @@ impl<J: CopyJob> PeerLink<J> {
     /// Sends one `kind` frame with `body` over a fresh connection to the
     /// local socket of this peer, which must lead to the process the
     /// kernel named at open; the connection, for its answer.
-    fn ask_local(&self, kind: Kind, body: &[u8], patience: &Patience) -> Result<Stream, String> {
+    fn ask_local(&self, kind: Kind, body: &[u8], patience: &Patience) -> Result<Stream, LocalError> {
         let cred = self.local.as_ref().map_err(Clone::clone)?;
         let d = &self.descriptor;
         let (s, again) =
             connect_local(&d.local_socket, d.epoch, self.my_epoch, self.secret.as_ref(), &self.opts, patience)?;
         if again.pid != cred.pid {
-            return Err("the peer's local socket changed hands".into());
+            return Err(LocalError::ChangedHands);
         }
         let hb = wire::encode_header(&wire::header(kind, body.len(), 0, 1));
         let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
         // SAFETY: both entries borrow live local buffers for the call.
-        unsafe { writev_within(s.as_raw_fd(), &mut v, Some(patience)) }.map_err(|e| e.to_string())?;
+        unsafe { writev_within(s.as_raw_fd(), &mut v, Some(patience)) }?;
         Ok(s)
     }
 
@@ -519,7 +495,7 @@ impl<J: CopyJob> PeerLink<J> {
     /// allocations `names` (sealed memfds, over a fresh connection to its
     /// local socket, which must lead to the same process): per name, the
     /// descriptor or why not. Bounded by the peer timeout.
-    pub fn fetch_shared(&self, names: &[&str]) -> Result<Vec<Result<OwnedFd, String>>, String> {
+    pub fn fetch_shared(&self, names: &[&str]) -> Result<Vec<Result<OwnedFd, ShareError>>, LocalError> {
         let patience = self.local_patience();
         let mut out = Vec::with_capacity(names.len());
         let mut body = Vec::new();
@@ -529,22 +505,22 @@ impl<J: CopyJob> PeerLink<J> {
             let fd = s.as_raw_fd();
             let (hb, fds) = header_with_fds(fd, chunk.len(), &patience, "its shared memory")?;
             let limits = Limits { max_body: (2 + wire::MAX_SHARED_FDS) as u32, max_data: 0 };
-            let h = wire::decode_header(&hb, limits).map_err(|e| e.to_string())?;
+            let h = wire::decode_header(&hb, limits)?;
             let mut body = vec![0u8; h.body_len as usize];
-            read_exact_within(fd, &mut body, Some(&patience)).map_err(|e| e.to_string())?;
-            let attached = match Message::decode(&h, &body).map_err(|e| e.to_string())? {
+            read_exact_within(fd, &mut body, Some(&patience))?;
+            let attached = match Message::decode(&h, &body)? {
                 Message::ShareFdsReply(attached) => attached,
-                m => return Err(format!("unexpected {:?} reply to a request for shared memory", m.kind())),
+                m => return Err(LocalError::Unexpected { kind: m.kind(), what: "shared memory" }),
             };
-            wire::expect_count(Kind::ShareFdsReply, chunk.len(), attached.len()).map_err(|e| e.to_string())?;
+            wire::expect_count(Kind::ShareFdsReply, chunk.len(), attached.len())?;
             if attached.iter().filter(|a| **a).count() != fds.len() {
-                return Err("the peer's answer does not match the descriptors it sent".into());
+                return Err(LocalError::DescriptorsMismatch("shared memory"));
             }
             let mut fds = fds.into_iter();
             for (name, has) in chunk.iter().zip(attached) {
                 out.push(match has {
-                    true => fds.next().ok_or_else(|| "missing descriptor".to_owned()),
-                    false => Err(format!("the peer has no shared allocation {name:?} to hand over")),
+                    true => fds.next().ok_or(ShareError::MissingDescriptor),
+                    false => Err(ShareError::Unknown((*name).to_owned())),
                 });
             }
         }
@@ -558,7 +534,7 @@ impl<J: CopyJob> PeerLink<J> {
     /// A shareable entry comes with its descriptor (the peer attaches one
     /// per such entry; an answer whose descriptors do not match its
     /// entries is refused whole).
-    pub fn fetch_ipc(&self, ids: &[u64]) -> Result<Vec<(wire::IpcEntry, Option<OwnedFd>)>, String> {
+    pub fn fetch_ipc(&self, ids: &[u64]) -> Result<Vec<(wire::IpcEntry, Option<OwnedFd>)>, LocalError> {
         let patience = self.local_patience();
         let mut out = Vec::with_capacity(ids.len());
         let mut body = Vec::new();
@@ -572,14 +548,14 @@ impl<J: CopyJob> PeerLink<J> {
             // reason (an exported entry is shorter), or an error frame.
             let max_body = (2 + chunk.len() * wire::IPC_ENTRY_MAX).max(4 + wire::MAX_ERROR_DETAIL);
             let limits = Limits { max_body: max_body as u32, max_data: 0 };
-            let h = wire::decode_header(&hb, limits).map_err(|e| e.to_string())?;
+            let h = wire::decode_header(&hb, limits)?;
             let mut body = vec![0u8; h.body_len as usize];
-            read_exact_within(fd, &mut body, Some(&patience)).map_err(|e| e.to_string())?;
-            match Message::decode(&h, &body).map_err(|e| e.to_string())? {
+            read_exact_within(fd, &mut body, Some(&patience))?;
+            match Message::decode(&h, &body)? {
                 Message::IpcHandlesReply(entries) => {
-                    wire::expect_count(Kind::IpcHandlesReply, chunk.len(), entries.len()).map_err(|e| e.to_string())?;
+                    wire::expect_count(Kind::IpcHandlesReply, chunk.len(), entries.len())?;
                     if entries.iter().filter(|e| e.has_fd()).count() != fds.len() {
-                        return Err("the peer's IPC answer does not match the descriptors it sent".into());
+                        return Err(LocalError::DescriptorsMismatch("IPC handles"));
                     }
                     let mut fds = fds.into_iter();
                     out.extend(entries.into_iter().map(|e| {
@@ -588,9 +564,9 @@ impl<J: CopyJob> PeerLink<J> {
                     }));
                 }
                 Message::Error { status, detail } => {
-                    return Err(format!("the peer refused IPC handles: {status:?}: {detail}"));
+                    return Err(LocalError::Refused { what: "IPC handles", status, detail });
                 }
-                m => return Err(format!("unexpected {:?} reply to a request for IPC handles", m.kind())),
+                m => return Err(LocalError::Unexpected { kind: m.kind(), what: "IPC handles" }),
             }
         }
         Ok(out)
@@ -787,20 +763,32 @@ fn read_first_changes(fd: i32, limits: &Limits, epoch: u64, patience: &Patience)
     if let Ok(Message::Error { status: wire::RemoteStatus::ResourceExhausted, .. }) = Message::decode(&h, &body) {
         return Ok(FirstChanges::Full);
     }
-    changes_of(&h, &body, epoch).map(FirstChanges::Changes).map_err(OpenError::Protocol)
+    changes_of(&h, &body, epoch).map(FirstChanges::Changes).map_err(|e| OpenError::Protocol(e.to_string()))
+}
+
+/// Why a frame on the watch connection is refused (the link then stops
+/// trusting what it was told, and asks).
+#[derive(Debug, thiserror::Error)]
+enum WatchFrameError {
+    #[error("unexpected {0:?} on the watch connection")]
+    Unexpected(Kind),
+    #[error(transparent)]
+    Wire(#[from] WireError),
+    #[error("changes of another epoch")]
+    OtherEpoch,
 }
 
 /// Decodes one Changed frame of the subscription (request 1) for `epoch`.
-fn changes_of(h: &wire::Header, body: &[u8], epoch: u64) -> Result<(u64, Delta), String> {
+fn changes_of(h: &wire::Header, body: &[u8], epoch: u64) -> Result<(u64, Delta), WatchFrameError> {
     if h.request != 1 || h.kind != Kind::Changed {
-        return Err(format!("unexpected {:?} on the watch connection", h.kind));
+        return Err(WatchFrameError::Unexpected(h.kind));
     }
-    let Message::Changed { target_epoch, base, delta } = Message::decode(h, body).map_err(|e| e.to_string())? else {
-        return Err(format!("unexpected {:?} on the watch connection", h.kind));
+    let Message::Changed { target_epoch, base, delta } = Message::decode(h, body)? else {
+        return Err(WatchFrameError::Unexpected(h.kind));
     };
-    let delta = Delta::decode(delta).map_err(|e| e.to_string())?;
+    let delta = Delta::decode(delta)?;
     if target_epoch != epoch {
-        return Err("changes of another epoch".into());
+        return Err(WatchFrameError::OtherEpoch);
     }
     Ok((base, delta))
 }
@@ -1409,22 +1397,22 @@ fn header_with_fds(
     fd: std::os::fd::RawFd,
     max_fds: usize,
     patience: &Patience,
-    what: &str,
-) -> Result<([u8; wire::HEADER_LEN], Vec<OwnedFd>), String> {
+    what: &'static str,
+) -> Result<([u8; wire::HEADER_LEN], Vec<OwnedFd>), LocalError> {
     let mut fds = Vec::new();
     let mut hb = [0u8; wire::HEADER_LEN];
     let mut got = 0;
     while got < hb.len() {
         match crate::transport::unix::recv_with_fds(fd, &mut hb[got..], max_fds, &mut fds) {
-            Ok(0) => return Err("the peer closed its local socket".into()),
+            Ok(0) => return Err(LocalError::Closed),
             Ok(n) => got += n,
             Err(e) if matches!(e.kind(), io::ErrorKind::Interrupted) => {}
             Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
                 if Instant::now() >= patience.until.unwrap_or_else(Instant::now) {
-                    return Err(format!("the peer did not hand over {what} in time"));
+                    return Err(LocalError::TimedOut(what));
                 }
             }
-            Err(e) => return Err(format!("{what}: {e}")),
+            Err(e) => return Err(LocalError::Receive(what, Arc::new(e))),
         }
     }
     Ok((hb, fds))

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::segment::ExportedRegistration;
+use crate::transport::peer_errors::MapError;
 
 /// A peer's shared allocation mapped into this process.
 pub(crate) struct ShmMapping {
@@ -34,22 +35,7 @@ impl Drop for ShmMapping {
 }
 
 /// A peer's shared allocations mapped here, by name (or why not).
-pub(crate) type SharedMaps = HashMap<String, Result<Arc<ShmMapping>, String>>;
-
-/// Why a peer's shared allocation is not mapped here.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub(crate) enum MapError {
-    #[error("the peer's shared memory is not sealed against shrinking")]
-    NotSealed,
-    #[error("the peer's shared memory is not a memory file")]
-    NotMemoryFile,
-    #[error("the peer's shared memory is not ordinary shared memory")]
-    NotOrdinary,
-    #[error("the peer's shared memory is empty")]
-    Empty,
-    #[error("cannot map the peer's shared memory: {0}")]
-    Mmap(String),
-}
+pub(crate) type SharedMaps = HashMap<String, Result<Arc<ShmMapping>, crate::transport::peer_errors::ShareError>>;
 
 /// Maps a shared allocation a same-host peer handed over (a descriptor
 /// received over its local socket). It must be sealed against shrinking:
@@ -164,4 +150,4 @@ pub(crate) struct Imported {
 }
 
 /// A peer's device registrations by raw id: opened, or why not.
-pub(crate) type Imports = HashMap<u64, Result<Arc<Imported>, String>>;
+pub(crate) type Imports = HashMap<u64, Result<Arc<Imported>, crate::transport::peer_errors::ImportError>>;

@@ -8,6 +8,7 @@ pub(crate) mod link;
 pub(crate) mod liveness;
 pub(crate) mod local;
 pub(crate) mod mapping;
+pub(crate) mod peer_errors;
 pub(crate) mod proto;
 pub(crate) mod reactor;
 pub(crate) mod routes;

@@ -25,7 +25,7 @@ impl RouteImpl for Cma {
 
     fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {
         let Reach::Peer(p) = target else { return Err(Unreachable::NotPeer) };
-        let h = p.same_host.map_err(|why| Unreachable::NotSameHost(why.to_owned()))?;
+        let h = p.same_host.map_err(|why| Unreachable::NotSameHost(why.clone()))?;
         h.cma.clone().map_err(Unreachable::CmaDenied)?;
         // A device address of the peer is no memory the kernel can copy.
         if let Some(device) = remote.iter().find_map(|d| p.segment.get(d.registration.to_raw()).and_then(|r| r.device))
@@ -72,14 +72,17 @@ pub(crate) fn copy_task(
 const BATCH: usize = 1024;
 
 /// Checks that the kernel lets this process read `pid`'s memory at `addr`.
-pub(crate) fn probe(pid: i32, addr: u64) -> Result<(), String> {
+pub(crate) fn probe(pid: i32, addr: u64) -> Result<(), crate::transport::peer_errors::CmaRefused> {
     let mut byte = 0u8;
     let local = libc::iovec { iov_base: (&mut byte as *mut u8).cast(), iov_len: 1 };
     let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: 1 };
     // SAFETY: the local iovec covers one byte of a live local; the remote
     // one is only read by the kernel, which checks access itself.
     let r = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
-    if r == 1 { Ok(()) } else { Err(format!("process_vm_readv denied: {}", io::Error::last_os_error())) }
+    match r {
+        1 => Ok(()),
+        _ => Err(crate::transport::peer_errors::CmaRefused::Denied(std::sync::Arc::new(io::Error::last_os_error()))),
+    }
 }
 
 /// Copies the spans in order (at most `limit` bytes) between this process

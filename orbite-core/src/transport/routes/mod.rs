@@ -27,12 +27,13 @@ use std::sync::Arc;
 use crate::segment::{ExportedRegistration, SegmentView};
 use crate::transport::liveness::{LivenessCheck, PeerLiveness};
 use crate::transport::mapping::SharedMaps;
+use crate::transport::peer_errors::{CmaRefused, ImportError, IpcOff, LocalError};
 use crate::transport::{PeerError, Span};
 use crate::types::{Desc, Op, Route, RouteChoice, RoutePolicy, TaskEnd};
 
 /// Why a route does not reach a transfer's target, or cannot address one
 /// of its ranges (reported as `PeerError::RouteUnavailable`).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub(crate) enum Unreachable {
     /// The target is not this engine.
     #[error("not this engine")]
@@ -44,14 +45,14 @@ pub(crate) enum Unreachable {
     #[error("not a file")]
     NotFile,
     /// The peer is not proven to run on this host: why the proof failed.
-    #[error("{0}")]
-    NotSameHost(String),
-    /// The kernel refuses cross-memory copies into the peer: its words.
-    #[error("{0}")]
-    CmaDenied(String),
+    #[error(transparent)]
+    NotSameHost(LocalError),
+    /// The kernel refuses cross-memory copies into the peer.
+    #[error(transparent)]
+    CmaDenied(CmaRefused),
     /// CUDA IPC with this peer is off or impossible here: why.
-    #[error("{0}")]
-    IpcUnavailable(String),
+    #[error(transparent)]
+    IpcUnavailable(IpcOff),
     /// A target range is the peer's device memory (no CPU copy reaches it).
     #[error("a target range is CUDA device memory (device {0}) of the peer")]
     PeerDeviceMemory(u32),
@@ -76,7 +77,7 @@ pub(crate) enum Unreachable {
     OutsideShared,
     /// The peer's device memory is not imported: why, if an import failed.
     #[error("the peer's device memory is not imported{}", .0.as_ref().map_or(" (yet)".to_owned(), |w| format!(": {w}")))]
-    NotImported(Option<String>),
+    NotImported(Option<ImportError>),
     /// This build lacks what the route needs.
     #[error(transparent)]
     NotBuilt(#[from] crate::cuda::CudaError),
@@ -85,13 +86,13 @@ pub(crate) enum Unreachable {
 /// What this engine learnt at open about a peer proven to run on this host.
 pub(crate) struct SameHost {
     /// Whether the kernel lets this process use CMA on the peer.
-    pub cma: Result<(), String>,
+    pub cma: Result<(), CmaRefused>,
     /// The peer's pid in this pid namespace, as the kernel reported it
     /// (never the one the peer named).
     pub pid: i32,
     /// Whether this engine opens the peer's device memory through CUDA
     /// IPC (charging imports to these counters), or why not.
-    pub ipc: Result<std::sync::Arc<crate::charge::Counters>, String>,
+    pub ipc: Result<std::sync::Arc<crate::charge::Counters>, IpcOff>,
 }
 
 /// What a route sees of a peer at prepare.
@@ -101,7 +102,7 @@ pub(crate) struct PeerReach<'a> {
     /// Its shared allocations mapped here.
     pub maps: &'a SharedMaps,
     /// `Err(why)` when the peer is not proven to run on this host.
-    pub same_host: Result<&'a SameHost, &'a str>,
+    pub same_host: Result<&'a SameHost, &'a LocalError>,
     /// For a same-host peer: whether its process still runs.
     pub alive: Option<&'a PeerLiveness>,
     /// For a same-host peer: its device registrations opened here.
@@ -594,8 +595,8 @@ mod tests {
     fn refusals_say_why_in_the_words_the_reasons_used() {
         assert_eq!(Unreachable::NotImported(None).to_string(), "the peer's device memory is not imported (yet)");
         assert_eq!(
-            Unreachable::NotImported(Some("cuIpcOpenMemHandle failed".into())).to_string(),
-            "the peer's device memory is not imported: cuIpcOpenMemHandle failed"
+            Unreachable::NotImported(Some(crate::transport::peer_errors::ImportError::Gone)).to_string(),
+            "the peer's device memory is not imported: the peer no longer has it"
         );
         assert_eq!(
             Unreachable::PeerDeviceMemory(3).to_string(),

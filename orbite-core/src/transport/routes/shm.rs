@@ -22,7 +22,7 @@ impl RouteImpl for Shm {
 
     fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {
         let Reach::Peer(p) = target else { return Err(Unreachable::NotPeer) };
-        p.same_host.map_err(|why| Unreachable::NotSameHost(why.to_owned()))?;
+        p.same_host.map_err(|why| Unreachable::NotSameHost(why.clone()))?;
         remote.iter().try_for_each(|d| {
             let r = p.segment.get(d.registration.to_raw()).ok_or(Unreachable::UnknownRegistration)?;
             let (name, offset) = r.shm.as_ref().ok_or(Unreachable::NotShared)?;
