@@ -13,7 +13,6 @@
 //! dereferences a device pointer, and a device registration is never handed
 //! to a route that copies with the CPU.
 
-#[cfg(feature = "cuda")]
 use std::fmt;
 
 /// Why the CUDA driver did not do what was asked. Every error of this
@@ -166,7 +165,6 @@ pub fn reference_copy_gbps(
 }
 
 /// Where a device range lives, as the driver reports it.
-#[cfg(feature = "cuda")]
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) struct DeviceRange {
     /// The CUDA ordinal.
@@ -183,7 +181,6 @@ pub(crate) struct DeviceRange {
     pub chunks: u64,
 }
 
-#[cfg(feature = "cuda")]
 impl fmt::Debug for DeviceRange {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
@@ -194,11 +191,32 @@ impl fmt::Debug for DeviceRange {
     }
 }
 
-#[cfg(feature = "cuda")]
 pub(crate) use driver::{
-    ContextLease, DeviceAllocation, HostPin, IpcHandle, IpcMapping, PinnedBuffer, Stager, Ticket, await_ticket,
-    copy_on_stream, ipc_export, issue_on_stream, release_thread_streams, validate, wait_ticket,
+    ContextLease, DeviceAllocation, HostPin, IpcMapping, PinnedBuffer, Stager, Ticket, await_ticket, copy_on_stream,
+    ipc_export, issue_on_stream, release_thread_streams, validate, wait_ticket,
 };
+
+/// How a target hands a same-host peer the allocation holding a
+/// device registration.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "made by the driver only"))]
+pub(crate) enum IpcHandle {
+    /// A legacy CUDA IPC handle (`cuIpcGetMemHandle`).
+    Legacy([u8; 64]),
+    /// A shareable handle of the virtual memory management API
+    /// (`cuMemExportToShareableHandle`, a POSIX file descriptor): memory
+    /// made with `cuMemCreate` (PyTorch's expandable segments), which
+    /// has no legacy handle.
+    Shareable(std::os::fd::OwnedFd),
+}
+
+/// What a target hands a same-host peer for one device registration:
+/// a handle of the allocation holding it.
+pub(crate) struct IpcExport {
+    pub handle: IpcHandle,
+    pub uuid: [u8; 16],
+    pub alloc_base: u64,
+    pub alloc_len: u64,
+}
 
 #[cfg(feature = "cuda")]
 mod driver {
@@ -207,7 +225,7 @@ mod driver {
 
     use cudarc::driver::sys;
 
-    use super::{CudaError, CudaInfo, DeviceRange};
+    use super::{CudaError, CudaInfo, DeviceRange, IpcExport, IpcHandle};
 
     pub(super) struct Driver {
         pub info: CudaInfo,
@@ -982,27 +1000,6 @@ mod driver {
         Ok(None)
     }
 
-    /// How a target hands a same-host peer the allocation holding a
-    /// device registration.
-    pub(crate) enum IpcHandle {
-        /// A legacy CUDA IPC handle (`cuIpcGetMemHandle`).
-        Legacy([u8; 64]),
-        /// A shareable handle of the virtual memory management API
-        /// (`cuMemExportToShareableHandle`, a POSIX file descriptor): memory
-        /// made with `cuMemCreate` (PyTorch's expandable segments), which
-        /// has no legacy handle.
-        Shareable(std::os::fd::OwnedFd),
-    }
-
-    /// What a target hands a same-host peer for one device registration:
-    /// a handle of the allocation holding it.
-    pub(crate) struct IpcExport {
-        pub handle: IpcHandle,
-        pub uuid: [u8; 16],
-        pub alloc_base: u64,
-        pub alloc_len: u64,
-    }
-
     /// Exports the allocation of device `ordinal` holding `ptr`: as a
     /// legacy CUDA IPC handle, or else (memory of the virtual memory
     /// management API) as a POSIX file descriptor, which the allocation
@@ -1252,6 +1249,161 @@ mod driver {
                     },
                 }
             }
+        }
+    }
+}
+
+/// The driver's interface without feature `cuda`: the same types and
+/// calls, so that nothing above this module needs the feature. Nothing
+/// here can be made: every constructor and call answers
+/// [`CudaError::NotBuilt`], and the types that stand for driver objects
+/// are uninhabited (a host page-lock record is the one exception: it
+/// never pins).
+#[cfg(not(feature = "cuda"))]
+mod driver {
+    use std::convert::Infallible;
+
+    use super::{CudaError, DeviceRange, IpcExport};
+
+    pub(crate) struct ContextLease {
+        never: Infallible,
+    }
+
+    impl ContextLease {
+        pub(crate) fn retain(_ordinal: u32) -> Result<Self, CudaError> {
+            Err(CudaError::NotBuilt)
+        }
+        pub(crate) fn device(&self) -> u32 {
+            match self.never {}
+        }
+    }
+
+    pub(crate) struct Ticket {
+        never: Infallible,
+    }
+
+    pub(crate) fn validate(_ordinal: u32, _ptr: u64, _len: u64) -> Result<DeviceRange, CudaError> {
+        Err(CudaError::NotBuilt)
+    }
+
+    pub(crate) fn release_thread_streams() {}
+
+    pub(crate) fn issue_on_stream(_ordinal: u32, _copies: &[(u64, u64, u64)]) -> Result<Ticket, (u64, CudaError)> {
+        Err((0, CudaError::NotBuilt))
+    }
+
+    pub(crate) fn await_ticket(ticket: &Ticket) {
+        match ticket.never {}
+    }
+
+    pub(crate) fn wait_ticket(ticket: Ticket) -> Result<(), CudaError> {
+        match ticket.never {}
+    }
+
+    pub(crate) fn copy_on_stream(_ordinal: u32, _copies: &[(u64, u64, u64)]) -> (u64, Option<CudaError>) {
+        (0, Some(CudaError::NotBuilt))
+    }
+
+    pub(crate) struct Stager {
+        never: Infallible,
+    }
+
+    impl Stager {
+        pub(crate) fn new(_ordinal: u32) -> Result<Self, CudaError> {
+            Err(CudaError::NotBuilt)
+        }
+        pub(crate) fn enqueue(&mut self, _slot: usize, _copies: &[(u64, u64, u64)]) -> Result<(), CudaError> {
+            match self.never {}
+        }
+        pub(crate) fn wait(&mut self, _slot: usize) -> Result<(), CudaError> {
+            match self.never {}
+        }
+        pub(crate) fn drain(&mut self) {
+            match self.never {}
+        }
+    }
+
+    pub(crate) struct PinnedBuffer {
+        never: Infallible,
+    }
+
+    impl PinnedBuffer {
+        pub(crate) fn new(_ordinal: u32, _len: u64) -> Result<Self, CudaError> {
+            Err(CudaError::NotBuilt)
+        }
+        pub(crate) fn addr(&self) -> u64 {
+            match self.never {}
+        }
+        pub(crate) fn len(&self) -> u64 {
+            match self.never {}
+        }
+    }
+
+    /// A host range that is never pinned (no driver).
+    #[derive(Debug)]
+    pub(crate) struct HostPin;
+
+    impl HostPin {
+        pub(crate) fn new(_addr: u64, _len: u64) -> Self {
+            HostPin
+        }
+        pub(crate) fn ensure(&self, _ordinal: u32) {}
+        pub(crate) fn release(&self) {}
+    }
+
+    pub(crate) struct DeviceAllocation {
+        pub ptr: u64,
+        pub len: u64,
+        pub device: u32,
+        pub lease: ContextLease,
+    }
+
+    impl DeviceAllocation {
+        pub(crate) fn new(_ordinal: u32, _len: u64) -> Result<Self, CudaError> {
+            Err(CudaError::NotBuilt)
+        }
+        pub(crate) fn write(&self, _offset: u64, _data: &[u8]) -> Result<(), CudaError> {
+            match self.lease.never {}
+        }
+        pub(crate) fn read(&self, _offset: u64, _out: &mut [u8]) -> Result<(), CudaError> {
+            match self.lease.never {}
+        }
+    }
+
+    pub(crate) fn ipc_export(_ordinal: u32, _ptr: u64, _len: u64) -> Result<IpcExport, CudaError> {
+        Err(CudaError::NotBuilt)
+    }
+
+    #[derive(Debug)]
+    pub(crate) struct IpcMapping {
+        pub ptr: u64,
+        pub len: u64,
+        pub device: u32,
+        never: Infallible,
+    }
+
+    impl IpcMapping {
+        pub(crate) fn open(
+            _handle: &[u8; 64],
+            _uuid: &[u8; 16],
+            _counters: &std::sync::Arc<crate::charge::Counters>,
+        ) -> Result<Self, CudaError> {
+            Err(CudaError::NotBuilt)
+        }
+        pub(crate) fn import_shareable(
+            _fd: std::os::fd::OwnedFd,
+            _uuid: &[u8; 16],
+            _alloc_len: u64,
+            _counters: &std::sync::Arc<crate::charge::Counters>,
+        ) -> Result<Self, CudaError> {
+            Err(CudaError::NotBuilt)
+        }
+    }
+
+    impl IpcMapping {
+        #[allow(dead_code, reason = "the feature's mapping has it")]
+        fn unreachable(&self) -> ! {
+            match self.never {}
         }
     }
 }

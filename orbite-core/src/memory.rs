@@ -353,7 +353,6 @@ pub(crate) enum Backing {
     /// the allocation) lives as long as the registration, so until its
     /// last borrower retired; a caller's own range may carry an owner
     /// release as a borrowed one does.
-    #[cfg(feature = "cuda")]
     Cuda {
         #[allow(dead_code, reason = "held for its drop: the context stays alive as long as the range")]
         lease: Arc<crate::cuda::ContextLease>,
@@ -369,13 +368,9 @@ pub(crate) enum Backing {
 /// after the last clone and the last registration of a range inside it.
 #[derive(Clone)]
 pub struct CudaMemory {
-    #[cfg(feature = "cuda")]
     alloc: Arc<CudaAllocation>,
-    #[cfg(not(feature = "cuda"))]
-    never: std::convert::Infallible,
 }
 
-#[cfg(feature = "cuda")]
 struct CudaAllocation {
     device: crate::cuda::DeviceAllocation,
     lease: Arc<crate::cuda::ContextLease>,
@@ -393,7 +388,6 @@ impl std::fmt::Debug for CudaMemory {
 }
 
 impl CudaMemory {
-    #[cfg(feature = "cuda")]
     pub(crate) fn allocate(counters: &Arc<Counters>, device: u32, len: usize) -> Result<Self, MemoryError> {
         crate::cuda::availability()
             .map_err(|why| MemoryError::NotSupported(format!("VRAM is not available: {why}")))?;
@@ -413,27 +407,18 @@ impl CudaMemory {
 
     /// The CUDA ordinal.
     pub fn device(&self) -> u32 {
-        #[cfg(feature = "cuda")]
-        return self.alloc.device.device;
-        #[cfg(not(feature = "cuda"))]
-        match self.never {}
+        self.alloc.device.device
     }
 
     /// The device address of the first byte (never dereference it on the
     /// host).
     pub fn device_ptr(&self) -> u64 {
-        #[cfg(feature = "cuda")]
-        return self.alloc.device.ptr;
-        #[cfg(not(feature = "cuda"))]
-        match self.never {}
+        self.alloc.device.ptr
     }
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        #[cfg(feature = "cuda")]
-        return self.alloc.device.len as usize;
-        #[cfg(not(feature = "cuda"))]
-        match self.never {}
+        self.alloc.device.len as usize
     }
 
     /// Never true: zero-byte allocations are refused.
@@ -446,13 +431,7 @@ impl CudaMemory {
     /// # Safety
     /// No transfer may be accessing the written range concurrently.
     pub unsafe fn write(&self, offset: usize, data: &[u8]) -> Result<(), MemoryError> {
-        #[cfg(feature = "cuda")]
-        return self.alloc.device.write(offset as u64, data).map_err(|e| MemoryError::InvalidRange(e.to_string()));
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = (offset, data);
-            match self.never {}
-        }
+        self.alloc.device.write(offset as u64, data).map_err(|e| MemoryError::InvalidRange(e.to_string()))
     }
 
     /// Copies device bytes at `offset` into `out` (a synchronous driver
@@ -461,21 +440,12 @@ impl CudaMemory {
     /// # Safety
     /// No transfer may be writing the read range concurrently.
     pub unsafe fn read(&self, offset: usize, out: &mut [u8]) -> Result<(), MemoryError> {
-        #[cfg(feature = "cuda")]
-        return self.alloc.device.read(offset as u64, out).map_err(|e| MemoryError::InvalidRange(e.to_string()));
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = (offset, out);
-            match self.never {}
-        }
+        self.alloc.device.read(offset as u64, out).map_err(|e| MemoryError::InvalidRange(e.to_string()))
     }
 
     /// Number of references to the allocation (clones and registrations).
     pub fn reference_count(&self) -> usize {
-        #[cfg(feature = "cuda")]
-        return Arc::strong_count(&self.alloc);
-        #[cfg(not(feature = "cuda"))]
-        match self.never {}
+        Arc::strong_count(&self.alloc)
     }
 }
 
@@ -538,18 +508,12 @@ impl MemoryRange {
                 memory.len()
             )));
         }
-        #[cfg(feature = "cuda")]
-        return Ok(MemoryRange {
+        Ok(MemoryRange {
             ptr: (memory.device_ptr() + offset as u64) as *mut u8,
             len: len as u64,
             permission,
             backing: Backing::Cuda { lease: memory.alloc.lease.clone(), memory: Some(memory.clone()), release: None },
-        });
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = permission;
-            match memory.never {}
-        }
+        })
     }
 
     /// A caller's CUDA device range `ptr..ptr + len` on device `device`
@@ -569,30 +533,20 @@ impl MemoryRange {
     /// bytes (its streams synchronised) before posting a transfer that
     /// reads them: the engine never synchronises a caller's stream.
     pub unsafe fn cuda_borrowed(device: u32, ptr: u64, len: u64, permission: Permission) -> Result<Self, MemoryError> {
-        #[cfg(feature = "cuda")]
-        {
-            crate::cuda::availability()
-                .map_err(|why| MemoryError::NotSupported(format!("VRAM is not available: {why}")))?;
-            if len > isize::MAX as u64 {
-                return Err(MemoryError::InvalidRange(format!("{ptr:#x}+{len} wraps the address space")));
-            }
-            let range =
-                crate::cuda::validate(device, ptr, len).map_err(|e| MemoryError::InvalidRange(e.to_string()))?;
-            let lease = Arc::new(
-                crate::cuda::ContextLease::retain(range.device).map_err(|e| MemoryError::System(e.to_string()))?,
-            );
-            Ok(MemoryRange {
-                ptr: ptr as *mut u8,
-                len,
-                permission,
-                backing: Backing::Cuda { lease, memory: None, release: None },
-            })
+        crate::cuda::availability()
+            .map_err(|why| MemoryError::NotSupported(format!("VRAM is not available: {why}")))?;
+        if len > isize::MAX as u64 {
+            return Err(MemoryError::InvalidRange(format!("{ptr:#x}+{len} wraps the address space")));
         }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = (device, ptr, len, permission);
-            Err(MemoryError::NotSupported(crate::cuda::CudaError::NotBuilt.to_string()))
-        }
+        let range = crate::cuda::validate(device, ptr, len).map_err(|e| MemoryError::InvalidRange(e.to_string()))?;
+        let lease =
+            Arc::new(crate::cuda::ContextLease::retain(range.device).map_err(|e| MemoryError::System(e.to_string()))?);
+        Ok(MemoryRange {
+            ptr: ptr as *mut u8,
+            len,
+            permission,
+            backing: Backing::Cuda { lease, memory: None, release: None },
+        })
     }
 
     /// Runs `release` exactly once when the engine no longer uses a
@@ -602,7 +556,6 @@ impl MemoryRange {
     pub fn with_owner_release(mut self, release: OwnerRelease) -> Self {
         match &mut self.backing {
             Backing::Borrowed(slot) => *slot = Some(release),
-            #[cfg(feature = "cuda")]
             Backing::Cuda { memory: None, release: slot, .. } => *slot = Some(release),
             _ => {}
         }

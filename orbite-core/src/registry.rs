@@ -34,7 +34,6 @@ pub(crate) struct Registration {
     fence_charge: Mutex<Option<Charge>>,
     /// Host memory: page-locked for the driver on the first device copy
     /// that names it, unpinned before the memory goes (feature `cuda`).
-    #[cfg(feature = "cuda")]
     pub pin: Option<Arc<crate::cuda::HostPin>>,
     backing: Backing,
     _charge: Charge,
@@ -71,13 +70,11 @@ impl Drop for Registration {
         // Runs once: after deregistration and after the last range loan.
         // Never under an engine lock (callers drop loans after unlocking).
         // The driver lets go of the pages before they can go.
-        #[cfg(feature = "cuda")]
         if let Some(pin) = &self.pin {
             pin.release();
         }
         let release = match &mut self.backing {
             Backing::Borrowed(release) => release.take(),
-            #[cfg(feature = "cuda")]
             Backing::Cuda { release, .. } => release.take(),
             Backing::Host(_) => None,
         };
@@ -293,10 +290,8 @@ impl Registry {
                     None => MemoryKind::Host,
                 },
                 Backing::Borrowed(_) => MemoryKind::Host,
-                #[cfg(feature = "cuda")]
                 Backing::Cuda { lease, .. } => MemoryKind::Cuda { device: lease.device() },
             };
-            #[cfg(feature = "cuda")]
             let pin = (!matches!(kind, MemoryKind::Cuda { .. }))
                 .then(|| Arc::new(crate::cuda::HostPin::new(r.ptr as u64, r.len)));
             slot.registration = Some(Arc::new(Registration {
@@ -308,7 +303,6 @@ impl Registry {
                 added_at,
                 fenced: AtomicBool::new(false),
                 fence_charge: Mutex::new(None),
-                #[cfg(feature = "cuda")]
                 pin,
                 backing: r.backing,
                 _charge: charge,

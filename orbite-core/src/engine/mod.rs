@@ -131,7 +131,6 @@ pub(crate) struct EngineInner {
 struct Routes {
     workers: LocalRoute<RouteTask>,
     /// Page-locked buffers of staged tcp tasks (feature `cuda`).
-    #[cfg(feature = "cuda")]
     staging_pool: Arc<crate::transport::routes::staging::StagingPool>,
     /// Aligned buffers for unaligned spans of `O_DIRECT` files, charged
     /// as staging within `max_staging_bytes`.
@@ -289,7 +288,6 @@ impl EngineInner {
                 seq,
                 task,
                 in_flight,
-                #[cfg(feature = "cuda")]
                 stage: transfer
                     .plan
                     .program
@@ -359,10 +357,7 @@ impl EngineInner {
     /// self connection and the one-sided routes: the peer spends no CPU).
     fn runs_where(&self, job: &RouteTask, bytes: u64, inline: Option<(&Arc<TransferShared>, bool)>) -> Where {
         let transfer = &job.transfer;
-        #[cfg(feature = "cuda")]
         let staged = job.stage.is_some();
-        #[cfg(not(feature = "cuda"))]
-        let staged = false;
         // A staged task is taken by a worker first (its buffer).
         if matches!(transfer.target, PlanTarget::Peer(_)) && transfer.plan.program.mover.sends_frames() && !staged {
             return Where::PeerLink;
@@ -481,7 +476,6 @@ impl EngineInner {
         }
         if drained {
             self.routes.workers.shutdown();
-            #[cfg(feature = "cuda")]
             self.routes.staging_pool.clear();
             self.routes.bounce_pool.clear();
         }
@@ -701,7 +695,6 @@ impl TransferEngine {
             },
             routes: Routes {
                 workers: route,
-                #[cfg(feature = "cuda")]
                 staging_pool: Arc::new(crate::transport::routes::staging::StagingPool::new(
                     counters.clone(),
                     config.max_staging_bytes,
@@ -827,13 +820,7 @@ impl TransferEngine {
         if inner.is_closed() {
             return Err(Error::Closed);
         }
-        #[cfg(feature = "cuda")]
-        return Ok(crate::CudaMemory::allocate(&inner.counters, device, len)?);
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = (device, len);
-            Err(Error::NotSupported(crate::cuda::CudaError::NotBuilt.to_string()))
-        }
+        Ok(crate::CudaMemory::allocate(&inner.counters, device, len)?)
     }
 
     /// Registers ranges, all or none. Each range becomes its own
@@ -962,10 +949,7 @@ impl TransferEngine {
                 _ => plan::RemoteSide::Loopback,
             };
             let table = inner.registry.lock();
-            #[cfg(feature = "cuda")]
             let pool = &inner.routes.staging_pool;
-            #[cfg(not(feature = "cuda"))]
-            let pool = ();
             let (plan, loans) = plan::build(spec, remote_side, mover, &table, &inner.config, pool)?;
             let route = staging_noted(route, &plan);
             (plan, loans, way, route)

@@ -308,7 +308,6 @@ fn importable<'a>(
 /// An allocation opened from a peer's answer, by what names it there: a
 /// legacy handle, or (a shareable handle) the allocation's address in the
 /// peer.
-#[cfg(feature = "cuda")]
 #[derive(PartialEq, Eq)]
 enum Opened {
     Legacy([u8; 64]),
@@ -318,7 +317,6 @@ enum Opened {
 /// One registration's IPC handle opened (an allocation opened once per
 /// answer: `opened` holds those opened so far), checked against what this
 /// process's driver says of the mapping.
-#[cfg(feature = "cuda")]
 fn open_entry(
     entry: crate::wire::IpcEntry,
     fd: Option<std::os::fd::OwnedFd>,
@@ -356,17 +354,6 @@ fn open_entry(
         Some(end) if end <= mapping.len => Ok(crate::transport::mapping::Imported { mapping, offset }),
         _ => Err(ImportError::Outside { offset, len, alloc: mapping.len }),
     }
-}
-
-#[cfg(not(feature = "cuda"))]
-fn open_entry(
-    _entry: crate::wire::IpcEntry,
-    _fd: Option<std::os::fd::OwnedFd>,
-    _len: Option<u64>,
-    _counters: &Arc<crate::charge::Counters>,
-    _opened: &mut Vec<((), ())>,
-) -> Result<crate::transport::mapping::Imported, ImportError> {
-    Err(ImportError::Driver(crate::cuda::CudaError::NotBuilt))
 }
 
 /// Maps a proven same-host peer's shared allocations `names`: each mapping,

@@ -159,8 +159,7 @@ pub(crate) fn build(
     mover: Mover,
     table: &Table,
     config: &EngineConfig,
-    #[cfg(feature = "cuda")] pool: &Arc<crate::transport::routes::staging::StagingPool>,
-    #[cfg(not(feature = "cuda"))] pool: (),
+    pool: &Arc<crate::transport::routes::staging::StagingPool>,
 ) -> Result<(Plan, Loans), Error> {
     let mut ids = Vec::new();
     let (local, local_total) = resolve("local", spec.local, config, None, |id| local_view(table, id), &mut ids)?;
@@ -218,7 +217,6 @@ pub(crate) fn build(
     let mover = mover.for_memory(&loans, config, pool).map_err(|e| Error::NotSupported(e.to_string()))?;
     let cut = mover.task_bytes(config.task_bytes);
     let program = build_program(spec.op, mover, &local, &remote, cut);
-    #[cfg(feature = "cuda")]
     if let Some((index, reason)) = program.device_overlaps() {
         return Err(BatchError::InvalidDescriptor { side: "remote", index, reason }.into());
     }

@@ -203,7 +203,6 @@ impl TargetSide for EngineInner {
             .into_iter()
             .map(|f| match f {
                 Err(entry) => entry,
-                #[cfg(feature = "cuda")]
                 Ok((device, addr, len)) => match crate::cuda::ipc_export(device, addr, len) {
                     Ok(x) => match x.handle {
                         crate::cuda::IpcHandle::Legacy(handle) => IpcEntry::Exported {
@@ -227,8 +226,6 @@ impl TargetSide for EngineInner {
                     },
                     Err(why) => refused(&why.to_string()),
                 },
-                #[cfg(not(feature = "cuda"))]
-                Ok(_) => refused("built without feature cuda"),
             })
             .collect::<Vec<_>>();
         debug_assert_eq!(fds.len(), entries.iter().filter(|e| e.has_fd()).count());
@@ -289,14 +286,12 @@ impl EngineInner {
         }
         let staging = landing.is_some();
         // (iovec index, device address, bytes, device) of device ranges.
-        #[cfg(feature = "cuda")]
         let mut device_ranges: Vec<(usize, u64, u64, u32)> = Vec::new();
         {
             let table = self.registry.lock();
             for d in req.descs() {
                 // Device memory only where this target stages it.
-                let reg = checked_range(&table, d, write, |r| r.is_host() || (staging && cfg!(feature = "cuda")))?;
-                #[cfg(feature = "cuda")]
+                let reg = checked_range(&table, d, write, |r| r.is_host() || staging)?;
                 if let crate::memory::MemoryKind::Cuda { device } = reg.kind {
                     device_ranges.push((iovs.len(), reg.base as u64 + d.offset, d.len, device));
                 }
@@ -306,7 +301,6 @@ impl EngineInner {
                 }
             }
         }
-        #[cfg(feature = "cuda")]
         if let (Some(landing), Some(&(_, _, _, device))) = (landing, device_ranges.first()) {
             *landing = Some(self.stage_request(write, iovs, &device_ranges, device)?);
         }
@@ -315,7 +309,6 @@ impl EngineInner {
 
     /// Points a request's device ranges into one buffer of the staging
     /// pool (outside the registry lock), and for a READ fills it now.
-    #[cfg(feature = "cuda")]
     fn stage_request(
         &self,
         write: bool,

@@ -121,7 +121,6 @@ pub(crate) struct RouteTask {
     pub task: u32,
     pub in_flight: Option<Charge>,
     /// A tcp task staging CUDA device memory through a host buffer.
-    #[cfg(feature = "cuda")]
     pub stage: Option<Box<crate::transport::routes::staging::TcpStage>>,
 }
 
@@ -135,7 +134,6 @@ impl CopyJob for RouteTask {
     }
 
     fn helpable(&self) -> bool {
-        #[cfg(feature = "cuda")]
         if self.stage.is_some() {
             return false;
         }
@@ -147,7 +145,6 @@ impl CopyJob for RouteTask {
     }
 
     fn spans(&self) -> &[crate::transport::Span] {
-        #[cfg(feature = "cuda")]
         if let Some(s) =
             self.stage.as_ref().filter(|s| matches!(s.phase, crate::transport::routes::staging::Phase::Link))
         {
@@ -156,7 +153,6 @@ impl CopyJob for RouteTask {
         self.program().task_spans(self.task)
     }
 
-    #[cfg(feature = "cuda")]
     fn copy_locally(&mut self, limit: u64) -> Option<(u64, Option<crate::types::TaskEnd>)> {
         let stage = self.stage.as_mut()?;
         let program = &self.transfer.plan.program;
@@ -165,9 +161,7 @@ impl CopyJob for RouteTask {
         Some(stage.copy_locally(&self.engine.routes.staging_pool, len, program.op, spans, limit))
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(unused_mut, reason = "only a staged task is changed"))]
     fn finish(mut self, report: TaskReport) {
-        #[cfg(feature = "cuda")]
         if let Some(mut stage) = self.stage.take() {
             use crate::transport::routes::staging::Phase;
             let op = self.transfer.plan.program.op;

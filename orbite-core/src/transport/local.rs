@@ -245,7 +245,6 @@ fn start<J: CopyJob>(shared: &Arc<RouteShared<J>>, job: J, directive: Option<Fau
 fn worker<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
     work(shared);
     // The streams this worker made for device copies go with it.
-    #[cfg(feature = "cuda")]
     {
         crate::cuda::release_thread_streams();
         crate::transport::routes::staging::release_thread_stagers();
@@ -258,17 +257,14 @@ fn worker<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
 /// it, so the copy engine never idles waiting for the worker to wake up
 /// and queue the next (and a staged task's CPU copy overlaps the next
 /// one's device copy).
-#[cfg(feature = "cuda")]
 const DEVICE_DEPTH: usize = 8;
 
 /// Staged tasks (cma with device memory, one buffer each) a worker keeps
 /// in flight: two overlap one task's device copy with the other's CPU
 /// copy, and the buffers they cycle through stay in cache.
-#[cfg(feature = "cuda")]
 const STAGED_DEPTH: usize = 2;
 
 /// A device task queued on this worker's stream.
-#[cfg(feature = "cuda")]
 struct InFlight<J> {
     job: J,
     planned: u64,
@@ -276,10 +272,8 @@ struct InFlight<J> {
 }
 
 fn work<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
-    #[cfg(feature = "cuda")]
     let mut in_flight: VecDeque<InFlight<J>> = VecDeque::new();
     loop {
-        #[cfg(feature = "cuda")]
         if !in_flight.is_empty() {
             // More only while there is room and a job is queued now;
             // otherwise the oldest is waited for and reported.
@@ -320,10 +314,7 @@ fn work<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
             continue;
         }
         let Some((job, forced)) = pop(shared) else { return };
-        #[cfg(feature = "cuda")]
         dispatch(shared, job, forced, &mut in_flight);
-        #[cfg(not(feature = "cuda"))]
-        start(shared, job, forced);
     }
 }
 
@@ -357,7 +348,6 @@ fn pop<J: CopyJob>(shared: &Arc<RouteShared<J>>) -> Option<(J, Option<FaultDirec
 }
 
 /// The next job and its directive if one is queued now.
-#[cfg(feature = "cuda")]
 fn try_pop<J: CopyJob>(shared: &Arc<RouteShared<J>>) -> Option<(J, Option<FaultDirective>)> {
     let mut q = shared.queue.lock();
     let (job, forced) = q.jobs.pop_front()?;
@@ -370,7 +360,6 @@ fn try_pop<J: CopyJob>(shared: &Arc<RouteShared<J>>) -> Option<(J, Option<FaultD
 
 /// Starts a job: a device task running free of fault directives is queued
 /// on the worker's stream (`in_flight`); anything else runs to its end now.
-#[cfg(feature = "cuda")]
 fn dispatch<J: CopyJob>(
     shared: &Arc<RouteShared<J>>,
     job: J,
@@ -398,7 +387,6 @@ fn dispatch<J: CopyJob>(
 }
 
 /// Waits for a queued device task and reports it.
-#[cfg(feature = "cuda")]
 fn complete<J: CopyJob>(shared: &Arc<RouteShared<J>>, f: InFlight<J>) {
     let began = Instant::now();
     let p = f.job.program();

@@ -14,7 +14,6 @@ pub(crate) struct ShmMapping {
     pub len: usize,
     /// Page-locked for the driver on the first device copy into or out of
     /// it (feature `cuda`), unpinned before it is unmapped.
-    #[cfg(feature = "cuda")]
     pub pin: Arc<crate::cuda::HostPin>,
 }
 
@@ -26,7 +25,6 @@ unsafe impl Sync for ShmMapping {}
 
 impl Drop for ShmMapping {
     fn drop(&mut self) {
-        #[cfg(feature = "cuda")]
         self.pin.release();
         // SAFETY: the mapping made in `map_shared`, unmapped once, after the
         // last transfer holding its peer is gone.
@@ -74,12 +72,7 @@ pub(crate) fn map_fd(fd: std::os::fd::OwnedFd) -> Result<ShmMapping, MapError> {
     if raw == libc::MAP_FAILED {
         return Err(MapError::Mmap(std::io::Error::last_os_error().to_string()));
     }
-    Ok(ShmMapping {
-        ptr: raw.cast(),
-        len,
-        #[cfg(feature = "cuda")]
-        pin: Arc::new(crate::cuda::HostPin::new(raw as u64, len as u64)),
-    })
+    Ok(ShmMapping { ptr: raw.cast(), len, pin: Arc::new(crate::cuda::HostPin::new(raw as u64, len as u64)) })
 }
 
 /// The names of the shared allocations `regs` lie in that `maps` lacks,
@@ -142,10 +135,8 @@ mod tests {
 #[derive(Debug)]
 pub(crate) struct Imported {
     /// The allocation holding it, mapped in this process.
-    #[cfg(feature = "cuda")]
     pub mapping: Arc<crate::cuda::IpcMapping>,
     /// Where the registration starts in the mapping.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "nothing is imported without feature cuda"))]
     pub offset: u64,
 }
 

@@ -155,7 +155,6 @@ pub(crate) enum IpcOff {
 }
 
 /// Why a peer's device registration is not opened here (CUDA IPC).
-#[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "imports are opened with feature cuda only"))]
 #[derive(Debug, Clone, thiserror::Error)]
 pub(crate) enum ImportError {
     /// The peer is not proven to run on this host.

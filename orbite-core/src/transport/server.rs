@@ -258,7 +258,6 @@ impl Server {
                 // it, in plain code: in a thread-local destructor the
                 // driver's per-thread state may be gone already, and they
                 // would leak.
-                #[cfg(feature = "cuda")]
                 crate::cuda::release_thread_streams();
             });
             match spawned {

@@ -539,9 +539,9 @@ fn w1(rig: &mut Rig, op: Op, args: &Plan, limits: &Limits, report: &mut Report) 
 /// the cost of the driver copies (self connection) or of staging (peer
 /// routes) on top of the host route, `staging_overhead_pct` (bar 10 with
 /// the shim, whose copies are memcpy).
-#[cfg(feature = "cuda")]
 fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Result<(), Error> {
     use orbite_core::{MemoryRange, Permission};
+    orbite_core::cuda::availability().map_err(Error::Vram)?;
     let (total, block) = (64 * MIB, MIB);
     let n = total / block;
     let per = if quick { Duration::from_millis(60) } else { Duration::from_secs(2) };
@@ -621,7 +621,6 @@ fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Resul
 /// the target process's device memory, opened here through CUDA IPC, in
 /// 1 MiB blocks, against the `cuda-dtod` reference row (`cuMemcpyDtoD`
 /// bandwidth of 1 MiB copies on one device, measured in the same run).
-#[cfg(feature = "cuda")]
 fn vram_ipc(
     rig: &mut Rig,
     ops: &[Op],
@@ -686,11 +685,6 @@ fn vram_ipc(
         emit_bulk(report, "orbite", "cuda-ipc", &w, block, n, total, &mut ds, verified, Some(extra));
     }
     Ok(())
-}
-
-#[cfg(not(feature = "cuda"))]
-fn vram_w1(_rig: &mut Rig, _ops: &[Op], _quick: bool, _report: &mut Report) -> Result<(), Error> {
-    Err(Error::Vram(orbite_core::cuda::availability().err().unwrap_or(orbite_core::cuda::CudaError::NotBuilt)))
 }
 
 #[allow(clippy::too_many_arguments)]

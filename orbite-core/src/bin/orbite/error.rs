@@ -203,7 +203,6 @@ pub enum HelperError {
         line: String,
     },
     /// `vdigest` before any `vram`.
-    #[cfg(feature = "cuda")]
     #[error("no device memory (ask `vram` first)")]
     NoDeviceMemory,
     /// The fan-in target's segment has no registration to write into.

@@ -294,14 +294,12 @@ impl Rig {
 
     /// Device memory of `len` bytes in the target process, registered for
     /// peers (feature `cuda`): its registration.
-    #[cfg(feature = "cuda")]
     pub fn remote_vram(&mut self, len: u64) -> Result<RegistrationId, Error> {
         let a = self.ask(&format!("vram {len}"))?;
         a.strip_prefix("VRAM ").and_then(|v| v.parse().ok()).map(RegistrationId::from_raw).ok_or_else(|| unexpected(&a))
     }
 
     /// Digest of the target's device memory bytes `off..off + len`.
-    #[cfg(feature = "cuda")]
     pub fn remote_vram_digest(&mut self, off: u64, len: u64) -> Result<u64, Error> {
         let a = self.ask(&format!("vdigest {off} {len}"))?;
         a.strip_prefix("DIGEST ").and_then(|v| v.parse().ok()).ok_or_else(|| unexpected(&a))
@@ -455,27 +453,18 @@ pub fn serve_target() -> Result<(), Error> {
     Ok(())
 }
 
-#[cfg(feature = "cuda")]
 type TargetVram = orbite_core::CudaMemory;
-#[cfg(not(feature = "cuda"))]
-type TargetVram = ();
 
 /// Device memory of `len` bytes on device 0, registered for peers.
-#[cfg(feature = "cuda")]
 fn target_vram(engine: &TransferEngine, len: usize) -> Result<(TargetVram, RegistrationId), Error> {
+    orbite_core::cuda::availability().map_err(Error::Vram)?;
     let m = engine.allocate_cuda_memory(0, len)?;
     let range = MemoryRange::cuda(&m, 0, len, Permission::RemoteReadWrite)?;
     let id = engine.register_memory_ranges(vec![range])?[0];
     Ok((m, id))
 }
 
-#[cfg(not(feature = "cuda"))]
-fn target_vram(_engine: &TransferEngine, _len: usize) -> Result<(TargetVram, RegistrationId), Error> {
-    Err(Error::Vram(orbite_core::cuda::availability().err().unwrap_or(orbite_core::cuda::CudaError::NotBuilt)))
-}
-
 /// Digest of bytes of the target's device memory.
-#[cfg(feature = "cuda")]
 fn vram_digest(m: Option<&TargetVram>, off: u64, len: u64) -> Result<u64, Error> {
     let m = m.ok_or(HelperError::NoDeviceMemory)?;
     let len = usize::try_from(len)
@@ -485,9 +474,4 @@ fn vram_digest(m: Option<&TargetVram>, off: u64, len: u64) -> Result<u64, Error>
     // asks for its digest.
     unsafe { m.read(off as usize, &mut back) }?;
     Ok(digest(&back))
-}
-
-#[cfg(not(feature = "cuda"))]
-fn vram_digest(_m: Option<&TargetVram>, _off: u64, _len: u64) -> Result<u64, Error> {
-    Err(Error::Vram(orbite_core::cuda::availability().err().unwrap_or(orbite_core::cuda::CudaError::NotBuilt)))
 }

@@ -6,7 +6,6 @@
 
 use std::sync::Arc;
 
-#[cfg(feature = "cuda")]
 use super::CopyKind;
 use super::{Mover, PeerReach, Reach, RouteImpl, Serves, Unreachable};
 use crate::segment::ExportedRegistration;
@@ -54,7 +53,6 @@ impl RouteImpl for CudaIpc {
             }
             Self::imported(p, raw)?;
         }
-        #[cfg(feature = "cuda")]
         {
             // Every import the program may name, kept open while it lives.
             // Sorted by address, each once (registrations share them).
@@ -64,8 +62,6 @@ impl RouteImpl for CudaIpc {
             mappings.dedup_by_key(|m| m.ptr);
             Ok(Mover::Copy(CopyKind::Ipc { mappings, peer_alive: p.alive.map(|l| l.handle()), pins: Vec::new() }))
         }
-        #[cfg(not(feature = "cuda"))]
-        Err(crate::cuda::CudaError::NotBuilt.into())
     }
 
     fn auto_reason(&self) -> Option<&'static str> {
@@ -74,17 +70,9 @@ impl RouteImpl for CudaIpc {
 
     fn address(&self, target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), Unreachable> {
         let i = Self::imported(target, r.id.to_raw())?;
-        #[cfg(feature = "cuda")]
-        {
-            // The registration lies inside the mapping (checked at import);
-            // spans carry addresses of this process.
-            Ok((i.mapping.ptr + i.offset, 0))
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = i;
-            Err(crate::cuda::CudaError::NotBuilt.into())
-        }
+        // The registration lies inside the mapping (checked at import);
+        // spans carry addresses of this process.
+        Ok((i.mapping.ptr + i.offset, 0))
     }
 
     fn borrows(&self) -> bool {
@@ -101,7 +89,6 @@ impl RouteImpl for CudaIpc {
 /// nothing to copy. Every span's peer range must lie inside one of
 /// `mappings` (sorted by address; a local check, whatever prepare
 /// resolved), or the task fails before any copy.
-#[cfg(feature = "cuda")]
 #[allow(clippy::type_complexity, reason = "one use")]
 pub(crate) fn copies(
     mappings: &[Arc<crate::cuda::IpcMapping>],

@@ -5,14 +5,10 @@
 //! with an event. Copies whose source and destination overlap are cut
 //! into pieces in memmove order.
 
-#[cfg(feature = "cuda")]
 use super::CopyKind;
-#[cfg(feature = "cuda")]
 use crate::transport::{CopyProgram, Span};
-#[cfg(feature = "cuda")]
 use crate::types::Op;
 
-#[cfg(feature = "cuda")]
 impl CopyProgram {
     /// Device copies within one engine whose source and destination
     /// overlap are cut into pieces (memmove semantics): the first span
@@ -41,7 +37,6 @@ impl CopyProgram {
 }
 
 /// The driver copies of a `Device` task: (destination, source, bytes).
-#[cfg(feature = "cuda")]
 pub(super) fn copies(op: Op, spans: &[Span], limit: u64) -> Vec<(u64, u64, u64)> {
     let mut copies = Vec::with_capacity(spans.len());
     let mut left = limit;
@@ -62,7 +57,6 @@ pub(super) fn copies(op: Op, spans: &[Span], limit: u64) -> Vec<(u64, u64, u64)>
 
 /// A task's driver copies queued on the worker's stream
 /// ([`CopyKind::issue`](super::CopyKind::issue)), to be completed on the same thread.
-#[cfg(feature = "cuda")]
 pub(crate) struct Issued {
     pub(super) ticket: crate::cuda::Ticket,
     pub(super) bytes: u64,
@@ -70,7 +64,6 @@ pub(crate) struct Issued {
     pub(super) staged: Option<super::staging::StagedTask>,
 }
 
-#[cfg(feature = "cuda")]
 impl Issued {
     /// Whether a staging buffer is held until it completes.
     pub(crate) fn is_staged(&self) -> bool {
@@ -86,7 +79,6 @@ impl Issued {
 
 /// Most pieces one span of a device copy is cut into where its source and
 /// destination overlap (a span that would need more is refused at prepare).
-#[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "device copies only with feature cuda"))]
 pub(crate) const MAX_OVERLAP_PIECES: u64 = 1024;
 
 /// Pieces of `n` bytes from `src` to `dst` with memmove semantics: the
@@ -95,7 +87,6 @@ pub(crate) const MAX_OVERLAP_PIECES: u64 = 1024;
 /// between them, in the order that reads every byte before it is
 /// overwritten (stream order runs them one after another). A copy onto
 /// itself stays one copy: whatever the order, each byte gets its own value.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "device copies only with feature cuda"))]
 pub(crate) fn push_memmove(out: &mut Vec<(u64, u64, u64)>, dst: u64, src: u64, n: u64) {
     let d = dst.abs_diff(src);
     if d == 0 || d >= n {
@@ -116,7 +107,6 @@ pub(crate) fn push_memmove(out: &mut Vec<(u64, u64, u64)>, dst: u64, src: u64, n
 
 /// Pieces [`push_memmove`] cuts a span of `n` bytes from `src` to `dst`
 /// into.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "device copies only with feature cuda"))]
 pub(crate) fn memmove_pieces(dst: u64, src: u64, n: u64) -> u64 {
     match dst.abs_diff(src) {
         d if d == 0 || d >= n => 1,

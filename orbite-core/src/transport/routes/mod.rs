@@ -18,7 +18,6 @@ pub(crate) mod device;
 pub(crate) mod file;
 pub(crate) mod loopback;
 pub(crate) mod shm;
-#[cfg(feature = "cuda")]
 pub(crate) mod staging;
 pub(crate) mod tcp;
 
@@ -261,7 +260,6 @@ pub(crate) enum CopyKind {
         peer_alive: Option<LivenessCheck>,
         /// The target ranges' shared allocations, for a device copy to
         /// pin them for the driver (feature `cuda`).
-        #[cfg(feature = "cuda")]
         shared_pins: Vec<Arc<crate::cuda::HostPin>>,
     },
     /// `remote` are addresses in process `pid` (cross-memory copies),
@@ -282,7 +280,6 @@ pub(crate) enum CopyKind {
     /// The host memory named (`pins`: this engine's host registrations,
     /// or the peer's mappings) is page-locked for the driver on the first
     /// task, so the copy engine reaches it without a bounce.
-    #[cfg(feature = "cuda")]
     Device {
         /// The CUDA ordinal of the first device registration named.
         device: u32,
@@ -294,7 +291,6 @@ pub(crate) enum CopyKind {
     /// program lives),
     /// copied by the driver on the worker's stream; checked after each
     /// task as for `Cma`.
-    #[cfg(feature = "cuda")]
     Ipc {
         mappings: Vec<Arc<crate::cuda::IpcMapping>>,
         peer_alive: Option<LivenessCheck>,
@@ -305,7 +301,6 @@ pub(crate) enum CopyKind {
     /// with CUDA device memory on the local side: each task is bounced
     /// through page-locked buffers of `chunk` bytes from `pool`
     /// ([`staged`]).
-    #[cfg(feature = "cuda")]
     Staged {
         device: u32,
         /// `staging_chunk_bytes`.
@@ -326,13 +321,11 @@ impl CopyKind {
             CopyKind::Mapped { peer_alive, .. } => shm::copy(op, spans, limit, peer_alive.as_ref()),
             CopyKind::Cma { pid, peer_alive } => cma::copy_task(*pid, op, spans, limit, peer_alive.as_ref()),
             CopyKind::File(entry, bounce) => file::copy(entry, bounce, op, spans, limit),
-            #[cfg(feature = "cuda")]
             CopyKind::Device { .. } | CopyKind::Ipc { .. } => match self.issue(op, spans, limit) {
                 Some(Ok(issued)) => self.complete(op, issued),
                 Some(Err(ended)) => ended,
                 None => unreachable!("device kinds issue"),
             },
-            #[cfg(feature = "cuda")]
             CopyKind::Staged { device, chunk, pool, inner } => {
                 staging::copy(pool, *device, *chunk, inner, op, spans, limit)
             }
@@ -346,7 +339,6 @@ impl CopyKind {
     /// for every other kind; `Some(Err)`: the task already ended.
     ///
     /// [`complete`]: CopyKind::complete
-    #[cfg(feature = "cuda")]
     pub(crate) fn issue(
         &self,
         op: Op,
@@ -388,7 +380,6 @@ impl CopyKind {
     /// Waits for a task [`issue`](CopyKind::issue) queued: the bytes moved
     /// and, on failure, how it ended (a same-host peer that died meanwhile
     /// fails it, as for a CPU copy into its memory).
-    #[cfg(feature = "cuda")]
     pub(crate) fn complete(&self, op: Op, issued: device::Issued) -> (u64, Option<TaskEnd>) {
         let device::Issued { ticket, bytes, staged } = issued;
         let waited = crate::cuda::wait_ticket(ticket);
@@ -409,14 +400,12 @@ impl CopyKind {
 
     /// Whether a task of `spans` is staged through one buffer, pipelined
     /// across tasks ([`staging::issue`]).
-    #[cfg(feature = "cuda")]
     pub(crate) fn stages_in_one(&self, spans: &[Span]) -> bool {
         matches!(self, CopyKind::Staged { chunk, .. } if spans.iter().map(|s| s.len).sum::<u64>() <= *chunk)
     }
 
     /// Whether a staged task of `spans` that fits one buffer can have one
     /// now (it is then reserved for it); true for every other task.
-    #[cfg(feature = "cuda")]
     pub(crate) fn staging_room(&self, spans: &[Span]) -> bool {
         match self {
             CopyKind::Staged { device, chunk, pool, .. } => {
@@ -429,10 +418,7 @@ impl CopyKind {
     /// Whether its tasks must stay off the posting thread (they wait for a
     /// device).
     pub(crate) fn waits_for_device(&self) -> bool {
-        #[cfg(feature = "cuda")]
-        return matches!(self, CopyKind::Device { .. } | CopyKind::Staged { .. } | CopyKind::Ipc { .. });
-        #[cfg(not(feature = "cuda"))]
-        false
+        matches!(self, CopyKind::Device { .. } | CopyKind::Staged { .. } | CopyKind::Ipc { .. })
     }
 }
 
@@ -481,10 +467,8 @@ impl Mover {
         self,
         loans: &[Arc<crate::registry::Registration>],
         config: &crate::config::EngineConfig,
-        #[cfg(feature = "cuda")] pool: &Arc<staging::StagingPool>,
-        #[cfg(not(feature = "cuda"))] pool: (),
+        pool: &Arc<staging::StagingPool>,
     ) -> Result<Mover, NoDeviceCopy> {
-        #[cfg(feature = "cuda")]
         let host_pins = || -> Vec<Arc<crate::cuda::HostPin>> {
             if !config.cuda_pin_host {
                 return Vec::new();
@@ -492,7 +476,6 @@ impl Mover {
             loans.iter().filter_map(|r| r.pin.clone()).collect()
         };
         // Driver copies already, whatever the local side is.
-        #[cfg(feature = "cuda")]
         if let Mover::Copy(CopyKind::Ipc { mappings, peer_alive, .. }) = self {
             return Ok(Mover::Copy(CopyKind::Ipc { mappings, peer_alive, pins: host_pins() }));
         }
@@ -502,20 +485,14 @@ impl Mover {
         }) else {
             return Ok(self);
         };
-        let _ = (config, &pool);
         let kind = match self {
-            #[cfg(feature = "cuda")]
             Mover::Frames { .. } => return Ok(Mover::Frames { staging: Some(device) }),
-            #[cfg(not(feature = "cuda"))]
-            Mover::Frames { .. } => return Err(NoDeviceCopy { device, kind: "frames".into() }),
             Mover::Copy(kind) => kind,
         };
         match kind {
-            #[cfg(feature = "cuda")]
             CopyKind::Memory => Ok(Mover::Copy(CopyKind::Device { device, pins: host_pins(), peer_alive: None })),
             // Straight into the peer's mapping: the device reaches any host
             // memory of this process.
-            #[cfg(feature = "cuda")]
             CopyKind::Mapped { peer_alive, shared_pins } => {
                 let mut pins = host_pins();
                 if config.cuda_pin_host {
@@ -525,14 +502,13 @@ impl Mover {
             }
             // Files take host memory only: the bytes bounce through the
             // staging pool's page-locked buffers, as for cma.
-            #[cfg(feature = "cuda")]
             inner @ (CopyKind::Cma { .. } | CopyKind::File(..)) => Ok(Mover::Copy(CopyKind::Staged {
                 device,
                 chunk: config.staging_chunk_bytes,
                 pool: pool.clone(),
                 inner: Box::new(inner),
             })),
-            #[allow(unreachable_patterns, reason = "without feature cuda no device registration exists")]
+            // A device kind already.
             other => Err(NoDeviceCopy { device, kind: format!("{other:?}") }),
         }
     }
@@ -567,15 +543,12 @@ impl Mover {
     /// How device memory moves, for the route's reason.
     pub(crate) fn device_note(&self) -> Option<String> {
         match self {
-            #[cfg(feature = "cuda")]
             Mover::Copy(CopyKind::Device { device, peer_alive: None, .. }) => {
                 Some(format!("CUDA device memory (device {device}) by driver copies"))
             }
-            #[cfg(feature = "cuda")]
             Mover::Copy(CopyKind::Device { device, .. }) => Some(format!(
                 "CUDA device memory (device {device}) by driver copies straight into the peer's shared memory"
             )),
-            #[cfg(feature = "cuda")]
             Mover::Copy(CopyKind::Staged { device, chunk, .. }) => Some(format!(
                 "CUDA device memory (device {device}) staged through page-locked buffers of {chunk} bytes"
             )),

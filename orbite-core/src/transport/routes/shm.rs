@@ -34,7 +34,6 @@ impl RouteImpl for Shm {
         })?;
         // The shared allocations the target ranges lie in (a device copy
         // into them pins them for the driver).
-        #[cfg(feature = "cuda")]
         let shared_pins = {
             let mut names: Vec<&str> = remote
                 .iter()
@@ -44,11 +43,7 @@ impl RouteImpl for Shm {
             names.dedup();
             names.iter().filter_map(|n| p.maps.get(*n)?.as_ref().ok().map(|m| m.pin.clone())).collect()
         };
-        Ok(Mover::Copy(CopyKind::Mapped {
-            peer_alive: p.alive.map(|l| l.handle()),
-            #[cfg(feature = "cuda")]
-            shared_pins,
-        }))
+        Ok(Mover::Copy(CopyKind::Mapped { peer_alive: p.alive.map(|l| l.handle()), shared_pins }))
     }
 
     fn auto_reason(&self) -> Option<&'static str> {
