@@ -37,11 +37,12 @@ pub(crate) use crate::transport::peer_errors::OpenError;
 use crate::transport::peer_errors::{LocalError, ShareError};
 use crate::transport::proto::FrameIn;
 use crate::transport::proto::client::{ClientConn, PeerJob, unsent};
+use crate::transport::proto::open::{Exchange, Opened, Opening, changes_of};
 use crate::transport::reactor::{Events, Interest, Poller, Waker};
 use crate::transport::sock::{Patience, Stream, iov, read_exact_within, tune, writev_within};
 use crate::transport::spin::poll;
 use crate::transport::unix::Credentials;
-use crate::wire::{self, Kind, Limits, Message, WireError};
+use crate::wire::{self, Kind, Limits, Message};
 
 /// Options of a link.
 #[derive(Debug, Clone)]
@@ -89,9 +90,35 @@ impl LinkOptions {
     }
 }
 
-/// Runs the initiator's side of the authentication exchange on a fresh,
-/// blocking connection to the endpoint it `dialed`, expecting the
-/// responder's epoch `expect` when it knows it: the epoch it proved.
+/// Runs one exchange at open ([`Opening`]) on a blocking connection,
+/// bounded by `patience`; `io` says what a failed send or receive means.
+fn exchange(
+    fd: i32,
+    mut m: Opening,
+    patience: &Patience,
+    io: impl Fn(io::Error) -> OpenError,
+) -> Result<Opened, OpenError> {
+    loop {
+        let out = m.to_send();
+        if !out.is_empty() {
+            let n = out.len();
+            let mut v = [iov(out.as_ptr() as u64, n as u64)];
+            // SAFETY: the entry borrows the machine's buffer for the call.
+            unsafe { writev_within(fd, &mut v, Some(patience)) }.map_err(&io)?;
+            m.sent(n);
+        }
+        let want = m.want();
+        let n = want.len();
+        read_exact_within(fd, want, Some(patience)).map_err(&io)?;
+        if let Some(done) = m.received(n)? {
+            return Ok(done);
+        }
+    }
+}
+
+/// The authentication handshake on a fresh, blocking connection to the
+/// endpoint it `dialed`, expecting the responder's epoch `expect` when it
+/// knows it: the epoch the responder proved.
 fn authenticate(
     fd: i32,
     secret: &Arc<Secret>,
@@ -100,93 +127,29 @@ fn authenticate(
     dialed: &Dialed,
     patience: &Patience,
 ) -> Result<u64, OpenError> {
-    let io = |e: io::Error| OpenError::Connect(e.to_string());
-    let limits = Limits { max_body: wire::AUTH_MAX_BODY, max_data: 0 };
-    let send = |kind: Kind, body: &[u8]| -> Result<(), OpenError> {
-        let hb = wire::encode_header(&wire::header(kind, body.len(), 0, 1));
-        let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
-        // SAFETY: both entries borrow live local buffers for the call.
-        unsafe { writev_within(fd, &mut v, Some(patience)) }.map_err(io)
-    };
-    let recv = |want: Kind| -> Result<Vec<u8>, OpenError> {
-        let mut hb = [0u8; wire::HEADER_LEN];
-        read_exact_within(fd, &mut hb, Some(patience)).map_err(io)?;
-        let h = wire::decode_header(&hb, limits).map_err(|e| OpenError::Protocol(format!("authentication: {e}")))?;
-        let mut body = vec![0u8; h.body_len as usize];
-        read_exact_within(fd, &mut body, Some(patience)).map_err(io)?;
-        match h.kind {
-            k if k == want && h.data_len == 0 => Ok(body),
-            Kind::Error => {
-                let detail = match Message::decode(&h, &body) {
-                    Ok(Message::Error { detail, .. }) => detail,
-                    _ => String::new(),
-                };
-                Err(OpenError::Unauthenticated(format!("the peer refused: {detail}")))
-            }
-            k => Err(OpenError::Protocol(format!("unexpected {k:?} during authentication"))),
-        }
-    };
-    let handshake = Initiator::new(secret.clone(), my_epoch, expect, dialed, crate::transport::auth::nonce());
-    let mut body = Vec::new();
-    handshake.hello().encode(&mut body);
-    send(Kind::AuthHello, &body)?;
-    let challenge = wire::AuthChallenge::decode(&recv(Kind::AuthChallenge)?)
-        .map_err(|e| OpenError::Protocol(format!("authentication: {e}")))?;
-    let proof = handshake.on_challenge(&challenge).map_err(|why| OpenError::Unauthenticated(why.to_string()))?;
-    send(Kind::AuthProof, &proof)?;
-    recv(Kind::AuthOk)?;
-    Ok(challenge.responder_epoch)
+    let hs = Initiator::new(secret.clone(), my_epoch, expect, dialed, crate::transport::auth::nonce());
+    let m = Opening::new(Exchange::Authenticate(hs), Limits { max_body: wire::AUTH_MAX_BODY, max_data: 0 });
+    match exchange(fd, m, patience, |e| OpenError::Connect(e.to_string()))? {
+        Opened::Proved(epoch) => Ok(epoch),
+        other => Err(OpenError::Protocol(format!("{other:?} in answer to a handshake"))),
+    }
 }
 
-/// Runs the Describe exchange on a fresh, blocking connection (after its
+/// The Describe exchange on a fresh, blocking connection (after its
 /// handshake, if any): the target's descriptor, and the wire minor its
 /// reply came with.
 fn describe(
     fd: i32,
     my_epoch: u64,
-    expected_epoch: Option<u64>,
+    expected: Option<u64>,
     opts: &LinkOptions,
     patience: &Patience,
 ) -> Result<(SegmentDescriptor, u8), OpenError> {
-    let mut body = Vec::new();
-    wire::encode_describe(&mut body, my_epoch, expected_epoch.unwrap_or(0));
-    let hb = wire::encode_header(&wire::header(Kind::Describe, body.len(), 0, 1));
-    let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
-    // SAFETY: both entries borrow live local buffers for the call.
-    unsafe { writev_within(fd, &mut v, Some(patience)) }.map_err(|e| OpenError::Connect(e.to_string()))?;
-    let mut hb = [0u8; wire::HEADER_LEN];
-    read_exact_within(fd, &mut hb, Some(patience)).map_err(|e| OpenError::Connect(e.to_string()))?;
-    let h = wire::decode_header(&hb, opts.limits).map_err(|e| OpenError::Protocol(e.to_string()))?;
-    if h.kind == Kind::Error {
-        body.resize(h.body_len as usize, 0);
-        read_exact_within(fd, &mut body, Some(patience)).map_err(|e| OpenError::Connect(e.to_string()))?;
-        return Err(match Message::decode(&h, &body) {
-            Ok(Message::Error { status: wire::RemoteStatus::Unauthenticated, detail: d }) => {
-                OpenError::Unauthenticated(format!("the peer requires authentication (auth.secret_file): {d}"))
-            }
-            Ok(Message::Error { status, detail: d }) => {
-                OpenError::Protocol(format!("describe refused: {status:?}: {d}"))
-            }
-            Ok(m) => OpenError::Protocol(WireError::OutOfPlace(m.kind()).to_string()),
-            Err(e) => OpenError::Protocol(e.to_string()),
-        });
+    let m = Opening::new(Exchange::Describe { my_epoch, expected, max_descriptor: opts.max_descriptor }, opts.limits);
+    match exchange(fd, m, patience, |e| OpenError::Connect(e.to_string()))? {
+        Opened::Described(descriptor, minor) => Ok((descriptor, minor)),
+        other => Err(OpenError::Protocol(format!("{other:?} in answer to describe"))),
     }
-    if h.kind != Kind::DescribeReply || h.data_len != 0 || h.request != 1 {
-        return Err(OpenError::Protocol(format!("unexpected {:?} reply to describe", h.kind)));
-    }
-    body.resize(h.body_len as usize, 0);
-    read_exact_within(fd, &mut body, Some(patience)).map_err(|e| OpenError::Connect(e.to_string()))?;
-    let descriptor =
-        SegmentDescriptor::decode(&body, opts.max_descriptor).map_err(|e| OpenError::Protocol(e.to_string()))?;
-    if let Some(expected) = expected_epoch {
-        if expected != descriptor.epoch {
-            return Err(OpenError::EpochMismatch { expected, found: descriptor.epoch });
-        }
-    }
-    if descriptor.epoch == my_epoch {
-        return Err(OpenError::OwnEngine);
-    }
-    Ok((descriptor, h.minor))
 }
 
 /// A peer proven to run on this host: the kernel's word on its process,
@@ -403,24 +366,23 @@ impl<J: CopyJob> PeerLink<J> {
             }
             Err(_) => connect()?.into(),
         };
-        let mut body = Vec::new();
-        wire::encode_watch(&mut body, descriptor.epoch, descriptor.registry_version, opts.limits.max_body as u64);
-        let hb = wire::encode_header(&wire::header(Kind::Watch, body.len(), 0, 1));
-        let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
-        let wfd = watch.as_raw_fd();
-        // SAFETY: both entries borrow live local buffers for the call.
-        unsafe { writev_within(wfd, &mut v, Some(&open_patience)) }.map_err(|e| OpenError::Connect(e.to_string()))?;
         // A target whose watchers are full refuses: this link then asks for
         // changes instead of being told (every lookup of a range it does
         // not know refreshes).
-        let (first, watch) = match read_first_changes(wfd, &opts.limits, descriptor.epoch, &open_patience)? {
-            FirstChanges::Full => (None, None),
-            FirstChanges::Changes(first) => {
-                let first = Some(first)
-                    .filter(|(base, d)| *base == descriptor.registry_version && d.version >= *base)
-                    .ok_or_else(|| OpenError::Protocol("no answer to the watch".into()))?;
-                (Some(first), Some(watch))
+        let subscribe = Exchange::Watch {
+            epoch: descriptor.epoch,
+            since: descriptor.registry_version,
+            max_reply: opts.limits.max_body as u64,
+        };
+        let answer = exchange(watch.as_raw_fd(), Opening::new(subscribe, opts.limits), &open_patience, |e| {
+            OpenError::Protocol(format!("no answer to the watch: {e}"))
+        })?;
+        let (first, watch) = match answer {
+            Opened::Watching(base, delta) if base == descriptor.registry_version && delta.version >= base => {
+                (Some((base, delta)), Some(watch))
             }
+            Opened::WatchersFull => (None, None),
+            _ => return Err(OpenError::Protocol("no answer to the watch".into())),
         };
         for s in streams.iter().chain(watch.as_ref()).chain(control.as_ref()) {
             s.set_nonblocking().map_err(|e| OpenError::Connect(e.to_string()))?;
@@ -742,55 +704,6 @@ impl<J: CopyJob> PeerLink<J> {
         drop(conns);
         self.queue.lock().hungry.retain(|c| *c != me);
     }
-}
-
-/// What a subscription's first answer says.
-enum FirstChanges {
-    /// What changed since the version given.
-    Changes((u64, Delta)),
-    /// The target has all the watchers it takes.
-    Full,
-}
-
-/// Reads the first answer of the subscription, within `patience`.
-fn read_first_changes(fd: i32, limits: &Limits, epoch: u64, patience: &Patience) -> Result<FirstChanges, OpenError> {
-    let mut hb = [0u8; wire::HEADER_LEN];
-    read_exact_within(fd, &mut hb, Some(patience))
-        .map_err(|e| OpenError::Protocol(format!("no answer to the watch: {e}")))?;
-    let h = wire::decode_header(&hb, *limits).map_err(|e| OpenError::Protocol(e.to_string()))?;
-    let mut body = vec![0u8; h.body_len as usize];
-    read_exact_within(fd, &mut body, Some(patience)).map_err(|e| OpenError::Protocol(e.to_string()))?;
-    if let Ok(Message::Error { status: wire::RemoteStatus::ResourceExhausted, .. }) = Message::decode(&h, &body) {
-        return Ok(FirstChanges::Full);
-    }
-    changes_of(&h, &body, epoch).map(FirstChanges::Changes).map_err(|e| OpenError::Protocol(e.to_string()))
-}
-
-/// Why a frame on the watch connection is refused (the link then stops
-/// trusting what it was told, and asks).
-#[derive(Debug, thiserror::Error)]
-enum WatchFrameError {
-    #[error("unexpected {0:?} on the watch connection")]
-    Unexpected(Kind),
-    #[error(transparent)]
-    Wire(#[from] WireError),
-    #[error("changes of another epoch")]
-    OtherEpoch,
-}
-
-/// Decodes one Changed frame of the subscription (request 1) for `epoch`.
-fn changes_of(h: &wire::Header, body: &[u8], epoch: u64) -> Result<(u64, Delta), WatchFrameError> {
-    if h.request != 1 || h.kind != Kind::Changed {
-        return Err(WatchFrameError::Unexpected(h.kind));
-    }
-    let Message::Changed { target_epoch, base, delta } = Message::decode(h, body)? else {
-        return Err(WatchFrameError::Unexpected(h.kind));
-    };
-    let delta = Delta::decode(delta)?;
-    if target_epoch != epoch {
-        return Err(WatchFrameError::OtherEpoch);
-    }
-    Ok((base, delta))
 }
 
 // --- the drivers ------------------------------------------------------------

@@ -4,6 +4,7 @@
 //! them over sockets.
 
 pub(crate) mod client;
+pub(crate) mod open;
 #[cfg(test)]
 mod pair;
 pub(crate) mod server;

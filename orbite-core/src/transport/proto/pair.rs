@@ -19,10 +19,13 @@ use parking_lot::Mutex;
 use proptest::prelude::*;
 
 use super::client::{ClientConn, ControlJob, Done, PeerFailure, PeerJob, unsent};
+use super::open::{Exchange, Opened, Opening};
 use super::server::{Close, ConnEnd, ServerBudget, ServerConn, TargetSide};
 use crate::charge::Counters;
 use crate::registry::Registration;
+use crate::segment::SegmentDescriptor;
 use crate::transport::auth::{Dialed, Initiator, ResponderSelf, Secret};
+use crate::transport::peer_errors::OpenError;
 use crate::transport::routes::Mover;
 use crate::transport::{CopyJob, CopyProgram, Span, TaskRange};
 use crate::types::{Op, TaskEnd, TaskReport};
@@ -85,7 +88,7 @@ impl TargetSide for Target {
         EPOCH
     }
     fn descriptor(&self) -> Vec<u8> {
-        b"descriptor".to_vec()
+        descriptor().to_bytes()
     }
     fn resolve(
         &self,
@@ -120,6 +123,20 @@ impl TargetSide for Target {
     }
     fn responder(&self, _at: ConnEnd) -> ResponderSelf {
         ResponderSelf { epoch: EPOCH, advertised: None, local_socket: Some(SOCKET.into()), reached_at: None }
+    }
+}
+
+/// What the target describes.
+fn descriptor() -> SegmentDescriptor {
+    SegmentDescriptor {
+        endpoint: "target".into(),
+        epoch: EPOCH,
+        registry_version: 3,
+        pid: 1,
+        boot_id: [9; 16],
+        inbox: String::new(),
+        local_socket: SOCKET.into(),
+        registrations: Vec::new(),
     }
 }
 
@@ -288,28 +305,6 @@ fn give(iovs: &[libc::iovec], want: usize, pipe: &mut Pipe) -> usize {
     n
 }
 
-/// One frame the handshake sends (request 1).
-fn frame(kind: Kind, body: &[u8]) -> Vec<u8> {
-    let mut f = wire::encode_header(&wire::header(kind, body.len(), 0, 1)).to_vec();
-    f.extend_from_slice(body);
-    f
-}
-
-/// Reads one whole handshake frame off the server's pipe, if it is there.
-fn handshake_reply(pipe: &mut Pipe) -> Option<(Kind, Vec<u8>)> {
-    if pipe.bytes.len() < wire::HEADER_LEN {
-        return None;
-    }
-    let hb: [u8; wire::HEADER_LEN] =
-        pipe.bytes.iter().take(wire::HEADER_LEN).copied().collect::<Vec<_>>().try_into().ok()?;
-    let h = wire::decode_header(&hb, Limits { max_body: wire::AUTH_MAX_BODY.max(4096), max_data: 0 }).ok()?;
-    if pipe.bytes.len() < wire::HEADER_LEN + h.body_len as usize {
-        return None;
-    }
-    pipe.bytes.drain(..wire::HEADER_LEN);
-    Some((h.kind, pipe.bytes.drain(..h.body_len as usize).collect()))
-}
-
 /// The server's turn: reads what it can, sends what it has. `Err`: it
 /// closed the connection.
 fn serve(s: &mut ServerConn, side: &Target, w: &mut Wire<'_>) -> Result<bool, Close> {
@@ -338,6 +333,43 @@ fn serve(s: &mut ServerConn, side: &Target, w: &mut Wire<'_>) -> Result<bool, Cl
             return Ok(progress);
         }
         progress = true;
+    }
+}
+
+/// Runs one exchange at open against the server: how it ended, or
+/// `None` if the connection broke (or the target closed it) first.
+fn opening(mut m: Opening, s: &mut ServerConn, side: &Target, w: &mut Wire<'_>) -> Option<Result<Opened, OpenError>> {
+    loop {
+        let mut progress = false;
+        let out = m.to_send();
+        if !out.is_empty() {
+            let want = w.cut().min(out.len());
+            w.c2s.bytes.extend(&out[..want]);
+            w.c2s.moved += want;
+            m.sent(want);
+            progress |= want > 0;
+        }
+        let served = serve(s, side, w);
+        progress |= matches!(served, Ok(true));
+        while !w.s2c.bytes.is_empty() {
+            let want = w.cut().min(w.s2c.bytes.len());
+            if want == 0 {
+                break;
+            }
+            let into = m.want();
+            let n = want.min(into.len());
+            for (b, x) in into.iter_mut().zip(w.s2c.bytes.drain(..n)) {
+                *b = x;
+            }
+            progress = true;
+            match m.received(n) {
+                Ok(None) => {}
+                done => return done.transpose(),
+            }
+        }
+        if !progress || served.is_err() && w.s2c.bytes.is_empty() {
+            return None;
+        }
     }
 }
 
@@ -399,51 +431,26 @@ fn run(
         outcomes[id] = Some(o);
     };
 
-    // The handshake, as link.rs runs it: hello, challenge, proof, ok.
-    let mut open = secrets == Secrets::None;
-    if !open {
+    // The exchanges at open, as link.rs runs them: the handshake (with a
+    // secret), then the Describe.
+    let mut open = true;
+    if secrets != Secrets::None {
         let mine = match secrets {
             Secrets::Wrong => Arc::new(Secret::from_bytes(&[2u8; 32])),
             _ => target_secret.clone(),
         };
         let dialed = Dialed { name: SOCKET.into(), reached: None };
         let hs = Initiator::new(mine, MY_EPOCH, Some(EPOCH), &dialed, [7u8; wire::AUTH_NONCE]);
-        let mut body = Vec::new();
-        hs.hello().encode(&mut body);
-        let mut pending: VecDeque<u8> = frame(Kind::AuthHello, &body).into();
-        let mut proved = false;
-        loop {
-            let mut progress = false;
-            if !pending.is_empty() {
-                let want = w.cut().min(pending.len());
-                w.c2s.bytes.extend(pending.drain(..want));
-                w.c2s.moved += want;
-                progress |= want > 0;
-            }
-            match serve(&mut s, &side, &mut w) {
-                Ok(p) => progress |= p,
-                // Refused: its error reply is out, the connection closes.
-                Err(_) => break,
-            }
-            match handshake_reply(&mut w.s2c) {
-                Some((Kind::AuthChallenge, b)) if !proved => {
-                    let Ok(c) = wire::AuthChallenge::decode(&b) else { break };
-                    // The target's proof is wrong: this side refuses.
-                    let Ok(proof) = hs.on_challenge(&c) else { break };
-                    pending.extend(frame(Kind::AuthProof, &proof));
-                    proved = true;
-                    progress = true;
-                }
-                Some((Kind::AuthOk, _)) if proved => {
-                    open = true;
-                    break;
-                }
-                Some(_) => break,
-                None => {}
-            }
-            if !progress {
-                break;
-            }
+        let proved = opening(Opening::new(Exchange::Authenticate(hs), LIMITS), &mut s, &side, &mut w);
+        open = matches!(proved, Some(Ok(Opened::Proved(EPOCH))));
+    }
+    if open {
+        let ask = Exchange::Describe { my_epoch: MY_EPOCH, expected: Some(EPOCH), max_descriptor: 1 << 16 };
+        match opening(Opening::new(ask, LIMITS), &mut s, &side, &mut w) {
+            Some(Ok(Opened::Described(d, _))) => assert_eq!(d, descriptor(), "the descriptor arrives whole"),
+            Some(other) => panic!("describe: {other:?}"),
+            // The connection broke.
+            None => open = false,
         }
     }
 
