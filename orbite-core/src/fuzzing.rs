@@ -15,7 +15,7 @@ use crate::registry::Registration;
 use crate::segment::Delta;
 use crate::transport::auth::{Dialed, Initiator, Secret};
 use crate::transport::inbox::{self, Envelope, Inbox};
-use crate::transport::proto::server::{ConnEnd, ServerConn, TargetSide};
+use crate::transport::proto::server::{ConnEnd, ServerConn, TargetSide, TargetView};
 use crate::transport::sock::iov;
 use crate::wire::{self, Kind, Limits, NotifyEnvelope, RemoteStatus, Request};
 
@@ -169,7 +169,7 @@ struct FakeTarget {
 // machine that uses them.
 unsafe impl Sync for FakeTarget {}
 
-impl TargetSide for FakeTarget {
+impl TargetView for FakeTarget {
     fn epoch(&self) -> u64 {
         SERVER_EPOCH
     }
@@ -203,14 +203,6 @@ impl TargetSide for FakeTarget {
         Ok(())
     }
 
-    fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)> {
-        if env.payload.len() > SERVER_MAX_NOTIFICATION {
-            return Err((RemoteStatus::NotificationTooLarge, String::new()));
-        }
-        self.notifications.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(())
-    }
-
     fn changes(&self, since: u64, budget: usize) -> Delta {
         // Removed ids cost 8 bytes each; stay within the budget as the
         // engine's registry does.
@@ -225,6 +217,20 @@ impl TargetSide for FakeTarget {
 
     fn limits(&self) -> Limits {
         SERVER_LIMITS
+    }
+}
+
+impl TargetSide for FakeTarget {
+    fn view(&self) -> &dyn TargetView {
+        self
+    }
+
+    fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)> {
+        if env.payload.len() > SERVER_MAX_NOTIFICATION {
+            return Err((RemoteStatus::NotificationTooLarge, String::new()));
+        }
+        self.notifications.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
 }
 
@@ -316,8 +322,11 @@ impl Server {
             }
             pos += n;
             match self.conn.received(n, &self.side) {
-                Ok(Some(_)) => run.subscriptions += 1,
-                Ok(None) => {}
+                Ok(event) => {
+                    if crate::transport::server::perform(&mut self.conn, &self.side, event).is_some() {
+                        run.subscriptions += 1;
+                    }
+                }
                 Err(close) => {
                     // A refusal that closes the connection may still have
                     // queued a reply (an authentication error): send it.

@@ -11,7 +11,7 @@ use crate::engine::EngineInner;
 use crate::engine::notify::Notification;
 use crate::registry::Registration;
 use crate::segment::{Delta, ExportedRegistration, SegmentDescriptor};
-use crate::transport::proto::server::{BorrowLimits, TargetSide};
+use crate::transport::proto::server::{BorrowLimits, TargetSide, TargetView};
 use crate::transport::server::Server;
 use crate::transport::sock::iov;
 use crate::transport::watchers::Watchers;
@@ -39,7 +39,7 @@ pub(crate) struct Listener {
 /// Most peers remembered as logged for failed authentication.
 const MAX_AUTH_LOGGED: usize = 1024;
 
-impl TargetSide for EngineInner {
+impl TargetView for EngineInner {
     fn epoch(&self) -> u64 {
         self.epoch
     }
@@ -78,44 +78,8 @@ impl TargetSide for EngineInner {
         self.resolve_with(req, write, iovs, loans, Some(landing))
     }
 
-    fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)> {
-        if env.payload.len() as u64 > self.config.max_notification_bytes {
-            return Err((RemoteStatus::NotificationTooLarge, format!("limit {}", self.config.max_notification_bytes)));
-        }
-        if env.sender_endpoint.len() > crate::engine::notify::MAX_SENDER_ENDPOINT {
-            let limit = crate::engine::notify::MAX_SENDER_ENDPOINT;
-            return Err((RemoteStatus::BadLength, format!("a sender endpoint may have {limit} bytes")));
-        }
-        // A sender we know under another epoch is a stale (or future)
-        // identity: refuse rather than attribute it wrongly.
-        let known = self.peers.latest.lock().get(env.sender_endpoint).and_then(|w| w.upgrade()).map(|p| p.epoch);
-        if let Some(epoch) = known {
-            if epoch != env.sender_epoch {
-                return Err((RemoteStatus::EpochMismatch, format!("sender epoch is {epoch:#x}")));
-            }
-        }
-        let n = Notification {
-            sender_endpoint: env.sender_endpoint.to_owned(),
-            sender_epoch: env.sender_epoch,
-            payload: env.payload.to_vec(),
-        };
-        self.enqueue_notification(n).map_err(|e| (RemoteStatus::ResourceExhausted, e.to_string()))
-    }
-
     fn limits(&self) -> Limits {
         self.frame_limits()
-    }
-
-    fn auth_failed(&self, from: &str, why: &str) {
-        self.note_auth_failure(from, &format!("did not authenticate: {why}"));
-    }
-
-    fn connection_refused(&self, from: &str, why: &str) {
-        self.counters.connections_refused.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        self.log_once(
-            &format!("{from} {why}"),
-            &format!("a connection from {from} was closed at accept: {why} is full"),
-        );
     }
 
     fn responder(&self, at: crate::transport::proto::server::ConnEnd) -> crate::transport::auth::ResponderSelf {
@@ -129,15 +93,6 @@ impl TargetSide for EngineInner {
                 ConnEnd::Local => None,
             },
         }
-    }
-
-    fn shared_fd(&self, name: &str) -> Option<std::os::fd::OwnedFd> {
-        if let Some((inbox, _)) = self.notifications.inbox.get() {
-            if inbox.shared_name() == Some(name) {
-                return inbox.shared_fd()?.try_clone_to_owned().ok();
-            }
-        }
-        self.registry.lock().shared_fd(name)
     }
 
     fn borrow_limits(&self) -> BorrowLimits {
@@ -169,6 +124,57 @@ impl TargetSide for EngineInner {
             }
         }
         Ok(())
+    }
+}
+
+impl TargetSide for EngineInner {
+    fn view(&self) -> &dyn TargetView {
+        self
+    }
+
+    fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)> {
+        if env.payload.len() as u64 > self.config.max_notification_bytes {
+            return Err((RemoteStatus::NotificationTooLarge, format!("limit {}", self.config.max_notification_bytes)));
+        }
+        if env.sender_endpoint.len() > crate::engine::notify::MAX_SENDER_ENDPOINT {
+            let limit = crate::engine::notify::MAX_SENDER_ENDPOINT;
+            return Err((RemoteStatus::BadLength, format!("a sender endpoint may have {limit} bytes")));
+        }
+        // A sender we know under another epoch is a stale (or future)
+        // identity: refuse rather than attribute it wrongly.
+        let known = self.peers.latest.lock().get(env.sender_endpoint).and_then(|w| w.upgrade()).map(|p| p.epoch);
+        if let Some(epoch) = known {
+            if epoch != env.sender_epoch {
+                return Err((RemoteStatus::EpochMismatch, format!("sender epoch is {epoch:#x}")));
+            }
+        }
+        let n = Notification {
+            sender_endpoint: env.sender_endpoint.to_owned(),
+            sender_epoch: env.sender_epoch,
+            payload: env.payload.to_vec(),
+        };
+        self.enqueue_notification(n).map_err(|e| (RemoteStatus::ResourceExhausted, e.to_string()))
+    }
+
+    fn auth_failed(&self, from: &str, why: &str) {
+        self.note_auth_failure(from, &format!("did not authenticate: {why}"));
+    }
+
+    fn connection_refused(&self, from: &str, why: &str) {
+        self.counters.connections_refused.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.log_once(
+            &format!("{from} {why}"),
+            &format!("a connection from {from} was closed at accept: {why} is full"),
+        );
+    }
+
+    fn shared_fd(&self, name: &str) -> Option<std::os::fd::OwnedFd> {
+        if let Some((inbox, _)) = self.notifications.inbox.get() {
+            if inbox.shared_name() == Some(name) {
+                return inbox.shared_fd()?.try_clone_to_owned().ok();
+            }
+        }
+        self.registry.lock().shared_fd(name)
     }
 
     fn ipc_export(&self, ids: &[u64]) -> (Vec<crate::wire::IpcEntry>, Vec<std::os::fd::OwnedFd>) {
@@ -330,9 +336,6 @@ impl EngineInner {
             iovs[i] = iov(base + at, n);
             stage.copies.push((dev, base + at, n));
             at += n;
-        }
-        if !write {
-            stage.fill().map_err(|why| (RemoteStatus::Other, format!("the target's device copy failed: {why}")))?;
         }
         Ok(Box::new(stage))
     }

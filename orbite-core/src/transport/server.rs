@@ -26,7 +26,7 @@ use parking_lot::Mutex;
 
 use crate::charge::{Charge, Counter};
 use crate::transport::auth::Secret;
-use crate::transport::proto::server::{Close, ConnEnd, Event, ServerBudget, ServerConn, TargetSide};
+use crate::transport::proto::server::{Close, ConnEnd, Event, ServerBudget, ServerConn, Subscribe, TargetSide};
 use crate::transport::reactor::{Events, Interest, Poller, Timer, Waker};
 use crate::transport::sock::{Stream, tune};
 
@@ -608,16 +608,19 @@ impl ServerShared {
             }
             moved += r as usize;
             drained = (r as usize) < asked;
-            match m.received(r as usize, side.as_ref()) {
-                Ok(None) => {}
-                Ok(Some(Event::Subscribe { epoch, request, budget, since })) => {
-                    let socket = conn.stream.clone();
-                    let now = side.registry_version();
-                    let changes = |since, budget| side.changes(since, budget);
-                    match self.watchers.subscribe(id, conn.peer, (epoch, request, budget, since), socket, now, &changes)
-                    {
-                        Ok(()) => served.watching = true,
-                        Err(why) => m.refuse_request(request, wire::RemoteStatus::ResourceExhausted, &why.to_string()),
+            match m.received(r as usize, side.view()) {
+                Ok(event) => {
+                    if let Some(Subscribe { epoch, request, budget, since }) = perform(m, side.as_ref(), event) {
+                        let socket = conn.stream.clone();
+                        let now = side.registry_version();
+                        let changes = |since, budget| side.changes(since, budget);
+                        let sub = (epoch, request, budget, since);
+                        match self.watchers.subscribe(id, conn.peer, sub, socket, now, &changes) {
+                            Ok(()) => served.watching = true,
+                            Err(why) => {
+                                m.refuse_request(request, wire::RemoteStatus::ResourceExhausted, &why.to_string())
+                            }
+                        }
                     }
                 }
                 Err(Close::Unauthenticated) => {
@@ -695,10 +698,46 @@ impl ServerShared {
     }
 }
 
+/// Does what `event` asks of the driver, answering the machine, until
+/// the machine asks nothing more or asks for a subscription (returned:
+/// the driver's watchers take it).
+pub(crate) fn perform(m: &mut ServerConn, side: &dyn TargetSide, event: Option<Event>) -> Option<Subscribe> {
+    let mut event = event;
+    while let Some(e) = event.take() {
+        event = match e {
+            Event::Subscribe(s) => return Some(s),
+            Event::Deliver(n) => {
+                let env = wire::NotifyEnvelope {
+                    sender_endpoint: &n.sender_endpoint,
+                    sender_epoch: n.sender_epoch,
+                    target_epoch: n.target_epoch,
+                    payload: &n.payload,
+                };
+                m.delivered(side.deliver(&env))
+            }
+            Event::ShareFds(names) => m.shared(names.iter().map(|n| side.shared_fd(n)).collect()),
+            Event::ExportIpc(ids) => {
+                let (entries, fds) = side.ipc_export(&ids);
+                m.exported(entries, fds)
+            }
+            Event::Resolved => {
+                side.remote_gate();
+                m.proceed()
+            }
+            Event::Stage(mut landing) => {
+                let result = landing.copy();
+                m.staged(landing, result)
+            }
+        };
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::registry::Registration;
+    use crate::transport::proto::server::TargetView;
     use crate::transport::sock::iov;
     use crate::wire::{Kind, Limits, NotifyEnvelope, RemoteDesc, RemoteStatus, Request};
     use std::io::{Read, Write};
@@ -712,13 +751,15 @@ mod tests {
         base: usize,
     }
 
-    impl TargetSide for Side {
+    impl TargetView for Side {
         fn epoch(&self) -> u64 {
             EPOCH
         }
+
         fn descriptor(&self) -> Vec<u8> {
             Vec::new()
         }
+
         fn resolve(
             &self,
             req: &Request<'_>,
@@ -734,17 +775,27 @@ mod tests {
             }
             Ok(())
         }
-        fn deliver(&self, _env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)> {
-            Ok(())
-        }
+
         fn changes(&self, _since: u64, _budget: usize) -> crate::segment::Delta {
             crate::segment::Delta::default()
         }
+
         fn registry_version(&self) -> u64 {
             0
         }
+
         fn limits(&self) -> Limits {
             Limits { max_body: 1 << 16, max_data: LEN as u32 }
+        }
+    }
+
+    impl TargetSide for Side {
+        fn view(&self) -> &dyn TargetView {
+            self
+        }
+
+        fn deliver(&self, _env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)> {
+            Ok(())
         }
     }
 

@@ -20,7 +20,7 @@ use proptest::prelude::*;
 
 use super::client::{ClientConn, ControlJob, Done, PeerFailure, PeerJob, unsent};
 use super::open::{Exchange, Opened, Opening};
-use super::server::{Close, ConnEnd, ServerBudget, ServerConn, TargetSide};
+use super::server::{Close, ConnEnd, ServerBudget, ServerConn, TargetSide, TargetView};
 use crate::charge::Counters;
 use crate::registry::Registration;
 use crate::segment::SegmentDescriptor;
@@ -83,13 +83,15 @@ fn check(reg: u64, offset: u64, len: u64, write: bool) -> Result<usize, RemoteSt
     Ok(i)
 }
 
-impl TargetSide for Target {
+impl TargetView for Target {
     fn epoch(&self) -> u64 {
         EPOCH
     }
+
     fn descriptor(&self) -> Vec<u8> {
         descriptor().to_bytes()
     }
+
     fn resolve(
         &self,
         req: &Request<'_>,
@@ -105,24 +107,35 @@ impl TargetSide for Target {
         }
         Ok(())
     }
+
+    fn changes(&self, _since: u64, _budget: usize) -> crate::segment::Delta {
+        crate::segment::Delta::default()
+    }
+
+    fn registry_version(&self) -> u64 {
+        0
+    }
+
+    fn limits(&self) -> Limits {
+        LIMITS
+    }
+
+    fn responder(&self, _at: ConnEnd) -> ResponderSelf {
+        ResponderSelf { epoch: EPOCH, advertised: None, local_socket: Some(SOCKET.into()), reached_at: None }
+    }
+}
+
+impl TargetSide for Target {
+    fn view(&self) -> &dyn TargetView {
+        self
+    }
+
     fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)> {
         if env.payload.len() > MAX_NOTE {
             return Err((RemoteStatus::NotificationTooLarge, String::new()));
         }
         self.notes.lock().push(env.payload.to_vec());
         Ok(())
-    }
-    fn changes(&self, _since: u64, _budget: usize) -> crate::segment::Delta {
-        crate::segment::Delta::default()
-    }
-    fn registry_version(&self) -> u64 {
-        0
-    }
-    fn limits(&self) -> Limits {
-        LIMITS
-    }
-    fn responder(&self, _at: ConnEnd) -> ResponderSelf {
-        ResponderSelf { epoch: EPOCH, advertised: None, local_socket: Some(SOCKET.into()), reached_at: None }
     }
 }
 
@@ -317,7 +330,9 @@ fn serve(s: &mut ServerConn, side: &Target, w: &mut Wire<'_>) -> Result<bool, Cl
                 let n = give(into, want, &mut w.c2s);
                 if n > 0 {
                     moved = true;
-                    s.received(n, side)?;
+                    let event = s.received(n, side.view())?;
+                    // The driver's part: what the machine asks for.
+                    crate::transport::server::perform(s, side, event);
                 }
             }
         }

@@ -9,8 +9,15 @@
 //! [`ServerConn::sent`] has seen all of it. One request is served at a time,
 //! in order: the next is read only once the previous reply is out.
 //!
+//! The machine calls out to nothing that may block or act: it queries the
+//! engine through [`TargetView`] (identity, limits, a registry lookup),
+//! and what must be done beyond that (deliver a notification, hand over
+//! descriptors or CUDA IPC handles, run a staged request's device copies,
+//! hold a request at a test gate, subscribe a watch) it asks as an
+//! [`Event`], taking and sending nothing until its driver answered.
+//!
 //! Every request is checked whole (epoch, ids, generations, bounds and
-//! permissions, through [`TargetSide::resolve`]) before any payload byte
+//! permissions, through [`TargetView::resolve`]) before any payload byte
 //! moves. A refusal is a typed error frame; a refused WRITE's payload is
 //! drained first, so the stream stays in sync. A malformed frame closes the
 //! connection ([`Close`]); other connections are not affected.
@@ -30,8 +37,11 @@ use crate::wire::{
     self, DescribeSince, Header, Kind, Limits, Message, NotifyEnvelope, RemoteStatus, Request, WireError,
 };
 
-/// What the target side of the engine provides to its server.
-pub(crate) trait TargetSide: Send + Sync + 'static {
+/// What the server machine may ask of the engine's target side: queries
+/// that answer at once and never block (a registry lookup, the engine's
+/// identity and limits). Everything else the machine needs done is an
+/// [`Event`] its driver performs ([`TargetSide`]).
+pub(crate) trait TargetView: Send + Sync + 'static {
     /// This engine's epoch.
     fn epoch(&self) -> u64;
     /// The encoded segment descriptor.
@@ -47,9 +57,9 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
     ) -> Result<(), (RemoteStatus, String)>;
     /// As `resolve`, for a WRITE or a READ, which may also name device
     /// memory the target stages through a host buffer: `landing` then
-    /// receives what must run once a WRITE's bytes are in (and holds a
-    /// READ's buffer until its reply is out). `resolve` alone (borrows)
-    /// never takes device memory.
+    /// receives the buffer and the device copies a driver runs
+    /// ([`Event::Stage`]). `resolve` alone (borrows) never takes device
+    /// memory.
     fn resolve_staged(
         &self,
         req: &Request<'_>,
@@ -73,15 +83,6 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
         let _ = (req, write, loans);
         Err((RemoteStatus::PermissionDenied, "this target lends no device memory".into()))
     }
-    /// CUDA IPC handles of the device registrations `ids` (raw), for a
-    /// same-host peer on the local socket, with the descriptors of the
-    /// shareable ones in entry order (at most [`crate::wire::MAX_SHARED_FDS`]).
-    fn ipc_export(&self, ids: &[u64]) -> (Vec<crate::wire::IpcEntry>, Vec<std::os::fd::OwnedFd>) {
-        let refused = ids.iter().map(|_| crate::wire::IpcEntry::Refused("this target exports no IPC handles".into()));
-        (refused.collect(), Vec::new())
-    }
-    /// Queues a notification, or refuses it.
-    fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)>;
     /// What changed in the exported registrations after registry version
     /// `since`, in at most `budget` encoded bytes.
     fn changes(&self, since: u64, budget: usize) -> crate::segment::Delta;
@@ -89,9 +90,6 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
     fn registry_version(&self) -> u64;
     /// Frame limits.
     fn limits(&self) -> Limits;
-    /// Test hook: blocks while remote requests are held (after their loans
-    /// were taken, before any byte moves).
-    fn remote_gate(&self) {}
     /// What this engine answers to as a responder of the authentication
     /// handshake, on a connection whose end here is `at`.
     fn responder(&self, at: ConnEnd) -> ResponderSelf {
@@ -105,16 +103,36 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
             },
         }
     }
+    /// What borrowers may make this target hold.
+    fn borrow_limits(&self) -> BorrowLimits {
+        BorrowLimits { per_connection: 4096, registrations_per_borrow: 1024 }
+    }
+}
+
+/// The engine's target side as the server's driver sees it: the machine's
+/// queries, and what the driver does for the machine's [`Event`]s
+/// (`transport::server::perform`) and for its own (accept caps, refused handshakes).
+pub(crate) trait TargetSide: TargetView {
+    /// The queries the machine may make.
+    fn view(&self) -> &dyn TargetView;
+    /// CUDA IPC handles of the device registrations `ids` (raw), for a
+    /// same-host peer on the local socket, with the descriptors of the
+    /// shareable ones in entry order (at most [`crate::wire::MAX_SHARED_FDS`]).
+    fn ipc_export(&self, ids: &[u64]) -> (Vec<crate::wire::IpcEntry>, Vec<std::os::fd::OwnedFd>) {
+        let refused = ids.iter().map(|_| crate::wire::IpcEntry::Refused("this target exports no IPC handles".into()));
+        (refused.collect(), Vec::new())
+    }
+    /// Queues a notification, or refuses it.
+    fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)>;
+    /// Test hook: blocks while remote requests are held (after their loans
+    /// were taken, before any byte moves).
+    fn remote_gate(&self) {}
     /// A connection from `from` did not authenticate (it was refused:
     /// `why`).
     fn auth_failed(&self, _from: &str, _why: &str) {}
     /// A connection from `from` was closed at accept: it would exceed the
     /// cap `why` (a configuration field's name).
     fn connection_refused(&self, _from: &str, _why: &str) {}
-    /// What borrowers may make this target hold.
-    fn borrow_limits(&self) -> BorrowLimits {
-        BorrowLimits { per_connection: 4096, registrations_per_borrow: 1024 }
-    }
     /// A duplicate of the descriptor of shared allocation `name` (its
     /// notification inbox, or one a registration peers may target lies
     /// in), for a same-host peer on the local socket.
@@ -127,9 +145,10 @@ pub(crate) trait TargetSide: Send + Sync + 'static {
 /// its bytes go through, and for a WRITE the device copies that run once
 /// they are all in.
 pub(crate) trait Landing: Send {
-    /// A WRITE's bytes are in the buffer: copy them to the device (the
+    /// The device copies: a READ's device bytes into the buffer (before its
+    /// reply), a WRITE's bytes out of it once they are all in (the
     /// request's loans are still held). `Err`: why, answered to the peer.
-    fn land(&mut self) -> Result<(), crate::cuda::CudaError>;
+    fn copy(&mut self) -> Result<(), crate::cuda::CudaError>;
 }
 
 /// Bounds on what borrowers may make a target hold.
@@ -227,12 +246,65 @@ impl From<WireError> for Close {
     }
 }
 
-/// Something the driver must do for the machine.
+/// A subscription the driver must make (a Watch): push what changed after
+/// `since` at once, then every change.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Subscribe {
+    pub epoch: u64,
+    pub request: u64,
+    pub budget: usize,
+    pub since: u64,
+}
+
+/// A notification the driver delivers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Delivery {
+    pub sender_endpoint: String,
+    pub sender_epoch: u64,
+    pub target_epoch: u64,
+    pub payload: Vec<u8>,
+}
+
+/// Something the driver must do for the machine (`transport::server::perform`). Until it
+/// answers (the method each variant names), the machine takes no byte
+/// and has none to send.
 pub(crate) enum Event {
-    /// Subscribe this connection to the registry's changes (a Watch): push
-    /// what changed after `since` at once, then every change.
-    Subscribe { epoch: u64, request: u64, budget: usize, since: u64 },
+    /// Subscribe this connection to the registry's changes; no answer
+    /// (or [`ServerConn::refuse_request`]).
+    Subscribe(Subscribe),
+    /// Deliver a notification: [`ServerConn::delivered`].
+    Deliver(Delivery),
+    /// Duplicate the descriptors of these shared allocations (local socket
+    /// only): [`ServerConn::shared`].
+    ShareFds(Vec<String>),
+    /// Export CUDA IPC handles of these device registrations (local socket
+    /// only): [`ServerConn::exported`].
+    ExportIpc(Vec<u64>),
+    /// A WRITE's or READ's ranges are resolved and lent, and no byte moved
+    /// yet (a test may hold it here): [`ServerConn::proceed`].
+    Resolved,
+    /// Run a staged request's device copies: [`ServerConn::staged`].
+    Stage(Box<dyn Landing>),
+}
+
+/// What the machine waits for (an [`Event`]'s answer).
+enum Awaiting {
+    Delivered(u64),
+    Shared(u64),
+    Exported(u64),
+    /// The gate, for a WRITE or READ resolved into these vectors.
+    Proceed {
+        h: Header,
+        write: bool,
+        iovs: Vec<libc::iovec>,
+    },
+    /// A READ's device bytes into its staging buffer, then its reply.
+    Filled {
+        h: Header,
+        iovs: Vec<libc::iovec>,
+    },
+    /// A WRITE's bytes out of its staging buffer, then its ack.
+    Landed(u64),
 }
 
 /// What incoming bytes are for.
@@ -287,6 +359,8 @@ pub(crate) struct ServerConn {
     refused: Option<String>,
     /// Descriptors to attach to the reply's first byte (`SCM_RIGHTS`).
     out_fds: Vec<std::os::fd::OwnedFd>,
+    /// The answer to an [`Event`] the machine waits for.
+    awaiting: Option<Awaiting>,
 }
 
 // SAFETY: the raw pointers in the iovecs point into buffers this value owns
@@ -310,6 +384,7 @@ impl ServerConn {
             at,
             refused: None,
             out_fds: Vec::new(),
+            awaiting: None,
             auth: secret.map_or(Auth::Open, Auth::Hello),
             borrows: HashMap::new(),
             frames: 0,
@@ -333,7 +408,10 @@ impl ServerConn {
 
     /// True between exchanges: no frame partly in, no reply partly out.
     pub fn is_idle(&self) -> bool {
-        matches!(self.input, Input::Frame) && self.frame.is_empty() && self.out_first >= self.out_iovs.len()
+        matches!(self.input, Input::Frame)
+            && self.frame.is_empty()
+            && self.out_first >= self.out_iovs.len()
+            && self.awaiting.is_none()
     }
 
     /// True once the connection may send requests: authenticated, or no
@@ -366,7 +444,7 @@ impl ServerConn {
     /// Where the next incoming bytes go; `None` while a reply waits to be
     /// sent (requests are served one at a time, in order).
     pub fn recv_buf(&mut self) -> Option<&mut [libc::iovec]> {
-        if self.out_first < self.out_iovs.len() {
+        if self.out_first < self.out_iovs.len() || self.awaiting.is_some() {
             return None;
         }
         match &self.input {
@@ -384,7 +462,7 @@ impl ServerConn {
 
     /// `n` (> 0) bytes arrived into what [`ServerConn::recv_buf`] gave.
     /// Returns what the driver must do, or why the connection closes.
-    pub fn received(&mut self, n: usize, side: &dyn TargetSide) -> Result<Option<Event>, Close> {
+    pub fn received(&mut self, n: usize, side: &dyn TargetView) -> Result<Option<Event>, Close> {
         match &mut self.input {
             Input::Frame => match self.frame.received(n, self.frame_limits(side))? {
                 Some(h) => {
@@ -405,8 +483,7 @@ impl ServerConn {
                     return Ok(None);
                 }
                 self.input = Input::Frame;
-                self.landed(h.request);
-                Ok(None)
+                Ok(self.landed(h.request))
             }
             Input::Discard { h, left, status, detail } => {
                 *left -= n as u64;
@@ -494,7 +571,7 @@ impl ServerConn {
         self.error(request, status, detail);
     }
 
-    fn epoch_mismatch(&mut self, request: u64, side: &dyn TargetSide) {
+    fn epoch_mismatch(&mut self, request: u64, side: &dyn TargetView) {
         let detail = format!("target epoch is {:#x}", side.epoch());
         self.error(request, RemoteStatus::EpochMismatch, &detail);
     }
@@ -543,7 +620,7 @@ impl ServerConn {
 
     /// What a frame may carry: a few bytes until the connection
     /// authenticated, so an unauthenticated peer costs one bounded frame.
-    fn frame_limits(&self, side: &dyn TargetSide) -> Limits {
+    fn frame_limits(&self, side: &dyn TargetView) -> Limits {
         match self.auth {
             Auth::Hello(_) | Auth::Proof(..) | Auth::Refused => Limits { max_body: wire::AUTH_MAX_BODY, max_data: 0 },
             Auth::Open | Auth::Done => side.limits(),
@@ -558,7 +635,7 @@ impl ServerConn {
         &mut self,
         h: Header,
         msg: &Result<Message<'_>, WireError>,
-        side: &dyn TargetSide,
+        side: &dyn TargetView,
     ) -> Result<bool, Close> {
         match std::mem::replace(&mut self.auth, Auth::Done) {
             Auth::Open => {
@@ -619,7 +696,7 @@ impl ServerConn {
 
     /// A whole frame (header and body) arrived: it is decoded once, and
     /// its message served.
-    fn on_frame(&mut self, h: Header, frame: &FrameIn, side: &dyn TargetSide) -> Result<Option<Event>, Close> {
+    fn on_frame(&mut self, h: Header, frame: &FrameIn, side: &dyn TargetView) -> Result<Option<Event>, Close> {
         self.input = Input::Frame;
         self.frames += 1;
         self.work = h.data_len as u64;
@@ -643,6 +720,25 @@ impl ServerConn {
             Message::Watch { target_epoch, since, max_reply } => {
                 return Ok(self.on_watch(request, target_epoch, since, max_reply, side));
             }
+            Message::ShareFds(names) => return Ok(self.on_share_fds(request, &names)),
+            Message::IpcHandles { target_epoch, ids } => {
+                return Ok(self.on_ipc_handles(request, target_epoch, &ids, side));
+            }
+            Message::Write(req) => return Ok(self.on_transfer(h, &req, true, side)),
+            Message::Read(req) => return Ok(self.on_transfer(h, &req, false, side)),
+            Message::Notify(env) => {
+                if env.target_epoch != side.epoch() {
+                    self.epoch_mismatch(request, side);
+                    return Ok(None);
+                }
+                self.awaiting = Some(Awaiting::Delivered(request));
+                return Ok(Some(Event::Deliver(Delivery {
+                    sender_endpoint: env.sender_endpoint.to_owned(),
+                    sender_epoch: env.sender_epoch,
+                    target_epoch: env.target_epoch,
+                    payload: env.payload.to_vec(),
+                })));
+            }
             Message::Borrow { id, request: req, write, device } => {
                 self.on_borrow(request, id, &req, write, device, side)
             }
@@ -653,26 +749,11 @@ impl ServerConn {
                 self.reply(Kind::ReturnAck, request, &[]);
             }
             Message::DescribeSince(d) => self.on_describe_since(request, &d, side),
-            Message::ShareFds(names) => self.on_share_fds(request, &names, side),
-            Message::IpcHandles { target_epoch, ids } => self.on_ipc_handles(request, target_epoch, &ids, side),
             // The peer is alive (the driver's clock saw the bytes).
             Message::Keepalive => {}
             Message::Describe { .. } => {
                 let d = side.descriptor();
                 self.reply(Kind::DescribeReply, request, &d);
-            }
-            Message::Write(req) => self.on_transfer(h, &req, true, side),
-            Message::Read(req) => self.on_transfer(h, &req, false, side),
-            Message::Notify(env) => {
-                let result = if env.target_epoch != side.epoch() {
-                    Err((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
-                } else {
-                    side.deliver(&env)
-                };
-                match result {
-                    Ok(()) => self.reply(Kind::NotifyAck, request, &[]),
-                    Err((status, detail)) => self.error(request, status, &detail),
-                }
             }
             // Replies, and (authenticated already, or no secret) a second
             // handshake: not part of the protocol toward a target.
@@ -702,7 +783,7 @@ impl ServerConn {
         epoch: u64,
         since: u64,
         max_reply: u64,
-        side: &dyn TargetSide,
+        side: &dyn TargetView,
     ) -> Option<Event> {
         if epoch != side.epoch() {
             self.epoch_mismatch(request, side);
@@ -715,7 +796,7 @@ impl ServerConn {
             self.error(request, RemoteStatus::BadLength, "replies must allow 1 KiB");
             return None;
         }
-        Some(Event::Subscribe { epoch, request, budget, since })
+        Some(Event::Subscribe(Subscribe { epoch, request, budget, since }))
     }
 
     /// A Borrow: loans kept under the borrower's id, or a refusal.
@@ -726,7 +807,7 @@ impl ServerConn {
         req: &Request<'_>,
         write: bool,
         device: bool,
-        side: &dyn TargetSide,
+        side: &dyn TargetView,
     ) {
         let mut iovs = Vec::new();
         let refusal = if req.target_epoch != side.epoch() {
@@ -747,7 +828,7 @@ impl ServerConn {
     }
 
     /// A DescribeSince: one page of changes.
-    fn on_describe_since(&mut self, request: u64, d: &DescribeSince, side: &dyn TargetSide) {
+    fn on_describe_since(&mut self, request: u64, d: &DescribeSince, side: &dyn TargetView) {
         let budget =
             (d.max_reply.min(side.limits().max_body as u64) as usize).saturating_sub(crate::segment::DELTA_HEADER);
         if d.expected_epoch != 0 && d.expected_epoch != side.epoch() {
@@ -760,34 +841,37 @@ impl ServerConn {
         }
     }
 
-    /// A ShareFds (local socket only): the descriptors this side has.
-    fn on_share_fds(&mut self, request: u64, names: &[&str], side: &dyn TargetSide) {
+    /// A ShareFds (local socket only): the driver duplicates the
+    /// descriptors this side has.
+    fn on_share_fds(&mut self, request: u64, names: &[&str]) -> Option<Event> {
         if !self.local() {
             self.error(request, RemoteStatus::Other, "shared memory is handed over on the local socket only");
-            return;
+            return None;
         }
-        let fds: Vec<Option<std::os::fd::OwnedFd>> = names.iter().map(|n| side.shared_fd(n)).collect();
-        self.reply_with(request, &Message::ShareFdsReply(fds.iter().map(Option::is_some).collect()));
-        self.out_fds = fds.into_iter().flatten().collect();
+        self.awaiting = Some(Awaiting::Shared(request));
+        Some(Event::ShareFds(names.iter().map(|n| (*n).to_owned()).collect()))
     }
 
-    /// An IpcHandles (local socket only): the handles, or why not.
-    fn on_ipc_handles(&mut self, request: u64, epoch: u64, ids: &[u64], side: &dyn TargetSide) {
+    /// An IpcHandles (local socket only): the driver exports the handles,
+    /// or says why not.
+    fn on_ipc_handles(&mut self, request: u64, epoch: u64, ids: &[u64], side: &dyn TargetView) -> Option<Event> {
         if !self.local() {
             self.error(request, RemoteStatus::PermissionDenied, "IPC handles go to the local socket only");
-        } else if epoch != side.epoch() {
-            self.epoch_mismatch(request, side);
-        } else {
-            let (entries, fds) = side.ipc_export(ids);
-            self.reply_with(request, &Message::IpcHandlesReply(entries));
-            self.out_fds = fds;
+            return None;
         }
+        if epoch != side.epoch() {
+            self.epoch_mismatch(request, side);
+            return None;
+        }
+        self.awaiting = Some(Awaiting::Exported(request));
+        Some(Event::ExportIpc(ids.to_vec()))
     }
 
     /// A WRITE or a READ (its lengths already checked by the decoder):
-    /// resolved whole before any byte moves, then the payload lands or the
-    /// reply goes out straight from registered memory.
-    fn on_transfer(&mut self, h: Header, req: &Request<'_>, write: bool, side: &dyn TargetSide) {
+    /// resolved whole before any byte moves; once the driver lets it
+    /// proceed, the payload lands or the reply goes out straight from
+    /// registered memory.
+    fn on_transfer(&mut self, h: Header, req: &Request<'_>, write: bool, side: &dyn TargetView) -> Option<Event> {
         // Checked by Message::decode.
         let total = req.total_len().unwrap_or(0);
         self.work = total;
@@ -809,41 +893,131 @@ impl ServerConn {
             } else {
                 self.error(h.request, status, &detail);
             }
-            return;
+            return None;
         }
-        side.remote_gate();
+        self.awaiting = Some(Awaiting::Proceed { h, write, iovs });
+        Some(Event::Resolved)
+    }
+
+    /// The answer to [`Event::Resolved`]: the request goes on.
+    pub fn proceed(&mut self) -> Option<Event> {
+        let Some(Awaiting::Proceed { h, write, iovs }) = self.awaiting.take() else {
+            return None;
+        };
         if write {
             self.in_iovs = iovs;
             self.in_iovs.retain(|v| v.iov_len > 0);
             if self.in_iovs.is_empty() {
-                self.landed(h.request);
-            } else {
-                self.input = Input::Payload { h, first: 0 };
+                return self.landed(h.request);
             }
-        } else {
-            let head = wire::encode_header(&wire::header(Kind::ReadReply, 0, total, h.request));
-            let _ = self.out.set(&[&head], None); // a header: never charged
-            self.out_iovs.clear();
-            let out = self.out.as_slice();
-            self.out_iovs.push(iov(out.as_ptr() as u64, out.len() as u64));
-            self.out_iovs.extend(iovs.iter().copied());
-            self.out_first = 0;
-            self.out_loans.clear();
-            self.out_loans.append(&mut self.loans);
-            self.out_landing = self.landing.take();
-            self.in_iovs = iovs;
+            self.input = Input::Payload { h, first: 0 };
+            return None;
+        }
+        match self.landing.take() {
+            Some(landing) => {
+                self.awaiting = Some(Awaiting::Filled { h, iovs });
+                Some(Event::Stage(landing))
+            }
+            None => {
+                self.read_reply(h, iovs);
+                None
+            }
         }
     }
 
-    /// A WRITE's bytes are all in: staged device memory lands while the
-    /// loans still hold it, the loans end, and the ack (or why not) goes.
-    fn landed(&mut self, request: u64) {
-        let landed = self.landing.take().map_or(Ok(()), |mut l| l.land());
-        self.loans.clear();
-        match landed {
-            Ok(()) => self.reply(Kind::WriteAck, request, &[]),
-            Err(why) => self.error(request, RemoteStatus::Other, &format!("the target's device copy failed: {why}")),
+    /// A READ's reply: its header, then its bytes straight from registered
+    /// memory (`iovs`), its loans held until every byte is out.
+    fn read_reply(&mut self, h: Header, iovs: Vec<libc::iovec>) {
+        let total: u64 = iovs.iter().map(|v| v.iov_len as u64).sum();
+        let head = wire::encode_header(&wire::header(Kind::ReadReply, 0, total, h.request));
+        let _ = self.out.set(&[&head], None); // a header: never charged
+        self.out_iovs.clear();
+        let out = self.out.as_slice();
+        self.out_iovs.push(iov(out.as_ptr() as u64, out.len() as u64));
+        self.out_iovs.extend(iovs.iter().copied());
+        self.out_first = 0;
+        self.out_loans.clear();
+        self.out_loans.append(&mut self.loans);
+        self.in_iovs = iovs;
+    }
+
+    /// A WRITE's bytes are all in: staged device memory lands (an
+    /// [`Event::Stage`]) while the loans still hold it; then the loans
+    /// end and the ack goes.
+    fn landed(&mut self, request: u64) -> Option<Event> {
+        if let Some(landing) = self.landing.take() {
+            self.awaiting = Some(Awaiting::Landed(request));
+            return Some(Event::Stage(landing));
         }
+        self.loans.clear();
+        self.reply(Kind::WriteAck, request, &[]);
+        None
+    }
+
+    /// The answer to [`Event::Stage`]: how the device copies went.
+    pub fn staged(&mut self, landing: Box<dyn Landing>, result: Result<(), crate::cuda::CudaError>) -> Option<Event> {
+        let failed = |why: crate::cuda::CudaError| format!("the target's device copy failed: {why}");
+        match self.awaiting.take() {
+            Some(Awaiting::Filled { h, iovs }) => match result {
+                Ok(()) => {
+                    self.out_landing = Some(landing);
+                    self.read_reply(h, iovs);
+                }
+                Err(why) => {
+                    drop(landing);
+                    self.loans.clear();
+                    self.in_iovs = iovs;
+                    self.error(h.request, RemoteStatus::Other, &failed(why));
+                }
+            },
+            Some(Awaiting::Landed(request)) => {
+                drop(landing);
+                self.loans.clear();
+                match result {
+                    Ok(()) => self.reply(Kind::WriteAck, request, &[]),
+                    Err(why) => self.error(request, RemoteStatus::Other, &failed(why)),
+                }
+            }
+            other => self.awaiting = other,
+        }
+        None
+    }
+
+    /// The answer to [`Event::Deliver`].
+    pub fn delivered(&mut self, result: Result<(), (RemoteStatus, String)>) -> Option<Event> {
+        match self.awaiting.take() {
+            Some(Awaiting::Delivered(request)) => match result {
+                Ok(()) => self.reply(Kind::NotifyAck, request, &[]),
+                Err((status, detail)) => self.error(request, status, &detail),
+            },
+            other => self.awaiting = other,
+        }
+        None
+    }
+
+    /// The answer to [`Event::ShareFds`]: per name, its descriptor or none.
+    pub fn shared(&mut self, fds: Vec<Option<std::os::fd::OwnedFd>>) -> Option<Event> {
+        match self.awaiting.take() {
+            Some(Awaiting::Shared(request)) => {
+                self.reply_with(request, &Message::ShareFdsReply(fds.iter().map(Option::is_some).collect()));
+                self.out_fds = fds.into_iter().flatten().collect();
+            }
+            other => self.awaiting = other,
+        }
+        None
+    }
+
+    /// The answer to [`Event::ExportIpc`]: the entries, and the
+    /// descriptors of the shareable ones in entry order.
+    pub fn exported(&mut self, entries: Vec<crate::wire::IpcEntry>, fds: Vec<std::os::fd::OwnedFd>) -> Option<Event> {
+        match self.awaiting.take() {
+            Some(Awaiting::Exported(request)) => {
+                self.reply_with(request, &Message::IpcHandlesReply(entries));
+                self.out_fds = fds;
+            }
+            other => self.awaiting = other,
+        }
+        None
     }
 }
 
@@ -869,13 +1043,15 @@ mod tests {
     // SAFETY: the tests use one thread.
     unsafe impl Sync for FakeSide {}
 
-    impl TargetSide for FakeSide {
+    impl TargetView for FakeSide {
         fn epoch(&self) -> u64 {
             EPOCH
         }
+
         fn descriptor(&self) -> Vec<u8> {
             b"descriptor".to_vec()
         }
+
         fn resolve(
             &self,
             req: &Request<'_>,
@@ -899,17 +1075,27 @@ mod tests {
             }
             Ok(())
         }
-        fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)> {
-            if env.payload.len() > 8 { Err((RemoteStatus::NotificationTooLarge, String::new())) } else { Ok(()) }
-        }
+
         fn changes(&self, _since: u64, _budget: usize) -> crate::segment::Delta {
             crate::segment::Delta::default()
         }
+
         fn registry_version(&self) -> u64 {
             0
         }
+
         fn limits(&self) -> Limits {
             LIMITS
+        }
+    }
+
+    impl TargetSide for FakeSide {
+        fn view(&self) -> &dyn TargetView {
+            self
+        }
+
+        fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)> {
+            if env.payload.len() > 8 { Err((RemoteStatus::NotificationTooLarge, String::new())) } else { Ok(()) }
         }
     }
 
@@ -1090,9 +1276,12 @@ mod tests {
             let end = (pos + *cut.next().unwrap()).min(input.len());
             let n = fill(iovs, &input[pos..end]);
             pos += n;
-            if m.received(n, &side).is_err() {
-                closed = true;
-                break;
+            match m.received(n, &side) {
+                Ok(event) => drop(crate::transport::server::perform(&mut m, &side, event)),
+                Err(_) => {
+                    closed = true;
+                    break;
+                }
             }
         }
         // Parse the replies.
@@ -1154,8 +1343,9 @@ mod tests {
             let iovs = m.recv_buf()?;
             let n = fill(iovs, &bytes[pos..]);
             pos += n;
-            if let Err(close) = m.received(n, &side) {
-                return Some(close);
+            match m.received(n, &side) {
+                Ok(event) => drop(crate::transport::server::perform(&mut m, &side, event)),
+                Err(close) => return Some(close),
             }
         }
         None

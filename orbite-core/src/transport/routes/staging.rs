@@ -609,8 +609,8 @@ fn pairs(dev: &[Span], host: &[Span], limit: u64, order: impl Fn(u64, u64) -> (u
 /// memory (tcp): a buffer of the pool the request's device ranges go
 /// through; a READ's device bytes are copied into it before the reply is
 /// sent, a WRITE's are copied out of it once the payload is in
-/// ([`Landing::land`](crate::transport::proto::server::Landing::land)).
-/// The server thread waits for those copies.
+/// ([`Landing::copy`](crate::transport::proto::server::Landing::copy),
+/// which the server's driver runs for the machine's `Event::Stage`).
 pub(crate) struct ServerStage {
     pub(crate) device: u32,
     pub(crate) buffer: Pooled,
@@ -620,12 +620,18 @@ pub(crate) struct ServerStage {
 }
 
 impl crate::transport::proto::server::Landing for ServerStage {
-    fn land(&mut self) -> Result<(), crate::cuda::CudaError> {
-        if !self.write {
-            return Ok(());
-        }
-        // (device, buffer, bytes) is already (destination, source, bytes).
-        match crate::cuda::copy_on_stream(self.device, &self.copies) {
+    fn copy(&mut self) -> Result<(), crate::cuda::CudaError> {
+        // (device, buffer, bytes): a WRITE's (destination, source, bytes),
+        // and reversed for a READ.
+        let reads: Vec<(u64, u64, u64)>;
+        let copies = match self.write {
+            true => &self.copies,
+            false => {
+                reads = self.copies.iter().map(|&(dev, buf, n)| (buf, dev, n)).collect();
+                &reads
+            }
+        };
+        match crate::cuda::copy_on_stream(self.device, copies) {
             (_, None) => Ok(()),
             (_, Some(why)) => Err(why),
         }
@@ -633,15 +639,6 @@ impl crate::transport::proto::server::Landing for ServerStage {
 }
 
 impl ServerStage {
-    /// A READ's device bytes into the buffer, now (before the reply).
-    pub(crate) fn fill(&self) -> Result<(), crate::cuda::CudaError> {
-        let copies: Vec<_> = self.copies.iter().map(|&(dev, buf, n)| (buf, dev, n)).collect();
-        match crate::cuda::copy_on_stream(self.device, &copies) {
-            (_, None) => Ok(()),
-            (_, Some(why)) => Err(why),
-        }
-    }
-
     pub(crate) fn buffer_addr(&self) -> u64 {
         self.buffer.addr()
     }
