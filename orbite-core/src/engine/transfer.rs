@@ -158,7 +158,7 @@ impl CopyJob for RouteTask {
         let program = &self.transfer.plan.program;
         let spans = program.task_spans(self.task);
         let len = self.engine.config.task_bytes;
-        Some(stage.copy_locally(&self.engine.routes.staging_pool, len, program.op, spans, limit))
+        stage.copy_locally(&self.engine.routes.staging_pool, len, program.op, spans, limit)
     }
 
     fn finish(mut self, report: TaskReport) {

@@ -496,7 +496,8 @@ impl TcpStage {
 
     /// The worker's part: phase `In` (take a buffer, and for a WRITE copy
     /// the device bytes into it, at most `limit`) or `Out` (READ: copy the
-    /// bytes the link landed to the device).
+    /// bytes the link landed to the device); `None` in phase `Link`, which
+    /// is the link's.
     pub fn copy_locally(
         &mut self,
         pool: &Arc<StagingPool>,
@@ -504,12 +505,12 @@ impl TcpStage {
         op: Op,
         spans: &[Span],
         limit: u64,
-    ) -> (u64, Option<TaskEnd>) {
-        match self.phase {
+    ) -> Option<(u64, Option<TaskEnd>)> {
+        Some(match self.phase {
             Phase::In => {
                 let buf = match pool.take(self.device, buffer_len) {
                     Ok(b) => b,
-                    Err(_) => return (0, Some(TaskEnd::Failed { effect_unknown: false })),
+                    Err(_) => return Some((0, Some(TaskEnd::Failed { effect_unknown: false }))),
                 };
                 let base = buf.addr();
                 let mut at = 0;
@@ -537,11 +538,8 @@ impl TcpStage {
                 let (done, err) = crate::cuda::copy_on_stream(self.device, &copies);
                 (done, err.map(|_| TaskEnd::Failed { effect_unknown: true }))
             }
-            Phase::Link => {
-                debug_assert!(false, "the link's phase never runs on a worker");
-                (0, Some(TaskEnd::Failed { effect_unknown: false }))
-            }
-        }
+            Phase::Link => return None,
+        })
     }
 
     /// After the worker's phase `In`: whether the task goes on to the link;
