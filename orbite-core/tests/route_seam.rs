@@ -78,6 +78,25 @@ fn engine_code_matches_on_no_route_and_no_copy_kind() {
     assert!(found.is_empty(), "engine code names route or copy-kind variants: {found:#?}");
 }
 
+/// Each route is its own module under `transport/routes`; the engine
+/// reaches them through the interface (`routes::`'s own items) and the
+/// staging adapter it owns the pool of, never a route's module.
+#[test]
+fn engine_code_names_no_route_module() {
+    let routes = ["loopback", "shm", "cma", "cuda_ipc", "tcp", "file", "device"];
+    let mut found = Vec::new();
+    for f in &engine_sources() {
+        let src = std::fs::read_to_string(f).expect("a readable source");
+        let code = code(&src);
+        for r in routes {
+            if code.contains(&format!("routes::{r}::")) || code.contains(&format!("routes::{r};")) {
+                found.push(format!("{}: routes::{r}", f.file_name().unwrap().to_string_lossy()));
+            }
+        }
+    }
+    assert!(found.is_empty(), "engine code names route modules: {found:#?}");
+}
+
 #[test]
 fn the_scan_sees_variants_and_skips_comments_and_tests() {
     let src = "let k = CopyKind::Memory; // CopyKind::Frames\nRoutePolicy::Auto; crate::types::Route::Tcp\n\

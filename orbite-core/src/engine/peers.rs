@@ -16,7 +16,7 @@ use crate::error::{Error, PeerError};
 use crate::segment::{Delta, ExportedRegistration, SegmentView};
 use crate::transport::link::{Initiators, PeerLink};
 use crate::transport::mapping::unmapped;
-use crate::transport::peer_errors::{CmaRefused, IpcOff, LocalError};
+use crate::transport::peer_errors::LocalError;
 use crate::transport::proto::client::{ControlDone, ControlJob, PeerFailure, PeerJob};
 use crate::transport::routes::SameHost;
 use crate::wire::{Kind, NotifyEnvelope};
@@ -136,35 +136,15 @@ impl EngineInner {
     }
 
     /// What this engine may do with a peer proven to run on this host
-    /// (the link's local proof): CMA only toward the pid the kernel
-    /// reported, probed there.
+    /// (the link's local proof), route by route.
     fn same_host(&self, link: &PeerLink<RouteTask>) -> Result<SameHost, LocalError> {
         let cred = link.local.as_ref().map_err(Clone::clone)?;
-        let d = &link.descriptor;
-        let probe_at = d
-            .registrations
-            .iter()
-            .find(|r| r.permission.remote_read() && r.len > 0 && r.device.is_none())
-            .map(|r| r.addr);
-        let cma = match probe_at {
-            Some(addr) => crate::transport::routes::cma::probe(cred.pid, addr),
-            None => Err(CmaRefused::NothingToProbe),
-        };
-        let cma = match &self.routes.hooks {
-            Some(h) => h.cma_probe(cma),
-            None => cma,
-        };
-        Ok(SameHost { cma, pid: cred.pid, ipc: self.ipc_allowed() })
-    }
-
-    /// Whether this engine opens same-host peers' device memory through
-    /// CUDA IPC, or why not.
-    fn ipc_allowed(&self) -> Result<Arc<crate::charge::Counters>, IpcOff> {
-        if !self.config.cuda_ipc {
-            return Err(IpcOff::Disabled);
+        let ipc = (self.config.cuda_ipc, &self.counters);
+        let mut h = crate::transport::routes::open_same_host(cred.pid, &link.descriptor, ipc);
+        if let Some(hooks) = &self.routes.hooks {
+            h.cma = hooks.cma_probe(h.cma);
         }
-        crate::cuda::availability().map_err(IpcOff::NoCuda)?;
-        Ok(self.counters.clone())
+        Ok(h)
     }
 
     /// Brings `peer`'s view up to date: asks what changed after the

@@ -12,6 +12,7 @@ use crate::engine::notify::Notification;
 use crate::registry::Registration;
 use crate::segment::{Delta, ExportedRegistration, SegmentDescriptor};
 use crate::transport::proto::server::{BorrowLimits, TargetSide, TargetView};
+use crate::transport::routes::staging::ServerStage;
 use crate::transport::server::Server;
 use crate::transport::sock::iov;
 use crate::transport::watchers::Watchers;
@@ -307,37 +308,12 @@ impl EngineInner {
                 }
             }
         }
-        if let (Some(landing), Some(&(_, _, _, device))) = (landing, device_ranges.first()) {
-            *landing = Some(self.stage_request(write, iovs, &device_ranges, device)?);
+        if let Some(landing) = landing {
+            let pool = &self.routes.staging_pool;
+            *landing = ServerStage::stage(pool, write, iovs, &device_ranges, self.config.task_bytes)
+                .map_err(|why| (RemoteStatus::ResourceExhausted, format!("no staging buffer: {why}")))?;
         }
         Ok(())
-    }
-
-    /// Points a request's device ranges into one buffer of the staging
-    /// pool (outside the registry lock), and for a READ fills it now.
-    fn stage_request(
-        &self,
-        write: bool,
-        iovs: &mut [libc::iovec],
-        ranges: &[(usize, u64, u64, u32)],
-        device: u32,
-    ) -> Result<Box<dyn crate::transport::proto::server::Landing>, (RemoteStatus, String)> {
-        let total: u64 = ranges.iter().map(|r| r.2).sum();
-        let len = total.max(self.config.task_bytes);
-        let buffer = self
-            .routes
-            .staging_pool
-            .take(device, len)
-            .map_err(|why| (RemoteStatus::ResourceExhausted, format!("no staging buffer: {why}")))?;
-        let mut stage = crate::transport::routes::staging::ServerStage { device, buffer, copies: Vec::new(), write };
-        let base = stage.buffer_addr();
-        let mut at = 0u64;
-        for &(i, dev, n, _) in ranges {
-            iovs[i] = iov(base + at, n);
-            stage.copies.push((dev, base + at, n));
-            at += n;
-        }
-        Ok(Box::new(stage))
     }
 
     pub(crate) fn note_auth_failure(&self, who: &str, what: &str) {

@@ -145,10 +145,8 @@ impl CopyJob for RouteTask {
     }
 
     fn spans(&self) -> &[crate::transport::Span] {
-        if let Some(s) =
-            self.stage.as_ref().filter(|s| matches!(s.phase, crate::transport::routes::staging::Phase::Link))
-        {
-            return &s.spans; // the link moves the buffer
+        if let Some(spans) = self.stage.as_ref().and_then(|s| s.link_spans()) {
+            return spans; // the link moves the buffer
         }
         self.program().task_spans(self.task)
     }
@@ -162,40 +160,30 @@ impl CopyJob for RouteTask {
     }
 
     fn finish(mut self, report: TaskReport) {
-        if let Some(mut stage) = self.stage.take() {
-            use crate::transport::routes::staging::Phase;
-            let op = self.transfer.plan.program.op;
-            let next = match stage.phase {
-                Phase::In => stage.after_in(report),
-                Phase::Link => stage.after_link(op, report),
-                Phase::Out => Err(stage.after_out(report)),
-            };
-            match next {
-                Ok(()) => {
-                    let to_link = matches!(stage.phase, Phase::Link);
-                    self.stage = Some(stage);
-                    if to_link {
-                        let PlanTarget::Peer(p) = &self.transfer.target else {
-                            debug_assert!(false, "only tcp tasks stage through the link");
-                            let planned = report.planned;
-                            return self.retire(TaskReport {
-                                planned,
-                                done: 0,
-                                end: crate::types::TaskEnd::Failed { effect_unknown: false },
-                            });
-                        };
-                        let link = p.link.clone();
-                        link.submit(crate::transport::proto::client::PeerJob::Task(self));
-                    } else {
-                        let engine = self.engine.clone();
-                        engine.routes.workers.submit(self);
-                    }
-                    return;
-                }
-                Err(last) => return self.retire(last),
+        use crate::transport::routes::staging::Next;
+        let Some(mut stage) = self.stage.take() else { return self.retire(report) };
+        let next = stage.next(self.transfer.plan.program.op, report);
+        self.stage = Some(stage);
+        match (next, &self.transfer.target) {
+            (Next::Done(last), _) => self.retire(last),
+            (Next::Worker, _) => {
+                let engine = self.engine.clone();
+                engine.routes.workers.submit(self);
+            }
+            // Only a peer's frames stage (`Mover::Frames`).
+            (Next::Link, PlanTarget::Peer(p)) => {
+                let link = p.link.clone();
+                link.submit(crate::transport::proto::client::PeerJob::Task(self));
+            }
+            (Next::Link, _) => {
+                let planned = report.planned;
+                self.retire(TaskReport {
+                    planned,
+                    done: 0,
+                    end: crate::types::TaskEnd::Failed { effect_unknown: false },
+                })
             }
         }
-        self.retire(report)
     }
 }
 

@@ -9,6 +9,7 @@ use super::{CopyKind, Mover, PeerReach, Reach, RouteImpl, Serves, Unreachable};
 use crate::segment::ExportedRegistration;
 use crate::transport::Span;
 use crate::transport::liveness::LivenessCheck;
+use crate::transport::peer_errors::CmaRefused;
 use crate::types::{Desc, Op, Route, TaskEnd};
 
 /// The cma route.
@@ -68,11 +69,22 @@ pub(crate) fn copy_task(
     }
 }
 
+/// Whether the kernel lets this process copy into the same-host peer
+/// `pid` that describes itself as `peer`: probed on one of its readable
+/// host registrations.
+pub(crate) fn open_peer(pid: i32, peer: &crate::segment::SegmentDescriptor) -> Result<(), CmaRefused> {
+    let probe_at = peer.registrations.iter().find(|r| r.permission.remote_read() && r.len > 0 && r.device.is_none());
+    match probe_at {
+        Some(r) => probe(pid, r.addr),
+        None => Err(CmaRefused::NothingToProbe),
+    }
+}
+
 /// Spans per system call (the kernel's `IOV_MAX`).
 const BATCH: usize = 1024;
 
 /// Checks that the kernel lets this process read `pid`'s memory at `addr`.
-pub(crate) fn probe(pid: i32, addr: u64) -> Result<(), crate::transport::peer_errors::CmaRefused> {
+fn probe(pid: i32, addr: u64) -> Result<(), CmaRefused> {
     let mut byte = 0u8;
     let local = libc::iovec { iov_base: (&mut byte as *mut u8).cast(), iov_len: 1 };
     let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: 1 };
@@ -81,7 +93,7 @@ pub(crate) fn probe(pid: i32, addr: u64) -> Result<(), crate::transport::peer_er
     let r = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
     match r {
         1 => Ok(()),
-        _ => Err(crate::transport::peer_errors::CmaRefused::Denied(std::sync::Arc::new(io::Error::last_os_error()))),
+        _ => Err(CmaRefused::Denied(std::sync::Arc::new(io::Error::last_os_error()))),
     }
 }
 

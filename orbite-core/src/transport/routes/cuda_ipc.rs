@@ -15,6 +15,21 @@ use crate::types::{Desc, Route};
 /// The cuda-ipc route.
 pub(crate) struct CudaIpc;
 
+/// Whether this engine opens a same-host peer's device memory through
+/// CUDA IPC (`enabled`: `cuda_ipc`), charging its imports to `counters`;
+/// or why not.
+pub(crate) fn open_peer(
+    enabled: bool,
+    counters: &Arc<crate::charge::Counters>,
+) -> Result<Arc<crate::charge::Counters>, crate::transport::peer_errors::IpcOff> {
+    use crate::transport::peer_errors::IpcOff;
+    if !enabled {
+        return Err(IpcOff::Disabled);
+    }
+    crate::cuda::availability().map_err(IpcOff::NoCuda)?;
+    Ok(counters.clone())
+}
+
 impl CudaIpc {
     fn imported<'a>(p: &'a PeerReach<'_>, raw: u64) -> Result<&'a Arc<Imported>, Unreachable> {
         match p.imports.get(&raw) {

@@ -94,6 +94,18 @@ pub(crate) struct SameHost {
     pub ipc: Result<std::sync::Arc<crate::charge::Counters>, IpcOff>,
 }
 
+/// What each same-host route learns when a peer proven to run on this
+/// host (as process `pid`, by the kernel's word) is opened: cma's probe,
+/// and whether cuda-ipc may open its device memory (`ipc`: whether
+/// `cuda_ipc` is on, and the counters its imports are charged to).
+pub(crate) fn open_same_host(
+    pid: i32,
+    peer: &crate::segment::SegmentDescriptor,
+    ipc: (bool, &Arc<crate::charge::Counters>),
+) -> SameHost {
+    SameHost { cma: cma::open_peer(pid, peer), pid, ipc: cuda_ipc::open_peer(ipc.0, ipc.1) }
+}
+
 /// What a route sees of a peer at prepare.
 pub(crate) struct PeerReach<'a> {
     /// The peer's registrations as this engine knows them.

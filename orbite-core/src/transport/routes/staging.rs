@@ -469,8 +469,18 @@ impl Drop for Pooled {
 // through a pool buffer around its link (`TcpStage`); the target stages a
 // peer's request that names its device memory (`ServerStage`).
 
+/// Where a staged task goes next.
+pub(crate) enum Next {
+    /// To the peer's link, with the buffer as its local side.
+    Link,
+    /// To a route worker (the buffer to the device).
+    Worker,
+    /// Nowhere: it ended so.
+    Done(TaskReport),
+}
+
 /// Where a staged task is.
-pub(crate) enum Phase {
+enum Phase {
     /// At a route worker: take a buffer (and fill it, for a WRITE).
     In,
     /// At the peer link, with the buffer as its local side.
@@ -480,11 +490,11 @@ pub(crate) enum Phase {
 }
 
 pub(crate) struct TcpStage {
-    pub device: u32,
-    pub phase: Phase,
+    device: u32,
+    phase: Phase,
     buffer: Option<Pooled>,
     /// The task's spans with their local side in the buffer.
-    pub spans: Vec<Span>,
+    spans: Vec<Span>,
     /// What the link reported (READ: applied after the device copy).
     link_report: Option<TaskReport>,
 }
@@ -542,9 +552,29 @@ impl TcpStage {
         })
     }
 
+    /// Where the task goes after a phase ended with `report`.
+    pub fn next(&mut self, op: Op, report: TaskReport) -> Next {
+        let next = match self.phase {
+            Phase::In => self.after_in(report),
+            Phase::Link => self.after_link(op, report),
+            Phase::Out => Err(self.after_out(report)),
+        };
+        match (next, &self.phase) {
+            (Ok(()), Phase::Link) => Next::Link,
+            (Ok(()), _) => Next::Worker,
+            (Err(last), _) => Next::Done(last),
+        }
+    }
+
+    /// The spans the link moves (the task's, with their local side in the
+    /// buffer), while the task is the link's.
+    pub fn link_spans(&self) -> Option<&[Span]> {
+        matches!(self.phase, Phase::Link).then_some(&self.spans[..])
+    }
+
     /// After the worker's phase `In`: whether the task goes on to the link;
     /// if not, the report it ends with (for a WRITE nothing was sent).
-    pub fn after_in(&mut self, report: TaskReport) -> Result<(), TaskReport> {
+    fn after_in(&mut self, report: TaskReport) -> Result<(), TaskReport> {
         if report.end == TaskEnd::Complete && report.done == report.planned {
             self.phase = Phase::Link;
             return Ok(());
@@ -559,7 +589,7 @@ impl TcpStage {
 
     /// After the link: READ goes on to phase `Out` (`Ok`); a WRITE ends with
     /// the link's report (`Err`), its buffer back in the pool.
-    pub fn after_link(&mut self, op: Op, report: TaskReport) -> Result<(), TaskReport> {
+    fn after_link(&mut self, op: Op, report: TaskReport) -> Result<(), TaskReport> {
         match op {
             Op::Read => {
                 self.link_report = Some(report);
@@ -575,7 +605,7 @@ impl TcpStage {
 
     /// After phase `Out`: the task's report (the link's, unless the device
     /// copy failed).
-    pub fn after_out(&mut self, report: TaskReport) -> TaskReport {
+    fn after_out(&mut self, report: TaskReport) -> TaskReport {
         self.buffer = None;
         let link = self.link_report.take().unwrap_or(report);
         match report.end {
@@ -610,11 +640,11 @@ fn pairs(dev: &[Span], host: &[Span], limit: u64, order: impl Fn(u64, u64) -> (u
 /// ([`Landing::copy`](crate::transport::proto::server::Landing::copy),
 /// which the server's driver runs for the machine's `Event::Stage`).
 pub(crate) struct ServerStage {
-    pub(crate) device: u32,
-    pub(crate) buffer: Pooled,
+    device: u32,
+    buffer: Pooled,
     /// (device address, buffer address, bytes).
-    pub(crate) copies: Vec<(u64, u64, u64)>,
-    pub(crate) write: bool,
+    copies: Vec<(u64, u64, u64)>,
+    write: bool,
 }
 
 impl crate::transport::proto::server::Landing for ServerStage {
@@ -637,7 +667,32 @@ impl crate::transport::proto::server::Landing for ServerStage {
 }
 
 impl ServerStage {
-    pub(crate) fn buffer_addr(&self) -> u64 {
+    /// Points a request's device ranges (`ranges`: iovec index, device
+    /// address, bytes, device; the first one's device for all) into one
+    /// buffer of `pool` of at least `min_len` bytes: what the target's
+    /// driver copies through (`Landing::copy`). `None`: no device range.
+    pub(crate) fn stage(
+        pool: &Arc<StagingPool>,
+        write: bool,
+        iovs: &mut [libc::iovec],
+        ranges: &[(usize, u64, u64, u32)],
+        min_len: u64,
+    ) -> Result<Option<Box<dyn crate::transport::proto::server::Landing>>, StagingError> {
+        let Some(&(_, _, _, device)) = ranges.first() else { return Ok(None) };
+        let total: u64 = ranges.iter().map(|r| r.2).sum();
+        let buffer = pool.take(device, total.max(min_len))?;
+        let mut stage = ServerStage { device, buffer, copies: Vec::with_capacity(ranges.len()), write };
+        let base = stage.buffer_addr();
+        let mut at = 0u64;
+        for &(i, dev, n, _) in ranges {
+            iovs[i] = crate::transport::sock::iov(base + at, n);
+            stage.copies.push((dev, base + at, n));
+            at += n;
+        }
+        Ok(Some(Box::new(stage)))
+    }
+
+    fn buffer_addr(&self) -> u64 {
         self.buffer.addr()
     }
 }
