@@ -273,6 +273,7 @@ impl Server {
                 Default::default(),
                 secret.clone(),
                 ConnEnd::Tcp(SERVER_ADDRESS.parse().expect("an address")),
+                std::time::Instant::now(),
             ),
             side: FakeTarget { mem, notifications: Default::default() },
             secret,

@@ -26,7 +26,9 @@ use parking_lot::Mutex;
 
 use crate::charge::{Charge, Counter};
 use crate::transport::auth::Secret;
-use crate::transport::proto::server::{Close, ConnEnd, Event, ServerBudget, ServerConn, Subscribe, TargetSide};
+use crate::transport::proto::server::{
+    Close, ConnEnd, Deadlines, Event, Expired, ServerBudget, ServerConn, Subscribe, TargetSide,
+};
 use crate::transport::reactor::{Events, Interest, Poller, Timer, Waker};
 use crate::transport::sock::{Stream, tune};
 
@@ -90,12 +92,9 @@ impl Default for ServerLimits {
 }
 
 impl ServerLimits {
-    /// How long an exchange moving `bytes` may take.
-    fn allowance(&self, bytes: u64) -> Duration {
-        match self.min_rate {
-            0 => self.frame_timeout,
-            rate => self.frame_timeout.saturating_add(crate::time::at_rate(bytes, rate)),
-        }
+    /// The bounds each connection's machine keeps.
+    fn deadlines(&self) -> Deadlines {
+        Deadlines { frame_timeout: self.frame_timeout, idle_timeout: self.idle_timeout, min_rate: self.min_rate }
     }
 
     /// How often the deadlines are checked.
@@ -150,23 +149,12 @@ struct ServedConn {
     _counted: Charge,
 }
 
-/// A connection's machine and its clock.
+/// A connection's machine (which keeps its clock).
 struct Served {
     m: ServerConn,
-    /// When it was accepted.
-    accepted: Instant,
-    /// True while it counts as owing its handshake.
-    owes_handshake: bool,
-    /// A subscribed watch connection: the initiator only listens on it, so
-    /// it is never idle (watchers have caps of their own).
-    watching: bool,
-    /// When the exchange in progress started (a new connection's first
-    /// frame counts from its accept); `None` between exchanges.
-    busy_since: Option<Instant>,
-    /// Frames the clock has seen.
-    frames_seen: u64,
-    /// When bytes last moved.
-    last: Instant,
+    /// True while it is in the queue of connections that owe their
+    /// handshake (the oldest is evicted first).
+    queued: bool,
 }
 
 /// epoll data of the listener, the stop event and the deadline timer
@@ -434,25 +422,13 @@ impl ServerShared {
     /// Serves an accepted connection (within the caps, already counted).
     fn admit(&self, stream: Stream, peer: Option<std::net::IpAddr>, at: ConnEnd) {
         let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
-        let now = Instant::now();
-        // A connection that must authenticate owes its handshake at
-        // once (the initiator sends it on connect); without a secret a
-        // fresh connection is just idle (a link's data connections
-        // stay silent until they have work).
-        let owes_handshake = self.secret.is_some();
-        if owes_handshake {
+        let m = ServerConn::new(self.budget.clone(), self.secret.clone(), at, Instant::now());
+        let queued = m.owes_handshake();
+        if queued {
             self.evict_an_unauthenticated();
             self.unauthenticated.lock().push_back(id);
         }
-        let served = Served {
-            m: ServerConn::new(self.budget.clone(), self.secret.clone(), at),
-            accepted: now,
-            owes_handshake,
-            watching: false,
-            busy_since: owes_handshake.then_some(now),
-            frames_seen: 0,
-            last: now,
-        };
+        let served = Served { m, queued };
         let counted = Charge::unlimited(&self.budget.counters, Counter::Connections, 1);
         let conn =
             Arc::new(ServedConn { stream: Arc::new(stream), peer, machine: Mutex::new(served), _counted: counted });
@@ -488,24 +464,15 @@ impl ServerShared {
         let conns: Vec<(u64, Arc<ServedConn>)> = self.conns.lock().iter().map(|(i, c)| (*i, c.clone())).collect();
         let mut expired = Vec::new();
         let mut handshakes = Vec::new();
+        let deadlines = self.limits.deadlines();
         for (id, conn) in &conns {
             let Some(g) = conn.machine.try_lock() else { continue };
-            let late = if g.owes_handshake {
-                // The whole handshake, from accept, within the frame bound.
-                let late = now.duration_since(g.accepted) > self.limits.frame_timeout;
-                if late {
-                    handshakes.push(conn.peer);
-                }
-                late
-            } else {
-                match g.busy_since {
-                    Some(since) => now.duration_since(since) > self.limits.allowance(g.m.work_bytes()),
-                    None => !g.watching && self.limits.idle_timeout.is_some_and(|t| now.duration_since(g.last) > t),
-                }
-            };
-            if late {
-                expired.push(*id);
+            match g.m.expired(now, &deadlines) {
+                None => continue,
+                Some(Expired::Handshake) => handshakes.push(conn.peer),
+                Some(Expired::Stalled | Expired::Idle) => {}
             }
+            expired.push(*id);
         }
         drop(conns);
         for id in expired {
@@ -616,7 +583,7 @@ impl ServerShared {
                         let changes = |since, budget| side.changes(since, budget);
                         let sub = (epoch, request, budget, since);
                         match self.watchers.subscribe(id, conn.peer, sub, socket, now, &changes) {
-                            Ok(()) => served.watching = true,
+                            Ok(()) => m.subscribed(),
                             Err(why) => {
                                 m.refuse_request(request, wire::RemoteStatus::ResourceExhausted, &why.to_string())
                             }
@@ -636,24 +603,10 @@ impl ServerShared {
                 Err(Close::Malformed(_)) => break Interest::empty(), // malformed: close this connection only
             }
         };
-        // The clock: an exchange starts when a frame completes (or, for a
-        // new connection, at accept) and ends when the machine is idle.
-        let now = Instant::now();
-        if moved > 0 {
-            served.last = now;
-        }
-        if served.m.frames() != served.frames_seen {
-            served.frames_seen = served.m.frames();
-            served.busy_since = Some(now);
-        }
-        if served.owes_handshake && served.m.authenticated() {
-            served.owes_handshake = false;
+        served.m.tick(Instant::now(), moved > 0);
+        if served.queued && !served.m.owes_handshake() {
+            served.queued = false;
             self.unauthenticated.lock().retain(|c| *c != id);
-        }
-        if served.m.is_idle() && !served.owes_handshake {
-            served.busy_since = None;
-        } else if served.busy_since.is_none() {
-            served.busy_since = Some(now);
         }
         drop(g);
         if wait.is_empty() {
@@ -685,7 +638,7 @@ impl ServerShared {
         }
         {
             let mut g = conn.machine.lock();
-            if std::mem::take(&mut g.owes_handshake) {
+            if std::mem::take(&mut g.queued) {
                 self.unauthenticated.lock().retain(|c| *c != id);
             }
         }

@@ -401,7 +401,7 @@ fn run(
     let budget = ServerBudget { counters: counters.clone(), ..ServerBudget::default() };
     let target_secret = Arc::new(Secret::from_bytes(&[1u8; 32]));
     let secret = (secrets != Secrets::None).then(|| target_secret.clone());
-    let mut s = ServerConn::new(budget, secret, ConnEnd::Local);
+    let mut s = ServerConn::new(budget, secret, ConnEnd::Local, std::time::Instant::now());
     let mut w = Wire {
         c2s: Pipe { bytes: VecDeque::new(), moved: 0 },
         s2c: Pipe { bytes: VecDeque::new(), moved: 0 },
@@ -658,4 +658,70 @@ proptest! {
             }
         }
     }
+}
+
+/// Feeds `bytes` to the target at `now` (the driver's part included).
+fn feed(s: &mut ServerConn, side: &Target, bytes: &[u8], now: std::time::Instant) {
+    let mut at = 0;
+    while at < bytes.len() {
+        let into = s.recv_buf().expect("the target takes bytes");
+        let n = give(into, bytes.len() - at, &mut Pipe { bytes: bytes[at..].iter().copied().collect(), moved: 0 });
+        at += n;
+        let event = s.received(n, side.view()).expect("a well-formed stream");
+        crate::transport::server::perform(s, side, event);
+    }
+    s.tick(now, true);
+}
+
+/// The target's clock runs on the `now`s its driver gives: a connection
+/// that owes its handshake expires a frame bound after accept; an idle
+/// one after the idle bound (a watch never); an exchange after its
+/// allowance, the frame bound plus its bytes at the minimum rate, however
+/// its bytes trickle in.
+#[test]
+fn the_target_times_out_by_the_clock_it_is_given() {
+    use super::server::{Deadlines, Expired};
+    use std::time::{Duration, Instant};
+    let d =
+        Deadlines { frame_timeout: Duration::from_secs(1), idle_timeout: Some(Duration::from_secs(5)), min_rate: 1000 };
+    let t0 = Instant::now();
+    let at = |ms: u64| t0 + Duration::from_millis(ms);
+    let side = Target::new();
+
+    let secret = Some(Arc::new(Secret::from_bytes(&[1u8; 32])));
+    let s = ServerConn::new(ServerBudget::default(), secret, ConnEnd::Local, t0);
+    assert_eq!(s.expired(at(1000), &d), None);
+    assert_eq!(s.expired(at(1001), &d), Some(Expired::Handshake), "the handshake counts from accept");
+
+    let mut s = ServerConn::new(ServerBudget::default(), None, ConnEnd::Local, t0);
+    s.tick(t0, false);
+    assert_eq!(s.expired(at(5000), &d), None);
+    assert_eq!(s.expired(at(5001), &d), Some(Expired::Idle));
+    s.subscribed();
+    assert_eq!(s.expired(at(60_000), &d), None, "a watch is never idle");
+
+    // A WRITE of 200 bytes: its header and body at 10 s, its payload a
+    // byte at a time until 11 s; allowed 1 s + 200 bytes at 1000 B/s.
+    let mut s = ServerConn::new(ServerBudget::default(), None, ConnEnd::Local, t0);
+    let mut body = Vec::new();
+    let d200 = wire::RemoteDesc { registration: 1, offset: 0, len: 200 };
+    wire::encode_request(&mut body, EPOCH, [d200].into_iter());
+    let mut frame = wire::encode_header(&wire::header(Kind::Write, body.len(), 200, 1)).to_vec();
+    frame.extend_from_slice(&body);
+    feed(&mut s, &side, &frame[..5], at(10_000));
+    feed(&mut s, &side, &frame[5..], at(10_000));
+    for i in 0..199u64 {
+        feed(&mut s, &side, &[7], at(10_000 + i * 5));
+    }
+    assert_eq!(s.expired(at(11_200), &d), None, "a trickle within its allowance");
+    assert_eq!(s.expired(at(11_201), &d), Some(Expired::Stalled), "the exchange outlived its allowance");
+    feed(&mut s, &side, &[7], at(11_100));
+    let mut reply = Pipe { bytes: VecDeque::new(), moved: 0 };
+    while let Some(out) = s.send_buf() {
+        let n = take(out, usize::MAX, &mut reply);
+        s.sent(n);
+    }
+    s.tick(at(11_100), true);
+    assert_eq!(s.expired(at(11_300), &d), None, "acknowledged: idle again");
+    assert_eq!(side.memory()[0][..200], [7u8; 200]);
 }

@@ -24,6 +24,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use crate::charge::{Charge, Counter, Counters};
 use crate::transport::framebuf::{BufferBudget, FrameBuf};
@@ -319,6 +320,58 @@ enum Input {
     Discard { h: Header, left: u64, status: RemoteStatus, detail: String },
 }
 
+/// How long a connection may take, as its server bounds it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Deadlines {
+    /// A frame that started must be in, and its reply out, within this
+    /// plus its bytes at `min_rate`; an authenticating connection's whole
+    /// handshake, from accept to AuthOk, within this.
+    pub frame_timeout: std::time::Duration,
+    /// A connection with no exchange for this long is closed (`None`:
+    /// never).
+    pub idle_timeout: Option<std::time::Duration>,
+    /// Slowest accepted peer, bytes per second (0: no rate bound).
+    pub min_rate: u64,
+}
+
+impl Deadlines {
+    /// How long an exchange moving `bytes` may take.
+    pub fn allowance(&self, bytes: u64) -> std::time::Duration {
+        match self.min_rate {
+            0 => self.frame_timeout,
+            rate => self.frame_timeout.saturating_add(crate::time::at_rate(bytes, rate)),
+        }
+    }
+}
+
+/// Why a connection ran out of time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Expired {
+    /// It did not finish its handshake within the frame bound.
+    Handshake,
+    /// An exchange took longer than its allowance (a stalled or
+    /// trickling peer).
+    Stalled,
+    /// No exchange for the idle bound.
+    Idle,
+}
+
+/// A connection's clock, as the driver's `now`s told it.
+struct Clock {
+    /// When it was accepted.
+    accepted: Instant,
+    /// When the exchange in progress started (a new connection that owes
+    /// its handshake counts from its accept); `None` between exchanges.
+    busy_since: Option<Instant>,
+    /// Frames seen at the last tick.
+    frames_seen: u64,
+    /// When bytes last moved.
+    last: Instant,
+    /// A subscribed watch connection: the initiator only listens on it,
+    /// so it is never idle (watchers have caps of their own).
+    watching: bool,
+}
+
 /// One peer connection's target side.
 pub(crate) struct ServerConn {
     input: Input,
@@ -361,6 +414,7 @@ pub(crate) struct ServerConn {
     out_fds: Vec<std::os::fd::OwnedFd>,
     /// The answer to an [`Event`] the machine waits for.
     awaiting: Option<Awaiting>,
+    clock: Clock,
 }
 
 // SAFETY: the raw pointers in the iovecs point into buffers this value owns
@@ -379,8 +433,14 @@ impl ServerConn {
     /// With a `secret`, the connection must authenticate before anything
     /// else (and until it has, its frames are bounded to a few bytes).
     /// `at`: where the connection came in.
-    pub fn new(budget: ServerBudget, secret: Option<Arc<Secret>>, at: ConnEnd) -> Self {
+    pub fn new(budget: ServerBudget, secret: Option<Arc<Secret>>, at: ConnEnd, now: Instant) -> Self {
+        // A connection that must authenticate owes its handshake at once
+        // (the initiator sends it on connect); without a secret a fresh
+        // connection is just idle (a link's data connections stay silent
+        // until they have work).
+        let owes = secret.is_some();
         ServerConn {
+            clock: Clock { accepted: now, busy_since: owes.then_some(now), frames_seen: 0, last: now, watching: false },
             at,
             refused: None,
             out_fds: Vec::new(),
@@ -414,10 +474,50 @@ impl ServerConn {
             && self.awaiting.is_none()
     }
 
-    /// True once the connection may send requests: authenticated, or no
-    /// secret is needed.
-    pub fn authenticated(&self) -> bool {
-        matches!(self.auth, Auth::Open | Auth::Done)
+    /// The driver served the connection until `now` (`moved`: bytes went
+    /// either way): an exchange starts when a frame completes (or, for a
+    /// new connection, at accept) and ends when the machine is idle.
+    pub fn tick(&mut self, now: Instant, moved: bool) {
+        let c = &mut self.clock;
+        if moved {
+            c.last = now;
+        }
+        if self.frames != c.frames_seen {
+            c.frames_seen = self.frames;
+            c.busy_since = Some(now);
+        }
+        let idle = self.is_idle() && !self.owes_handshake();
+        let c = &mut self.clock;
+        if idle {
+            c.busy_since = None;
+        } else if c.busy_since.is_none() {
+            c.busy_since = Some(now);
+        }
+    }
+
+    /// The connection is a subscribed watch: never idle.
+    pub fn subscribed(&mut self) {
+        self.clock.watching = true;
+    }
+
+    /// Whether the connection has run out of time at `now`, and how.
+    pub fn expired(&self, now: Instant, d: &Deadlines) -> Option<Expired> {
+        let c = &self.clock;
+        if self.owes_handshake() {
+            // The whole handshake, from accept, within the frame bound.
+            return (now.duration_since(c.accepted) > d.frame_timeout).then_some(Expired::Handshake);
+        }
+        match c.busy_since {
+            Some(since) => (now.duration_since(since) > d.allowance(self.work)).then_some(Expired::Stalled),
+            None => {
+                (!c.watching && d.idle_timeout.is_some_and(|t| now.duration_since(c.last) > t)).then_some(Expired::Idle)
+            }
+        }
+    }
+
+    /// True while the connection owes its handshake.
+    pub fn owes_handshake(&self) -> bool {
+        matches!(self.auth, Auth::Hello(_) | Auth::Proof(_))
     }
 
     /// Why the handshake was refused (after [`Close::Unauthenticated`]).
@@ -431,14 +531,9 @@ impl ServerConn {
     }
 
     /// Frames received whole so far.
+    #[cfg(feature = "fuzzing")]
     pub fn frames(&self) -> u64 {
         self.frames
-    }
-
-    /// Payload or reply bytes of the exchange in progress (what the driver
-    /// sizes its rate bound by).
-    pub fn work_bytes(&self) -> u64 {
-        self.work
     }
 
     /// Where the next incoming bytes go; `None` while a reply waits to be
@@ -1261,7 +1356,7 @@ mod tests {
     fn run(frames: &[Frame], cuts: &[usize]) -> (Vec<Expect>, [[u8; 256]; 2]) {
         let side = FakeSide { mem: UnsafeCell::new([[0u8; 256]; 2]) };
         let input: Vec<u8> = frames.iter().enumerate().flat_map(|(i, f)| encode(f, i as u64 + 1)).collect();
-        let mut m = ServerConn::new(Default::default(), None, ConnEnd::Local);
+        let mut m = ServerConn::new(Default::default(), None, ConnEnd::Local, std::time::Instant::now());
         let (mut pos, mut out, mut closed) = (0usize, Vec::new(), false);
         let mut cut = cuts.iter().cycle();
         loop {
@@ -1333,7 +1428,7 @@ mod tests {
     /// Feeds `bytes` to a fresh machine at once: why it closed, if it did.
     fn close_of(bytes: &[u8]) -> Option<Close> {
         let side = FakeSide { mem: UnsafeCell::new([[0u8; 256]; 2]) };
-        let mut m = ServerConn::new(Default::default(), None, ConnEnd::Local);
+        let mut m = ServerConn::new(Default::default(), None, ConnEnd::Local, std::time::Instant::now());
         let mut pos = 0;
         while pos < bytes.len() {
             while let Some(iovs) = m.send_buf() {
