@@ -36,7 +36,7 @@ use crate::transport::auth::{Dialed, Initiator, Secret};
 pub(crate) use crate::transport::peer_errors::OpenError;
 use crate::transport::peer_errors::{LocalError, ShareError};
 use crate::transport::proto::FrameIn;
-use crate::transport::proto::client::{ClientConn, PeerJob, unsent};
+use crate::transport::proto::client::{Bounds, ClientConn, PeerJob, unsent};
 use crate::transport::proto::open::{Exchange, Opened, Opening, changes_of};
 use crate::transport::reactor::{Events, Interest, Poller, Waker};
 use crate::transport::sock::{Patience, Stream, iov, read_exact_within, tune, writev_within};
@@ -80,13 +80,9 @@ impl LinkOptions {
         self.io_timeout.saturating_sub(2 * self.tick()).max(self.tick())
     }
 
-    /// When an I/O of `bytes` starting at `now` must be done by, at the
-    /// minimum rate (`None`: no rate bound).
-    fn until(&self, now: Instant, bytes: u64) -> Option<Instant> {
-        match self.min_rate {
-            0 => None,
-            rate => now.checked_add(self.stall().saturating_add(crate::time::at_rate(bytes, rate))),
-        }
+    /// The bounds each connection's machine keeps.
+    fn bounds(&self) -> Bounds {
+        Bounds { stall: self.stall(), min_rate: self.min_rate, keepalive: self.keepalive }
     }
 }
 
@@ -416,14 +412,14 @@ impl<J: CopyJob> PeerLink<J> {
         if let Some(s) = control {
             // The local control connection takes control jobs only: data
             // tasks of the tcp route stay on TCP.
-            let m = ClientConn::new(link.descriptor.epoch, link.opts.limits);
+            let m = ClientConn::new(link.descriptor.epoch, link.opts.limits, link.opts.bounds(), Instant::now());
             let me = drivers.add(&link, s, Role::Data(Box::new(m)));
             let mut q = link.queue.lock();
             q.control = Some(me);
             q.control_only = true;
         }
         for s in streams {
-            let m = ClientConn::new(link.descriptor.epoch, link.opts.limits);
+            let m = ClientConn::new(link.descriptor.epoch, link.opts.limits, link.opts.bounds(), Instant::now());
             let me = drivers.add(&link, s, Role::Data(Box::new(m)));
             link.queue.lock().control.get_or_insert(me);
         }
@@ -753,14 +749,6 @@ struct Conn<J> {
     /// False once the socket is shut down (the peer is lost): the
     /// connection then only fails the link's queued jobs, until it closes.
     open: bool,
-    /// When a byte last moved, or a wait began.
-    last_io: Instant,
-    /// When the request being sent must be out (minimum rate).
-    send_until: Option<Instant>,
-    /// Whether the oldest outstanding reply's bounds started (its request
-    /// is all out), and when it must be in (minimum rate).
-    reply_timed: bool,
-    reply_until: Option<Instant>,
     /// False after a read found the socket empty, until epoll reports it
     /// readable again (edge-triggered: new bytes always raise an event):
     /// a request just sent does not cost a read that can only fail.
@@ -848,18 +836,7 @@ impl<J: CopyJob> Initiators<J> {
         let driver = self.next_driver.fetch_add(1, Ordering::Relaxed) % self.drivers.len();
         let me = ConnRef { driver, id: self.next_conn.fetch_add(1, Ordering::Relaxed) };
         link.conns.lock().push(me);
-        let conn = Conn {
-            link: link.clone(),
-            stream,
-            role,
-            me,
-            open: true,
-            last_io: Instant::now(),
-            send_until: None,
-            reply_timed: false,
-            reply_until: None,
-            readable: true,
-        };
+        let conn = Conn { link: link.clone(), stream, role, me, open: true, readable: true };
         self.drivers[driver].send(Command::Add(Box::new(conn)));
         me
     }
@@ -1047,47 +1024,36 @@ impl<J: CopyJob> Conn<J> {
     /// When this connection's peer is lost if nothing moves (`None`:
     /// nothing is awaited).
     fn deadline(&self) -> Option<Instant> {
-        let Role::Data(m) = &self.role else { return None };
-        if !self.open || m.in_flight() == 0 {
-            return None;
+        match &self.role {
+            Role::Data(m) if self.open => m.deadline(),
+            _ => None,
         }
-        let stall = self.last_io.checked_add(self.link.opts.stall());
-        [stall, self.send_until, self.reply_until].into_iter().flatten().min()
     }
 
     /// When this idle data connection sends its next keepalive (`None`:
     /// it is not idle, or sends none).
     fn keepalive_at(&self) -> Option<Instant> {
-        let Role::Data(m) = &self.role else { return None };
-        let every = self.link.opts.keepalive?;
-        (self.open && m.in_flight() == 0).then(|| self.last_io.checked_add(every)).flatten()
+        match &self.role {
+            Role::Data(m) if self.open => m.keepalive_at(),
+            _ => None,
+        }
     }
 
     /// Puts a keepalive on the wire if one is due at `now`: true if it did
     /// (the connection then has something to send).
     fn keep_alive(&mut self, now: Instant) -> bool {
-        if self.keepalive_at().is_none_or(|at| now < at) {
-            return false;
+        match &mut self.role {
+            Role::Data(m) if self.open => m.keep_alive(now),
+            _ => false,
         }
-        let Role::Data(m) = &mut self.role else { return false };
-        self.last_io = now;
-        m.keepalive()
     }
 
     /// Why the peer is lost at `now`, if a bound passed.
     fn expired(&self, now: Instant) -> Option<String> {
-        let Role::Data(m) = &self.role else { return None };
-        if !self.open || m.in_flight() == 0 {
-            return None;
+        match &self.role {
+            Role::Data(m) if self.open => m.expired(now).map(|t| t.to_string()),
+            _ => None,
         }
-        let stall = self.link.opts.stall();
-        if now.duration_since(self.last_io) >= stall {
-            return Some(format!("connection lost: no sign of life for {} ms", stall.as_millis()));
-        }
-        if self.send_until.into_iter().chain(self.reply_until).any(|u| now >= u) {
-            return Some("connection lost: slower than the minimum peer rate".into());
-        }
-        None
     }
 
     /// The connection failed (`why`): the peer is lost, what this
@@ -1099,7 +1065,6 @@ impl<J: CopyJob> Conn<J> {
                 d.deliver();
             }
         }
-        (self.send_until, self.reply_timed, self.reply_until) = (None, false, None);
         if self.open {
             self.open = false;
             self.stream.shutdown();
@@ -1152,12 +1117,7 @@ impl<J: CopyJob> Conn<J> {
             while m.can_start() {
                 let Some(job) = self.link.take(self.me) else { break };
                 let id = self.link.next_request.fetch_add(1, Ordering::Relaxed);
-                m.start(job, id);
-                let now = Instant::now();
-                if m.in_flight() == 1 {
-                    self.last_io = now; // a wait begins
-                }
-                self.send_until = self.link.opts.until(now, m.send_len());
+                m.start(job, id, Instant::now());
             }
             let mut progressed = false;
             if let Some(out) = m.send_buf() {
@@ -1165,13 +1125,9 @@ impl<J: CopyJob> Conn<J> {
                 // job's spans, kept valid by its range loans (CopyJob contract).
                 let r = unsafe { libc::writev(fd, out.as_ptr(), out.len().min(1024) as i32) };
                 if r > 0 {
-                    m.sent(r as usize);
+                    m.sent(r as usize, Instant::now());
                     moved += r as usize;
                     progressed = true;
-                    self.last_io = Instant::now();
-                    if m.send_buf().is_none() {
-                        self.send_until = None;
-                    }
                 } else {
                     match failure() {
                         Failed::Retry => progressed = true,
@@ -1184,12 +1140,6 @@ impl<J: CopyJob> Conn<J> {
                 }
             }
             let Role::Data(m) = &mut self.role else { return After::Wait };
-            // The oldest reply's rate bound starts once its request is out.
-            let front_out = m.in_flight() >= 2 || (m.in_flight() == 1 && m.send_buf().is_none());
-            if front_out && !self.reply_timed {
-                self.reply_timed = true;
-                self.reply_until = self.link.opts.until(Instant::now(), m.reply_bytes());
-            }
             if let Some(into) = m.recv_buf().filter(|_| self.readable) {
                 // SAFETY: the machine's iovecs address its own buffers or the
                 // READ's local spans, valid and retained (CopyJob contract),
@@ -1198,13 +1148,8 @@ impl<J: CopyJob> Conn<J> {
                 if r > 0 {
                     moved += r as usize;
                     progressed = true;
-                    self.last_io = Instant::now();
                     let mut done = None;
-                    let result = m.received(r as usize, &mut done);
-                    if done.is_some() {
-                        self.reply_timed = false;
-                        self.reply_until = None;
-                    }
+                    let result = m.received(r as usize, &mut done, Instant::now());
                     if let Err(violation) = result {
                         let why = violation.to_string();
                         self.link.mark_lost(&why);

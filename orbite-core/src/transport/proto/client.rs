@@ -16,6 +16,7 @@
 //! reports exactly the bytes that landed here; a refusal moved nothing.
 
 use std::collections::VecDeque;
+use std::time::{Duration, Instant};
 
 use crate::transport::proto::FrameIn;
 use crate::transport::sock::{advance, iov};
@@ -119,6 +120,56 @@ enum Input {
     Payload { first: usize, done: u64 },
 }
 
+/// How long the initiator waits for its peer: the bounds the machine's
+/// clock keeps.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Bounds {
+    /// Silence, while a request is outstanding, after which the peer is
+    /// lost.
+    pub stall: Duration,
+    /// Slowest accepted peer, bytes per second (0: no rate bound).
+    pub min_rate: u64,
+    /// A connection with nothing outstanding sends a keepalive this long
+    /// after its last bytes (`None`: never).
+    pub keepalive: Option<Duration>,
+}
+
+impl Bounds {
+    /// When an I/O of `bytes` starting at `now` must be done by, at the
+    /// minimum rate (`None`: no rate bound).
+    pub fn until(&self, now: Instant, bytes: u64) -> Option<Instant> {
+        match self.min_rate {
+            0 => None,
+            rate => now.checked_add(self.stall.saturating_add(crate::time::at_rate(bytes, rate))),
+        }
+    }
+}
+
+/// Why the machine's clock says the peer is lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Timeout {
+    /// No byte moved for the stall bound while a request was outstanding.
+    #[error("connection lost: no sign of life for {} ms", .0.as_millis())]
+    Silent(Duration),
+    /// A request went out, or its reply came in, slower than the minimum
+    /// rate.
+    #[error("connection lost: slower than the minimum peer rate")]
+    TooSlow,
+}
+
+/// The connection's clock, from the `now`s its driver gives.
+struct Clock {
+    bounds: Bounds,
+    /// When a byte last moved, or a wait began.
+    last_io: Instant,
+    /// When the request being sent must be out (minimum rate).
+    send_until: Option<Instant>,
+    /// Whether the oldest outstanding reply's bound started (its request
+    /// is all out), and when it must be in (minimum rate).
+    reply_timed: bool,
+    reply_until: Option<Instant>,
+}
+
 /// One connection's initiator side.
 pub(crate) struct ClientConn<J> {
     epoch: u64,
@@ -133,6 +184,7 @@ pub(crate) struct ClientConn<J> {
     scratch: Vec<u8>,
     in_iovs: Vec<libc::iovec>,
     lost: Option<String>,
+    clock: Clock,
 }
 
 // SAFETY: the iovecs point into buffers this value owns or into registered
@@ -141,9 +193,11 @@ pub(crate) struct ClientConn<J> {
 unsafe impl<J: Send> Send for ClientConn<J> {}
 
 impl<J: CopyJob> ClientConn<J> {
-    /// A machine for a connection to the peer epoch `epoch`.
-    pub fn new(epoch: u64, limits: Limits) -> Self {
+    /// A machine for a connection to the peer epoch `epoch`, opened at
+    /// `now`, waiting within `bounds`.
+    pub fn new(epoch: u64, limits: Limits, bounds: Bounds, now: Instant) -> Self {
         ClientConn {
+            clock: Clock { bounds, last_io: now, send_until: None, reply_timed: false, reply_until: None },
             epoch,
             limits,
             inflight: VecDeque::with_capacity(PIPELINE_DEPTH),
@@ -170,9 +224,9 @@ impl<J: CopyJob> ClientConn<J> {
         self.inflight.len() < PIPELINE_DEPTH && self.out_first >= self.out_iovs.len()
     }
 
-    /// Puts `job` on the wire as request `id` (call only when
+    /// Puts `job` on the wire as request `id` at `now` (call only when
     /// [`ClientConn::can_start`]).
-    pub fn start(&mut self, job: PeerJob<J>, id: u64) {
+    pub fn start(&mut self, job: PeerJob<J>, id: u64, now: Instant) {
         debug_assert!(self.can_start());
         self.out.clear();
         self.out_iovs.clear();
@@ -206,6 +260,64 @@ impl<J: CopyJob> ClientConn<J> {
             }
         }
         self.inflight.push_back((job, id));
+        if self.inflight.len() == 1 {
+            self.clock.last_io = now; // a wait begins
+        }
+        self.clock.send_until = self.clock.bounds.until(now, self.send_len());
+        self.time_reply(now);
+    }
+
+    /// The oldest reply's rate bound starts once its request is all out.
+    fn time_reply(&mut self, now: Instant) {
+        let sending = self.out_first < self.out_iovs.len();
+        let front_out = self.inflight.len() >= 2 || (self.inflight.len() == 1 && !sending);
+        if front_out && !self.clock.reply_timed {
+            self.clock.reply_timed = true;
+            self.clock.reply_until = self.clock.bounds.until(now, self.reply_bytes());
+        }
+    }
+
+    /// When the peer is lost if nothing moves (`None`: nothing is
+    /// awaited).
+    pub fn deadline(&self) -> Option<Instant> {
+        if self.inflight.is_empty() {
+            return None;
+        }
+        let c = &self.clock;
+        let stall = c.last_io.checked_add(c.bounds.stall);
+        [stall, c.send_until, c.reply_until].into_iter().flatten().min()
+    }
+
+    /// When this idle connection sends its next keepalive (`None`: it is
+    /// not idle, or sends none).
+    pub fn keepalive_at(&self) -> Option<Instant> {
+        let every = self.clock.bounds.keepalive?;
+        self.inflight.is_empty().then(|| self.clock.last_io.checked_add(every)).flatten()
+    }
+
+    /// Puts a keepalive on the wire if one is due at `now`: true if it did
+    /// (the connection then has something to send).
+    pub fn keep_alive(&mut self, now: Instant) -> bool {
+        if self.keepalive_at().is_none_or(|at| now < at) {
+            return false;
+        }
+        self.clock.last_io = now;
+        self.keepalive()
+    }
+
+    /// Why the peer is lost at `now`, if a bound passed.
+    pub fn expired(&self, now: Instant) -> Option<Timeout> {
+        if self.inflight.is_empty() {
+            return None;
+        }
+        let c = &self.clock;
+        if now.duration_since(c.last_io) >= c.bounds.stall {
+            return Some(Timeout::Silent(c.bounds.stall));
+        }
+        if c.send_until.into_iter().chain(c.reply_until).any(|u| now >= u) {
+            return Some(Timeout::TooSlow);
+        }
+        None
     }
 
     /// Bytes of the request being sent.
@@ -232,9 +344,16 @@ impl<J: CopyJob> ClientConn<J> {
         (self.out_first < self.out_iovs.len()).then(|| &mut self.out_iovs[self.out_first..])
     }
 
-    /// `n` bytes of [`ClientConn::send_buf`] went out.
-    pub fn sent(&mut self, n: usize) {
+    /// `n` bytes of [`ClientConn::send_buf`] went out, at `now`.
+    pub fn sent(&mut self, n: usize, now: Instant) {
         advance(&mut self.out_iovs, &mut self.out_first, n);
+        if n > 0 {
+            self.clock.last_io = now;
+            if self.out_first >= self.out_iovs.len() {
+                self.clock.send_until = None;
+            }
+        }
+        self.time_reply(now);
     }
 
     /// The most bytes the oldest outstanding reply may carry (what the
@@ -264,7 +383,18 @@ impl<J: CopyJob> ClientConn<J> {
     /// gave. Returns the job a complete reply completes; `Err` when the
     /// reply broke the protocol (the peer is lost: the job it answered is
     /// in `done`, and [`ClientConn::fail_all`] ends the rest).
-    pub fn received(&mut self, n: usize, done: &mut Option<Done<J>>) -> Result<(), Violation> {
+    pub fn received(&mut self, n: usize, done: &mut Option<Done<J>>, now: Instant) -> Result<(), Violation> {
+        self.clock.last_io = now;
+        let result = self.receive(n, done);
+        if done.is_some() {
+            self.clock.reply_timed = false;
+            self.clock.reply_until = None;
+        }
+        self.time_reply(now);
+        result
+    }
+
+    fn receive(&mut self, n: usize, done: &mut Option<Done<J>>) -> Result<(), Violation> {
         match &mut self.input {
             Input::Frame => {
                 let h = match self.frame.received(n, self.limits) {
@@ -396,6 +526,8 @@ impl<J: CopyJob> ClientConn<J> {
     /// The connection failed (`why`): every outstanding job ends, in order.
     pub fn fail_all(&mut self, why: &str) -> Vec<Done<J>> {
         self.lost.get_or_insert_with(|| why.to_owned());
+        let c = &mut self.clock;
+        (c.send_until, c.reply_timed, c.reply_until) = (None, false, None);
         let mut out = Vec::with_capacity(self.inflight.len());
         while let Some((job, _)) = self.inflight.pop_front() {
             out.push(self.lost_job(job, why));
@@ -421,6 +553,7 @@ mod tests {
     use std::sync::Arc;
 
     const EPOCH: u64 = 0xbeef;
+    const PATIENT: Bounds = Bounds { stall: Duration::from_secs(3600), min_rate: 0, keepalive: None };
     const LIMITS: Limits = Limits { max_body: 1 << 16, max_data: 1 << 20 };
 
     struct TestJob {
@@ -579,7 +712,7 @@ mod tests {
     fn run(jobs: &[(Job, Answer)], cuts: &[usize]) -> Run {
         let data: Vec<u8> = (0..200u32).map(|i| (i * 7 + 3) as u8).collect();
         let mut locals: Vec<Vec<u8>> = jobs.iter().map(|_| vec![0u8; 128]).collect();
-        let mut m: ClientConn<TestJob> = ClientConn::new(EPOCH, LIMITS);
+        let mut m: ClientConn<TestJob> = ClientConn::new(EPOCH, LIMITS, PATIENT, std::time::Instant::now());
         let mut cut = cuts.iter().cycle();
         let (mut next, mut done, mut sent_bytes) = (0usize, Vec::new(), Vec::new());
         let mut lost = false;
@@ -619,7 +752,7 @@ mod tests {
                     }),
                     j => PeerJob::Task(TestJob { program: program_for(j, &mut locals[i]).unwrap(), id: i }),
                 };
-                m.start(pj, i as u64 + 1);
+                m.start(pj, i as u64 + 1, std::time::Instant::now());
                 while let Some(out) = m.send_buf() {
                     let want = *cut.next().unwrap();
                     let mut n = 0;
@@ -632,7 +765,7 @@ mod tests {
                             break;
                         }
                     }
-                    m.sent(n);
+                    m.sent(n, std::time::Instant::now());
                 }
                 answers.push_back(reply(&jobs[i].0, jobs[i].1, i as u64 + 1, &data));
             }
@@ -662,7 +795,7 @@ mod tests {
                 }
                 at += n;
                 let mut d = None;
-                let r = m.received(n, &mut d);
+                let r = m.received(n, &mut d, std::time::Instant::now());
                 if let Some(d) = d {
                     done.push(outcome(&d));
                 }

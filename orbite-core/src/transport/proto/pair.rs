@@ -18,7 +18,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use proptest::prelude::*;
 
-use super::client::{ClientConn, ControlJob, Done, PeerFailure, PeerJob, unsent};
+use super::client::{Bounds, ClientConn, ControlJob, Done, PeerFailure, PeerJob, unsent};
 use super::open::{Exchange, Opened, Opening};
 use super::server::{Close, ConnEnd, ServerBudget, ServerConn, TargetSide, TargetView};
 use crate::charge::Counters;
@@ -35,6 +35,8 @@ const EPOCH: u64 = 0x7a7a;
 const MY_EPOCH: u64 = 0x1111;
 const SOCKET: &str = "orbite-pair-test";
 const LIMITS: Limits = Limits { max_body: 4096, max_data: 1 << 16 };
+/// An initiator that waits as long as a case takes.
+const PATIENT: Bounds = Bounds { stall: std::time::Duration::from_secs(3600), min_rate: 0, keepalive: None };
 /// Bytes of each of the target's two registrations (1: read-write, 2:
 /// read-only).
 const REG: usize = 256;
@@ -470,7 +472,7 @@ fn run(
     }
 
     // The data path.
-    let mut c: ClientConn<TestJob> = ClientConn::new(EPOCH, LIMITS);
+    let mut c: ClientConn<TestJob> = ClientConn::new(EPOCH, LIMITS, PATIENT, std::time::Instant::now());
     let mut next = 0;
     let mut lost = !open;
     let mut server_closed = false;
@@ -497,7 +499,7 @@ fn run(
             if matches!(pj, PeerJob::Control(_)) {
                 notes_started.push_back(i);
             }
-            c.start(pj, i as u64 + 1);
+            c.start(pj, i as u64 + 1, std::time::Instant::now());
         }
         let mut progress = false;
         while let Some(out) = c.send_buf() {
@@ -507,7 +509,7 @@ fn run(
                 break;
             }
             progress = true;
-            c.sent(n);
+            c.sent(n, std::time::Instant::now());
         }
         if !server_closed {
             match serve(&mut s, &side, &mut w) {
@@ -524,7 +526,7 @@ fn run(
             }
             progress = true;
             let mut d = None;
-            let r = c.received(n, &mut d);
+            let r = c.received(n, &mut d, std::time::Instant::now());
             if let Some(d) = d {
                 record(&mut outcomes, &mut notes_started, d, &locals);
             }
@@ -724,4 +726,51 @@ fn the_target_times_out_by_the_clock_it_is_given() {
     s.tick(at(11_100), true);
     assert_eq!(s.expired(at(11_300), &d), None, "acknowledged: idle again");
     assert_eq!(side.memory()[0][..200], [7u8; 200]);
+}
+
+/// The initiator's clock runs on the `now`s its driver gives: an idle
+/// connection sends a keepalive when due; with a request outstanding the
+/// peer is lost after the stall bound of silence, or when a request goes
+/// out slower than the minimum rate however its bytes trickle.
+#[test]
+fn the_initiator_times_out_by_the_clock_it_is_given() {
+    use super::client::Timeout;
+    use std::time::{Duration, Instant};
+    let b = Bounds { stall: Duration::from_secs(1), min_rate: 1000, keepalive: Some(Duration::from_secs(20)) };
+    let t0 = Instant::now();
+    let at = |ms: u64| t0 + Duration::from_millis(ms);
+    let mut c: ClientConn<TestJob> = ClientConn::new(EPOCH, LIMITS, b, t0);
+    assert_eq!((c.deadline(), c.expired(at(60_000))), (None, None), "nothing awaited: never lost");
+    assert_eq!(c.keepalive_at(), Some(at(20_000)));
+    assert!(!c.keep_alive(at(19_999)));
+    assert!(c.keep_alive(at(20_000)));
+    let mut wire = Pipe { bytes: VecDeque::new(), moved: 0 };
+    while let Some(out) = c.send_buf() {
+        let n = take(out, usize::MAX, &mut wire);
+        c.sent(n, at(20_000));
+    }
+    assert_eq!(c.keepalive_at(), Some(at(40_000)), "the next one counts from this one");
+
+    let mut local = vec![5u8; 100];
+    c.start(job(&Job::Write { reg: 1, offset: 0, data: local.clone() }, 0, &mut local), 1, at(30_000));
+    assert_eq!(c.keepalive_at(), None, "busy: no keepalive");
+    assert_eq!(c.deadline(), Some(at(31_000)));
+    assert_eq!(c.expired(at(30_999)), None);
+    assert_eq!(c.expired(at(31_000)), Some(Timeout::Silent(Duration::from_secs(1))));
+    // A byte every 100 ms keeps it alive, until the request has taken
+    // longer than 1 s plus its bytes at 1000 B/s.
+    let len = c.send_len();
+    let mut t = 30_000;
+    let mut lost = None;
+    while let Some(out) = c.send_buf() {
+        t += 100;
+        let n = take(out, 1, &mut wire);
+        c.sent(n, at(t));
+        if let Some(why) = c.expired(at(t)) {
+            lost = Some((t, why));
+            break;
+        }
+    }
+    let bound = 30_000 + 1000 + len * 1000 / 1000;
+    assert_eq!(lost, Some((bound.div_ceil(100) * 100, Timeout::TooSlow)), "{len} bytes");
 }
