@@ -11,8 +11,8 @@ use crate::error::PeerError;
 use crate::segment::{Delta, SegmentView};
 use crate::transport::CopyJob;
 use crate::transport::link::{ANNOUNCE_UNKNOWN, PeerLink};
-use crate::transport::mapping::{SharedMaps, ShmMapping, map_fd, unmapped};
-use crate::transport::peer_errors::{ImportError, LocalError, ShareError};
+use crate::transport::mapping::{SharedMaps, ShmMapping, unmapped};
+use crate::transport::peer_errors::{ImportError, LocalError};
 use crate::transport::proto::client::{ControlJob, PeerJob};
 use crate::transport::routes::{PeerReach, SameHost};
 use crate::wire::Kind;
@@ -79,7 +79,8 @@ impl<J: CopyJob> Peer<J> {
         liveness: Option<crate::transport::liveness::PeerLiveness>,
         inbox: Option<(Arc<ShmMapping>, crate::transport::inbox::Inbox)>,
     ) -> Self {
-        let ipc: std::collections::HashSet<u64> = importable(&same_host, view.segment.registrations().values());
+        let ipc: std::collections::HashSet<u64> =
+            crate::transport::routes::importable(&same_host, view.segment.registrations().values());
         let has_pending = !ipc.is_empty();
         Peer {
             pending_ipc: Mutex::new(ipc),
@@ -189,7 +190,7 @@ impl<J: CopyJob> Peer<J> {
             return true;
         }
         let fresh = if self.same_host.is_ok() { unmapped(&self.view().maps, &delta.added) } else { Vec::new() };
-        let fresh_ipc = importable(&self.same_host, delta.added.iter());
+        let fresh_ipc = crate::transport::routes::importable(&self.same_host, delta.added.iter());
         let applied = {
             let mut v = self.view.write();
             let applied = v.segment.apply_from(base, delta).is_ok();
@@ -225,7 +226,7 @@ impl<J: CopyJob> Peer<J> {
             return;
         }
         let names: Vec<String> = self.pending.lock().drain().collect();
-        let mapped = map_shared(&self.link, &names);
+        let mapped = crate::transport::routes::map_shared(&names, |names| self.link.fetch_shared(names));
         let ids: Vec<u64> = self.pending_ipc.lock().drain().collect();
         let imported = self.import_device(&ids);
         let mut v = self.view.write();
@@ -240,38 +241,14 @@ impl<J: CopyJob> Peer<J> {
         }
     }
 
-    /// Opens the peer's device registrations `ids` through CUDA IPC: asks
-    /// the peer for their handles over its local socket and opens each
-    /// allocation once. The registration must lie inside the mapping, as
-    /// this process's driver reports it.
+    /// Opens the peer's device registrations `ids` through CUDA IPC
+    /// (`routes::import_device`), at their lengths in the current view.
     fn import_device(&self, ids: &[u64]) -> Vec<(u64, Result<Arc<crate::transport::mapping::Imported>, ImportError>)> {
-        if ids.is_empty() {
-            return Vec::new();
-        }
-        let asked = match &self.same_host {
-            Err(why) => Err(ImportError::NotLocal(why.clone())),
-            Ok(h) => match &h.ipc {
-                Err(off) => Err(ImportError::Off(off.clone())),
-                Ok(c) => self.link.fetch_ipc(ids).map(|entries| (c.clone(), entries)).map_err(ImportError::NotLocal),
-            },
-        };
-        let (counters, entries) = match asked {
-            Ok(a) => a,
-            Err(why) => return ids.iter().map(|id| (*id, Err(why.clone()))).collect(),
-        };
         let lens: Vec<Option<u64>> = {
             let v = self.view();
             ids.iter().map(|raw| v.segment.get(*raw).map(|r| r.len)).collect()
         };
-        let mut opened = Vec::new();
-        ids.iter()
-            .zip(entries)
-            .zip(lens)
-            .map(|((raw, (entry, fd)), len)| {
-                let r = open_entry(entry, fd, len, &counters, &mut opened);
-                (*raw, r.map(Arc::new))
-            })
-            .collect()
+        crate::transport::routes::import_device(&self.same_host, ids, &lens, |ids| self.link.fetch_ipc(ids))
     }
 
     /// True when the peer announced registry changes this view has not
@@ -288,91 +265,6 @@ impl<J: CopyJob> Drop for Peer<J> {
         if self.state.lock().close.is_none() {
             self.link.close();
         }
-    }
-}
-
-/// The raw ids of device registrations in `regs` this engine imports from
-/// a peer (a same-host one, with IPC allowed), remotely reachable ones.
-fn importable<'a>(
-    same_host: &Result<SameHost, LocalError>,
-    regs: impl Iterator<Item = &'a crate::segment::ExportedRegistration>,
-) -> std::collections::HashSet<u64> {
-    if !same_host.as_ref().is_ok_and(|h| h.ipc.is_ok()) {
-        return std::collections::HashSet::new();
-    }
-    regs.filter(|r| r.device.is_some() && (r.permission.remote_read() || r.permission.remote_write()))
-        .map(|r| r.id.to_raw())
-        .collect()
-}
-
-/// An allocation opened from a peer's answer, by what names it there: a
-/// legacy handle, or (a shareable handle) the allocation's address in the
-/// peer.
-#[derive(PartialEq, Eq)]
-enum Opened {
-    Legacy([u8; 64]),
-    Shareable(u64),
-}
-
-/// One registration's IPC handle opened (an allocation opened once per
-/// answer: `opened` holds those opened so far), checked against what this
-/// process's driver says of the mapping.
-fn open_entry(
-    entry: crate::wire::IpcEntry,
-    fd: Option<std::os::fd::OwnedFd>,
-    len: Option<u64>,
-    counters: &Arc<crate::charge::Counters>,
-    opened: &mut Vec<(Opened, Arc<crate::cuda::IpcMapping>)>,
-) -> Result<crate::transport::mapping::Imported, ImportError> {
-    use crate::cuda::IpcMapping;
-    use crate::wire::IpcEntry;
-    let (key, uuid, offset, alloc_len) = match &entry {
-        IpcEntry::Exported { uuid, handle, offset, alloc_len } => (Opened::Legacy(*handle), uuid, *offset, *alloc_len),
-        IpcEntry::Shareable { uuid, alloc_base, offset, alloc_len } => {
-            (Opened::Shareable(*alloc_base), uuid, *offset, *alloc_len)
-        }
-        IpcEntry::Refused(why) => return Err(ImportError::NotExported(why.clone())),
-    };
-    let len = len.ok_or(ImportError::Gone)?;
-    let mapping = match opened.iter().find(|(k, _)| *k == key) {
-        Some((_, m)) => m.clone(),
-        None => {
-            let m = match (&key, fd) {
-                (Opened::Legacy(handle), _) => IpcMapping::open(handle, uuid, counters)?,
-                (Opened::Shareable(_), Some(fd)) => IpcMapping::import_shareable(fd, uuid, alloc_len, counters)?,
-                (Opened::Shareable(_), None) => return Err(ImportError::NoDescriptor),
-            };
-            let m = Arc::new(m);
-            opened.push((key, m.clone()));
-            m
-        }
-    };
-    if mapping.len != alloc_len {
-        return Err(ImportError::SizeMismatch { said: alloc_len, mapped: mapping.len });
-    }
-    match offset.checked_add(len) {
-        Some(end) if end <= mapping.len => Ok(crate::transport::mapping::Imported { mapping, offset }),
-        _ => Err(ImportError::Outside { offset, len, alloc: mapping.len }),
-    }
-}
-
-/// Maps a proven same-host peer's shared allocations `names`: each mapping,
-/// or why not.
-pub(crate) fn map_shared<J: CopyJob>(
-    link: &PeerLink<J>,
-    names: &[String],
-) -> Vec<(String, Result<Arc<ShmMapping>, ShareError>)> {
-    if names.is_empty() {
-        return Vec::new();
-    }
-    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
-    match link.fetch_shared(&refs) {
-        Ok(fds) => names
-            .iter()
-            .cloned()
-            .zip(fds.into_iter().map(|fd| fd.and_then(|fd| Ok(map_fd(fd)?)).map(Arc::new)))
-            .collect(),
-        Err(why) => names.iter().map(|n| (n.clone(), Err(ShareError::Ask(why.clone())))).collect(),
     }
 }
 

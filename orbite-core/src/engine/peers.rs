@@ -74,7 +74,7 @@ impl EngineInner {
             if !inbox_name.is_empty() && !names.contains(&inbox_name) {
                 names.push(inbox_name.clone());
             }
-            for (name, m) in crate::engine::peer::map_shared(&link, &names) {
+            for (name, m) in crate::transport::routes::map_shared(&names, |n| link.fetch_shared(n)) {
                 if name == inbox_name {
                     inbox = m.ok().and_then(|m| {
                         // SAFETY: a live shared mapping of the peer's inbox,

@@ -10,6 +10,7 @@ use super::CopyKind;
 use super::{Mover, PeerReach, Reach, RouteImpl, Serves, Unreachable};
 use crate::segment::ExportedRegistration;
 use crate::transport::mapping::Imported;
+use crate::transport::peer_errors::ImportError;
 use crate::types::{Desc, Route};
 
 /// The cuda-ipc route.
@@ -137,4 +138,107 @@ pub(crate) fn copies(
         left -= n;
     }
     Ok(device.map(|d| (d, copies)))
+}
+
+/// The raw ids of device registrations in `regs` this engine imports from
+/// a peer (a same-host one, with IPC allowed), remotely reachable ones.
+pub(crate) fn importable<'a>(
+    same_host: &Result<super::SameHost, crate::transport::peer_errors::LocalError>,
+    regs: impl Iterator<Item = &'a crate::segment::ExportedRegistration>,
+) -> std::collections::HashSet<u64> {
+    if !same_host.as_ref().is_ok_and(|h| h.ipc.is_ok()) {
+        return std::collections::HashSet::new();
+    }
+    regs.filter(|r| r.device.is_some() && (r.permission.remote_read() || r.permission.remote_write()))
+        .map(|r| r.id.to_raw())
+        .collect()
+}
+
+/// An allocation opened from a peer's answer, by what names it there: a
+/// legacy handle, or (a shareable handle) the allocation's address in the
+/// peer.
+#[derive(PartialEq, Eq)]
+enum Opened {
+    Legacy([u8; 64]),
+    Shareable(u64),
+}
+
+/// One registration's IPC handle opened (an allocation opened once per
+/// answer: `opened` holds those opened so far), checked against what this
+/// process's driver says of the mapping.
+fn open_entry(
+    entry: crate::wire::IpcEntry,
+    fd: Option<std::os::fd::OwnedFd>,
+    len: Option<u64>,
+    counters: &Arc<crate::charge::Counters>,
+    opened: &mut Vec<(Opened, Arc<crate::cuda::IpcMapping>)>,
+) -> Result<crate::transport::mapping::Imported, ImportError> {
+    use crate::cuda::IpcMapping;
+    use crate::wire::IpcEntry;
+    let (key, uuid, offset, alloc_len) = match &entry {
+        IpcEntry::Exported { uuid, handle, offset, alloc_len } => (Opened::Legacy(*handle), uuid, *offset, *alloc_len),
+        IpcEntry::Shareable { uuid, alloc_base, offset, alloc_len } => {
+            (Opened::Shareable(*alloc_base), uuid, *offset, *alloc_len)
+        }
+        IpcEntry::Refused(why) => return Err(ImportError::NotExported(why.clone())),
+    };
+    let len = len.ok_or(ImportError::Gone)?;
+    let mapping = match opened.iter().find(|(k, _)| *k == key) {
+        Some((_, m)) => m.clone(),
+        None => {
+            let m = match (&key, fd) {
+                (Opened::Legacy(handle), _) => IpcMapping::open(handle, uuid, counters)?,
+                (Opened::Shareable(_), Some(fd)) => IpcMapping::import_shareable(fd, uuid, alloc_len, counters)?,
+                (Opened::Shareable(_), None) => return Err(ImportError::NoDescriptor),
+            };
+            let m = Arc::new(m);
+            opened.push((key, m.clone()));
+            m
+        }
+    };
+    if mapping.len != alloc_len {
+        return Err(ImportError::SizeMismatch { said: alloc_len, mapped: mapping.len });
+    }
+    match offset.checked_add(len) {
+        Some(end) if end <= mapping.len => Ok(crate::transport::mapping::Imported { mapping, offset }),
+        _ => Err(ImportError::Outside { offset, len, alloc: mapping.len }),
+    }
+}
+
+/// Opens a same-host peer's device registrations `ids` (of lengths
+/// `lens` in this engine's view; `None`: gone) through CUDA IPC: asks the
+/// peer for their handles (`fetch`, over its local socket) and opens each
+/// allocation once. A registration must lie inside its mapping, as this
+/// process's driver reports it.
+pub(crate) fn import_device(
+    same_host: &Result<super::SameHost, crate::transport::peer_errors::LocalError>,
+    ids: &[u64],
+    lens: &[Option<u64>],
+    fetch: impl FnOnce(
+        &[u64],
+    ) -> Result<
+        Vec<(crate::wire::IpcEntry, Option<std::os::fd::OwnedFd>)>,
+        crate::transport::peer_errors::LocalError,
+    >,
+) -> Vec<(u64, Result<Arc<crate::transport::mapping::Imported>, ImportError>)> {
+    if ids.is_empty() {
+        return Vec::new();
+    }
+    let asked = match same_host {
+        Err(why) => Err(ImportError::NotLocal(why.clone())),
+        Ok(h) => match &h.ipc {
+            Err(off) => Err(ImportError::Off(off.clone())),
+            Ok(c) => fetch(ids).map(|entries| (c.clone(), entries)).map_err(ImportError::NotLocal),
+        },
+    };
+    let (counters, entries) = match asked {
+        Ok(a) => a,
+        Err(why) => return ids.iter().map(|id| (*id, Err(why.clone()))).collect(),
+    };
+    let mut opened = Vec::new();
+    ids.iter()
+        .zip(entries)
+        .zip(lens)
+        .map(|((raw, (entry, fd)), len)| (*raw, open_entry(entry, fd, *len, &counters, &mut opened).map(Arc::new)))
+        .collect()
 }

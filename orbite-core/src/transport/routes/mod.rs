@@ -21,6 +21,9 @@ pub(crate) mod shm;
 pub(crate) mod staging;
 pub(crate) mod tcp;
 
+pub(crate) use cuda_ipc::{import_device, importable};
+pub(crate) use shm::map_shared;
+
 use std::sync::Arc;
 
 use crate::segment::{ExportedRegistration, SegmentView};

@@ -5,7 +5,10 @@
 
 use super::{CopyKind, Mover, PeerReach, Reach, RouteImpl, Serves, Unreachable};
 use crate::segment::ExportedRegistration;
-use crate::transport::mapping::mapped_base;
+use std::sync::Arc;
+
+use crate::transport::mapping::{ShmMapping, map_fd, mapped_base};
+use crate::transport::peer_errors::{LocalError, ShareError};
 use crate::types::{Desc, Route};
 
 /// The shm route.
@@ -74,4 +77,25 @@ pub(crate) fn copy(
     // span, and the lifecycle admits each task once.
     let done = unsafe { super::loopback::copy_spans(op, spans, limit) };
     (done, crate::transport::liveness::after_one_sided(op, peer_alive))
+}
+
+/// Maps a proven same-host peer's shared allocations `names`, their
+/// descriptors asked of the peer with `fetch` (over its local socket):
+/// each mapping, or why not.
+pub(crate) fn map_shared(
+    names: &[String],
+    fetch: impl FnOnce(&[&str]) -> Result<Vec<Result<std::os::fd::OwnedFd, ShareError>>, LocalError>,
+) -> Vec<(String, Result<Arc<ShmMapping>, ShareError>)> {
+    if names.is_empty() {
+        return Vec::new();
+    }
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    match fetch(&refs) {
+        Ok(fds) => names
+            .iter()
+            .cloned()
+            .zip(fds.into_iter().map(|fd| fd.and_then(|fd| Ok(map_fd(fd)?)).map(Arc::new)))
+            .collect(),
+        Err(why) => names.iter().map(|n| (n.clone(), Err(ShareError::Ask(why.clone())))).collect(),
+    }
 }
