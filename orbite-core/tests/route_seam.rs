@@ -69,7 +69,7 @@ fn engine_code_matches_on_no_route_and_no_copy_kind() {
     for f in &files {
         let src = std::fs::read_to_string(f).expect("a readable source");
         let code = code(&src);
-        for name in ["CopyKind", "Mover", "Route", "Serves"] {
+        for name in ["CopyKind", "Mover", "Route"] {
             for v in variants(&code, name) {
                 found.push(format!("{}: {v}", f.file_name().unwrap().to_string_lossy()));
             }

@@ -941,16 +941,9 @@ impl TransferEngine {
             };
             let policy = spec.options.route.unwrap_or(inner.config.route);
             let (way, route, mover) = crate::transport::routes::choose(policy, &reach, spec.remote)?;
-            let remote_side = match (&reach, &target) {
-                (Reach::Peer(r), _) => plan::RemoteSide::Peer { regs: r.segment.registrations(), route: way, reach: r },
-                (_, PlanTarget::File(f)) => {
-                    plan::RemoteSide::File { writable: f.mode() == crate::file::FileMode::ReadWrite }
-                }
-                _ => plan::RemoteSide::Loopback,
-            };
             let table = inner.registry.lock();
             let pool = &inner.routes.staging_pool;
-            let (plan, loans) = plan::build(spec, remote_side, mover, &table, &inner.config, pool)?;
+            let (plan, loans) = plan::build(spec, &reach, way, mover, &table, &inner.config, pool)?;
             let route = staging_noted(route, &plan);
             (plan, loans, way, route)
         };

@@ -10,7 +10,6 @@
 //! `task_bytes` (and at 4096 spans), splitting a large descriptor where
 //! needed.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::batch::{Desc, TransferOptions};
@@ -18,9 +17,7 @@ use crate::config::EngineConfig;
 use crate::engine::TransferSpec;
 use crate::error::{BatchError, Error, PeerError};
 use crate::registry::{Registration, Table};
-use crate::segment::ExportedRegistration;
-use crate::transport::routes::Mover;
-use crate::transport::routes::{PeerReach, RouteImpl};
+use crate::transport::routes::{Mover, Reach, RouteImpl};
 use crate::transport::{CopyProgram, Span, TaskRange};
 use crate::types::{Op, Permission, RegistrationId, Resource};
 
@@ -49,19 +46,6 @@ struct View {
     permission: Permission,
     /// Take a range loan on it (this engine's registrations).
     loan: bool,
-}
-
-/// Where the target-side descriptors are resolved.
-pub(crate) enum RemoteSide<'a> {
-    /// This engine's own registry (the self connection).
-    Loopback,
-    /// A peer's imported registrations, by raw id, reached by `route`.
-    Peer { regs: &'a HashMap<u64, ExportedRegistration>, route: &'a dyn RouteImpl, reach: &'a PeerReach<'a> },
-    /// A local file: descriptors are file extents (offsets below 2^63).
-    File {
-        /// Opened for writing too.
-        writable: bool,
-    },
 }
 
 /// A resolved descriptor: an address (or, on a peer, an offset in the
@@ -152,10 +136,12 @@ fn local_view(table: &Table, id: RegistrationId) -> Result<View, Error> {
 }
 
 /// Validates `spec` against the locked registry (and, for a peer, its
-/// imported registrations) and builds its plan.
+/// imported registrations, addressed by `route`; for a file, its extents,
+/// offsets below 2^63) and builds its plan.
 pub(crate) fn build(
     spec: &TransferSpec<'_>,
-    remote_side: RemoteSide<'_>,
+    target: &Reach<'_>,
+    route: &dyn RouteImpl,
     mover: Mover,
     table: &Table,
     config: &EngineConfig,
@@ -167,11 +153,10 @@ pub(crate) fn build(
         Op::Write => ("remote write", Permission::remote_write),
         Op::Read => ("remote read", Permission::remote_read),
     };
-    let (remote, remote_total) = match remote_side {
-        RemoteSide::Loopback => {
-            resolve("remote", spec.remote, config, Some(needs), |id| local_view(table, id), &mut ids)?
-        }
-        RemoteSide::Peer { regs, route, reach } => {
+    let (remote, remote_total) = match target {
+        Reach::Loopback => resolve("remote", spec.remote, config, Some(needs), |id| local_view(table, id), &mut ids)?,
+        Reach::Peer(reach) => {
+            let regs = reach.segment.registrations();
             let peer_view = |id: RegistrationId| -> Result<View, Error> {
                 let r = regs.get(&id.to_raw()).ok_or(PeerError::UnknownRemoteRegistration(id))?;
                 let (base, wire_id) = route
@@ -181,7 +166,8 @@ pub(crate) fn build(
             };
             resolve("remote", spec.remote, config, Some(needs), peer_view, &mut ids)?
         }
-        RemoteSide::File { writable } => {
+        Reach::File(entry, _) => {
+            let writable = entry.mode() == crate::file::FileMode::ReadWrite;
             let permission = if writable { Permission::RemoteReadWrite } else { Permission::RemoteRead };
             let file_view = |id: RegistrationId| -> Result<View, Error> {
                 Ok(View { id, base: 0, wire_id: 0, len: i64::MAX as u64, permission, loan: false })

@@ -5,7 +5,7 @@
 
 use std::io;
 
-use super::{CopyKind, Mover, PeerReach, Reach, RouteImpl, Serves, Unreachable};
+use super::{CopyKind, Mover, PeerReach, Reach, RouteImpl, Unreachable};
 use crate::segment::ExportedRegistration;
 use crate::transport::Span;
 use crate::transport::liveness::LivenessCheck;
@@ -20,8 +20,8 @@ impl RouteImpl for Cma {
         Route::Cma
     }
 
-    fn serves(&self) -> Serves {
-        Serves::Peer
+    fn serves(&self, target: &Reach<'_>) -> bool {
+        matches!(target, Reach::Peer(_))
     }
 
     fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {

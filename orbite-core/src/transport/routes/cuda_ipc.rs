@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use super::CopyKind;
-use super::{Mover, PeerReach, Reach, RouteImpl, Serves, Unreachable};
+use super::{Mover, PeerReach, Reach, RouteImpl, Unreachable};
 use crate::segment::ExportedRegistration;
 use crate::transport::mapping::Imported;
 use crate::transport::peer_errors::ImportError;
@@ -46,8 +46,8 @@ impl RouteImpl for CudaIpc {
         Route::CudaIpc
     }
 
-    fn serves(&self) -> Serves {
-        Serves::Peer
+    fn serves(&self, target: &Reach<'_>) -> bool {
+        matches!(target, Reach::Peer(_))
     }
 
     fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {

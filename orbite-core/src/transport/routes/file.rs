@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::{CopyKind, Mover, Reach, RouteImpl, Serves, Unreachable};
+use super::{CopyKind, Mover, Reach, RouteImpl, Unreachable};
 use crate::file::{BouncePool, Entry, FileIo, FileOp, FileSpan};
 use crate::transport::Span;
 use crate::types::{Desc, Op, Route, TaskEnd};
@@ -16,8 +16,12 @@ impl RouteImpl for File {
         Route::File
     }
 
-    fn serves(&self) -> Serves {
-        Serves::File
+    fn serves(&self, target: &Reach<'_>) -> bool {
+        matches!(target, Reach::File(..))
+    }
+
+    fn auto_reason(&self) -> Option<&'static str> {
+        Some("local file")
     }
 
     fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<Mover, Unreachable> {

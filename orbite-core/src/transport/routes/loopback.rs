@@ -1,7 +1,7 @@
 //! The self connection: copies between registrations of this engine (what
 //! NIXL uses for local transfers), on the local workers.
 
-use super::{CopyKind, Mover, Reach, RouteImpl, Serves, Unreachable};
+use super::{CopyKind, Mover, Reach, RouteImpl, Unreachable};
 use crate::transport::Span;
 use crate::types::{Desc, Op, Route};
 
@@ -13,8 +13,12 @@ impl RouteImpl for Loopback {
         Route::Loopback
     }
 
-    fn serves(&self) -> Serves {
-        Serves::Loopback
+    fn serves(&self, target: &Reach<'_>) -> bool {
+        matches!(target, Reach::Loopback)
+    }
+
+    fn auto_reason(&self) -> Option<&'static str> {
+        Some("self connection")
     }
 
     fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<Mover, Unreachable> {

@@ -133,28 +133,22 @@ pub(crate) enum Reach<'a> {
     File(&'a std::sync::Arc<crate::file::Entry>, &'a std::sync::Arc<crate::file::BouncePool>),
 }
 
-/// Which targets a route serves.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Serves {
-    Loopback,
-    Peer,
-    File,
-}
-
 /// One route.
 pub(crate) trait RouteImpl: Sync {
     /// Its name.
     fn route(&self) -> Route;
 
-    /// The targets it serves.
-    fn serves(&self) -> Serves;
+    /// Whether it serves this kind of target (a peer route serves every
+    /// peer; whether it reaches one's ranges is [`RouteImpl::plan`]'s).
+    fn serves(&self, target: &Reach<'_>) -> bool;
 
     /// Prepare's capability check and copy program in one: how the tasks
     /// reaching every target range `remote` names move, or why this route
     /// does not reach them.
     fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable>;
 
-    /// What the `auto` policy says when it picks this route.
+    /// What the policy says when it picks this route (under `auto`, for a
+    /// peer).
     fn auto_reason(&self) -> Option<&'static str> {
         None
     }
@@ -196,23 +190,16 @@ pub(crate) fn choose(
     target: &Reach<'_>,
     remote: &[Desc],
 ) -> Result<(&'static dyn RouteImpl, RouteChoice, Mover), PeerError> {
-    let serves = match target {
-        Reach::Loopback => Serves::Loopback,
-        Reach::Peer(_) => Serves::Peer,
-        Reach::File(..) => Serves::File,
-    };
     let choice =
         |r: &'static dyn RouteImpl, kind, reason: String| Ok((r, RouteChoice { route: r.route(), reason }, kind));
-    if serves != Serves::Peer {
-        let r = ROUTES.iter().copied().find(|r| r.serves() == serves).expect("a route for every target");
-        let reason = match serves {
-            Serves::Loopback => "self connection",
-            _ => "local file",
-        };
+    let mut serving = ROUTES.iter().copied().filter(|r| r.serves(target));
+    if !matches!(target, Reach::Peer(_)) {
+        // The self connection and files have one route each.
+        let r = serving.next().expect("a route for every target");
         let kind = r
             .plan(target, remote)
             .map_err(|why| PeerError::RouteUnavailable { route: r.route(), reason: why.to_string() })?;
-        return choice(r, kind, reason.into());
+        return choice(r, kind, r.auto_reason().unwrap_or_default().into());
     }
     let forced = match policy {
         RoutePolicy::Auto => None,
@@ -231,7 +218,7 @@ pub(crate) fn choose(
     // auto: the first peer route that reaches every range; the reason says
     // what ruled out the ones before it.
     let mut ruled_out = Vec::new();
-    for r in ROUTES.iter().copied().filter(|r| r.serves() == Serves::Peer) {
+    for r in serving {
         match r.plan(target, remote) {
             Ok(kind) => {
                 let parts: Vec<String> = r.auto_reason().map(str::to_owned).into_iter().chain(ruled_out).collect();

@@ -3,7 +3,7 @@
 //! CPU; it lends the ranges (a Borrow) for as long as transfers may touch
 //! them.
 
-use super::{CopyKind, Mover, PeerReach, Reach, RouteImpl, Serves, Unreachable};
+use super::{CopyKind, Mover, PeerReach, Reach, RouteImpl, Unreachable};
 use crate::segment::ExportedRegistration;
 use std::sync::Arc;
 
@@ -19,8 +19,8 @@ impl RouteImpl for Shm {
         Route::Shm
     }
 
-    fn serves(&self) -> Serves {
-        Serves::Peer
+    fn serves(&self, target: &Reach<'_>) -> bool {
+        matches!(target, Reach::Peer(_))
     }
 
     fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {

@@ -2,7 +2,7 @@
 //! (`transport::server`); this process sends them on its per-peer links
 //! (`transport::link`). It reaches any peer, on any host.
 
-use super::{Mover, PeerReach, Reach, RouteImpl, Serves, Unreachable};
+use super::{Mover, PeerReach, Reach, RouteImpl, Unreachable};
 use crate::segment::ExportedRegistration;
 use crate::types::{Desc, Route};
 
@@ -14,8 +14,8 @@ impl RouteImpl for Tcp {
         Route::Tcp
     }
 
-    fn serves(&self) -> Serves {
-        Serves::Peer
+    fn serves(&self, target: &Reach<'_>) -> bool {
+        matches!(target, Reach::Peer(_))
     }
 
     fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<Mover, Unreachable> {
