@@ -110,12 +110,12 @@ impl TargetView for Target {
         Ok(())
     }
 
-    fn changes(&self, _since: u64, _budget: usize) -> crate::segment::Delta {
-        crate::segment::Delta::default()
+    fn changes(&self, since: u64, _budget: usize) -> crate::segment::Delta {
+        changes(since)
     }
 
     fn registry_version(&self) -> u64 {
-        0
+        VERSION
     }
 
     fn limits(&self) -> Limits {
@@ -141,6 +141,15 @@ impl TargetSide for Target {
     }
 }
 
+/// The target's registry version.
+const VERSION: u64 = 7;
+
+/// What changed on the target after version `since` (its registrations
+/// are not exported: only the version moves).
+fn changes(since: u64) -> crate::segment::Delta {
+    crate::segment::Delta { version: VERSION.max(since), reset: since > VERSION, ..Default::default() }
+}
+
 /// What the target describes.
 fn descriptor() -> SegmentDescriptor {
     SegmentDescriptor {
@@ -157,9 +166,19 @@ fn descriptor() -> SegmentDescriptor {
 
 #[derive(Debug, Clone)]
 enum Job {
-    Write { reg: u64, offset: u64, data: Vec<u8> },
-    Read { reg: u64, offset: u64, len: u64 },
+    Write {
+        reg: u64,
+        offset: u64,
+        data: Vec<u8>,
+    },
+    Read {
+        reg: u64,
+        offset: u64,
+        len: u64,
+    },
     Notify(Vec<u8>),
+    /// Asks what changed after this registry version.
+    Refresh(u64),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -177,8 +196,9 @@ enum Secrets {
 enum Outcome {
     /// A task: bytes done, how it ended, and for a READ what landed.
     Task { done: u64, end: TaskEnd, read: Vec<u8> },
-    /// A notification: delivered, refused with a status, or lost.
-    Note(Result<(), Option<RemoteStatus>>),
+    /// A control request: its reply's body, or refused with a status, or
+    /// lost.
+    Control(Result<Vec<u8>, Option<RemoteStatus>>),
 }
 
 struct TestJob {
@@ -239,11 +259,12 @@ fn model(jobs: &[Job]) -> (Vec<Outcome>, [[u8; REG]; 2], Vec<Vec<u8>>) {
                 },
                 Err(_) => refused(*len),
             },
-            Job::Notify(p) if p.len() > MAX_NOTE => Outcome::Note(Err(Some(RemoteStatus::NotificationTooLarge))),
+            Job::Notify(p) if p.len() > MAX_NOTE => Outcome::Control(Err(Some(RemoteStatus::NotificationTooLarge))),
             Job::Notify(p) => {
                 notes.push(p.clone());
-                Outcome::Note(Ok(()))
+                Outcome::Control(Ok(Vec::new()))
             }
+            Job::Refresh(since) => Outcome::Control(Ok(changes(*since).to_bytes())),
         })
         .collect();
     (out, mem, notes)
@@ -416,7 +437,7 @@ fn run(
         .map(|j| match j {
             Job::Write { data, .. } => data.clone(),
             Job::Read { len, .. } => vec![0u8; *len as usize],
-            Job::Notify(_) => Vec::new(),
+            Job::Notify(_) | Job::Refresh(_) => Vec::new(),
         })
         .collect();
     let mut outcomes: Vec<Option<Outcome>> = vec![None; jobs.len()];
@@ -437,8 +458,8 @@ fn run(
             }
             Done::Control(_, r) => (
                 notes_started.pop_front().expect("a notification was started"),
-                Outcome::Note(match r {
-                    Ok(_) => Ok(()),
+                Outcome::Control(match r {
+                    Ok(body) => Ok(body),
                     Err(PeerFailure::Refused(status, _)) => Err(Some(status)),
                     Err(PeerFailure::Lost(_)) => Err(None),
                 }),
@@ -568,6 +589,17 @@ fn job(j: &Job, i: usize, local: &mut [u8]) -> PeerJob<TestJob> {
             let _ = i;
             PeerJob::Control(ControlJob { kind: Kind::Notify, flags: 0, body, done: Box::new(|_| {}) })
         }
+        Job::Refresh(since) => {
+            let mut body = Vec::new();
+            let ask = wire::DescribeSince {
+                initiator_epoch: MY_EPOCH,
+                expected_epoch: EPOCH,
+                since: *since,
+                max_reply: 4096,
+            };
+            wire::encode_describe_since(&mut body, &ask);
+            PeerJob::Control(ControlJob { kind: Kind::DescribeSince, flags: 0, body, done: Box::new(|_| {}) })
+        }
     }
 }
 
@@ -577,6 +609,7 @@ fn jobs() -> impl Strategy<Value = Vec<Job>> {
             .prop_map(|(reg, offset, data)| Job::Write { reg, offset, data }),
         3 => (0u64..4, 0u64..280, 1u64..48).prop_map(|(reg, offset, len)| Job::Read { reg, offset, len }),
         1 => prop::collection::vec(any::<u8>(), 0..12).prop_map(Job::Notify),
+        1 => (0u64..12).prop_map(Job::Refresh),
     ];
     prop::collection::vec(job, 1..24)
 }
@@ -607,7 +640,7 @@ proptest! {
         prop_assert_eq!(counters.snapshot(), Counters::default().snapshot(), "the target holds nothing afterwards");
         if secrets == Secrets::Wrong {
             for (i, o) in got.iter().enumerate() {
-                let failed = matches!(o, Outcome::Note(Err(None)) | Outcome::Task { done: 0, end: TaskEnd::Failed { effect_unknown: false }, .. });
+                let failed = matches!(o, Outcome::Control(Err(None)) | Outcome::Task { done: 0, end: TaskEnd::Failed { effect_unknown: false }, .. });
                 prop_assert!(failed, "job {} ran without authentication: {:?}", i, o);
             }
             prop_assert_eq!(mem, baseline, "nothing lands without authentication");
@@ -628,7 +661,7 @@ proptest! {
         let first_off = got.iter().zip(&want).position(|(g, w)| g != w).unwrap_or(got.len());
         for (i, g) in got.iter().enumerate().skip(first_off) {
             match (g, &want[i]) {
-                (Outcome::Note(r), _) => prop_assert!(r.is_err(), "job {} after the break: {:?}", i, g),
+                (Outcome::Control(r), _) => prop_assert!(r.is_err(), "job {} after the break: {:?}", i, g),
                 (Outcome::Task { done, end: TaskEnd::Failed { .. }, read }, Outcome::Task { read: model_read, .. }) => {
                     if let Job::Read { .. } = jobs[i] {
                         if !model_read.is_empty() {
@@ -773,4 +806,60 @@ fn the_initiator_times_out_by_the_clock_it_is_given() {
     }
     let bound = 30_000 + 1000 + len * 1000 / 1000;
     assert_eq!(lost, Some((bound.div_ceil(100) * 100, Timeout::TooSlow)), "{len} bytes");
+}
+
+/// A watch's subscription through the open machine and the target's: the
+/// target asks its driver to subscribe (here the test, as `watchers`
+/// would, pushes what changed after the version asked from), and the
+/// initiator gets that first push; a target whose watchers are full
+/// refuses, and the initiator knows it asks instead.
+#[test]
+fn a_watch_subscription_gets_its_first_changes_or_is_refused() {
+    use super::server::Subscribe;
+    for full in [false, true] {
+        let side = Target::new();
+        let mut s = ServerConn::new(ServerBudget::default(), None, ConnEnd::Local, std::time::Instant::now());
+        let mut m = Opening::new(Exchange::Watch { epoch: EPOCH, since: 3, max_reply: 4096 }, LIMITS);
+        let request = m.to_send().to_vec();
+        m.sent(request.len());
+        let mut at = 0;
+        let mut subscribed = None;
+        while at < request.len() {
+            let into = s.recv_buf().expect("the target takes the request");
+            let n =
+                give(into, request.len() - at, &mut Pipe { bytes: request[at..].iter().copied().collect(), moved: 0 });
+            at += n;
+            let event = s.received(n, side.view()).expect("a well-formed watch");
+            subscribed = subscribed.or(crate::transport::server::perform(&mut s, &side, event));
+        }
+        let Some(Subscribe { epoch, request: id, since, .. }) = subscribed else { panic!("no subscription asked") };
+        assert_eq!((epoch, since), (EPOCH, 3));
+        let mut reply = Pipe { bytes: VecDeque::new(), moved: 0 };
+        if full {
+            s.refuse_request(id, RemoteStatus::ResourceExhausted, "watchers are full");
+            while let Some(out) = s.send_buf() {
+                let n = take(out, usize::MAX, &mut reply);
+                s.sent(n);
+            }
+        } else {
+            let mut body = Vec::new();
+            wire::encode_changed(&mut body, EPOCH, since, &changes(since).to_bytes());
+            reply.bytes.extend(wire::encode_header(&wire::header(Kind::Changed, body.len(), 0, id)));
+            reply.bytes.extend(body);
+        }
+        let mut done = None;
+        while done.is_none() {
+            let into = m.want();
+            let n = into.len().min(reply.bytes.len());
+            for (b, x) in into.iter_mut().zip(reply.bytes.drain(..n)) {
+                *b = x;
+            }
+            done = m.received(n).expect("a well-formed answer");
+        }
+        match (full, done) {
+            (false, Some(Opened::Watching(base, delta))) => assert_eq!((base, delta), (3, changes(3))),
+            (true, Some(Opened::WatchersFull)) => {}
+            (_, other) => panic!("full {full}: {other:?}"),
+        }
+    }
 }
