@@ -26,26 +26,28 @@ impl RouteImpl for Shm {
     fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {
         let Reach::Peer(p) = target else { return Err(Unreachable::NotPeer) };
         p.same_host.map_err(|why| Unreachable::NotSameHost(why.clone()))?;
-        remote.iter().try_for_each(|d| {
-            let r = p.segment.get(d.registration.to_raw()).ok_or(Unreachable::UnknownRegistration)?;
+        // Each registration named is checked once (descriptors of one
+        // registration usually follow one another); the shared allocations
+        // they lie in are kept for a device copy to pin them.
+        let mut pins: Vec<&Arc<ShmMapping>> = Vec::new();
+        let mut last = None;
+        for d in remote {
+            let raw = d.registration.to_raw();
+            if last == Some(raw) {
+                continue;
+            }
+            last = Some(raw);
+            let r = p.segment.get(raw).ok_or(Unreachable::UnknownRegistration)?;
             let (name, offset) = r.shm.as_ref().ok_or(Unreachable::NotShared)?;
             let map = p.maps.get(name).ok_or(Unreachable::NotMapped)?.as_ref().map_err(|_| Unreachable::MapFailed)?;
-            match offset.checked_add(r.len) {
-                Some(end) if end <= map.len as u64 => Ok(()),
-                _ => Err(Unreachable::OutsideShared),
+            if offset.checked_add(r.len).is_none_or(|end| end > map.len as u64) {
+                return Err(Unreachable::OutsideShared);
             }
-        })?;
-        // The shared allocations the target ranges lie in (a device copy
-        // into them pins them for the driver).
-        let shared_pins = {
-            let mut names: Vec<&str> = remote
-                .iter()
-                .filter_map(|d| p.segment.get(d.registration.to_raw())?.shm.as_ref().map(|(n, _)| n.as_str()))
-                .collect();
-            names.sort_unstable();
-            names.dedup();
-            names.iter().filter_map(|n| p.maps.get(*n)?.as_ref().ok().map(|m| m.pin.clone())).collect()
-        };
+            pins.push(map);
+        }
+        pins.sort_unstable_by_key(|m| Arc::as_ptr(m));
+        pins.dedup_by(|a, b| Arc::ptr_eq(a, b));
+        let shared_pins = pins.iter().map(|m| m.pin.clone()).collect();
         Ok(Mover::Copy(CopyKind::Mapped { peer_alive: p.alive.map(|l| l.handle()), shared_pins }))
     }
 
