@@ -25,8 +25,7 @@ impl RouteImpl for Cma {
     }
 
     fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {
-        let Reach::Peer(p) = target else { return Err(Unreachable::NotPeer) };
-        let h = p.same_host.map_err(|why| Unreachable::NotSameHost(why.clone()))?;
+        let (p, h) = target.same_host_peer()?;
         h.cma.clone().map_err(Unreachable::CmaDenied)?;
         // A device address of the peer is no memory the kernel can copy.
         if let Some(device) = remote.iter().find_map(|d| p.segment.get(d.registration.to_raw()).and_then(|r| r.device))

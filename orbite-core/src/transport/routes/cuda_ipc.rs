@@ -51,8 +51,7 @@ impl RouteImpl for CudaIpc {
     }
 
     fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {
-        let Reach::Peer(p) = target else { return Err(Unreachable::NotPeer) };
-        let h = p.same_host.map_err(|why| Unreachable::NotSameHost(why.clone()))?;
+        let (p, h) = target.same_host_peer()?;
         h.ipc.as_ref().map_err(|why| Unreachable::IpcUnavailable(why.clone()))?;
         let mut last = None;
         for d in remote {

@@ -133,6 +133,17 @@ pub(crate) enum Reach<'a> {
     File(&'a std::sync::Arc<crate::file::Entry>, &'a std::sync::Arc<crate::file::BouncePool>),
 }
 
+impl<'a> Reach<'a> {
+    /// The peer a same-host route reaches, and what this engine learnt of
+    /// it at open; or why it is not one (not a peer, or not proven to run
+    /// on this host).
+    pub(crate) fn same_host_peer(&self) -> Result<(&PeerReach<'a>, &'a SameHost), Unreachable> {
+        let Reach::Peer(p) = self else { return Err(Unreachable::NotPeer) };
+        let h = p.same_host.map_err(|why| Unreachable::NotSameHost(why.clone()))?;
+        Ok((p, h))
+    }
+}
+
 /// One route.
 pub(crate) trait RouteImpl: Sync {
     /// Its name.

@@ -24,8 +24,7 @@ impl RouteImpl for Shm {
     }
 
     fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {
-        let Reach::Peer(p) = target else { return Err(Unreachable::NotPeer) };
-        p.same_host.map_err(|why| Unreachable::NotSameHost(why.clone()))?;
+        let (p, _) = target.same_host_peer()?;
         // Each registration named is checked once (descriptors of one
         // registration usually follow one another); the shared allocations
         // they lie in are kept for a device copy to pin them.
