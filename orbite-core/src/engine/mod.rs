@@ -37,6 +37,7 @@ use crate::segment::{ExportedRegistration, SegmentDescriptor};
 use crate::transport::hooks::Hooks;
 use crate::transport::local::LocalRoute;
 use crate::transport::proto::client::PeerJob;
+use crate::transport::reactor::Reactor;
 use crate::transport::routes::Reach;
 use crate::transport::server::Server;
 use crate::types::{RegistrationId, Resource};
@@ -124,6 +125,9 @@ pub(crate) struct EngineInner {
     peers: Peers,
     /// Received notifications and the same-host inbox.
     notifications: notify::Notifications,
+    /// The event loop of the server, the initiators and liveness, started
+    /// with the first of them.
+    reactor: Mutex<Option<Arc<Reactor>>>,
 }
 
 /// Where an engine's tasks run: its route workers, the buffers device and
@@ -469,6 +473,9 @@ impl EngineInner {
             if let Some(i) = self.peers.initiators.lock().take() {
                 i.shutdown();
             }
+            if let Some(r) = self.reactor.lock().take() {
+                r.shutdown();
+            }
         }
         self.notifications.queue.lock().clear();
         if let Some(t) = self.admission.worker.lock().take() {
@@ -482,6 +489,17 @@ impl EngineInner {
         self.registry.deregister_all(&self.counters);
         self.life.close_finished.store(true, Ordering::Release);
         CloseReport { drained, unquiesced }
+    }
+
+    /// The engine's event loop, started on first use.
+    fn reactor(&self) -> std::io::Result<Arc<Reactor>> {
+        let mut g = self.reactor.lock();
+        if let Some(r) = g.as_ref() {
+            return Ok(r.clone());
+        }
+        let r = Reactor::start("io", self.config.spin())?;
+        *g = Some(r.clone());
+        Ok(r)
     }
 
     fn unquiesced(&self) -> Vec<UnquiescedExecution> {
@@ -717,15 +735,27 @@ impl TransferEngine {
             listener: serve::Listener { secret, ..serve::Listener::default() },
             peers: Peers { next_borrow: AtomicU64::new(1), ..Peers::default() },
             notifications: notify::Notifications::default(),
+            reactor: Mutex::new(None),
             config,
         });
         if let Some(bind) = inner.config.listen.clone() {
             let side: Weak<dyn crate::transport::proto::server::TargetSide> = Arc::downgrade(&inner) as _;
             let local = crate::transport::unix::socket_name(inner.epoch);
             let budget = inner.server_budget();
-            let server =
-                Server::start(&bind, Some(&local), side, inner.server_limits(), budget, inner.listener.secret.clone())
-                    .map_err(|e| Error::System(format!("cannot listen on {bind}: {e}")))?;
+            let server = inner
+                .reactor()
+                .and_then(|r| {
+                    Server::start(
+                        &r,
+                        &bind,
+                        Some(&local),
+                        side,
+                        inner.server_limits(),
+                        budget,
+                        inner.listener.secret.clone(),
+                    )
+                })
+                .map_err(|e| Error::System(format!("cannot listen on {bind}: {e}")))?;
             let bound = server.local_addr();
             if inner.listener.secret.is_none() {
                 eprintln!(

@@ -94,7 +94,7 @@ impl EngineInner {
         let segment = SegmentView::bounded(&link.descriptor, bound)
             .map_err(|e| PeerError::Protocol(format!("the peer's description: {e}")))?;
         let view = PeerView { segment, maps, imports: HashMap::new() };
-        let liveness = same_host.as_ref().ok().map(|h| crate::transport::liveness::PeerLiveness::watch(h.pid));
+        let liveness = same_host.as_ref().ok().map(|h| drivers.watch_process(h.pid));
         let peer = Arc::new(Peer::new(link, endpoint, view, same_host, liveness, inbox));
         // What changed between the Describe and the subscription, then
         // every change the peer pushes from now on, as it happens.
@@ -124,13 +124,13 @@ impl EngineInner {
         Ok(RemoteSegment { peer })
     }
 
-    /// The initiator threads, started with the first opened peer.
+    /// The initiator connections, with the first opened peer.
     fn initiators(&self) -> std::io::Result<Arc<Initiators<RouteTask>>> {
         let mut g = self.peers.initiators.lock();
         if let Some(i) = g.as_ref() {
             return Ok(i.clone());
         }
-        let i = Initiators::start(self.config.spin())?;
+        let i = Initiators::new(self.reactor()?);
         *g = Some(i.clone());
         Ok(i)
     }

@@ -1,31 +1,25 @@
 //! The initiator side of the tcp route: a link per opened peer epoch (a few
-//! data connections and a watch connection), and the fixed set of threads
-//! that drive every link's connections ([`Initiators`]).
+//! data connections and a watch connection), each connection a source of
+//! the engine's reactor ([`Initiators`]).
 //!
-//! Each driver thread owns the connections it was given and waits on one
-//! epoll set (edge-triggered) for all of them: a connection's
-//! [`ClientConn`] machine says what to send and where replies land, the
-//! driver moves the bytes with non-blocking `writev`/`readv` straight
-//! between the socket and registered memory, delivers completions, and
-//! enforces the peer's bounds as deadlines (no byte for the stall time, or
-//! slower than the minimum rate: the peer is lost). The thread count does
-//! not grow with peers: an engine with 256 connected peers has the threads
-//! it has with one.
+//! A connection's [`ClientConn`] machine says what to send and where
+//! replies land; its turn moves the bytes with non-blocking
+//! `writev`/`readv` straight between the socket and registered memory,
+//! delivers completions, and the machine's clock gives the reactor its
+//! deadlines (no byte for the stall time, or slower than the minimum rate:
+//! the peer is lost; idle: a keepalive).
 //!
 //! Jobs wait in their link's queue; a connection with room takes the next
 //! one when it finishes something, and a connection that found the queue
-//! empty is "hungry": the next submit kicks it (a command to its driver,
-//! with an eventfd write only if that driver sleeps). An idle driver polls
-//! its commands for `spin_us` before it sleeps, as the workers do.
+//! empty is "hungry": the next submit kicks it (a command to its loop,
+//! with an eventfd write only if that loop sleeps).
 
-use std::cell::Cell;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::io;
 use std::net::{TcpStream, ToSocketAddrs};
-use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
@@ -33,14 +27,14 @@ use parking_lot::{Condvar, Mutex};
 use crate::segment::{Delta, SegmentDescriptor};
 use crate::transport::CopyJob;
 use crate::transport::auth::{Dialed, Initiator, Secret};
+use crate::transport::liveness::PeerLiveness;
 pub(crate) use crate::transport::peer_errors::OpenError;
 use crate::transport::peer_errors::{LocalError, ShareError};
 use crate::transport::proto::FrameIn;
 use crate::transport::proto::client::{Bounds, ClientConn, PeerJob, unsent};
 use crate::transport::proto::open::{Exchange, Opened, Opening, changes_of};
-use crate::transport::reactor::{Events, Interest, Poller, Waker};
+use crate::transport::reactor::{After, Group, Reactor, Ready, Source, Token, on_loop};
 use crate::transport::sock::{Patience, Stream, iov, read_exact_within, tune, writev_within};
-use crate::transport::spin::poll;
 use crate::transport::unix::Credentials;
 use crate::wire::{self, Kind, Limits, Message};
 
@@ -214,12 +208,8 @@ pub(crate) type ChangeSink = Box<dyn Fn(u64, Delta) -> bool + Send + Sync>;
 /// `PeerLink::announced` once the watch connection is gone.
 pub(crate) const ANNOUNCE_UNKNOWN: u64 = u64::MAX;
 
-/// A connection: which driver owns it, and its id there.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct ConnRef {
-    driver: usize,
-    id: u64,
-}
+/// A connection: its place in the reactor.
+type ConnRef = Token;
 
 struct LinkQueue<J> {
     jobs: VecDeque<PeerJob<J>>,
@@ -263,7 +253,7 @@ pub(crate) struct PeerLink<J> {
     /// connection; `u64::MAX` once that connection is gone (nothing is
     /// announced any more, so every lookup must ask).
     announced: AtomicU64,
-    /// The watch connection, until its driver takes it.
+    /// The watch connection, until the reactor takes it.
     watch: Mutex<Option<Stream>>,
     /// This engine's epoch and secret (for later local connections).
     my_epoch: u64,
@@ -274,7 +264,7 @@ pub(crate) struct PeerLink<J> {
     /// The subscription's first answer, until the engine applies it.
     first: Mutex<Option<(u64, Delta)>>,
     drivers: Arc<Initiators<J>>,
-    /// The link's connections still held by a driver.
+    /// The link's connections still on the reactor.
     conns: Mutex<Vec<ConnRef>>,
     gone: Condvar,
 }
@@ -311,7 +301,7 @@ impl<J: CopyJob> PeerLink<J> {
                 TcpStream::connect_timeout(&addr, left).map_err(|e| OpenError::Connect(format!("{endpoint}: {e}")))?;
             tune(&s, opts.window);
             // The exchange at open blocks, waking every tick to check its
-            // bounds; the drivers make the sockets non-blocking after.
+            // bounds; they are made non-blocking after.
             s.set_read_timeout(Some(tick)).map_err(|e| OpenError::Connect(e.to_string()))?;
             s.set_write_timeout(Some(tick)).map_err(|e| OpenError::Connect(e.to_string()))?;
             if let Some(secret) = secret {
@@ -536,7 +526,7 @@ impl<J: CopyJob> PeerLink<J> {
         self.first.lock().take()
     }
 
-    /// Hands the watch connection to a driver: the peer's pushed changes
+    /// Hands the watch connection to the reactor: the peer's pushed changes
     /// go to `sink` from now on. Called once, after the first changes
     /// were applied.
     pub fn start_watch(self: &Arc<Self>, since: u64, sink: ChangeSink) -> io::Result<()> {
@@ -677,12 +667,12 @@ impl<J: CopyJob> PeerLink<J> {
     }
 
     /// Closes the connections once the queue is empty, and waits for them
-    /// (except on a driver thread: the last owner of a link may be one of
+    /// (except on a reactor thread: the last owner of a link may be one of
     /// its own jobs' completions, and the connections end on their own).
     pub fn close(&self) {
         self.queue.lock().closing = true;
         self.kick_all();
-        if ON_DRIVER.with(Cell::get) {
+        if on_loop() {
             return;
         }
         let mut conns = self.conns.lock();
@@ -702,24 +692,11 @@ impl<J: CopyJob> PeerLink<J> {
     }
 }
 
-// --- the drivers ------------------------------------------------------------
+// --- the connections on the reactor ------------------------------------------
 
-thread_local! {
-    /// Set on driver threads.
-    static ON_DRIVER: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Bytes one connection may move per turn before the others of its driver
+/// Bytes one connection may move per turn before the others of its loop
 /// get theirs.
 const TURN_BYTES: usize = 8 << 20;
-
-/// epoll data of a driver's wake-up eventfd (connections count from 1).
-const WAKE: u64 = 0;
-
-/// Driver threads: one per core, at most 4.
-fn driver_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4)
-}
 
 /// What a connection carries.
 enum Role<J> {
@@ -737,7 +714,7 @@ struct Watch {
     since: u64,
 }
 
-// SAFETY: the iovecs point into the frame's own buffers; only the driver
+// SAFETY: the iovecs point into the frame's own buffers; only the loop
 // thread that holds the connection uses them.
 unsafe impl Send for Watch {}
 
@@ -755,307 +732,104 @@ struct Conn<J> {
     readable: bool,
 }
 
-/// What a connection needs after a turn.
-enum After {
-    /// Nothing until an event or a kick.
-    Wait,
-    /// Its turn ended with more to do.
-    Again,
-    /// It is done: remove it.
-    Close,
-}
-
-enum Command<J> {
-    Add(Box<Conn<J>>),
-    Kick(u64),
-    Stop,
-}
-
-/// One driver: its epoll set, its wake-up, and the commands other threads
-/// send it.
-struct Driver<J> {
-    poller: Poller,
-    wake: Waker,
-    commands: Mutex<Vec<Command<J>>>,
-    /// Commands waiting (read without the lock while polling).
-    waiting: AtomicUsize,
-    /// Set while the thread blocks in epoll_wait (then a command writes
-    /// the eventfd).
-    sleeping: AtomicBool,
-    spin: Duration,
-}
-
-/// The engine's initiator threads: every link's connections, over a fixed
-/// set of drivers.
+/// The engine's initiator connections: every link's, as sources of the
+/// engine's reactor.
 pub(crate) struct Initiators<J> {
-    drivers: Vec<Arc<Driver<J>>>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
-    next_driver: AtomicUsize,
-    next_conn: AtomicU64,
+    reactor: Arc<Reactor>,
+    group: Group,
+    _jobs: std::marker::PhantomData<fn(J)>,
 }
 
 impl<J: CopyJob> Initiators<J> {
-    /// Starts the driver threads; idle ones poll for `spin` before sleeping.
-    pub fn start(spin: Duration) -> io::Result<Arc<Self>> {
-        let mut drivers = Vec::new();
-        for _ in 0..driver_threads() {
-            let poller = Poller::new()?;
-            let wake = Waker::new()?;
-            poller.add(&wake, WAKE, Interest::IN | Interest::ET)?;
-            drivers.push(Arc::new(Driver {
-                poller,
-                wake,
-                commands: Mutex::new(Vec::new()),
-                waiting: AtomicUsize::new(0),
-                sleeping: AtomicBool::new(false),
-                spin,
-            }));
-        }
-        let me = Arc::new(Initiators {
-            drivers,
-            threads: Mutex::new(Vec::new()),
-            next_driver: AtomicUsize::new(0),
-            next_conn: AtomicU64::new(1),
-        });
-        for (i, d) in me.drivers.iter().enumerate() {
-            let d = d.clone();
-            match std::thread::Builder::new().name(format!("orbite-link-{i}")).spawn(move || d.run()) {
-                Ok(h) => me.threads.lock().push(h),
-                Err(e) => {
-                    me.shutdown();
-                    return Err(e);
-                }
-            }
-        }
-        Ok(me)
+    /// The initiators of the engine whose reactor is `reactor`.
+    pub fn new(reactor: Arc<Reactor>) -> Arc<Self> {
+        Arc::new(Initiators { reactor, group: Group::default(), _jobs: std::marker::PhantomData })
     }
 
-    /// Gives `stream` (non-blocking) to the next driver, as a connection
-    /// of `link`.
+    /// Watches same-host peer process `pid` on the same reactor.
+    pub fn watch_process(&self, pid: i32) -> PeerLiveness {
+        PeerLiveness::watch(&self.reactor, &self.group, pid)
+    }
+
+    /// Gives `stream` (non-blocking) to the reactor, as a connection of
+    /// `link`.
     fn add(&self, link: &Arc<PeerLink<J>>, stream: Stream, role: Role<J>) -> ConnRef {
-        let driver = self.next_driver.fetch_add(1, Ordering::Relaxed) % self.drivers.len();
-        let me = ConnRef { driver, id: self.next_conn.fetch_add(1, Ordering::Relaxed) };
-        link.conns.lock().push(me);
-        let conn = Conn { link: link.clone(), stream, role, me, open: true, readable: true };
-        self.drivers[driver].send(Command::Add(Box::new(conn)));
-        me
+        self.reactor.add(&self.group, |me| {
+            link.conns.lock().push(me);
+            Box::new(Conn { link: link.clone(), stream, role, me, open: true, readable: true })
+        })
     }
 
     fn kick(&self, c: ConnRef) {
-        self.drivers[c.driver].send(Command::Kick(c.id));
+        self.reactor.kick(c);
     }
 
-    /// Stops the drivers: what a connection still has outstanding fails as
-    /// with a lost peer. Joins them (unless called on one).
+    /// Stops every connection: what one still has outstanding fails as
+    /// with a lost peer. Waits for them (unless called on the reactor).
     pub fn shutdown(&self) {
-        for d in &self.drivers {
-            d.send(Command::Stop);
-        }
-        if ON_DRIVER.with(Cell::get) {
-            return;
-        }
-        for t in std::mem::take(&mut *self.threads.lock()) {
-            let _ = t.join();
-        }
+        self.group.stop(&self.reactor, "connection lost: the engine closed");
     }
 }
 
-impl<J> Drop for Initiators<J> {
-    fn drop(&mut self) {
-        for d in &self.drivers {
-            d.commands.lock().push(Command::Stop);
-            d.waiting.fetch_add(1, Ordering::SeqCst);
-            d.ring();
-        }
+impl<J: CopyJob> Source for Conn<J> {
+    fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.stream.as_fd()
     }
-}
 
-impl<J> Driver<J> {
-    fn send(&self, c: Command<J>) {
-        self.commands.lock().push(c);
-        self.waiting.fetch_add(1, Ordering::SeqCst);
-        if self.sleeping.load(Ordering::SeqCst) {
-            self.ring();
+    fn ready(&mut self, ready: Ready) {
+        if ready.readable() {
+            self.readable = true;
         }
     }
 
-    fn ring(&self) {
-        self.wake.wake();
+    fn turn(&mut self) -> After {
+        self.work()
     }
-}
 
-impl<J: CopyJob> Driver<J> {
-    fn run(&self) {
-        ON_DRIVER.with(|d| d.set(true));
-        let mut conns: HashMap<u64, Box<Conn<J>>> = HashMap::new();
-        let mut ready: Vec<u64> = Vec::new();
-        let mut events = Events::with_capacity(64);
-        let mut next_deadline: Option<Instant> = None;
-        // Connections with a request outstanding: while there are any, the
-        // thread blocks in epoll_wait for their replies (the kernel wakes
-        // it); only a driver with none polls for new work.
-        let mut outstanding = 0usize;
-        loop {
-            // Commands first: new connections, kicks, the stop.
-            if self.waiting.load(Ordering::SeqCst) > 0 {
-                let cmds = std::mem::take(&mut *self.commands.lock());
-                self.waiting.fetch_sub(cmds.len(), Ordering::SeqCst);
-                for c in cmds {
-                    match c {
-                        Command::Add(mut conn) => {
-                            let id = conn.me.id;
-                            let interest = Interest::IN | Interest::OUT | Interest::RDHUP | Interest::ET;
-                            if self.poller.add(&conn.stream, id, interest).is_err() {
-                                conn.lose("connection lost: cannot watch the socket");
-                            }
-                            conns.insert(id, conn);
-                            ready.push(id);
-                        }
-                        Command::Kick(id) => ready.push(id),
-                        Command::Stop => return self.stop(conns),
-                    }
-                }
-            }
-            let worked = !ready.is_empty();
-            let mut again = Vec::new();
-            ready.sort_unstable();
-            ready.dedup();
-            for id in ready.drain(..) {
-                let Some(conn) = conns.get_mut(&id) else { continue };
-                let before = conn.outstanding();
-                let after = conn.turn();
-                outstanding -= before as usize;
-                match after {
-                    After::Wait => {}
-                    After::Again => again.push(id),
-                    After::Close => {
-                        if let Some(conn) = conns.remove(&id) {
-                            self.close(*conn);
-                        }
-                        continue;
-                    }
-                }
-                outstanding += conn.outstanding() as usize;
-                if let Some(d) = conn.deadline().or(conn.keepalive_at()) {
-                    next_deadline = Some(next_deadline.map_or(d, |n| n.min(d)));
-                }
-            }
-            ready = again;
-            let now = Instant::now();
-            // Deadlines: a connection whose peer went silent, or is too slow.
-            if next_deadline.is_some_and(|d| now >= d) {
-                next_deadline = None;
-                for (id, conn) in conns.iter_mut() {
-                    if let Some(why) = conn.expired(now) {
-                        conn.lose(&why);
-                        ready.push(*id);
-                    } else if conn.keep_alive(now) {
-                        ready.push(*id);
-                    }
-                    if let Some(d) = conn.deadline().or(conn.keepalive_at()) {
-                        next_deadline = Some(next_deadline.map_or(d, |n| n.min(d)));
-                    }
-                }
-                outstanding = conns.values().filter(|c| c.outstanding()).count();
-            }
-            // Idle after work: poll for the next job a while before sleeping.
-            if ready.is_empty() && worked && outstanding == 0 && !self.spin.is_zero() && poll(&self.waiting, self.spin)
-            {
-                continue;
-            }
-            let timeout = if !ready.is_empty() {
-                Some(Duration::ZERO)
-            } else {
-                self.sleeping.store(true, Ordering::SeqCst);
-                if self.waiting.load(Ordering::SeqCst) > 0 {
-                    self.sleeping.store(false, Ordering::SeqCst);
-                    continue;
-                }
-                // Rounded up to the next millisecond: never woken early.
-                next_deadline.map(|d| d.saturating_duration_since(now))
-            };
-            let waited = self.poller.wait(&mut events, timeout);
-            self.sleeping.store(false, Ordering::SeqCst);
-            if waited.is_err() {
-                continue;
-            }
-            for ev in events.iter() {
-                match ev.token {
-                    WAKE => self.wake.drain(),
-                    id => {
-                        if ev.readable() {
-                            if let Some(conn) = conns.get_mut(&id) {
-                                conn.readable = true;
-                            }
-                        }
-                        ready.push(id)
-                    }
-                }
-            }
+    fn outstanding(&self) -> bool {
+        matches!(&self.role, Role::Data(m) if self.open && m.in_flight() > 0)
+    }
+
+    /// When this connection's peer is lost if nothing moves, or else when
+    /// this idle data connection sends its next keepalive.
+    fn deadline(&self) -> Option<Instant> {
+        match &self.role {
+            Role::Data(m) if self.open => m.deadline().or(m.keepalive_at()),
+            _ => None,
         }
     }
 
-    fn close(&self, conn: Conn<J>) {
-        let _ = self.poller.delete(&conn.stream);
-        conn.stream.shutdown();
-        conn.link.forget(conn.me);
-        if let Role::Watch(_) = conn.role {
+    /// A peer gone silent or too slow is lost; an idle connection sends
+    /// its keepalive.
+    fn expire(&mut self, now: Instant) -> After {
+        let Role::Data(m) = &mut self.role else { return After::Wait };
+        if !self.open {
+            return After::Wait;
+        }
+        if let Some(why) = m.expired(now) {
+            self.lose(&why.to_string());
+            return After::Again;
+        }
+        if m.keep_alive(now) { After::Again } else { After::Wait }
+    }
+
+    /// The engine stops: the connection ends as with a lost peer.
+    fn stop(&mut self, why: &str) {
+        self.lose(why);
+        self.fail_queued();
+    }
+
+    fn close(&mut self) {
+        self.stream.shutdown();
+        self.link.forget(self.me);
+        if let Role::Watch(_) = self.role {
             // Nothing more will be announced: lookups must ask the peer.
-            conn.link.announced.store(ANNOUNCE_UNKNOWN, Ordering::Release);
-        }
-    }
-
-    /// The engine stops: every connection ends as with a lost peer.
-    fn stop(&self, conns: HashMap<u64, Box<Conn<J>>>) {
-        for (_, mut conn) in conns {
-            conn.lose("connection lost: the engine closed");
-            conn.fail_queued();
-            self.close(*conn);
+            self.link.announced.store(ANNOUNCE_UNKNOWN, Ordering::Release);
         }
     }
 }
 
 impl<J: CopyJob> Conn<J> {
-    /// True while a request of this connection is outstanding.
-    fn outstanding(&self) -> bool {
-        matches!(&self.role, Role::Data(m) if self.open && m.in_flight() > 0)
-    }
-
-    /// When this connection's peer is lost if nothing moves (`None`:
-    /// nothing is awaited).
-    fn deadline(&self) -> Option<Instant> {
-        match &self.role {
-            Role::Data(m) if self.open => m.deadline(),
-            _ => None,
-        }
-    }
-
-    /// When this idle data connection sends its next keepalive (`None`:
-    /// it is not idle, or sends none).
-    fn keepalive_at(&self) -> Option<Instant> {
-        match &self.role {
-            Role::Data(m) if self.open => m.keepalive_at(),
-            _ => None,
-        }
-    }
-
-    /// Puts a keepalive on the wire if one is due at `now`: true if it did
-    /// (the connection then has something to send).
-    fn keep_alive(&mut self, now: Instant) -> bool {
-        match &mut self.role {
-            Role::Data(m) if self.open => m.keep_alive(now),
-            _ => false,
-        }
-    }
-
-    /// Why the peer is lost at `now`, if a bound passed.
-    fn expired(&self, now: Instant) -> Option<String> {
-        match &self.role {
-            Role::Data(m) if self.open => m.expired(now).map(|t| t.to_string()),
-            _ => None,
-        }
-    }
-
     /// The connection failed (`why`): the peer is lost, what this
     /// connection has outstanding ends, and its socket shuts down.
     fn lose(&mut self, why: &str) {
@@ -1081,7 +855,7 @@ impl<J: CopyJob> Conn<J> {
 
     /// One turn: moves bytes until the socket would block, the turn is
     /// used up, or there is nothing to do.
-    fn turn(&mut self) -> After {
+    fn work(&mut self) -> After {
         if !self.open || self.link.is_lost() {
             if self.open {
                 let why = self.link.lost().unwrap_or_default();
@@ -1134,7 +908,7 @@ impl<J: CopyJob> Conn<J> {
                         Failed::Block => {}
                         Failed::Lost(why) => {
                             self.lose(&why);
-                            return self.turn();
+                            return self.work();
                         }
                     }
                 }
@@ -1157,21 +931,21 @@ impl<J: CopyJob> Conn<J> {
                             d.deliver();
                         }
                         self.lose(&why);
-                        return self.turn();
+                        return self.work();
                     }
                     if let Some(d) = done {
                         d.deliver();
                     }
                 } else if r == 0 {
                     self.lose("connection lost: peer closed the connection");
-                    return self.turn();
+                    return self.work();
                 } else {
                     match failure() {
                         Failed::Retry => progressed = true,
                         Failed::Block => self.readable = false,
                         Failed::Lost(why) => {
                             self.lose(&why);
-                            return self.turn();
+                            return self.work();
                         }
                     }
                 }

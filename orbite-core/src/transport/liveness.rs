@@ -2,15 +2,11 @@
 //! one-sided task (shm, cma), since bytes copied into a dead peer's memory
 //! never reached it.
 
-use std::collections::HashMap;
-use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
 
-use parking_lot::Mutex;
-
-use crate::transport::reactor::{Events, Interest, Poller, pidfd};
-
+use crate::transport::reactor::{After, Group, Interest, Reactor, Ready, Source, Token, pidfd};
 use crate::types::{Op, TaskEnd};
 
 /// True while process `pid` exists (signal 0 checks without sending).
@@ -21,69 +17,55 @@ pub(crate) fn alive(pid: i32) -> bool {
 }
 
 /// Whether a same-host peer process still runs, readable with one atomic
-/// load. One watcher thread per process waits on the pidfds of every
-/// watched peer (epoll) and clears a peer's flag when its process exits;
-/// where pidfds are unavailable, each check asks the kernel
-/// (`kill(pid, 0)`).
+/// load: the peer's pidfd is a source of the engine's reactor, which
+/// clears the flag when the process exits; where pidfds are unavailable,
+/// each check asks the kernel (`kill(pid, 0)`).
 pub(crate) struct PeerLiveness {
     pid: i32,
     alive: Arc<AtomicBool>,
-    /// The watch's id and pidfd, while watched.
-    watch: Option<(u64, OwnedFd)>,
+    /// The pidfd's place in the reactor, while watched.
+    watch: Option<(Weak<Reactor>, Token)>,
 }
 
-/// The process's pidfd watcher: one epoll set, one thread.
-struct Watcher {
-    poller: Poller,
-    flags: Mutex<HashMap<u64, Arc<AtomicBool>>>,
-    next: AtomicU64,
+/// A peer process's pidfd on the reactor: readable once it exits.
+struct Exit {
+    pidfd: OwnedFd,
+    alive: Arc<AtomicBool>,
+    exited: bool,
 }
 
-fn watcher() -> Option<&'static Watcher> {
-    static WATCHER: OnceLock<Option<Watcher>> = OnceLock::new();
-    WATCHER
-        .get_or_init(|| {
-            let poller = Poller::new().ok()?;
-            std::thread::Builder::new().name("orbite-peer-watch".into()).spawn(watch_loop).ok()?;
-            Some(Watcher { poller, flags: Mutex::new(HashMap::new()), next: AtomicU64::new(1) })
-        })
-        .as_ref()
-}
+impl Source for Exit {
+    fn fd(&self) -> BorrowedFd<'_> {
+        self.pidfd.as_fd()
+    }
 
-fn watch_loop() {
-    // The watcher is set once this thread runs (it waits for the static).
-    let Some(w) = watcher() else { return };
-    let mut ready = Events::with_capacity(32);
-    loop {
-        if w.poller.wait(&mut ready, None).is_err() {
-            continue;
+    fn interest(&self) -> Interest {
+        Interest::IN
+    }
+
+    fn ready(&mut self, ready: Ready) {
+        self.exited |= ready.readable();
+    }
+
+    fn turn(&mut self) -> After {
+        if !self.exited {
+            return After::Wait;
         }
-        let flags = w.flags.lock();
-        for r in ready.iter() {
-            // One shot: the pidfd stays readable after the exit.
-            if let Some(flag) = flags.get(&r.token) {
-                flag.store(false, Ordering::Release);
-            }
-        }
+        self.alive.store(false, Ordering::Release);
+        After::Close
     }
 }
 
 impl PeerLiveness {
-    pub fn watch(pid: i32) -> PeerLiveness {
+    /// Watches process `pid` on `reactor`, in `group`.
+    pub fn watch(reactor: &Arc<Reactor>, group: &Group, pid: i32) -> PeerLiveness {
         let alive = Arc::new(AtomicBool::new(true));
-        PeerLiveness { pid, watch: Self::register(pid, &alive), alive }
-    }
-
-    fn register(pid: i32, alive: &Arc<AtomicBool>) -> Option<(u64, OwnedFd)> {
-        let w = watcher()?;
-        let pidfd = pidfd(pid).ok()?;
-        let id = w.next.fetch_add(1, Ordering::Relaxed);
-        w.flags.lock().insert(id, alive.clone());
-        if w.poller.add(&pidfd, id, Interest::IN | Interest::ONESHOT).is_err() {
-            w.flags.lock().remove(&id);
-            return None;
-        }
-        Some((id, pidfd))
+        let watch = pidfd(pid).ok().map(|pidfd| {
+            let flag = alive.clone();
+            let t = reactor.add(group, move |_| Box::new(Exit { pidfd, alive: flag, exited: false }));
+            (Arc::downgrade(reactor), t)
+        });
+        PeerLiveness { pid, watch, alive }
     }
 
     /// A cheap handle for route tasks.
@@ -94,10 +76,10 @@ impl PeerLiveness {
 
 impl Drop for PeerLiveness {
     fn drop(&mut self) {
-        if let (Some((id, pidfd)), Some(w)) = (self.watch.take(), watcher()) {
-            let _ = w.poller.delete(&pidfd);
-            w.flags.lock().remove(&id);
-            drop(pidfd);
+        if let Some((reactor, t)) = self.watch.take() {
+            if let Some(r) = reactor.upgrade() {
+                r.remove(t, "the peer is closed");
+            }
         }
     }
 }

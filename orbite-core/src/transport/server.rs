@@ -13,13 +13,12 @@
 //! connections. A refusal is a typed error frame and the connection stays
 //! usable; a malformed frame closes that connection only.
 
+use std::collections::{HashMap, VecDeque};
 use std::io;
-use std::net::{SocketAddr, TcpListener};
-use std::os::fd::AsRawFd;
+use std::net::{IpAddr, SocketAddr, TcpListener};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::net::UnixListener;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -29,23 +28,18 @@ use crate::transport::auth::Secret;
 use crate::transport::proto::server::{
     Close, ConnEnd, Deadlines, Event, Expired, ServerBudget, ServerConn, Subscribe, TargetSide,
 };
-use crate::transport::reactor::{Events, Interest, Poller, Timer, Waker};
+use crate::transport::reactor::{After, Group, Interest, Reactor, Source};
 use crate::transport::sock::{Stream, tune};
-
-/// A one-shot read interest: the thread that takes the event re-arms it.
-const ONESHOT_IN: Interest = Interest::IN.union(Interest::ONESHOT);
-use crate::transport::watchers::WatcherLimits;
-use crate::transport::watchers::Watchers;
+use crate::transport::watchers::{WatcherLimits, Watchers};
 use crate::wire;
 
-/// The listening side: every accepted connection's [`ServerConn`], driven
-/// by a fixed set of threads over one epoll set, so the thread count does
-/// not grow with connections.
+/// The listening side: its listeners, every accepted connection's
+/// [`ServerConn`] and the watch pushes, as sources of the engine's reactor.
 pub(crate) struct Server {
     addr: SocketAddr,
     local: Option<String>,
-    shared: Arc<ServerShared>,
-    threads: Mutex<Vec<JoinHandle<()>>>,
+    reactor: Arc<Reactor>,
+    group: Group,
     watchers: Arc<Watchers>,
 }
 
@@ -97,88 +91,51 @@ impl ServerLimits {
         Deadlines { frame_timeout: self.frame_timeout, idle_timeout: self.idle_timeout, min_rate: self.min_rate }
     }
 
-    /// How often the deadlines are checked.
-    fn sweep_interval(&self) -> Duration {
+    /// How often watchers that fell behind are tried again.
+    fn resync_interval(&self) -> Duration {
         let shortest = self.idle_timeout.map_or(self.frame_timeout, |i| i.min(self.frame_timeout));
         (shortest / 10).clamp(Duration::from_millis(5), Duration::from_millis(250))
     }
 }
 
-/// How long the listener rests after accept ran out of descriptors (or
+/// How long a listener rests after accept ran out of descriptors (or
 /// memory), instead of spinning on the connection it cannot take.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 
+/// Bytes one connection may move per turn before others get theirs.
+const TURN_BYTES: usize = 8 << 20;
+
+/// An accepted connection's socket and peer address (`None`: the local
+/// socket).
+type Accepted = (Arc<Stream>, Option<IpAddr>);
+
+/// What the server's sources share.
 struct ServerShared {
     /// Bytes one connection may move per turn.
     turn: usize,
     limits: ServerLimits,
     /// With a secret, every connection authenticates first.
     secret: Option<Arc<Secret>>,
-    poller: Poller,
-    /// The deadline sweep's timer (armed while there is something to
-    /// check: connections, or a resting listener).
-    timer: Timer,
-    timer_armed: Mutex<bool>,
-    /// When a resting listener takes connections again.
-    accept_resume: Mutex<Option<Instant>>,
+    reactor: Weak<Reactor>,
+    group: Group,
     /// Connections per peer address.
-    addresses: Mutex<std::collections::HashMap<std::net::IpAddr, usize>>,
+    addresses: Mutex<HashMap<IpAddr, usize>>,
     /// Connections that still owe their handshake, oldest first.
-    unauthenticated: Mutex<std::collections::VecDeque<u64>>,
-    /// Woken once at shutdown; level-triggered, so every thread sees it.
-    stop: Waker,
-    listener: TcpListener,
-    /// The local socket (same-host peers prove who they reach over it).
-    local: Option<UnixListener>,
+    unauthenticated: Mutex<VecDeque<u64>>,
     side: Weak<dyn TargetSide>,
-    conns: Mutex<std::collections::HashMap<u64, Arc<ServedConn>>>,
-    next_conn: AtomicU64,
+    /// Every accepted connection: its socket and peer address.
+    conns: Mutex<HashMap<u64, Accepted>>,
     budget: ServerBudget,
     watchers: Arc<Watchers>,
 }
 
-/// One accepted connection: its socket and its machine. Armed one-shot in
-/// the epoll set, so one thread at a time serves it.
-struct ServedConn {
-    stream: Arc<Stream>,
-    /// The peer's address (`None`: the local socket, where only this
-    /// user's processes are accepted).
-    peer: Option<std::net::IpAddr>,
-    machine: Mutex<Served>,
-    /// Counted in `connections` while it lives.
-    _counted: Charge,
-}
-
-/// A connection's machine (which keeps its clock).
-struct Served {
-    m: ServerConn,
-    /// True while it is in the queue of connections that owe their
-    /// handshake (the oldest is evicted first).
-    queued: bool,
-}
-
-/// epoll data of the listener, the stop event and the deadline timer
-/// (connections count from 1).
-const LISTENER: u64 = u64::MAX;
-const STOP: u64 = u64::MAX - 1;
-const TIMER: u64 = u64::MAX - 2;
-const LOCAL: u64 = u64::MAX - 3;
-const WATCHERS: u64 = u64::MAX - 4;
-
-/// Bytes one connection may move per turn before others get theirs.
-const TURN_BYTES: usize = 8 << 20;
-
-/// Threads that serve connections: one per core, at most 4.
-fn server_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4)
-}
-
 impl Server {
-    /// Binds and starts serving. The server holds the target side weakly.
-    /// With `local`, it also serves on that local socket (an abstract
-    /// Unix socket: see `transport::unix`); a local socket that cannot be
-    /// bound is left out (`Server::local_socket` is then `None`).
+    /// Binds and starts serving on `reactor`. The server holds the target
+    /// side weakly. With `local`, it also serves on that local socket (an
+    /// abstract Unix socket: see `transport::unix`); a local socket that
+    /// cannot be bound is left out (`Server::local_socket` is then `None`).
     pub fn start(
+        reactor: &Arc<Reactor>,
         bind: &str,
         local: Option<&str>,
         side: Weak<dyn TargetSide>,
@@ -186,11 +143,13 @@ impl Server {
         budget: ServerBudget,
         secret: Option<Arc<Secret>>,
     ) -> io::Result<Server> {
-        Self::start_with(bind, local, side, TURN_BYTES, limits, budget, secret)
+        Self::start_with(reactor, bind, local, side, TURN_BYTES, limits, budget, secret)
     }
 
     /// [`Server::start`] with connections taking turns of `turn` bytes.
+    #[allow(clippy::too_many_arguments)]
     fn start_with(
+        reactor: &Arc<Reactor>,
         bind: &str,
         local: Option<&str>,
         side: Weak<dyn TargetSide>,
@@ -202,61 +161,34 @@ impl Server {
         let listener = TcpListener::bind(bind)?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
-        let poller = Poller::new()?;
-        let stop = Waker::new()?;
-        poller.add(&stop, STOP, Interest::IN)?;
-        poller.add(&listener, LISTENER, ONESHOT_IN)?;
-        let (local, local_name) = match local.and_then(|n| crate::transport::unix::bind(n).ok().map(|l| (l, n))) {
-            Some((l, n)) => {
-                poller.add(&l, LOCAL, ONESHOT_IN)?;
-                (Some(l), Some(n.to_owned()))
-            }
-            None => (None, None),
-        };
-        let timer = Timer::new()?;
-        poller.add(&timer, TIMER, ONESHOT_IN)?;
+        let local = local.and_then(|n| crate::transport::unix::bind(n).ok().map(|l| (l, n.to_owned())));
         let watchers = Arc::new(Watchers::new(limits.watchers, budget.counters.clone())?);
-        poller.add(watchers.wake_fd(), WATCHERS, ONESHOT_IN)?;
+        let group = Group::default();
         let shared = Arc::new(ServerShared {
             turn: turn.max(1),
             limits,
             secret,
-            timer,
-            timer_armed: Mutex::new(false),
-            accept_resume: Mutex::new(None),
-            addresses: Mutex::new(std::collections::HashMap::new()),
-            unauthenticated: Mutex::new(std::collections::VecDeque::new()),
-            poller,
-            stop,
-            listener,
-            local,
+            reactor: Arc::downgrade(reactor),
+            group: group.clone(),
+            addresses: Mutex::new(HashMap::new()),
+            unauthenticated: Mutex::new(VecDeque::new()),
             side,
-            conns: Mutex::new(std::collections::HashMap::new()),
-            next_conn: AtomicU64::new(1),
+            conns: Mutex::new(HashMap::new()),
             budget,
             watchers: watchers.clone(),
         });
-        let server =
-            Server { addr, local: local_name, shared: shared.clone(), threads: Mutex::new(Vec::new()), watchers };
-        for i in 0..server_threads() {
+        let listening = |socket| {
             let shared = shared.clone();
-            let spawned = std::thread::Builder::new().name(format!("orbite-serve-{i}")).spawn(move || {
-                shared.run();
-                // The streams its target staging made (ServerStage) go with
-                // it, in plain code: in a thread-local destructor the
-                // driver's per-thread state may be gone already, and they
-                // would leak.
-                crate::cuda::release_thread_streams();
-            });
-            match spawned {
-                Ok(h) => server.threads.lock().push(h),
-                Err(e) => {
-                    server.shutdown();
-                    return Err(e);
-                }
-            }
-        }
-        Ok(server)
+            move |_| Box::new(Listening { shared, socket, resume: None }) as Box<dyn Source>
+        };
+        reactor.add(&group, listening(Listener::Tcp(listener)));
+        let local_name = local.map(|(l, name)| {
+            reactor.add(&group, listening(Listener::Local(l)));
+            name
+        });
+        let pushes = Pushes { shared, last: Instant::now() };
+        reactor.add(&group, move |_| Box::new(pushes));
+        Ok(Server { addr, local: local_name, reactor: reactor.clone(), group, watchers })
     }
 
     /// Initiators watching this engine's registrations.
@@ -274,142 +206,172 @@ impl Server {
         self.local.as_deref()
     }
 
-    /// Stops serving, closes every connection and joins the threads.
+    /// Stops serving: closes the listeners and every connection, and waits
+    /// until none is served any more.
     pub fn shutdown(&self) {
-        self.shared.stop.wake();
-        let threads = std::mem::take(&mut *self.threads.lock());
-        for t in threads {
-            let _ = t.join();
+        self.group.stop(&self.reactor, "the server stopped");
+    }
+}
+
+/// A listening socket.
+enum Listener {
+    Tcp(TcpListener),
+    Local(UnixListener),
+}
+
+/// A listener as a source: accepts within the caps.
+struct Listening {
+    shared: Arc<ServerShared>,
+    socket: Listener,
+    /// When a resting listener takes connections again.
+    resume: Option<Instant>,
+}
+
+impl Source for Listening {
+    fn fd(&self) -> BorrowedFd<'_> {
+        match &self.socket {
+            Listener::Tcp(l) => l.as_fd(),
+            Listener::Local(l) => l.as_fd(),
         }
-        let conns: Vec<u64> = self.shared.conns.lock().keys().copied().collect();
-        for id in conns {
-            self.shared.close(id);
+    }
+
+    fn interest(&self) -> Interest {
+        Interest::IN | Interest::ET
+    }
+
+    /// Accepts every waiting connection; out of descriptors (or memory),
+    /// the listener rests for [`ACCEPT_BACKOFF`] instead of spinning on
+    /// what it cannot take.
+    fn turn(&mut self) -> After {
+        if self.resume.is_some() {
+            return After::Wait;
         }
+        loop {
+            let accepted = match &self.socket {
+                Listener::Tcp(l) => l.accept().map(|(s, from)| self.shared.take_tcp(s, from.ip())),
+                Listener::Local(l) => l.accept().map(|(s, _)| self.shared.take_local(s)),
+            };
+            match accepted {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return After::Wait,
+                Err(_) => {
+                    // EMFILE, ENFILE, ENOBUFS, ENOMEM: rest, then retry.
+                    self.resume = Instant::now().checked_add(ACCEPT_BACKOFF);
+                    return After::Wait;
+                }
+            }
+        }
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        self.resume
+    }
+
+    fn expire(&mut self, now: Instant) -> After {
+        if self.resume.is_some_and(|at| now >= at) {
+            self.resume = None;
+            return After::Again;
+        }
+        After::Wait
+    }
+}
+
+/// The watch pushes as a source: a push round when the registry changed,
+/// and watchers that fell behind tried again now and then.
+struct Pushes {
+    shared: Arc<ServerShared>,
+    last: Instant,
+}
+
+impl Source for Pushes {
+    fn fd(&self) -> BorrowedFd<'_> {
+        self.shared.watchers.wake_fd().as_fd()
+    }
+
+    fn interest(&self) -> Interest {
+        Interest::IN | Interest::ET
+    }
+
+    fn turn(&mut self) -> After {
+        if let Some(side) = self.shared.side.upgrade() {
+            self.shared.watchers.push_round(&|| side.registry_version(), &|since, budget| side.changes(since, budget));
+        }
+        After::Wait
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        (self.shared.watchers.count() > 0).then(|| self.last + self.shared.limits.resync_interval())
+    }
+
+    fn expire(&mut self, now: Instant) -> After {
+        if self.deadline().is_some_and(|at| now >= at) {
+            self.last = now;
+            // Watchers that were behind get what they missed, if they read now.
+            if let Some(side) = self.shared.side.upgrade() {
+                self.shared.watchers.resync(side.registry_version(), &|since, budget| side.changes(since, budget));
+            }
+        }
+        After::Wait
     }
 }
 
 impl ServerShared {
-    fn run(&self) {
-        let mut ready = Events::with_capacity(64);
-        loop {
-            if self.poller.wait(&mut ready, None).is_err() {
-                return;
-            }
-            for r in ready.iter() {
-                match r.token {
-                    STOP => return,
-                    LISTENER => self.accept(),
-                    LOCAL => self.accept_local(),
-                    TIMER => self.sweep(),
-                    WATCHERS => self.push_round(),
-                    id => self.serve(id),
-                }
-            }
+    /// A connection from `ip` accepted: served if within the caps (checked
+    /// before any buffer or machine is spent), else closed at once.
+    fn take_tcp(self: &Arc<Self>, stream: std::net::TcpStream, ip: IpAddr) {
+        if self.conns.lock().len() >= self.limits.max_connections {
+            return self.refused(&ip.to_string(), "max_connections");
         }
+        {
+            let mut a = self.addresses.lock();
+            let n = a.entry(ip).or_insert(0);
+            if *n >= self.limits.per_address {
+                drop(a);
+                return self.refused(&ip.to_string(), "max_connections_per_address");
+            }
+            *n += 1;
+        }
+        tune(&stream, self.limits.window);
+        let Ok(here) = stream.local_addr() else { return self.forget_address(ip) };
+        self.admit(stream.into(), Some(ip), ConnEnd::Tcp(here));
     }
 
-    /// A push round to the watchers, then re-arms their wake-up.
-    fn push_round(&self) {
-        if let Some(side) = self.side.upgrade() {
-            self.watchers.push_round(&|| side.registry_version(), &|since, budget| side.changes(since, budget));
+    /// [`Self::take_tcp`] for the local socket: only processes of this
+    /// user are served (the kernel says who connected); the others are
+    /// closed at once.
+    fn take_local(self: &Arc<Self>, stream: std::os::unix::net::UnixStream) {
+        let mine = crate::transport::unix::peer_credentials(stream.as_raw_fd())
+            .is_ok_and(|c| c.uid == crate::transport::unix::my_uid());
+        if !mine {
+            return;
         }
-        let _ = self.poller.modify(self.watchers.wake_fd(), WATCHERS, ONESHOT_IN);
-    }
-
-    /// Accepts every waiting connection within the caps, then re-arms the
-    /// listener; out of descriptors (or memory), the listener rests for
-    /// [`ACCEPT_BACKOFF`] instead of spinning on what it cannot take.
-    fn accept(&self) {
-        loop {
-            let (stream, from) = match self.listener.accept() {
-                Ok(x) => x,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(_) => {
-                    // EMFILE, ENFILE, ENOBUFS, ENOMEM: rest, then retry.
-                    *self.accept_resume.lock() = Instant::now().checked_add(ACCEPT_BACKOFF);
-                    self.arm_timer();
-                    return;
-                }
-            };
-            // The caps come before any buffer or machine is spent: a
-            // connection beyond them is closed at once.
-            if self.conns.lock().len() >= self.limits.max_connections {
-                self.refused(&from.ip().to_string(), "max_connections");
-                continue;
-            }
-            let peer = Some(from.ip());
-            {
-                let mut a = self.addresses.lock();
-                let n = a.entry(from.ip()).or_insert(0);
-                if *n >= self.limits.per_address {
-                    drop(a);
-                    self.refused(&from.ip().to_string(), "max_connections_per_address");
-                    continue;
-                }
-                *n += 1;
-            }
-            tune(&stream, self.limits.window);
-            let Ok(here) = stream.local_addr() else {
-                self.forget_address(from.ip());
-                continue;
-            };
-            self.admit(stream.into(), peer, ConnEnd::Tcp(here));
+        if self.conns.lock().len() >= self.limits.max_connections {
+            return self.refused("the local socket", "max_connections");
         }
-        let _ = self.poller.modify(&self.listener, LISTENER, ONESHOT_IN);
-    }
-
-    /// [`Self::accept`] for the local socket: only processes of this user
-    /// are served (the kernel says who connected); the others are closed
-    /// at once.
-    fn accept_local(&self) {
-        let Some(local) = &self.local else { return };
-        loop {
-            let stream = match local.accept() {
-                Ok((s, _)) => s,
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(_) => {
-                    *self.accept_resume.lock() = Instant::now().checked_add(ACCEPT_BACKOFF);
-                    self.arm_timer();
-                    return;
-                }
-            };
-            let mine = crate::transport::unix::peer_credentials(stream.as_raw_fd())
-                .is_ok_and(|c| c.uid == crate::transport::unix::my_uid());
-            if !mine {
-                continue;
-            }
-            if self.conns.lock().len() >= self.limits.max_connections {
-                self.refused("the local socket", "max_connections");
-                continue;
-            }
-            self.admit(stream.into(), None, ConnEnd::Local);
-        }
-        let _ = self.poller.modify(local, LOCAL, ONESHOT_IN);
+        self.admit(stream.into(), None, ConnEnd::Local);
     }
 
     /// Makes room for one more connection that owes its handshake
     /// (`max_unauthenticated_connections`, with a secret): the oldest such
-    /// connection is closed and counted. Connections that never
+    /// connection is shut down and counted. Connections that never
     /// authenticate so never take the slots authenticated peers hold, and
     /// a genuine handshake, done within a round trip, outlives a flood of
     /// them unless the cap's worth of connections arrives meanwhile.
     fn evict_an_unauthenticated(&self) {
         let oldest = {
-            let pending = self.unauthenticated.lock();
+            let mut pending = self.unauthenticated.lock();
             if pending.len() < self.limits.unauthenticated {
                 return;
             }
-            pending.front().copied()
+            pending.pop_front()
         };
         let Some(id) = oldest else { return };
-        let from = self.conns.lock().get(&id).map(|c| c.peer);
-        self.close(id);
-        if let Some(peer) = from {
-            let from = peer.map_or_else(|| "the local socket".to_owned(), |ip| ip.to_string());
-            self.refused(&from, "max_unauthenticated_connections (its oldest handshake was closed)");
-        }
+        // Its loop closes it once it sees the shutdown.
+        let Some((stream, peer)) = self.conns.lock().get(&id).cloned() else { return };
+        stream.shutdown();
+        let from = peer.map_or_else(|| "the local socket".to_owned(), |ip| ip.to_string());
+        self.refused(&from, "max_unauthenticated_connections (its oldest handshake was closed)");
     }
 
     /// A connection from `from` was closed at accept: over the cap `why`.
@@ -420,116 +382,76 @@ impl ServerShared {
     }
 
     /// Serves an accepted connection (within the caps, already counted).
-    fn admit(&self, stream: Stream, peer: Option<std::net::IpAddr>, at: ConnEnd) {
-        let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+    fn admit(self: &Arc<Self>, stream: Stream, peer: Option<IpAddr>, at: ConnEnd) {
+        let Some(reactor) = self.reactor.upgrade() else { return };
+        if stream.set_nonblocking().is_err() {
+            return peer.into_iter().for_each(|ip| self.forget_address(ip));
+        }
         let m = ServerConn::new(self.budget.clone(), self.secret.clone(), at, Instant::now());
         let queued = m.owes_handshake();
         if queued {
             self.evict_an_unauthenticated();
-            self.unauthenticated.lock().push_back(id);
         }
-        let served = Served { m, queued };
-        let counted = Charge::unlimited(&self.budget.counters, Counter::Connections, 1);
-        let conn =
-            Arc::new(ServedConn { stream: Arc::new(stream), peer, machine: Mutex::new(served), _counted: counted });
-        self.conns.lock().insert(id, conn.clone());
-        if conn.stream.set_nonblocking().is_err() || self.poller.add(&*conn.stream, id, ONESHOT_IN).is_err() {
-            self.close(id);
-            return;
-        }
-        self.arm_timer();
+        let stream = Arc::new(stream);
+        reactor.add(&self.group, |t| {
+            if queued {
+                self.unauthenticated.lock().push_back(t.id);
+            }
+            self.conns.lock().insert(t.id, (stream.clone(), peer));
+            let counted = Charge::unlimited(&self.budget.counters, Counter::Connections, 1);
+            Box::new(Served { shared: self.clone(), id: t.id, stream, peer, m, queued, _counted: counted })
+        });
     }
 
-    /// Arms the deadline sweep (periodic) if it is not armed.
-    fn arm_timer(&self) {
-        let mut armed = self.timer_armed.lock();
-        if !*armed {
-            *armed = true;
-            self.set_timer(Some(self.limits.sweep_interval()));
+    /// One connection from `ip` less.
+    fn forget_address(&self, ip: IpAddr) {
+        let mut a = self.addresses.lock();
+        if let Some(n) = a.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                a.remove(&ip);
+            }
         }
     }
+}
 
-    fn set_timer(&self, every: Option<Duration>) {
-        self.timer.set_periodic(every);
+/// One accepted connection as a source: its socket and its machine (which
+/// keeps its clock).
+struct Served {
+    shared: Arc<ServerShared>,
+    id: u64,
+    stream: Arc<Stream>,
+    /// The peer's address (`None`: the local socket, where only this
+    /// user's processes are accepted).
+    peer: Option<IpAddr>,
+    m: ServerConn,
+    /// True while it is in the queue of connections that owe their
+    /// handshake (the oldest is evicted first).
+    queued: bool,
+    /// Counted in `connections` while it lives.
+    _counted: Charge,
+}
+
+impl Served {
+    fn from(&self) -> String {
+        self.peer.map_or_else(|| "the local socket".to_owned(), |ip| ip.to_string())
     }
 
-    /// The deadline sweep: closes connections whose exchange took longer
-    /// than the frame bound allows (a stalled or trickling peer, or a
-    /// connection that owes its handshake), or idle past the idle bound;
-    /// wakes a resting listener. A connection being served right now is
-    /// moving bytes: it is not checked.
-    fn sweep(&self) {
-        self.timer.drain();
-        let now = Instant::now();
-        let conns: Vec<(u64, Arc<ServedConn>)> = self.conns.lock().iter().map(|(i, c)| (*i, c.clone())).collect();
-        let mut expired = Vec::new();
-        let mut handshakes = Vec::new();
-        let deadlines = self.limits.deadlines();
-        for (id, conn) in &conns {
-            let Some(g) = conn.machine.try_lock() else { continue };
-            match g.m.expired(now, &deadlines) {
-                None => continue,
-                Some(Expired::Handshake) => handshakes.push(conn.peer),
-                Some(Expired::Stalled | Expired::Idle) => {}
-            }
-            expired.push(*id);
-        }
-        drop(conns);
-        for id in expired {
-            self.close(id);
-        }
-        // Watchers that were behind get what they missed, if they read now.
-        if let Some(side) = self.side.upgrade() {
-            self.watchers.resync(side.registry_version(), &|since, budget| side.changes(since, budget));
-        }
-        if let Some(side) = self.side.upgrade() {
-            for peer in handshakes {
-                let from = peer.map_or_else(|| "the local socket".to_owned(), |ip| ip.to_string());
-                side.auth_failed(&from, "did not finish its handshake within server_frame_timeout_ms");
-            }
-        }
-        let resume = {
-            let mut r = self.accept_resume.lock();
-            let due = r.is_some_and(|at| now >= at);
-            if due {
-                *r = None;
-            }
-            due
-        };
-        if resume {
-            let _ = self.poller.modify(&self.listener, LISTENER, ONESHOT_IN);
-        }
-        {
-            // Nothing left to watch: the timer stops (idle means idle).
-            let mut armed = self.timer_armed.lock();
-            if self.conns.lock().is_empty() && self.accept_resume.lock().is_none() {
-                *armed = false;
-                self.set_timer(None);
-            }
-        }
-        let _ = self.poller.modify(&self.timer, TIMER, ONESHOT_IN);
-    }
-
-    /// Serves connection `id` until its socket would block (then re-arms
-    /// it for what it waits for), its turn is used up, or it closes.
-    fn serve(&self, id: u64) {
-        let Some(conn) = self.conns.lock().get(&id).cloned() else { return };
-        let fd = conn.stream.as_raw_fd();
-        let mut g = conn.machine.lock();
-        let served = &mut *g;
-        let m = &mut served.m;
+    /// Moves bytes until the socket would block (`Wait`), the turn is used
+    /// up (`Again`), or the connection ends (`Close`).
+    fn serve(&mut self) -> After {
+        let shared = &*self.shared;
+        let fd = self.stream.as_raw_fd();
+        let m = &mut self.m;
         let mut moved = 0usize;
         // A read that filled less than it asked found the socket drained:
         // the next would most likely fail with EAGAIN. Once the reply is
-        // out, re-arm instead (the interest is level-triggered, so bytes
-        // that came meanwhile wake this connection at once): one system
-        // call less per request.
+        // out, wait instead (bytes that came meanwhile raised an edge): one
+        // system call less per request.
         let mut drained = false;
-        let wait = loop {
-            if moved >= self.turn {
-                // Others' turn. Wake again for what this one waits for: a
-                // reply half sent needs the socket writable, not readable.
-                break if m.send_buf().is_some() { Interest::OUT } else { Interest::IN };
+        let after = loop {
+            if moved >= shared.turn {
+                break After::Again; // others' turn
             }
             let fds: Vec<i32> = m.send_fds().iter().map(AsRawFd::as_raw_fd).collect();
             if let Some(out) = m.send_buf() {
@@ -549,14 +471,14 @@ impl ServerShared {
                 }
                 match io::Error::last_os_error().kind() {
                     io::ErrorKind::Interrupted => continue,
-                    io::ErrorKind::WouldBlock => break Interest::OUT,
-                    _ => break Interest::empty(),
+                    io::ErrorKind::WouldBlock => break After::Wait,
+                    _ => break After::Close,
                 }
             }
             if drained {
-                break Interest::IN;
+                break After::Wait;
             }
-            let Some(side) = self.side.upgrade() else { break Interest::empty() };
+            let Some(side) = shared.side.upgrade() else { break After::Close };
             let Some(into) = m.recv_buf() else { continue };
             let asked: usize = into[..into.len().min(1024)].iter().map(|v| v.iov_len).sum();
             // SAFETY: the machine's iovecs address its own buffers or
@@ -564,13 +486,13 @@ impl ServerShared {
             // reference aliases while the kernel writes them.
             let r = unsafe { libc::readv(fd, into.as_ptr(), into.len().min(1024) as i32) };
             if r == 0 {
-                break Interest::empty(); // the peer closed
+                break After::Close; // the peer closed
             }
             if r < 0 {
                 match io::Error::last_os_error().kind() {
                     io::ErrorKind::Interrupted => continue,
-                    io::ErrorKind::WouldBlock => break Interest::IN,
-                    _ => break Interest::empty(),
+                    io::ErrorKind::WouldBlock => break After::Wait,
+                    _ => break After::Close,
                 }
             }
             moved += r as usize;
@@ -578,11 +500,11 @@ impl ServerShared {
             match m.received(r as usize, side.view()) {
                 Ok(event) => {
                     if let Some(Subscribe { epoch, request, budget, since }) = perform(m, side.as_ref(), event) {
-                        let socket = conn.stream.clone();
+                        let socket = self.stream.clone();
                         let now = side.registry_version();
                         let changes = |since, budget| side.changes(since, budget);
                         let sub = (epoch, request, budget, since);
-                        match self.watchers.subscribe(id, conn.peer, sub, socket, now, &changes) {
+                        match shared.watchers.subscribe(self.id, self.peer, sub, socket, now, &changes) {
                             Ok(()) => m.subscribed(),
                             Err(why) => {
                                 m.refuse_request(request, wire::RemoteStatus::ResourceExhausted, &why.to_string())
@@ -596,58 +518,64 @@ impl ServerShared {
                         // SAFETY: the machine's iovecs address its own buffers.
                         unsafe { libc::writev(fd, out.as_ptr(), out.len().min(1024) as i32) };
                     }
-                    let from = conn.peer.map_or_else(|| "the local socket".to_owned(), |ip| ip.to_string());
+                    let from = self.peer.map_or_else(|| "the local socket".to_owned(), |ip| ip.to_string());
                     side.auth_failed(&from, m.refusal().unwrap_or("refused"));
-                    break Interest::empty();
+                    break After::Close;
                 }
-                Err(Close::Malformed(_)) => break Interest::empty(), // malformed: close this connection only
+                Err(Close::Malformed(_)) => break After::Close, // malformed: close this connection only
             }
         };
-        served.m.tick(Instant::now(), moved > 0);
-        if served.queued && !served.m.owes_handshake() {
-            served.queued = false;
-            self.unauthenticated.lock().retain(|c| *c != id);
+        self.m.tick(Instant::now(), moved > 0);
+        if self.queued && !self.m.owes_handshake() {
+            self.queued = false;
+            self.shared.unauthenticated.lock().retain(|c| *c != self.id);
         }
-        drop(g);
-        if wait.is_empty() {
-            self.close(id);
-            return;
-        }
-        if self.poller.modify(&*conn.stream, id, wait | Interest::ONESHOT).is_err() {
-            self.close(id);
+        after
+    }
+}
+
+impl Source for Served {
+    fn fd(&self) -> BorrowedFd<'_> {
+        self.stream.as_fd()
+    }
+
+    fn turn(&mut self) -> After {
+        self.serve()
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        self.m.deadline(&self.shared.limits.deadlines())
+    }
+
+    /// A connection whose exchange took longer than the frame bound allows
+    /// (a stalled or trickling peer, or one that owes its handshake), or
+    /// idle past the idle bound, is closed.
+    fn expire(&mut self, now: Instant) -> After {
+        match self.m.expired(now, &self.shared.limits.deadlines()) {
+            None => After::Wait,
+            Some(Expired::Handshake) => {
+                if let Some(side) = self.shared.side.upgrade() {
+                    side.auth_failed(&self.from(), "did not finish its handshake within server_frame_timeout_ms");
+                }
+                After::Close
+            }
+            Some(Expired::Stalled | Expired::Idle) => After::Close,
         }
     }
 
-    /// One connection from `ip` less.
-    fn forget_address(&self, ip: std::net::IpAddr) {
-        let mut a = self.addresses.lock();
-        if let Some(n) = a.get_mut(&ip) {
-            *n -= 1;
-            if *n == 0 {
-                a.remove(&ip);
-            }
+    /// Its machine (and the loans of a request in progress), its
+    /// subscription and its borrows end with it.
+    fn close(&mut self) {
+        let shared = &self.shared;
+        shared.conns.lock().remove(&self.id);
+        if let Some(ip) = self.peer {
+            shared.forget_address(ip);
         }
-    }
-
-    /// Closes connection `id`: its machine (and the loans of a request in
-    /// progress), its subscription and its borrows end.
-    fn close(&self, id: u64) {
-        let Some(conn) = self.conns.lock().remove(&id) else { return };
-        if let Some(ip) = conn.peer {
-            self.forget_address(ip);
+        if std::mem::take(&mut self.queued) {
+            shared.unauthenticated.lock().retain(|c| *c != self.id);
         }
-        {
-            let mut g = conn.machine.lock();
-            if std::mem::take(&mut g.queued) {
-                self.unauthenticated.lock().retain(|c| *c != id);
-            }
-        }
-        let _ = self.poller.delete(&*conn.stream);
-        conn.stream.shutdown();
-        self.watchers.forget(id);
-        // The borrower is gone with its connection: its machine, and with
-        // it its borrows, go with the last reference.
-        drop(conn);
+        self.stream.shutdown();
+        shared.watchers.forget(self.id);
     }
 }
 
@@ -774,7 +702,9 @@ mod tests {
     fn a_turn_that_ends_with_a_reply_pending_still_sends_it() {
         let mem: &'static mut [u8] = Box::leak(vec![0u8; LEN].into_boxed_slice());
         let side: Arc<dyn TargetSide> = Arc::new(Side { base: mem.as_mut_ptr() as usize });
+        let reactor = Reactor::start("test", Duration::ZERO).unwrap();
         let server = Server::start_with(
+            &reactor,
             "127.0.0.1:0",
             None,
             Arc::downgrade(&side),
@@ -793,5 +723,6 @@ mod tests {
             assert_eq!((h.kind, h.data_len as usize), (Kind::ReadReply, payload.len()));
         }
         server.shutdown();
+        reactor.shutdown();
     }
 }

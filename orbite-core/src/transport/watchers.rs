@@ -256,6 +256,11 @@ impl Watchers {
         Ok(())
     }
 
+    /// Subscriptions now.
+    pub fn count(&self) -> usize {
+        self.count.load(Ordering::Acquire)
+    }
+
     /// The registry changed (a registering caller): a push round is due.
     /// Costs an atomic load with no watcher, an atomic swap while a round
     /// is already due, else one eventfd write: never a push.

@@ -24,7 +24,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::charge::{Charge, Counter, Counters};
 use crate::transport::framebuf::{BufferBudget, FrameBuf};
@@ -512,6 +512,21 @@ impl ServerConn {
             None => {
                 (!c.watching && d.idle_timeout.is_some_and(|t| now.duration_since(c.last) > t)).then_some(Expired::Idle)
             }
+        }
+    }
+
+    /// When [`Self::expired`] first says so, as things stand (`None`:
+    /// never).
+    pub fn deadline(&self, d: &Deadlines) -> Option<Instant> {
+        let c = &self.clock;
+        let past = |at: Instant, bound: Duration| at.checked_add(bound)?.checked_add(Duration::from_nanos(1));
+        if self.owes_handshake() {
+            return past(c.accepted, d.frame_timeout);
+        }
+        match c.busy_since {
+            Some(since) => past(since, d.allowance(self.work)),
+            None if c.watching => None,
+            None => past(c.last, d.idle_timeout?),
         }
     }
 
