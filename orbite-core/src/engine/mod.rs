@@ -187,7 +187,7 @@ impl RemoteSegment {
     /// the peer's registry version that view reflects.
     pub fn registrations(&self) -> (Vec<ExportedRegistration>, u64) {
         let v = self.peer.view();
-        (v.segment.registrations().values().cloned().collect(), v.segment.version)
+        (v.registrations().values().cloned().collect(), v.version)
     }
     /// Why the peer is lost, if it is.
     pub fn lost(&self) -> Option<String> {
@@ -936,7 +936,7 @@ impl TransferEngine {
                 // the peer was opened: ask the peer once before refusing.
                 let unknown = {
                     let v = seg.peer.view();
-                    spec.remote.iter().any(|d| v.segment.get(d.registration.to_raw()).is_none())
+                    spec.remote.iter().any(|d| v.get(d.registration.to_raw()).is_none())
                 };
                 if unknown || seg.peer.view_is_behind() {
                     let _ = inner.refresh(&seg.peer);
@@ -981,7 +981,7 @@ impl TransferEngine {
             Some(v) => spec
                 .remote
                 .iter()
-                .filter_map(|d| v.segment.get(d.registration.to_raw()).map(|r| (r.id.to_raw(), r.len)))
+                .filter_map(|d| v.get(d.registration.to_raw()).map(|r| (r.id.to_raw(), r.len)))
                 .collect(),
             None => Vec::new(),
         };

@@ -11,25 +11,14 @@ use crate::error::PeerError;
 use crate::segment::{Delta, SegmentView};
 use crate::transport::CopyJob;
 use crate::transport::link::{ANNOUNCE_UNKNOWN, PeerLink};
-use crate::transport::mapping::{SharedMaps, ShmMapping, unmapped};
-use crate::transport::peer_errors::{ImportError, LocalError};
+use crate::transport::mapping::ShmMapping;
+use crate::transport::peer_errors::LocalError;
 use crate::transport::proto::client::{ControlJob, PeerJob};
-use crate::transport::routes::{PeerReach, SameHost};
+use crate::transport::routes::{PeerReach, PeerStates, SameHost};
 use crate::wire::Kind;
 
 pub(crate) struct PeerState {
     close: Option<Result<(), PeerError>>,
-}
-
-/// This engine's current picture of one peer's registrations: its
-/// description at open, brought up to date by refreshes.
-pub(crate) struct PeerView {
-    pub segment: SegmentView,
-    /// For a same-host peer: its shared allocations mapped here (or why not).
-    pub maps: SharedMaps,
-    /// For a same-host peer: its device registrations opened here through
-    /// CUDA IPC (or why not).
-    pub imports: crate::transport::mapping::Imports,
 }
 
 /// One opened peer epoch.
@@ -37,10 +26,14 @@ pub(crate) struct Peer<J: CopyJob> {
     pub link: Arc<PeerLink<J>>,
     pub endpoint: String,
     pub epoch: u64,
-    /// The peer's registrations as this engine knows them. Prepare holds
+    /// The peer's registrations as this engine knows them: its
+    /// description at open, brought up to date by refreshes. Prepare holds
     /// the read lock while it resolves descriptors; a refresh takes the
     /// write lock only to apply what the peer sent.
-    view: RwLock<PeerView>,
+    view: RwLock<SegmentView>,
+    /// What each route keeps for this peer (mappings, imports), closed
+    /// with it.
+    routes: PeerStates,
     /// Serialises refreshes (never taken by posts or polls); counts the
     /// refreshes done, so that callers who waited for one can look again
     /// before asking once more.
@@ -51,13 +44,7 @@ pub(crate) struct Peer<J: CopyJob> {
     pub liveness: Option<crate::transport::liveness::PeerLiveness>,
     /// For a same-host peer: its notification inbox, mapped here.
     pub inbox: Option<(Arc<ShmMapping>, crate::transport::inbox::Inbox)>,
-    /// Shared allocations the peer added that are not mapped yet (mapped
-    /// on a caller's thread, by [`Peer::map_pending`]: never on a driver).
-    pending: Mutex<std::collections::HashSet<String>>,
-    /// Device registrations the peer added that are not imported yet
-    /// (imported with the pending mappings).
-    pending_ipc: Mutex<std::collections::HashSet<u64>>,
-    has_pending: std::sync::atomic::AtomicBool,
+    /// One route catch-up at a time ([`Peer::map_pending`]).
     map_lock: Mutex<()>,
     state: Mutex<PeerState>,
     /// Set by `close_segment`: no new work.
@@ -74,16 +61,14 @@ impl<J: CopyJob> Peer<J> {
     pub fn new(
         link: Arc<PeerLink<J>>,
         endpoint: &str,
-        view: PeerView,
+        view: SegmentView,
+        routes: PeerStates,
         same_host: Result<SameHost, LocalError>,
         liveness: Option<crate::transport::liveness::PeerLiveness>,
         inbox: Option<(Arc<ShmMapping>, crate::transport::inbox::Inbox)>,
     ) -> Self {
-        let ipc: std::collections::HashSet<u64> =
-            crate::transport::routes::importable(&same_host, view.segment.registrations().values());
-        let has_pending = !ipc.is_empty();
         Peer {
-            pending_ipc: Mutex::new(ipc),
+            routes,
             liveness,
             inbox,
             endpoint: endpoint.to_owned(),
@@ -91,8 +76,6 @@ impl<J: CopyJob> Peer<J> {
             same_host,
             link,
             view: RwLock::new(view),
-            pending: Mutex::new(std::collections::HashSet::new()),
-            has_pending: std::sync::atomic::AtomicBool::new(has_pending),
             map_lock: Mutex::new(()),
             refresh_lock: Mutex::new(0),
             state: Mutex::new(PeerState { close: None }),
@@ -165,97 +148,55 @@ impl<J: CopyJob> Peer<J> {
 impl<J: CopyJob> Peer<J> {
     /// What routes see of this peer, through `view` (a read guard of its
     /// view, held while a prepare resolves descriptors).
-    pub fn reach<'a>(&'a self, view: &'a PeerView) -> PeerReach<'a> {
+    pub fn reach<'a>(&'a self, view: &'a SegmentView) -> PeerReach<'a> {
         PeerReach {
-            segment: &view.segment,
-            maps: &view.maps,
+            segment: view,
             same_host: self.same_host.as_ref(),
             alive: self.liveness.as_ref(),
-            imports: &view.imports,
+            states: &self.routes,
         }
     }
 
     /// The current view of the peer's registrations.
-    pub fn view(&self) -> RwLockReadGuard<'_, PeerView> {
+    pub fn view(&self) -> RwLockReadGuard<'_, SegmentView> {
         self.view.read()
     }
 
     /// Applies changes computed after registry version `base` to the view;
-    /// false if they leave a gap or are malformed. Shared allocations they
-    /// bring are noted, and mapped by the next [`Peer::map_pending`].
+    /// false if they leave a gap or are malformed. The routes note what
+    /// they bring (shared allocations, device registrations), opened by
+    /// the next [`Peer::map_pending`].
     pub fn apply(&self, base: u64, delta: Delta) -> bool {
         // Old news (a pull already brought the view past it) takes no
         // write lock.
-        if !delta.reset && delta.version <= self.view().segment.version {
+        if !delta.reset && delta.version <= self.view().version {
             return true;
         }
-        let fresh = if self.same_host.is_ok() { unmapped(&self.view().maps, &delta.added) } else { Vec::new() };
-        let fresh_ipc = crate::transport::routes::importable(&self.same_host, delta.added.iter());
-        let applied = {
-            let mut v = self.view.write();
-            let applied = v.segment.apply_from(base, delta).is_ok();
-            // Imports of registrations the peer gave up are closed once the
-            // last program naming them is gone (they hold the mapping).
-            if applied && !v.imports.is_empty() {
-                let PeerView { segment, imports, .. } = &mut *v;
-                imports.retain(|raw, _| segment.get(*raw).is_some());
-            }
-            applied
-        };
-        // Only what the view took is mapped (and imported) later.
-        if applied && !fresh.is_empty() {
-            self.pending.lock().extend(fresh);
-            self.has_pending.store(true, Ordering::Release);
-        }
-        if applied && !fresh_ipc.is_empty() {
-            self.pending_ipc.lock().extend(fresh_ipc);
-            self.has_pending.store(true, Ordering::Release);
+        let mut v = self.view.write();
+        let added = delta.added.clone();
+        let applied = v.apply_from(base, delta).is_ok();
+        if applied {
+            self.routes.changed(&v, &added);
         }
         applied
     }
 
-    /// Maps the shared allocations the peer added since the last call (on
-    /// the caller's thread: it asks the peer over its local socket, within
-    /// the peer timeout). Concurrent callers wait for one another.
+    /// Opens what the routes noted since the last call (on the caller's
+    /// thread: they ask the peer over its local socket, within the peer
+    /// timeout). Concurrent callers wait for one another.
     pub fn map_pending(&self) {
-        if !self.has_pending.load(Ordering::Acquire) {
+        if !self.routes.behind() {
             return;
         }
         let _one = self.map_lock.lock();
-        if !self.has_pending.swap(false, Ordering::AcqRel) {
-            return;
-        }
-        let names: Vec<String> = self.pending.lock().drain().collect();
-        let mapped = crate::transport::routes::map_shared(&names, |names| self.link.fetch_shared(names));
-        let ids: Vec<u64> = self.pending_ipc.lock().drain().collect();
-        let imported = self.import_device(&ids);
-        let mut v = self.view.write();
-        for (name, m) in mapped {
-            v.maps.entry(name).or_insert(m);
-        }
-        for (raw, i) in imported {
-            // Only registrations still in the view.
-            if v.segment.get(raw).is_some() {
-                v.imports.entry(raw).or_insert(i);
-            }
-        }
-    }
-
-    /// Opens the peer's device registrations `ids` through CUDA IPC
-    /// (`routes::import_device`), at their lengths in the current view.
-    fn import_device(&self, ids: &[u64]) -> Vec<(u64, Result<Arc<crate::transport::mapping::Imported>, ImportError>)> {
-        let lens: Vec<Option<u64>> = {
-            let v = self.view();
-            ids.iter().map(|raw| v.segment.get(*raw).map(|r| r.len)).collect()
-        };
-        crate::transport::routes::import_device(&self.same_host, ids, &lens, |ids| self.link.fetch_ipc(ids))
+        self.routes.catch_up(&self.view, &*self.link);
     }
 
     /// True when the peer announced registry changes this view has not
     /// seen (or can no longer announce them).
     pub fn view_is_behind(&self) -> bool {
         let announced = self.link.announced();
-        announced == ANNOUNCE_UNKNOWN || announced > self.view.read().segment.version
+        announced == ANNOUNCE_UNKNOWN || announced > self.view.read().version
     }
 }
 

@@ -2,23 +2,21 @@
 //! finding and resolving a peer's ranges, borrowing them for one-sided
 //! routes, control calls and notifications to a peer, closing.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 
-use crate::engine::peer::PeerView;
 use crate::engine::transfer::{Peer, RemoteLoan, RouteTask};
 use crate::engine::{EngineInner, RemoteSegment};
 use crate::error::{Error, PeerError};
 use crate::segment::{Delta, ExportedRegistration, SegmentView};
 use crate::transport::link::{Initiators, PeerLink};
-use crate::transport::mapping::unmapped;
+
 use crate::transport::peer_errors::LocalError;
 use crate::transport::proto::client::{ControlDone, ControlJob, PeerFailure, PeerJob};
-use crate::transport::routes::SameHost;
+use crate::transport::routes::{PeerOpening, PeerStates, SameHost, map_shared};
 use crate::wire::{Kind, NotifyEnvelope};
 /// A one-shot answer slot for a synchronous peer call.
 type Reply = (Mutex<Option<Result<Vec<u8>, PeerFailure>>>, Condvar);
@@ -64,41 +62,33 @@ impl EngineInner {
             },
         )?;
         let same_host = self.same_host(&link);
-        // A proven same-host peer hands over its shared allocations and its
-        // inbox (sealed memfds) over its local socket.
-        let mut maps = HashMap::new();
-        let mut inbox = None;
-        if same_host.is_ok() {
-            let mut names = unmapped(&maps, &link.descriptor.registrations);
-            let inbox_name = link.descriptor.inbox.clone();
-            if !inbox_name.is_empty() && !names.contains(&inbox_name) {
-                names.push(inbox_name.clone());
-            }
-            for (name, m) in crate::transport::routes::map_shared(&names, |n| link.fetch_shared(n)) {
-                if name == inbox_name {
-                    inbox = m.ok().and_then(|m| {
-                        // SAFETY: a live shared mapping of the peer's inbox,
-                        // kept alive by the Arc stored next to the view.
-                        let view =
-                            unsafe { crate::transport::inbox::Inbox::open(m.ptr, m.len, link.descriptor.epoch) }?;
-                        Some((m, view))
-                    });
-                } else {
-                    maps.insert(name, m);
-                }
-            }
-        }
         // A peer's view holds at most as many registrations as this engine
         // would itself.
         let bound = usize::try_from(c.max_registrations).unwrap_or(usize::MAX);
-        let segment = SegmentView::bounded(&link.descriptor, bound)
+        let view = SegmentView::bounded(&link.descriptor, bound)
             .map_err(|e| PeerError::Protocol(format!("the peer's description: {e}")))?;
-        let view = PeerView { segment, maps, imports: HashMap::new() };
+        // What each route keeps for it (a proven same-host peer hands over
+        // its shared allocations over its local socket), and its inbox.
+        let opening = PeerOpening { descriptor: &link.descriptor, same_host: same_host.as_ref(), local: &*link };
+        let routes = PeerStates::open(&opening);
+        let inbox_name = link.descriptor.inbox.clone();
+        let inbox = match same_host {
+            Ok(_) if !inbox_name.is_empty() => {
+                let m = map_shared(&[inbox_name], |n| link.fetch_shared(n)).pop().and_then(|(_, m)| m.ok());
+                m.and_then(|m| {
+                    // SAFETY: a live shared mapping of the peer's inbox,
+                    // kept alive by the Arc stored next to the view.
+                    let view = unsafe { crate::transport::inbox::Inbox::open(m.ptr, m.len, link.descriptor.epoch) }?;
+                    Some((m, view))
+                })
+            }
+            _ => None,
+        };
         let liveness = same_host.as_ref().ok().map(|h| drivers.watch_process(h.pid));
-        let peer = Arc::new(Peer::new(link, endpoint, view, same_host, liveness, inbox));
+        let peer = Arc::new(Peer::new(link, endpoint, view, routes, same_host, liveness, inbox));
         // What changed between the Describe and the subscription, then
         // every change the peer pushes from now on, as it happens.
-        let mut since = peer.view().segment.version;
+        let mut since = peer.view().version;
         if let Some((base, delta)) = peer.link.take_first_changes() {
             since = delta.version;
             if !peer.apply(base, delta) {
@@ -175,7 +165,7 @@ impl EngineInner {
         *done += 1;
         let deadline = crate::time::deadline_after(self.config.peer_timeout());
         loop {
-            let since = peer.view().segment.version;
+            let since = peer.view().version;
             let mut body = Vec::new();
             let req = crate::wire::DescribeSince {
                 initiator_epoch: self.epoch,
@@ -220,7 +210,7 @@ impl EngineInner {
         accept: &dyn Fn(&ExportedRegistration) -> bool,
     ) -> Result<ExportedRegistration, Error> {
         self.refresh_if_behind(peer);
-        let lookup = || peer.view().segment.find_range(addr, len, accept).cloned();
+        let lookup = || peer.view().find_range(addr, len, accept).cloned();
         // A miss asks the peer once, unless a refresh that finished while
         // this caller waited for it brought the range already.
         let seen = Self::refreshes(peer);
@@ -260,7 +250,7 @@ impl EngineInner {
             for &(addr, len) in ranges {
                 let end = addr.checked_add(len);
                 let hit = last.filter(|r| r.addr <= addr && end.is_some_and(|e| e <= r.addr + r.len));
-                let r = match hit.or_else(|| view.segment.find_range(addr, len, allowed)) {
+                let r = match hit.or_else(|| view.find_range(addr, len, allowed)) {
                     Some(r) => r,
                     None => {
                         missing = Some((addr, len));

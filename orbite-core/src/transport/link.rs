@@ -692,6 +692,16 @@ impl<J: CopyJob> PeerLink<J> {
     }
 }
 
+impl<J: CopyJob> crate::transport::routes::LocalFetch for PeerLink<J> {
+    fn shared(&self, names: &[&str]) -> Result<Vec<Result<OwnedFd, ShareError>>, LocalError> {
+        self.fetch_shared(names)
+    }
+
+    fn ipc(&self, ids: &[u64]) -> Result<Vec<(wire::IpcEntry, Option<OwnedFd>)>, LocalError> {
+        self.fetch_ipc(ids)
+    }
+}
+
 // --- the connections on the reactor ------------------------------------------
 
 /// Bytes one connection may move per turn before the others of its loop

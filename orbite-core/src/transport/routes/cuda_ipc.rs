@@ -4,12 +4,16 @@
 //! device) through the driver, with no host staging. One-sided: the peer
 //! lends the ranges (a borrow) while copies may touch them.
 
+use std::collections::HashSet;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use parking_lot::{Mutex, RwLock};
 
 use super::CopyKind;
-use super::{Mover, PeerReach, Reach, RouteImpl, Unreachable};
-use crate::segment::ExportedRegistration;
-use crate::transport::mapping::Imported;
+use super::{LocalFetch, Mover, PeerOpening, PeerReach, PeerState, Reach, RouteImpl, Unreachable};
+use crate::segment::{ExportedRegistration, SegmentView};
+use crate::transport::mapping::{Imported, Imports};
 use crate::transport::peer_errors::ImportError;
 use crate::types::{Desc, Route};
 
@@ -31,12 +35,70 @@ pub(crate) fn open_peer(
     Ok(counters.clone())
 }
 
-impl CudaIpc {
-    fn imported<'a>(p: &'a PeerReach<'_>, raw: u64) -> Result<&'a Arc<Imported>, Unreachable> {
-        match p.imports.get(&raw) {
-            Some(Ok(i)) => Ok(i),
+/// A same-host peer's device registrations opened here (or why not), and
+/// those it added since, opened by the next catch-up (a fetch over its
+/// local socket). Imports of registrations the peer gave up are let go;
+/// transfers prepared meanwhile hold the mappings they name.
+pub(crate) struct IpcPeer {
+    /// Where imports are charged.
+    counters: Arc<crate::charge::Counters>,
+    imports: RwLock<Imports>,
+    pending: Mutex<HashSet<u64>>,
+    behind: AtomicBool,
+}
+
+impl IpcPeer {
+    fn imported(&self, raw: u64) -> Result<Arc<Imported>, Unreachable> {
+        match self.imports.read().get(&raw) {
+            Some(Ok(i)) => Ok(i.clone()),
             Some(Err(why)) => Err(Unreachable::NotImported(Some(why.clone()))),
             None => Err(Unreachable::NotImported(None)),
+        }
+    }
+
+    fn note(&self, ids: HashSet<u64>) {
+        if !ids.is_empty() {
+            self.pending.lock().extend(ids);
+            self.behind.store(true, Ordering::Release);
+        }
+    }
+}
+
+impl PeerState for IpcPeer {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn changed(&self, view: &SegmentView, added: &[ExportedRegistration]) {
+        self.note(importable(added.iter()));
+        let mut imports = self.imports.write();
+        if !imports.is_empty() {
+            imports.retain(|raw, _| view.get(*raw).is_some());
+        }
+    }
+
+    fn behind(&self) -> bool {
+        self.behind.load(Ordering::Acquire)
+    }
+
+    fn catch_up(&self, view: &RwLock<SegmentView>, local: &dyn LocalFetch) {
+        if !self.behind.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let ids: Vec<u64> = self.pending.lock().drain().collect();
+        let lens: Vec<Option<u64>> = {
+            let v = view.read();
+            ids.iter().map(|raw| v.get(*raw).map(|r| r.len)).collect()
+        };
+        let imported = import_device(&self.counters, &ids, &lens, |ids| local.ipc(ids));
+        // Only registrations still in the view (read-locked: a change that
+        // drops one waits, then lets its import go).
+        let v = view.read();
+        let mut imports = self.imports.write();
+        for (raw, i) in imported {
+            if v.get(raw).is_some() {
+                imports.entry(raw).or_insert(i);
+            }
         }
     }
 }
@@ -46,6 +108,20 @@ impl RouteImpl for CudaIpc {
         Route::CudaIpc
     }
 
+    /// A proven same-host peer, with IPC on: its device registrations, to
+    /// be opened by the first catch-up.
+    fn open_peer(&self, peer: &PeerOpening<'_>) -> Option<Box<dyn PeerState>> {
+        let counters = peer.same_host.ok()?.ipc.as_ref().ok()?.clone();
+        let s = IpcPeer {
+            counters,
+            imports: RwLock::new(Imports::new()),
+            pending: Mutex::new(HashSet::new()),
+            behind: AtomicBool::new(false),
+        };
+        s.note(importable(peer.descriptor.registrations.iter()));
+        Some(Box::new(s))
+    }
+
     fn serves(&self, target: &Reach<'_>) -> bool {
         matches!(target, Reach::Peer(_))
     }
@@ -53,6 +129,7 @@ impl RouteImpl for CudaIpc {
     fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {
         let (p, h) = target.same_host_peer()?;
         h.ipc.as_ref().map_err(|why| Unreachable::IpcUnavailable(why.clone()))?;
+        let state = p.state::<IpcPeer>(Route::CudaIpc).ok_or(Unreachable::NotImported(None))?;
         let mut last = None;
         for d in remote {
             let raw = d.registration.to_raw();
@@ -66,13 +143,13 @@ impl RouteImpl for CudaIpc {
                 None => continue,
                 Some(_) => {}
             }
-            Self::imported(p, raw)?;
+            state.imported(raw)?;
         }
         {
             // Every import the program may name, kept open while it lives.
             // Sorted by address, each once (registrations share them).
             let mut mappings: Vec<Arc<crate::cuda::IpcMapping>> =
-                p.imports.values().filter_map(|i| i.as_ref().ok()).map(|i| i.mapping.clone()).collect();
+                state.imports.read().values().filter_map(|i| i.as_ref().ok()).map(|i| i.mapping.clone()).collect();
             mappings.sort_unstable_by_key(|m| m.ptr);
             mappings.dedup_by_key(|m| m.ptr);
             Ok(Mover::Copy(CopyKind::Ipc { mappings, peer_alive: p.alive.map(|l| l.handle()), pins: Vec::new() }))
@@ -84,7 +161,8 @@ impl RouteImpl for CudaIpc {
     }
 
     fn address(&self, target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), Unreachable> {
-        let i = Self::imported(target, r.id.to_raw())?;
+        let state = target.state::<IpcPeer>(Route::CudaIpc).ok_or(Unreachable::NotImported(None))?;
+        let i = state.imported(r.id.to_raw())?;
         // The registration lies inside the mapping (checked at import);
         // spans carry addresses of this process.
         Ok((i.mapping.ptr + i.offset, 0))
@@ -139,15 +217,9 @@ pub(crate) fn copies(
     Ok(device.map(|d| (d, copies)))
 }
 
-/// The raw ids of device registrations in `regs` this engine imports from
-/// a peer (a same-host one, with IPC allowed), remotely reachable ones.
-pub(crate) fn importable<'a>(
-    same_host: &Result<super::SameHost, crate::transport::peer_errors::LocalError>,
-    regs: impl Iterator<Item = &'a crate::segment::ExportedRegistration>,
-) -> std::collections::HashSet<u64> {
-    if !same_host.as_ref().is_ok_and(|h| h.ipc.is_ok()) {
-        return std::collections::HashSet::new();
-    }
+/// The raw ids of device registrations in `regs` a same-host peer's state
+/// imports: remotely reachable ones.
+fn importable<'a>(regs: impl Iterator<Item = &'a ExportedRegistration>) -> HashSet<u64> {
     regs.filter(|r| r.device.is_some() && (r.permission.remote_read() || r.permission.remote_write()))
         .map(|r| r.id.to_raw())
         .collect()
@@ -205,12 +277,13 @@ fn open_entry(
 }
 
 /// Opens a same-host peer's device registrations `ids` (of lengths
-/// `lens` in this engine's view; `None`: gone) through CUDA IPC: asks the
-/// peer for their handles (`fetch`, over its local socket) and opens each
-/// allocation once. A registration must lie inside its mapping, as this
-/// process's driver reports it.
-pub(crate) fn import_device(
-    same_host: &Result<super::SameHost, crate::transport::peer_errors::LocalError>,
+/// `lens` in this engine's view; `None`: gone) through CUDA IPC, charging
+/// `counters`: asks the peer for their handles (`fetch`, over its local
+/// socket) and opens each allocation once. A registration must lie inside
+/// its mapping, as this process's driver reports it.
+#[allow(clippy::type_complexity, reason = "one use")]
+fn import_device(
+    counters: &Arc<crate::charge::Counters>,
     ids: &[u64],
     lens: &[Option<u64>],
     fetch: impl FnOnce(
@@ -219,25 +292,18 @@ pub(crate) fn import_device(
         Vec<(crate::wire::IpcEntry, Option<std::os::fd::OwnedFd>)>,
         crate::transport::peer_errors::LocalError,
     >,
-) -> Vec<(u64, Result<Arc<crate::transport::mapping::Imported>, ImportError>)> {
+) -> Vec<(u64, Result<Arc<Imported>, ImportError>)> {
     if ids.is_empty() {
         return Vec::new();
     }
-    let asked = match same_host {
-        Err(why) => Err(ImportError::NotLocal(why.clone())),
-        Ok(h) => match &h.ipc {
-            Err(off) => Err(ImportError::Off(off.clone())),
-            Ok(c) => fetch(ids).map(|entries| (c.clone(), entries)).map_err(ImportError::NotLocal),
-        },
-    };
-    let (counters, entries) = match asked {
-        Ok(a) => a,
-        Err(why) => return ids.iter().map(|id| (*id, Err(why.clone()))).collect(),
+    let entries = match fetch(ids) {
+        Ok(entries) => entries,
+        Err(why) => return ids.iter().map(|id| (*id, Err(ImportError::NotLocal(why.clone())))).collect(),
     };
     let mut opened = Vec::new();
     ids.iter()
         .zip(entries)
         .zip(lens)
-        .map(|((raw, (entry, fd)), len)| (*raw, open_entry(entry, fd, *len, &counters, &mut opened).map(Arc::new)))
+        .map(|((raw, (entry, fd)), len)| (*raw, open_entry(entry, fd, *len, counters, &mut opened).map(Arc::new)))
         .collect()
 }

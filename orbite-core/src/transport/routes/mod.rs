@@ -9,6 +9,11 @@
 //! policy: the route list, in the order `auto` prefers, and why one was
 //! picked. The engine asks this interface and names no route.
 //!
+//! A route that keeps something per opened peer (mappings, imports; an
+//! RDMA route's queue pairs and keys) opens it in
+//! [`RouteImpl::open_peer`], as a [`PeerState`] the peer holds until it
+//! is closed; prepare finds it in [`PeerReach::state`].
+//!
 //! Adding a route is its module, one line in [`ROUTES`], and its name in
 //! `types::Route`.
 
@@ -21,15 +26,15 @@ pub(crate) mod shm;
 pub(crate) mod staging;
 pub(crate) mod tcp;
 
-pub(crate) use cuda_ipc::{import_device, importable};
 pub(crate) use shm::map_shared;
 
 use std::sync::Arc;
 
-use crate::segment::{ExportedRegistration, SegmentView};
+use parking_lot::RwLock;
+
+use crate::segment::{ExportedRegistration, SegmentDescriptor, SegmentView};
 use crate::transport::liveness::{LivenessCheck, PeerLiveness};
-use crate::transport::mapping::SharedMaps;
-use crate::transport::peer_errors::{CmaRefused, ImportError, IpcOff, LocalError};
+use crate::transport::peer_errors::{CmaRefused, ImportError, IpcOff, LocalError, ShareError};
 use crate::transport::{PeerError, Span};
 use crate::types::{Desc, Op, Route, RouteChoice, RoutePolicy, TaskEnd};
 
@@ -109,18 +114,98 @@ pub(crate) fn open_same_host(
     SameHost { cma: cma::open_peer(pid, peer), pid, ipc: cuda_ipc::open_peer(ipc.0, ipc.1) }
 }
 
+/// What a same-host peer hands over its local socket: its shared
+/// allocations' descriptors (per name, or why not), and its device
+/// registrations' IPC handles.
+pub(crate) trait LocalFetch {
+    fn shared(&self, names: &[&str]) -> Result<Vec<Result<std::os::fd::OwnedFd, ShareError>>, LocalError>;
+    #[allow(clippy::type_complexity, reason = "one use")]
+    fn ipc(&self, ids: &[u64]) -> Result<Vec<(crate::wire::IpcEntry, Option<std::os::fd::OwnedFd>)>, LocalError>;
+}
+
+/// A peer being opened, as a route sees it when it opens its state.
+pub(crate) struct PeerOpening<'a> {
+    /// The peer's description.
+    pub descriptor: &'a SegmentDescriptor,
+    /// `Err(why)` when the peer is not proven to run on this host.
+    pub same_host: Result<&'a SameHost, &'a LocalError>,
+    /// Its local socket (a same-host peer only answers there).
+    pub local: &'a dyn LocalFetch,
+}
+
+/// A route's own state for one opened peer: opened with it
+/// ([`RouteImpl::open_peer`]), kept in step with its registrations, and
+/// closed (dropped) with it.
+pub(crate) trait PeerState: Send + Sync + 'static {
+    fn as_any(&self) -> &dyn std::any::Any;
+
+    /// The peer's view took `added` and now is `view`. Called under the
+    /// view's write lock: it notes what to open and lets go of what was
+    /// opened for registrations gone; it asks the peer nothing.
+    fn changed(&self, view: &SegmentView, added: &[ExportedRegistration]) {
+        let _ = (view, added);
+    }
+
+    /// True while [`PeerState::catch_up`] has something to open.
+    fn behind(&self) -> bool {
+        false
+    }
+
+    /// Opens what [`PeerState::changed`] noted, on a caller's thread,
+    /// asking the peer over `local` (never on the reactor). `view` is the
+    /// peer's view, read-locked while what was opened is kept.
+    fn catch_up(&self, view: &RwLock<SegmentView>, local: &dyn LocalFetch) {
+        let _ = (view, local);
+    }
+}
+
+/// Every route's state for one peer.
+pub(crate) struct PeerStates(Vec<(Route, Box<dyn PeerState>)>);
+
+impl PeerStates {
+    /// What each route opens for `peer`.
+    pub fn open(peer: &PeerOpening<'_>) -> PeerStates {
+        PeerStates(ROUTES.iter().filter_map(|r| Some((r.route(), r.open_peer(peer)?))).collect())
+    }
+
+    /// `route`'s state, if it opened one.
+    fn get<T: 'static>(&self, route: Route) -> Option<&T> {
+        self.0.iter().find(|(r, _)| *r == route)?.1.as_any().downcast_ref()
+    }
+
+    /// [`PeerState::changed`], for every route.
+    pub fn changed(&self, view: &SegmentView, added: &[ExportedRegistration]) {
+        self.0.iter().for_each(|(_, s)| s.changed(view, added));
+    }
+
+    /// True while a route has something to open.
+    pub fn behind(&self) -> bool {
+        self.0.iter().any(|(_, s)| s.behind())
+    }
+
+    /// [`PeerState::catch_up`], for every route.
+    pub fn catch_up(&self, view: &RwLock<SegmentView>, local: &dyn LocalFetch) {
+        self.0.iter().for_each(|(_, s)| s.catch_up(view, local));
+    }
+}
+
 /// What a route sees of a peer at prepare.
 pub(crate) struct PeerReach<'a> {
     /// The peer's registrations as this engine knows them.
     pub segment: &'a SegmentView,
-    /// Its shared allocations mapped here.
-    pub maps: &'a SharedMaps,
     /// `Err(why)` when the peer is not proven to run on this host.
     pub same_host: Result<&'a SameHost, &'a LocalError>,
     /// For a same-host peer: whether its process still runs.
     pub alive: Option<&'a PeerLiveness>,
-    /// For a same-host peer: its device registrations opened here.
-    pub imports: &'a crate::transport::mapping::Imports,
+    /// What each route keeps for this peer.
+    pub states: &'a PeerStates,
+}
+
+impl PeerReach<'_> {
+    /// `route`'s state for this peer (`T`: its type), if it opened one.
+    pub(crate) fn state<T: 'static>(&self, route: Route) -> Option<&T> {
+        self.states.get(route)
+    }
 }
 
 /// A transfer's target, as routes see it.
@@ -148,6 +233,12 @@ impl<'a> Reach<'a> {
 pub(crate) trait RouteImpl: Sync {
     /// Its name.
     fn route(&self) -> Route;
+
+    /// Its state for a peer being opened, if it keeps one.
+    fn open_peer(&self, peer: &PeerOpening<'_>) -> Option<Box<dyn PeerState>> {
+        let _ = peer;
+        None
+    }
 
     /// Whether it serves this kind of target (a peer route serves every
     /// peer; whether it reaches one's ranges is [`RouteImpl::plan`]'s).
@@ -592,5 +683,127 @@ mod tests {
             Unreachable::from(crate::cuda::CudaError::NotBuilt).to_string(),
             crate::cuda::CudaError::NotBuilt.to_string()
         );
+    }
+
+    use super::{LocalFetch, PeerOpening, PeerReach, PeerStates, SameHost};
+    use crate::segment::{ExportedRegistration, SegmentDescriptor, SegmentView};
+    use crate::transport::peer_errors::{IpcOff, LocalError, ShareError};
+    use crate::types::{Permission, RegistrationId, Route};
+    use parking_lot::{Mutex, RwLock};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use std::sync::Arc;
+
+    /// A same-host peer's local socket: sealed memfds for shared
+    /// allocations (the names asked are noted), no IPC handles.
+    #[derive(Default)]
+    struct Socket {
+        asked: Mutex<Vec<Vec<String>>>,
+    }
+
+    impl LocalFetch for Socket {
+        fn shared(&self, names: &[&str]) -> Result<Vec<Result<OwnedFd, ShareError>>, LocalError> {
+            self.asked.lock().push(names.iter().map(|n| n.to_string()).collect());
+            Ok(names.iter().map(|_| Ok(sealed_memfd())).collect())
+        }
+
+        fn ipc(&self, _ids: &[u64]) -> Result<Vec<(crate::wire::IpcEntry, Option<OwnedFd>)>, LocalError> {
+            Err(LocalError::NoSocket)
+        }
+    }
+
+    fn sealed_memfd() -> OwnedFd {
+        // SAFETY: memfd_create with a valid C string.
+        let fd = unsafe { libc::memfd_create(c"orbite-test".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+        assert!(fd >= 0);
+        // SAFETY: a fresh descriptor this test owns; plain calls on it.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: as above.
+        unsafe {
+            assert_eq!(libc::ftruncate(fd.as_raw_fd(), 8192), 0);
+            assert_eq!(libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, libc::F_SEAL_SHRINK), 0);
+        }
+        fd
+    }
+
+    fn reg(raw: u64, shm: Option<&str>, device: Option<u32>) -> ExportedRegistration {
+        ExportedRegistration {
+            id: RegistrationId::from_raw(raw),
+            len: 4096,
+            permission: Permission::RemoteReadWrite,
+            addr: 0,
+            shm: shm.map(|n| (n.to_owned(), 0)),
+            device,
+        }
+    }
+
+    /// Each route's state for a peer is opened with it, follows its
+    /// registrations, and goes with it: shm maps every shared allocation
+    /// once at open and what the peer adds at the next catch-up (never
+    /// while the view is locked); cuda-ipc notes device registrations and
+    /// keeps why an import failed; a peer not proven local gets neither.
+    #[test]
+    fn route_states_open_with_a_peer_follow_its_registrations_and_close_with_it() {
+        let desc = SegmentDescriptor {
+            endpoint: "peer".into(),
+            epoch: 7,
+            registry_version: 1,
+            pid: 1,
+            boot_id: [1; 16],
+            inbox: String::new(),
+            local_socket: String::new(),
+            registrations: vec![reg(1, Some("a"), None), reg(2, Some("a"), None), reg(3, None, Some(0))],
+        };
+        let counters = Arc::new(crate::charge::Counters::default());
+        let host = SameHost { cma: Ok(()), pid: 1, ipc: Ok(counters) };
+        let socket = Socket::default();
+        let states = PeerStates::open(&PeerOpening { descriptor: &desc, same_host: Ok(&host), local: &socket });
+        assert_eq!(*socket.asked.lock(), [["a"]], "one fetch at open, each allocation once");
+        let view = RwLock::new(SegmentView::bounded(&desc, 0).unwrap());
+        let mapping = {
+            let v = view.read();
+            let reach = PeerReach { segment: &v, same_host: Ok(&host), alive: None, states: &states };
+            let shm = reach.state::<super::shm::ShmPeer>(Route::Shm).expect("shm opened its state");
+            assert!(reach.state::<super::shm::ShmPeer>(Route::CudaIpc).is_none(), "each route finds its own");
+            let maps = shm.maps_for_test();
+            maps.get("a").unwrap().as_ref().unwrap().clone()
+        };
+        assert!(states.behind(), "the device registration waits for its import");
+        // A change: noted under the view's lock, opened by the catch-up.
+        {
+            let mut v = view.write();
+            let added = vec![reg(4, Some("b"), None)];
+            let delta = crate::segment::Delta { version: 2, added: added.clone(), ..Default::default() };
+            assert!(v.apply_from(1, delta).unwrap());
+            states.changed(&v, &added);
+        }
+        assert_eq!(socket.asked.lock().len(), 1, "nothing asked while the view is locked");
+        states.catch_up(&view, &socket);
+        assert!(!states.behind());
+        assert_eq!(socket.asked.lock()[1], ["b"]);
+        {
+            let v = view.read();
+            let reach = PeerReach { segment: &v, same_host: Ok(&host), alive: None, states: &states };
+            assert!(reach.state::<super::shm::ShmPeer>(Route::Shm).unwrap().maps_for_test().contains_key("b"));
+            let refused = super::by_name(Route::CudaIpc)
+                .plan(&super::Reach::Peer(reach), &[crate::types::Desc::new(RegistrationId::from_raw(3), 0, 16)]);
+            assert!(
+                matches!(refused, Err(super::Unreachable::NotImported(Some(_)))),
+                "the import's failure is kept and said"
+            );
+        }
+        // Not proven local: no route state.
+        let why = LocalError::NoSocket;
+        let none = PeerStates::open(&PeerOpening { descriptor: &desc, same_host: Err(&why), local: &socket });
+        assert!(!none.behind());
+        assert_eq!(socket.asked.lock().len(), 2);
+        let host_off = SameHost { cma: Ok(()), pid: 1, ipc: Err(IpcOff::Disabled) };
+        let no_ipc = PeerStates::open(&PeerOpening { descriptor: &desc, same_host: Ok(&host_off), local: &socket });
+        assert!(!no_ipc.behind(), "IPC off: nothing to import");
+        // Closed with the peer: a mapping goes with its last user.
+        let weak = Arc::downgrade(&mapping);
+        drop((states, no_ipc));
+        assert!(weak.upgrade().is_some(), "its last user (here the test, elsewhere a prepared transfer) keeps it");
+        drop(mapping);
+        assert!(weak.upgrade().is_none(), "then it is unmapped");
     }
 }

@@ -3,20 +3,78 @@
 //! CPU; it lends the ranges (a Borrow) for as long as transfers may touch
 //! them.
 
-use super::{CopyKind, Mover, PeerReach, Reach, RouteImpl, Unreachable};
-use crate::segment::ExportedRegistration;
+use super::{CopyKind, LocalFetch, Mover, PeerOpening, PeerReach, PeerState, Reach, RouteImpl, Unreachable};
+use crate::segment::{ExportedRegistration, SegmentView};
+use std::collections::HashSet;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use crate::transport::mapping::{ShmMapping, map_fd, mapped_base};
+use parking_lot::{Mutex, RwLock};
+
+use crate::transport::mapping::{SharedMaps, ShmMapping, map_fd, mapped_base, unmapped};
 use crate::transport::peer_errors::{LocalError, ShareError};
 use crate::types::{Desc, Route};
 
 /// The shm route.
 pub(crate) struct Shm;
 
+/// A same-host peer's shared allocations mapped here (or why not), and
+/// those it added since, mapped by the next catch-up.
+pub(crate) struct ShmPeer {
+    maps: RwLock<SharedMaps>,
+    pending: Mutex<HashSet<String>>,
+    behind: AtomicBool,
+}
+
+#[cfg(test)]
+impl ShmPeer {
+    pub(crate) fn maps_for_test(&self) -> parking_lot::RwLockReadGuard<'_, SharedMaps> {
+        self.maps.read()
+    }
+}
+
+impl PeerState for ShmPeer {
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
+    fn changed(&self, _view: &SegmentView, added: &[ExportedRegistration]) {
+        let fresh = unmapped(&self.maps.read(), added);
+        if !fresh.is_empty() {
+            self.pending.lock().extend(fresh);
+            self.behind.store(true, Ordering::Release);
+        }
+    }
+
+    fn behind(&self) -> bool {
+        self.behind.load(Ordering::Acquire)
+    }
+
+    fn catch_up(&self, _view: &RwLock<SegmentView>, local: &dyn LocalFetch) {
+        if !self.behind.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        let names: Vec<String> = self.pending.lock().drain().collect();
+        let mapped = map_shared(&names, |n| local.shared(n));
+        let mut maps = self.maps.write();
+        for (name, m) in mapped {
+            maps.entry(name).or_insert(m);
+        }
+    }
+}
+
 impl RouteImpl for Shm {
     fn route(&self) -> Route {
         Route::Shm
+    }
+
+    /// A proven same-host peer's shared allocations, mapped at open.
+    fn open_peer(&self, peer: &PeerOpening<'_>) -> Option<Box<dyn PeerState>> {
+        peer.same_host.ok()?;
+        let names = unmapped(&SharedMaps::new(), &peer.descriptor.registrations);
+        let maps = map_shared(&names, |n| peer.local.shared(n)).into_iter().collect();
+        let (pending, behind) = (Mutex::new(HashSet::new()), AtomicBool::new(false));
+        Some(Box::new(ShmPeer { maps: RwLock::new(maps), pending, behind }))
     }
 
     fn serves(&self, target: &Reach<'_>) -> bool {
@@ -25,6 +83,7 @@ impl RouteImpl for Shm {
 
     fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {
         let (p, _) = target.same_host_peer()?;
+        let maps = p.state::<ShmPeer>(Route::Shm).ok_or(Unreachable::NotMapped)?.maps.read();
         // Each registration named is checked once (descriptors of one
         // registration usually follow one another); the shared allocations
         // they lie in are kept for a device copy to pin them.
@@ -38,7 +97,7 @@ impl RouteImpl for Shm {
             last = Some(raw);
             let r = p.segment.get(raw).ok_or(Unreachable::UnknownRegistration)?;
             let (name, offset) = r.shm.as_ref().ok_or(Unreachable::NotShared)?;
-            let map = p.maps.get(name).ok_or(Unreachable::NotMapped)?.as_ref().map_err(|_| Unreachable::MapFailed)?;
+            let map = maps.get(name).ok_or(Unreachable::NotMapped)?.as_ref().map_err(|_| Unreachable::MapFailed)?;
             if offset.checked_add(r.len).is_none_or(|end| end > map.len as u64) {
                 return Err(Unreachable::OutsideShared);
             }
@@ -56,7 +115,8 @@ impl RouteImpl for Shm {
 
     fn address(&self, target: &PeerReach<'_>, r: &ExportedRegistration) -> Result<(u64, u64), Unreachable> {
         // Addresses of its shared allocation mapped here.
-        let base = mapped_base(target.maps, r).ok_or(Unreachable::NotMapped)?;
+        let maps = target.state::<ShmPeer>(Route::Shm).ok_or(Unreachable::NotMapped)?.maps.read();
+        let base = mapped_base(&maps, r).ok_or(Unreachable::NotMapped)?;
         Ok((base, 0))
     }
 
