@@ -800,6 +800,11 @@ impl<J: CopyJob> Source for Conn<J> {
         matches!(&self.role, Role::Data(m) if self.open && m.in_flight() > 0)
     }
 
+    /// A data connection's jobs come from callers' submits.
+    fn polls(&self) -> bool {
+        matches!(self.role, Role::Data(_))
+    }
+
     /// When this connection's peer is lost if nothing moves, or else when
     /// this idle data connection sends its next keepalive.
     fn deadline(&self) -> Option<Instant> {

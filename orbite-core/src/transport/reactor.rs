@@ -179,6 +179,13 @@ pub(crate) trait Source: Send {
     fn outstanding(&self) -> bool {
         false
     }
+    /// True if its work comes from this process (jobs submitted by
+    /// callers): after its turn the loop polls a while for the next kick
+    /// rather than sleeping. A source fed by its socket alone does not
+    /// (polling would take the CPU its peer's bytes need).
+    fn polls(&self) -> bool {
+        false
+    }
     /// When [`Source::expire`] is due next (`None`: never).
     fn deadline(&self) -> Option<Instant> {
         None
@@ -413,8 +420,12 @@ impl Loop {
         // with none polls for new work.
         let mut outstanding = 0usize;
         loop {
+            // Whether this round's work came from this process (a kick, or
+            // a source that polls): then the loop polls after it.
+            let mut local_work = false;
             // Commands first: new sources, kicks, stops.
             if self.waiting.load(Ordering::SeqCst) > 0 {
+                local_work = true;
                 let cmds = std::mem::take(&mut *self.commands.lock());
                 self.waiting.fetch_sub(cmds.len(), Ordering::SeqCst);
                 for c in cmds {
@@ -444,13 +455,13 @@ impl Loop {
                     }
                 }
             }
-            let worked = !ready.is_empty();
             let mut again = Vec::new();
             ready.sort_unstable();
             ready.dedup();
             for id in ready.drain(..) {
                 let Some(e) = sources.get_mut(&id) else { continue };
                 let before = e.src.outstanding();
+                local_work |= e.src.polls();
                 let after = e.src.turn();
                 outstanding -= before as usize;
                 match after {
@@ -491,9 +502,9 @@ impl Loop {
                 outstanding = sources.values().filter(|e| e.src.outstanding()).count();
                 now = Instant::now();
             }
-            // Idle after work: poll a while (commands, and now and then the
-            // descriptors) before sleeping.
-            if worked && ready.is_empty() && outstanding == 0 && !self.spin.is_zero() {
+            // Idle after work callers gave it: poll a while (commands, and
+            // now and then the descriptors) before sleeping.
+            if local_work && ready.is_empty() && outstanding == 0 && !self.spin.is_zero() {
                 spin_until = now.checked_add(self.spin);
             }
             let timeout = if !ready.is_empty() {

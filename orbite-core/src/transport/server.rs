@@ -28,7 +28,7 @@ use crate::transport::auth::Secret;
 use crate::transport::proto::server::{
     Close, ConnEnd, Deadlines, Event, Expired, ServerBudget, ServerConn, Subscribe, TargetSide,
 };
-use crate::transport::reactor::{After, Group, Interest, Reactor, Source};
+use crate::transport::reactor::{After, Group, Interest, Reactor, Ready, Source};
 use crate::transport::sock::{Stream, tune};
 use crate::transport::watchers::{WatcherLimits, Watchers};
 use crate::wire;
@@ -399,7 +399,16 @@ impl ServerShared {
             }
             self.conns.lock().insert(t.id, (stream.clone(), peer));
             let counted = Charge::unlimited(&self.budget.counters, Counter::Connections, 1);
-            Box::new(Served { shared: self.clone(), id: t.id, stream, peer, m, queued, _counted: counted })
+            Box::new(Served {
+                shared: self.clone(),
+                id: t.id,
+                stream,
+                peer,
+                m,
+                queued,
+                readable: true,
+                _counted: counted,
+            })
         });
     }
 
@@ -428,6 +437,10 @@ struct Served {
     /// True while it is in the queue of connections that owe their
     /// handshake (the oldest is evicted first).
     queued: bool,
+    /// False once a read found the socket drained, until epoll reports it
+    /// readable again: an edge that only says the socket is writable
+    /// costs no read.
+    readable: bool,
     /// Counted in `connections` while it lives.
     _counted: Charge,
 }
@@ -444,11 +457,6 @@ impl Served {
         let fd = self.stream.as_raw_fd();
         let m = &mut self.m;
         let mut moved = 0usize;
-        // A read that filled less than it asked found the socket drained:
-        // the next would most likely fail with EAGAIN. Once the reply is
-        // out, wait instead (bytes that came meanwhile raised an edge): one
-        // system call less per request.
-        let mut drained = false;
         let after = loop {
             if moved >= shared.turn {
                 break After::Again; // others' turn
@@ -475,7 +483,7 @@ impl Served {
                     _ => break After::Close,
                 }
             }
-            if drained {
+            if !self.readable {
                 break After::Wait;
             }
             let Some(side) = shared.side.upgrade() else { break After::Close };
@@ -491,12 +499,21 @@ impl Served {
             if r < 0 {
                 match io::Error::last_os_error().kind() {
                     io::ErrorKind::Interrupted => continue,
-                    io::ErrorKind::WouldBlock => break After::Wait,
+                    io::ErrorKind::WouldBlock => {
+                        self.readable = false;
+                        break After::Wait;
+                    }
                     _ => break After::Close,
                 }
             }
             moved += r as usize;
-            drained = (r as usize) < asked;
+            // A read that filled less than it asked found the socket
+            // drained: the next would most likely fail with EAGAIN. Once
+            // the reply is out, wait for the next edge instead (bytes that
+            // came meanwhile raised one): one system call less per request.
+            if (r as usize) < asked {
+                self.readable = false;
+            }
             match m.received(r as usize, side.view()) {
                 Ok(event) => {
                     if let Some(Subscribe { epoch, request, budget, since }) = perform(m, side.as_ref(), event) {
@@ -537,6 +554,12 @@ impl Served {
 impl Source for Served {
     fn fd(&self) -> BorrowedFd<'_> {
         self.stream.as_fd()
+    }
+
+    fn ready(&mut self, ready: Ready) {
+        if ready.readable() {
+            self.readable = true;
+        }
     }
 
     fn turn(&mut self) -> After {
