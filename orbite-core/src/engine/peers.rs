@@ -47,20 +47,21 @@ impl EngineInner {
             keepalive: (c.peer_keepalive_ms > 0).then(|| Duration::from_millis(c.peer_keepalive_ms)),
         };
         use crate::transport::link::OpenError;
-        let drivers = self.initiators().map_err(|e| PeerError::Connect(format!("initiator threads: {e}")))?;
+        let initiators = self.initiators().map_err(|e| PeerError::Connect(format!("the event loop: {e}")))?;
         let secret = self.listener.secret.clone();
-        let link = PeerLink::open(&drivers, endpoint, expected_epoch, timeout, self.epoch, opts, secret).map_err(
-            |e| match e {
-                OpenError::Connect(m) => PeerError::Connect(m),
-                OpenError::Protocol(m) => PeerError::Protocol(m),
-                OpenError::EpochMismatch { expected, found } => PeerError::EpochMismatch { expected, found },
-                OpenError::Unauthenticated(m) => {
-                    self.note_auth_failure(endpoint, &format!("failed authentication: {m}"));
-                    PeerError::Unauthenticated(m)
+        let link =
+            PeerLink::open(&initiators, endpoint, expected_epoch, timeout, self.epoch, opts, secret).map_err(|e| {
+                match e {
+                    OpenError::Connect(m) => PeerError::Connect(m),
+                    OpenError::Protocol(m) => PeerError::Protocol(m),
+                    OpenError::EpochMismatch { expected, found } => PeerError::EpochMismatch { expected, found },
+                    OpenError::Unauthenticated(m) => {
+                        self.note_auth_failure(endpoint, &format!("failed authentication: {m}"));
+                        PeerError::Unauthenticated(m)
+                    }
+                    OpenError::OwnEngine => PeerError::OwnEngine { epoch: self.epoch },
                 }
-                OpenError::OwnEngine => PeerError::OwnEngine { epoch: self.epoch },
-            },
-        )?;
+            })?;
         let same_host = self.same_host(&link);
         // A peer's view holds at most as many registrations as this engine
         // would itself.
@@ -84,7 +85,7 @@ impl EngineInner {
             }
             _ => None,
         };
-        let liveness = same_host.as_ref().ok().map(|h| drivers.watch_process(h.pid));
+        let liveness = same_host.as_ref().ok().map(|h| initiators.watch_process(h.pid));
         let peer = Arc::new(Peer::new(link, endpoint, view, routes, same_host, liveness, inbox));
         // What changed between the Describe and the subscription, then
         // every change the peer pushes from now on, as it happens.

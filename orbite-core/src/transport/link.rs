@@ -263,7 +263,7 @@ pub(crate) struct PeerLink<J> {
     sink: OnceLock<ChangeSink>,
     /// The subscription's first answer, until the engine applies it.
     first: Mutex<Option<(u64, Delta)>>,
-    drivers: Arc<Initiators<J>>,
+    initiators: Arc<Initiators<J>>,
     /// The link's connections still on the reactor.
     conns: Mutex<Vec<ConnRef>>,
     gone: Condvar,
@@ -271,9 +271,9 @@ pub(crate) struct PeerLink<J> {
 
 impl<J: CopyJob> PeerLink<J> {
     /// Connects, runs the authoritative Describe exchange, checks the
-    /// epoch and hands the connections to `drivers`.
+    /// epoch and hands the connections to `initiators`.
     pub fn open(
-        drivers: &Arc<Initiators<J>>,
+        initiators: &Arc<Initiators<J>>,
         endpoint: &str,
         expected_epoch: Option<u64>,
         timeout: Duration,
@@ -395,7 +395,7 @@ impl<J: CopyJob> PeerLink<J> {
             watch: Mutex::new(watch),
             sink: OnceLock::new(),
             first: Mutex::new(first),
-            drivers: drivers.clone(),
+            initiators: initiators.clone(),
             conns: Mutex::new(Vec::new()),
             gone: Condvar::new(),
         });
@@ -403,14 +403,14 @@ impl<J: CopyJob> PeerLink<J> {
             // The local control connection takes control jobs only: data
             // tasks of the tcp route stay on TCP.
             let m = ClientConn::new(link.descriptor.epoch, link.opts.limits, link.opts.bounds(), Instant::now());
-            let me = drivers.add(&link, s, Role::Data(Box::new(m)));
+            let me = initiators.add(&link, s, Role::Data(Box::new(m)));
             let mut q = link.queue.lock();
             q.control = Some(me);
             q.control_only = true;
         }
         for s in streams {
             let m = ClientConn::new(link.descriptor.epoch, link.opts.limits, link.opts.bounds(), Instant::now());
-            let me = drivers.add(&link, s, Role::Data(Box::new(m)));
+            let me = initiators.add(&link, s, Role::Data(Box::new(m)));
             link.queue.lock().control.get_or_insert(me);
         }
         Ok(link)
@@ -532,7 +532,7 @@ impl<J: CopyJob> PeerLink<J> {
     pub fn start_watch(self: &Arc<Self>, since: u64, sink: ChangeSink) -> io::Result<()> {
         let _ = self.sink.set(sink);
         if let Some(watch) = self.watch.lock().take() {
-            self.drivers.add(
+            self.initiators.add(
                 self,
                 watch,
                 Role::Watch(Box::new(Watch { frame: FrameIn::new(), iovs: Vec::new(), since })),
@@ -580,7 +580,7 @@ impl<J: CopyJob> PeerLink<J> {
             }
         };
         if let Some(c) = kick {
-            self.drivers.kick(c);
+            self.initiators.kick(c);
         }
     }
 
@@ -620,7 +620,7 @@ impl<J: CopyJob> PeerLink<J> {
             }
         };
         for c in kick {
-            self.drivers.kick(c);
+            self.initiators.kick(c);
         }
         job
     }
@@ -662,7 +662,7 @@ impl<J: CopyJob> PeerLink<J> {
     fn kick_all(&self) {
         let conns = self.conns.lock().clone();
         for c in conns {
-            self.drivers.kick(c);
+            self.initiators.kick(c);
         }
     }
 

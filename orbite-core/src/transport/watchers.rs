@@ -8,7 +8,7 @@
 //! since its last push, each delta encoded once per round for all the
 //! watchers at the same version. A push never blocks: a watcher whose
 //! socket is full is *behind*, skipped by those rounds (a flag check), and
-//! tried again by the server's sweep (a frame half sent is finished
+//! tried again by the server's resync (a frame half sent is finished
 //! first), with everything since the last version it took, so it
 //! resynchronises once it reads again. What a watcher leaves unsent is
 //! bounded: its socket's send buffer (set to [`PUSH_BUDGET`] at
@@ -123,7 +123,7 @@ impl Subscriber {
                 if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
                     continue;
                 }
-                // Full, or gone: behind until the sweep finds room.
+                // Full, or gone: behind until a resync finds room.
                 self.behind.store(true, Ordering::Release);
                 return false;
             }
@@ -286,7 +286,8 @@ impl Watchers {
         }
     }
 
-    /// The server's sweep: tries every watcher that is behind again.
+    /// The server's resync, every few milliseconds while there are
+    /// watchers: tries every watcher that is behind again.
     pub fn resync(&self, version: u64, changes: ChangesSince<'_>) {
         let subs = self.subs.lock().clone();
         let mut deltas = Deltas::new(changes);
