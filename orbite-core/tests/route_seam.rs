@@ -1,6 +1,6 @@
 //! The engine names no route: it asks the route it picked (`RouteImpl`) and
-//! the copy kind that route planned (`CopyKind`'s methods), and never
-//! matches on a route or a copy kind itself. A new route (RDMA next) then
+//! the copier that route planned (`Copier`'s methods), and never matches on
+//! a route or a mover itself. A new route (RDMA next) then
 //! touches its own module and the policy's list, not the engine.
 //!
 //! Read from the sources of `src/engine/`, with comments and test modules
@@ -62,20 +62,20 @@ fn variants<'a>(code: &'a str, name: &str) -> Vec<&'a str> {
 }
 
 #[test]
-fn engine_code_matches_on_no_route_and_no_copy_kind() {
+fn engine_code_matches_on_no_route_and_no_mover() {
     let files = engine_sources();
     assert!(files.len() >= 5, "the engine's sources are found: {files:?}");
     let mut found = Vec::new();
     for f in &files {
         let src = std::fs::read_to_string(f).expect("a readable source");
         let code = code(&src);
-        for name in ["CopyKind", "Mover", "Route"] {
+        for name in ["Mover", "Route"] {
             for v in variants(&code, name) {
                 found.push(format!("{}: {v}", f.file_name().unwrap().to_string_lossy()));
             }
         }
     }
-    assert!(found.is_empty(), "engine code names route or copy-kind variants: {found:#?}");
+    assert!(found.is_empty(), "engine code names route or mover variants: {found:#?}");
 }
 
 /// Each route is its own module under `transport/routes`; the engine
@@ -99,9 +99,9 @@ fn engine_code_names_no_route_module() {
 
 #[test]
 fn the_scan_sees_variants_and_skips_comments_and_tests() {
-    let src = "let k = CopyKind::Memory; // CopyKind::Frames\nRoutePolicy::Auto; crate::types::Route::Tcp\n\
-               #[cfg(test)]\nmod tests { CopyKind::File }";
+    let src = "let k = Mover::Copy(c); // Mover::Frames\nRoutePolicy::Auto; crate::types::Route::Tcp\n\
+               #[cfg(test)]\nmod tests { Mover::Frames }";
     let c = code(src);
-    assert_eq!(variants(&c, "CopyKind"), ["CopyKind::Memory"]);
+    assert_eq!(variants(&c, "Mover"), ["Mover::Copy"]);
     assert_eq!(variants(&c, "Route"), ["Route::Tcp"]);
 }

@@ -203,7 +203,7 @@ pub(crate) fn build(
     let mover = mover.for_memory(&loans, config, pool).map_err(|e| Error::NotSupported(e.to_string()))?;
     let cut = mover.task_bytes(config.task_bytes);
     let program = build_program(spec.op, mover, &local, &remote, cut);
-    if let Some((index, reason)) = program.device_overlaps() {
+    if let Some((index, reason)) = program.mover.copies().and_then(|c| c.refuse(program.op, &program.spans)) {
         return Err(BatchError::InvalidDescriptor { side: "remote", index, reason }.into());
     }
     let plan = Plan {
@@ -269,7 +269,17 @@ fn build_program(op: Op, mover: Mover, local: &[Resolved], remote: &[Resolved], 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::routes::CopyKind;
+
+    /// The self connection's copies.
+    fn memory() -> Mover {
+        Mover::Copy(Box::new(crate::transport::routes::loopback::Memory))
+    }
+
+    /// The file route's copies of `entry`.
+    fn file(entry: Arc<crate::file::Entry>, bounce: &Arc<crate::file::BouncePool>) -> Mover {
+        let target = Reach::File(&entry, bounce);
+        crate::transport::routes::by_name(crate::types::Route::File).plan(&target, &[]).unwrap()
+    }
 
     fn r(addr: u64, len: u64) -> Resolved {
         Resolved { addr, reg: 0, len }
@@ -286,10 +296,10 @@ mod tests {
         std::fs::write(&path, vec![0u8; 4096]).unwrap();
         let bounce = BouncePool::new(1 << 20);
         let buffered = Arc::new(Entry::open(&path, FileMode::ReadWrite, OpenFlags::default()).unwrap());
-        assert_eq!(Mover::Copy(CopyKind::File(buffered, bounce.clone())).task_bytes(1 << 20), 1 << 20);
+        assert_eq!(file(buffered, &bounce).task_bytes(1 << 20), 1 << 20);
         match Entry::open(&path, FileMode::ReadWrite, OpenFlags { direct: true, ..OpenFlags::default() }) {
             Ok(direct) => {
-                let kind = Mover::Copy(CopyKind::File(Arc::new(direct), bounce));
+                let kind = file(Arc::new(direct), &bounce);
                 assert_eq!(kind.task_bytes(1 << 20), DIRECT_TASK_BYTES);
                 assert_eq!(kind.task_bytes(64 << 20), 64 << 20, "a larger setting stands");
                 let one = [r(0, 48 << 20)];
@@ -299,19 +309,13 @@ mod tests {
             }
             Err(e) => println!("SKIP: {} refuses O_DIRECT here ({e})", path.display()),
         }
-        assert_eq!(Mover::Copy(CopyKind::Memory).task_bytes(1 << 20), 1 << 20);
+        assert_eq!(memory().task_bytes(1 << 20), 1 << 20);
         std::fs::remove_file(&path).unwrap();
     }
 
     #[test]
     fn different_fragmentations_meet_in_spans() {
-        let p = build_program(
-            Op::Write,
-            Mover::Copy(CopyKind::Memory),
-            &[r(1000, 10), r(2000, 20)],
-            &[r(5000, 25), r(9000, 5)],
-            1 << 20,
-        );
+        let p = build_program(Op::Write, memory(), &[r(1000, 10), r(2000, 20)], &[r(5000, 25), r(9000, 5)], 1 << 20);
         assert_eq!(flatten(&p), vec![(1000, 5000, 10), (2000, 5010, 15), (2015, 9000, 5)]);
         assert_eq!(p.tasks.len(), 1);
         assert_eq!(p.tasks[0].bytes, 30);
@@ -321,7 +325,7 @@ mod tests {
     fn contiguous_descriptors_merge_and_tasks_split_large_ones() {
         let p = build_program(
             Op::Read,
-            Mover::Copy(CopyKind::Memory),
+            memory(),
             &[r(0x1000, 4), r(0x1004, 4), r(0x1008, 16)],
             &[r(0x8000, 8), r(0x8008, 16)],
             10,
@@ -336,12 +340,12 @@ mod tests {
 
     #[test]
     fn spans_never_merge_across_tasks_or_remote_registrations() {
-        let p = build_program(Op::Write, Mover::Copy(CopyKind::Memory), &[r(0, 8)], &[r(100, 8)], 4);
+        let p = build_program(Op::Write, memory(), &[r(0, 8)], &[r(100, 8)], 4);
         assert_eq!(p.tasks.len(), 2);
         assert_eq!(p.task_spans(1)[0].local, 4);
         let a = Resolved { addr: 0, reg: 1, len: 4 };
         let b = Resolved { addr: 4, reg: 2, len: 4 };
-        let p = build_program(Op::Write, Mover::Copy(CopyKind::Memory), &[r(0, 8)], &[a, b], 100);
+        let p = build_program(Op::Write, memory(), &[r(0, 8)], &[a, b], 100);
         assert_eq!(p.spans.len(), 2, "same offsets in different registrations never merge");
     }
 
@@ -350,7 +354,7 @@ mod tests {
         let n = MAX_SPANS_PER_TASK as u64 + 10;
         let local: Vec<Resolved> = (0..n).map(|i| r(i * 2, 1)).collect();
         let remote: Vec<Resolved> = (0..n).map(|i| r(100_000 + i * 2, 1)).collect();
-        let p = build_program(Op::Write, Mover::Copy(CopyKind::Memory), &local, &remote, 1 << 30);
+        let p = build_program(Op::Write, memory(), &local, &remote, 1 << 30);
         assert_eq!(p.tasks.len(), 2);
         assert_eq!(p.task_spans(0).len() as u32, MAX_SPANS_PER_TASK);
     }

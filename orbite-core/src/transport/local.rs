@@ -268,7 +268,7 @@ const STAGED_DEPTH: usize = 2;
 struct InFlight<J> {
     job: J,
     planned: u64,
-    issued: crate::transport::routes::device::Issued,
+    issued: Box<dyn crate::transport::routes::Posted>,
 }
 
 fn work<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
@@ -289,10 +289,10 @@ fn work<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
                     // has room for; until then the oldest task in flight
                     // completes and gives its buffer back.
                     let kind = job.program().mover.copies();
-                    if kind.is_some_and(|k| k.stages_in_one(job.spans())) {
+                    if kind.is_some_and(|k| k.holds_buffer(job.spans())) {
                         while !in_flight.is_empty()
-                            && (in_flight.iter().filter(|f| f.issued.is_staged()).count() >= STAGED_DEPTH
-                                || !kind.is_some_and(|k| k.staging_room(job.spans())))
+                            && (in_flight.iter().filter(|f| f.issued.holds_buffer()).count() >= STAGED_DEPTH
+                                || !kind.is_some_and(|k| k.buffer_room(job.spans())))
                         {
                             if let Some(f) = in_flight.pop_front() {
                                 complete(shared, f);
@@ -371,7 +371,7 @@ fn dispatch<J: CopyJob>(
     }
     let began = Instant::now();
     let p = job.program();
-    let issued = p.mover.copies().and_then(|k| k.issue(p.op, job.spans(), u64::MAX));
+    let issued = p.mover.copies().and_then(|k| k.post(p.op, job.spans(), u64::MAX));
     shared.busy_ns.fetch_add(began.elapsed().as_nanos() as u64, Ordering::Relaxed);
     match issued {
         None => start(shared, job, directive),
@@ -386,15 +386,10 @@ fn dispatch<J: CopyJob>(
     }
 }
 
-/// Waits for a queued device task and reports it.
+/// Waits for a posted task and reports it.
 fn complete<J: CopyJob>(shared: &Arc<RouteShared<J>>, f: InFlight<J>) {
     let began = Instant::now();
-    let p = f.job.program();
-    // Only copies issue (`dispatch`).
-    let (done, failed) = match p.mover.copies() {
-        Some(kind) => kind.complete(p.op, f.issued),
-        None => (0, Some(TaskEnd::Failed { effect_unknown: true })),
-    };
+    let (done, failed) = f.issued.finish();
     shared.busy_ns.fetch_add(began.elapsed().as_nanos() as u64, Ordering::Relaxed);
     f.job.finish(TaskReport { planned: f.planned, done, end: failed.unwrap_or(TaskEnd::Complete) });
 }
@@ -422,7 +417,7 @@ fn copy<J: CopyJob>(job: &mut J, limit: u64, busy_ns: &AtomicU64) -> (u64, Optio
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::transport::routes::{CopyKind, Mover};
+    use crate::transport::routes::{Mover, loopback::Memory};
     use crate::transport::{CopyProgram, Span, TaskRange};
     use crate::types::Op;
 
@@ -464,7 +459,7 @@ mod tests {
         let job = |owner: usize, helpable: bool, k: usize| Job {
             program: CopyProgram {
                 op: Op::Write,
-                mover: Mover::Copy(CopyKind::Memory),
+                mover: Mover::Copy(Box::new(Memory)),
                 spans: vec![Span { local: src.as_ptr() as u64, remote: dst[k].as_ptr() as u64, remote_reg: 0, len: 8 }],
                 tasks: vec![TaskRange { first_span: 0, end_span: 1, bytes: 8 }],
             },

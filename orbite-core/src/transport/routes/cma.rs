@@ -5,7 +5,7 @@
 
 use std::io;
 
-use super::{CopyKind, Mover, PeerReach, Reach, RouteImpl, Unreachable};
+use super::{Copier, LocalSide, Mover, NoDeviceCopy, PeerReach, Reach, RouteImpl, Unreachable};
 use crate::segment::ExportedRegistration;
 use crate::transport::Span;
 use crate::transport::liveness::LivenessCheck;
@@ -33,7 +33,7 @@ impl RouteImpl for Cma {
             return Err(Unreachable::PeerDeviceMemory(device));
         }
         // The pid the kernel reported for the proven peer.
-        Ok(Mover::Copy(CopyKind::Cma { pid: h.pid, peer_alive: p.alive.map(|l| l.handle()) }))
+        Ok(Mover::Copy(Box::new(Attach { pid: h.pid, peer_alive: p.alive.map(|l| l.handle()) })))
     }
 
     fn auto_reason(&self) -> Option<&'static str> {
@@ -50,21 +50,34 @@ impl RouteImpl for Cma {
     }
 }
 
-/// A cma task: copies, then checks that the peer still runs.
-pub(crate) fn copy_task(
+/// Cross-memory copies into process `pid` (remote addresses are the
+/// peer's), checked after each task as for shm.
+pub(crate) struct Attach {
     pid: i32,
-    op: Op,
-    spans: &[Span],
-    limit: u64,
-    peer_alive: Option<&LivenessCheck>,
-) -> (u64, Option<TaskEnd>) {
-    // SAFETY: the job retains the range loans of every local span
-    // (CopyJob contract); remote addresses are checked by the kernel.
-    match unsafe { copy(pid, op, spans, limit) } {
-        Ok(done) => (done, crate::transport::liveness::after_one_sided(op, peer_alive)),
-        // A WRITE into a peer that failed (or died) mid-copy may have
-        // landed more than we can prove.
-        Err((done, _)) => (done, Some(TaskEnd::Failed { effect_unknown: op == Op::Write })),
+    peer_alive: Option<LivenessCheck>,
+}
+
+impl Copier for Attach {
+    fn name(&self) -> &'static str {
+        "cross-memory copies"
+    }
+
+    /// Copies, then checks that the peer still runs.
+    fn copy(&self, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
+        // SAFETY: the job retains the range loans of every local span
+        // (CopyJob contract); remote addresses are checked by the kernel.
+        match unsafe { copy(self.pid, op, spans, limit) } {
+            Ok(done) => (done, crate::transport::liveness::after_one_sided(op, self.peer_alive.as_ref())),
+            // A WRITE into a peer that failed (or died) mid-copy may have
+            // landed more than we can prove.
+            Err((done, _)) => (done, Some(TaskEnd::Failed { effect_unknown: op == Op::Write })),
+        }
+    }
+
+    /// Device memory on the local side: staged through page-locked
+    /// buffers (the peer's private memory is not mapped here).
+    fn with_local(self: Box<Self>, local: &LocalSide<'_>) -> Result<Box<dyn Copier>, NoDeviceCopy> {
+        Ok(super::staging::Staged::over(self, local))
     }
 }
 

@@ -10,12 +10,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::{Mutex, RwLock};
 
-use super::CopyKind;
-use super::{LocalFetch, Mover, PeerOpening, PeerReach, PeerState, Reach, RouteImpl, Unreachable};
+use super::{
+    Copier, LocalFetch, LocalSide, Mover, NoDeviceCopy, PeerOpening, PeerReach, PeerState, Posted, Reach, RouteImpl,
+    Unreachable,
+};
 use crate::segment::{ExportedRegistration, SegmentView};
+use crate::transport::Span;
+use crate::transport::liveness::LivenessCheck;
 use crate::transport::mapping::{Imported, Imports};
 use crate::transport::peer_errors::ImportError;
-use crate::types::{Desc, Route};
+use crate::types::{Desc, Op, Route, TaskEnd};
 
 /// The cuda-ipc route.
 pub(crate) struct CudaIpc;
@@ -152,7 +156,7 @@ impl RouteImpl for CudaIpc {
                 state.imports.read().values().filter_map(|i| i.as_ref().ok()).map(|i| i.mapping.clone()).collect();
             mappings.sort_unstable_by_key(|m| m.ptr);
             mappings.dedup_by_key(|m| m.ptr);
-            Ok(Mover::Copy(CopyKind::Ipc { mappings, peer_alive: p.alive.map(|l| l.handle()), pins: Vec::new() }))
+            Ok(Mover::Copy(Box::new(Ipc { mappings, peer_alive: p.alive.map(|l| l.handle()), pins: Vec::new() })))
         }
     }
 
@@ -177,19 +181,63 @@ impl RouteImpl for CudaIpc {
     }
 }
 
+/// Copies into (or out of) a same-host peer's device memory opened
+/// through CUDA IPC: `remote` are addresses of `mappings` (sorted by
+/// address, kept open while the program lives), copied by the driver on
+/// the worker's stream; checked after each task as for shm.
+pub(crate) struct Ipc {
+    mappings: Vec<Arc<crate::cuda::IpcMapping>>,
+    peer_alive: Option<LivenessCheck>,
+    /// This engine's host registrations named, pinned as for the driver
+    /// copies of the self connection.
+    pins: Vec<Arc<crate::cuda::HostPin>>,
+}
+
+impl Copier for Ipc {
+    fn name(&self) -> &'static str {
+        "CUDA IPC copies"
+    }
+
+    fn copy(&self, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
+        super::device::post_and_finish(self, op, spans, limit)
+    }
+
+    fn post(&self, op: Op, spans: &[Span], limit: u64) -> Option<Result<Box<dyn Posted>, (u64, Option<TaskEnd>)>> {
+        Some(match copies(&self.mappings, op, spans, limit) {
+            Ok(Some((device, copies))) => {
+                for p in &self.pins {
+                    p.ensure(device);
+                }
+                super::device::issue(device, &copies, self.peer_alive.clone(), op)
+            }
+            Ok(None) => Err((0, None)),
+            Err(end) => Err((0, Some(end))),
+        })
+    }
+
+    /// The driver copies already, whatever the local side is; its host
+    /// registrations are pinned for it.
+    fn with_local(self: Box<Self>, local: &LocalSide<'_>) -> Result<Box<dyn Copier>, NoDeviceCopy> {
+        Ok(Box::new(Ipc { pins: local.pins.clone(), ..*self }))
+    }
+
+    fn waits(&self) -> bool {
+        true
+    }
+}
+
 /// The driver copies of an IPC task, for this thread's stream of the
 /// device the first span's mapping is on: `(device, copies)`, `None` for
 /// nothing to copy. Every span's peer range must lie inside one of
 /// `mappings` (sorted by address; a local check, whatever prepare
 /// resolved), or the task fails before any copy.
 #[allow(clippy::type_complexity, reason = "one use")]
-pub(crate) fn copies(
+fn copies(
     mappings: &[Arc<crate::cuda::IpcMapping>],
-    op: crate::types::Op,
-    spans: &[crate::transport::Span],
+    op: Op,
+    spans: &[Span],
     limit: u64,
-) -> Result<Option<(u32, Vec<(u64, u64, u64)>)>, crate::types::TaskEnd> {
-    use crate::types::{Op, TaskEnd};
+) -> Result<Option<(u32, Vec<(u64, u64, u64)>)>, TaskEnd> {
     // `mappings` are sorted by address and do not overlap.
     let inside = |addr: u64, len: u64| {
         let at = mappings.partition_point(|m| m.ptr <= addr).checked_sub(1)?;

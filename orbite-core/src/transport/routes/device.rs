@@ -1,25 +1,63 @@
 //! Driver copies (feature `cuda`): the self connection, and shm into a
 //! same-host peer's mapping, with CUDA device memory on the local side
-//! (`CopyKind::Device`); cuda-ipc's copies run the same way. A task's
-//! copies are queued on the worker's stream ([`Issued`]) and waited for
-//! with an event. Copies whose source and destination overlap are cut
+//! ([`Device`]); cuda-ipc's copies run the same way. A task's copies are
+//! queued on the worker's stream ([`Issued`]) and waited for with an
+//! event. Copies whose source and destination overlap are cut
 //! into pieces in memmove order.
 
-use super::CopyKind;
-use crate::transport::{CopyProgram, Span};
-use crate::types::Op;
+use std::sync::Arc;
 
-impl CopyProgram {
-    /// Device copies within one engine whose source and destination
-    /// overlap are cut into pieces (memmove semantics): the first span
-    /// that would need more than [`MAX_OVERLAP_PIECES`] copies, and why.
-    pub(crate) fn device_overlaps(&self) -> Option<(usize, String)> {
-        let p = self;
-        if !matches!(p.mover.copies(), Some(CopyKind::Device { .. })) {
-            return None;
+use super::{Copier, LocalSide, NoDeviceCopy, Posted};
+use crate::transport::Span;
+use crate::transport::liveness::LivenessCheck;
+use crate::types::{Op, TaskEnd};
+
+/// Driver copies on the worker's own stream of `device`, waited for with
+/// an event before the task reports (feature `cuda`); never run on the
+/// posting thread. Remote addresses are this process's: its own memory
+/// (the self connection), or a same-host peer's shared allocations mapped
+/// here (shm, checked after each task as for shm's CPU copies).
+///
+/// The host memory named (`pins`: this engine's host registrations, or
+/// the peer's mappings) is page-locked for the driver on the first task,
+/// so the copy engine reaches it without a bounce.
+pub(crate) struct Device {
+    /// The CUDA ordinal of the first device registration named.
+    pub(super) device: u32,
+    pub(super) pins: Vec<Arc<crate::cuda::HostPin>>,
+    pub(super) peer_alive: Option<LivenessCheck>,
+}
+
+impl Copier for Device {
+    fn name(&self) -> &'static str {
+        "driver copies"
+    }
+
+    fn copy(&self, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
+        post_and_finish(self, op, spans, limit)
+    }
+
+    fn post(&self, op: Op, spans: &[Span], limit: u64) -> Option<Result<Box<dyn Posted>, (u64, Option<TaskEnd>)>> {
+        for p in &self.pins {
+            p.ensure(self.device);
         }
-        p.spans.iter().enumerate().find_map(|(index, s)| {
-            let (src, dst) = match p.op {
+        Some(issue(self.device, &copies(op, spans, limit), self.peer_alive.clone(), op))
+    }
+
+    fn with_local(self: Box<Self>, local: &LocalSide<'_>) -> Result<Box<dyn Copier>, NoDeviceCopy> {
+        local.host_only(self)
+    }
+
+    fn waits(&self) -> bool {
+        true
+    }
+
+    /// Copies within one engine whose source and destination overlap are
+    /// cut into pieces (memmove semantics): the first span that would
+    /// need more than [`MAX_OVERLAP_PIECES`] copies, and why.
+    fn refuse(&self, op: Op, spans: &[Span]) -> Option<(usize, String)> {
+        spans.iter().enumerate().find_map(|(index, s)| {
+            let (src, dst) = match op {
                 Op::Write => (s.local, s.remote),
                 Op::Read => (s.remote, s.local),
             };
@@ -34,10 +72,45 @@ impl CopyProgram {
             })
         })
     }
+
+    fn device_note(&self) -> Option<String> {
+        let d = self.device;
+        Some(match self.peer_alive {
+            None => format!("CUDA device memory (device {d}) by driver copies"),
+            Some(_) => {
+                format!("CUDA device memory (device {d}) by driver copies straight into the peer's shared memory")
+            }
+        })
+    }
 }
 
-/// The driver copies of a `Device` task: (destination, source, bytes).
-pub(super) fn copies(op: Op, spans: &[Span], limit: u64) -> Vec<(u64, u64, u64)> {
+/// A posting copier's task run to its end on the calling thread.
+pub(super) fn post_and_finish(c: &dyn Copier, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
+    match c.post(op, spans, limit) {
+        Some(Ok(posted)) => posted.finish(),
+        Some(Err(ended)) => ended,
+        None => (0, Some(TaskEnd::Failed { effect_unknown: false })),
+    }
+}
+
+/// Queues `copies` on this thread's stream of `device`.
+pub(super) fn issue(
+    device: u32,
+    copies: &[(u64, u64, u64)],
+    peer_alive: Option<LivenessCheck>,
+    op: Op,
+) -> Result<Box<dyn Posted>, (u64, Option<TaskEnd>)> {
+    let bytes = copies.iter().map(|c| c.2).sum();
+    match crate::cuda::issue_on_stream(device, copies) {
+        Ok(ticket) => Ok(Box::new(Issued { ticket, bytes, peer_alive, op })),
+        // The bytes of the copies before the failing one landed; whether
+        // the failing one wrote anything is not known.
+        Err((done, _why)) => Err((done, Some(TaskEnd::Failed { effect_unknown: true }))),
+    }
+}
+
+/// The driver copies of a [`Device`] task: (destination, source, bytes).
+fn copies(op: Op, spans: &[Span], limit: u64) -> Vec<(u64, u64, u64)> {
     let mut copies = Vec::with_capacity(spans.len());
     let mut left = limit;
     for s in spans {
@@ -55,25 +128,28 @@ pub(super) fn copies(op: Op, spans: &[Span], limit: u64) -> Vec<(u64, u64, u64)>
     copies
 }
 
-/// A task's driver copies queued on the worker's stream
-/// ([`CopyKind::issue`](super::CopyKind::issue)), to be completed on the same thread.
-pub(crate) struct Issued {
-    pub(super) ticket: crate::cuda::Ticket,
-    pub(super) bytes: u64,
-    /// A staged task's buffer and what is left to do after the device.
-    pub(super) staged: Option<super::staging::StagedTask>,
+/// A task's driver copies queued on the worker's stream, to be finished
+/// on the same thread.
+struct Issued {
+    ticket: crate::cuda::Ticket,
+    bytes: u64,
+    /// A same-host peer whose memory the copies reach: checked after them.
+    peer_alive: Option<LivenessCheck>,
+    op: Op,
 }
 
-impl Issued {
-    /// Whether a staging buffer is held until it completes.
-    pub(crate) fn is_staged(&self) -> bool {
-        self.staged.is_some()
+impl Posted for Issued {
+    fn await_done(&self) {
+        crate::cuda::await_ticket(&self.ticket);
     }
 
-    /// Sleeps until these copies (and those queued before them on the
-    /// same stream) are done.
-    pub(crate) fn await_done(&self) {
-        crate::cuda::await_ticket(&self.ticket);
+    /// A same-host peer that died meanwhile fails the task, as for a CPU
+    /// copy into its memory.
+    fn finish(self: Box<Self>) -> (u64, Option<TaskEnd>) {
+        match crate::cuda::wait_ticket(self.ticket) {
+            Ok(()) => (self.bytes, crate::transport::liveness::after_one_sided(self.op, self.peer_alive.as_ref())),
+            Err(_why) => (0, Some(TaskEnd::Failed { effect_unknown: true })),
+        }
     }
 }
 

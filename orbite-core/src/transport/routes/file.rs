@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::{CopyKind, Mover, Reach, RouteImpl, Unreachable};
+use super::{Copier, LocalSide, Mover, NoDeviceCopy, Reach, RouteImpl, Unreachable};
 use crate::file::{BouncePool, Entry, FileIo, FileOp, FileSpan};
 use crate::transport::Span;
 use crate::types::{Desc, Op, Route, TaskEnd};
@@ -26,8 +26,50 @@ impl RouteImpl for File {
 
     fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<Mover, Unreachable> {
         match target {
-            Reach::File(entry, bounce) => Ok(Mover::Copy(CopyKind::File(Arc::clone(entry), Arc::clone(bounce)))),
+            Reach::File(entry, bounce) => {
+                Ok(Mover::Copy(Box::new(FileCopy { entry: Arc::clone(entry), bounce: Arc::clone(bounce) })))
+            }
             _ => Err(Unreachable::NotFile),
+        }
+    }
+}
+
+/// Reads and writes of a local file: `remote` are offsets in it;
+/// unaligned spans of a direct file bounce through the engine's pool.
+pub(crate) struct FileCopy {
+    entry: Arc<Entry>,
+    bounce: Arc<BouncePool>,
+}
+
+impl Copier for FileCopy {
+    fn name(&self) -> &'static str {
+        "file I/O"
+    }
+
+    fn copy(&self, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
+        copy(&self.entry, &self.bounce, op, spans, limit)
+    }
+
+    /// Files take host memory only: device memory bounces through the
+    /// staging pool's page-locked buffers, as for cma.
+    fn with_local(self: Box<Self>, local: &LocalSide<'_>) -> Result<Box<dyn Copier>, NoDeviceCopy> {
+        Ok(super::staging::Staged::over(self, local))
+    }
+
+    /// Not a direct file's: its read-modify-write may wait for another
+    /// task's write of the same file (a helping caller never waits on a
+    /// copy).
+    fn helpable(&self) -> bool {
+        self.entry.dio_align().is_none()
+    }
+
+    /// A worker waits for all of one task's operations on a direct file,
+    /// so those tasks are cut larger: their operations are what is in
+    /// flight at the device.
+    fn task_bytes(&self, configured: u64) -> u64 {
+        match self.entry.dio_align() {
+            Some(_) => configured.max(crate::file::DIRECT_TASK_BYTES),
+            None => configured,
         }
     }
 }
@@ -40,7 +82,7 @@ thread_local! {
 /// A file task (at most `limit` bytes): bytes landed are exact (a READ that
 /// meets the end of the file is short); an I/O error is a failure, a
 /// WRITE's effect then unknown.
-pub(crate) fn copy(entry: &Entry, bounce: &BouncePool, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
+fn copy(entry: &Entry, bounce: &BouncePool, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
     let write = op == Op::Write;
     let mut left = limit;
     let file_spans: Vec<FileSpan> = spans

@@ -1,9 +1,9 @@
 //! The self connection: copies between registrations of this engine (what
 //! NIXL uses for local transfers), on the local workers.
 
-use super::{CopyKind, Mover, Reach, RouteImpl, Unreachable};
+use super::{Copier, LocalSide, Mover, NoDeviceCopy, Reach, RouteImpl, Unreachable};
 use crate::transport::Span;
-use crate::types::{Desc, Op, Route};
+use crate::types::{Desc, Op, Route, TaskEnd};
 
 /// The self-connection route.
 pub(crate) struct Loopback;
@@ -23,9 +23,31 @@ impl RouteImpl for Loopback {
 
     fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<Mover, Unreachable> {
         match target {
-            Reach::Loopback => Ok(Mover::Copy(CopyKind::Memory)),
+            Reach::Loopback => Ok(Mover::Copy(Box::new(Memory))),
             _ => Err(Unreachable::NotThisEngine),
         }
+    }
+}
+
+/// Copies between addresses of this process (the self connection).
+#[derive(Debug)]
+pub(crate) struct Memory;
+
+impl Copier for Memory {
+    fn name(&self) -> &'static str {
+        "memory copies"
+    }
+
+    fn copy(&self, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
+        // SAFETY: the job retains the range loans of every span, and the
+        // lifecycle admits each task once.
+        (unsafe { copy_spans(op, spans, limit) }, None)
+    }
+
+    /// Device memory on the local side: driver copies.
+    fn with_local(self: Box<Self>, local: &LocalSide<'_>) -> Result<Box<dyn Copier>, NoDeviceCopy> {
+        let Some(device) = local.device else { return Ok(self) };
+        Ok(Box::new(super::device::Device { device, pins: local.pins.clone(), peer_alive: None }))
     }
 }
 

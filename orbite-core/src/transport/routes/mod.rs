@@ -4,8 +4,8 @@
 //! file; RDMA next) is one module here implementing [`RouteImpl`]: its
 //! capability check and copy program at prepare ([`RouteImpl::plan`]),
 //! how it addresses a target's ranges, whether the target must lend it
-//! the ranges, and where its tasks run; its copies are the [`CopyKind`]
-//! it plans, whose execution lives in the same module. [`choose`] is the
+//! the ranges, and where its tasks run; its copies are the [`Copier`] it
+//! plans, which lives in the same module. [`choose`] is the
 //! policy: the route list, in the order `auto` prefers, and why one was
 //! picked. The engine asks this interface and names no route.
 //!
@@ -33,7 +33,7 @@ use std::sync::Arc;
 use parking_lot::RwLock;
 
 use crate::segment::{ExportedRegistration, SegmentDescriptor, SegmentView};
-use crate::transport::liveness::{LivenessCheck, PeerLiveness};
+use crate::transport::liveness::PeerLiveness;
 use crate::transport::peer_errors::{CmaRefused, ImportError, IpcOff, LocalError, ShareError};
 use crate::transport::{PeerError, Span};
 use crate::types::{Desc, Op, Route, RouteChoice, RoutePolicy, TaskEnd};
@@ -344,186 +344,131 @@ fn name(route: Route) -> &'static str {
     }
 }
 
-/// Device memory with a copy kind that cannot take it.
+/// Device memory with a copier that cannot take it.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("CUDA device memory (device {device}) with {kind}")]
 pub(crate) struct NoDeviceCopy {
     pub device: u32,
-    pub kind: String,
+    pub kind: &'static str,
 }
 
-/// How a program's spans are copied: one kind per way of moving bytes.
-#[derive(Debug)]
-pub(crate) enum CopyKind {
-    /// Both sides are addresses of this process (the self connection).
-    Memory,
-    /// `remote` are addresses of a peer's shared allocation mapped here;
-    /// the peer process is checked after each task (bytes that went into
-    /// a dead peer's memory did not reach it).
-    Mapped {
-        peer_alive: Option<LivenessCheck>,
-        /// The target ranges' shared allocations, for a device copy to
-        /// pin them for the driver (feature `cuda`).
-        shared_pins: Vec<Arc<crate::cuda::HostPin>>,
-    },
-    /// `remote` are addresses in process `pid` (cross-memory copies),
-    /// checked after each task as for `Mapped`.
-    Cma { pid: i32, peer_alive: Option<LivenessCheck> },
-    /// `remote` are offsets in a local file; unaligned spans of a direct
-    /// file bounce through the engine's pool.
-    File(Arc<crate::file::Entry>, Arc<crate::file::BouncePool>),
-    /// The self connection with CUDA device memory on either side (or
-    /// both): driver copies on the worker's own stream of `device`, waited
-    /// for with an event before the task reports (feature `cuda`). Never
-    /// run on the posting thread.
-    /// A same-host peer's shared allocations mapped here (shm) with CUDA
-    /// device memory on the local side: the same driver copies straight
-    /// into or out of the mapping, no staging; checked after each task as
-    /// for `Mapped`.
-    ///
-    /// The host memory named (`pins`: this engine's host registrations,
-    /// or the peer's mappings) is page-locked for the driver on the first
-    /// task, so the copy engine reaches it without a bounce.
-    Device {
-        /// The CUDA ordinal of the first device registration named.
-        device: u32,
-        pins: Vec<Arc<crate::cuda::HostPin>>,
-        peer_alive: Option<LivenessCheck>,
-    },
-    /// A same-host peer's device memory opened through CUDA IPC: `remote`
-    /// are addresses of `mappings` (sorted by address, kept open while the
-    /// program lives),
-    /// copied by the driver on the worker's stream; checked after each
-    /// task as for `Cma`.
-    Ipc {
-        mappings: Vec<Arc<crate::cuda::IpcMapping>>,
-        peer_alive: Option<LivenessCheck>,
-        /// This engine's host registrations named, pinned as for `Device`.
-        pins: Vec<Arc<crate::cuda::HostPin>>,
-    },
-    /// A same-host route that cannot reach device memory (`inner`: cma)
-    /// with CUDA device memory on the local side: each task is bounced
-    /// through page-locked buffers of `chunk` bytes from `pool`
-    /// ([`staged`]).
-    Staged {
-        device: u32,
-        /// `staging_chunk_bytes`.
-        chunk: u64,
-        pool: Arc<staging::StagingPool>,
-        inner: Box<CopyKind>,
-    },
+/// A transfer's local side, as a copier adapts to it at prepare
+/// ([`Copier::with_local`]).
+pub(crate) struct LocalSide<'a> {
+    /// The CUDA device of the first device registration named, if any.
+    pub device: Option<u32>,
+    /// This engine's host registrations named, to be page-locked for the
+    /// driver (empty unless `cuda_pin_host`).
+    pub pins: Vec<Arc<crate::cuda::HostPin>>,
+    /// `cuda_pin_host`.
+    pub pin_host: bool,
+    /// `staging_chunk_bytes`.
+    pub chunk: u64,
+    pub pool: &'a Arc<staging::StagingPool>,
 }
 
-impl CopyKind {
+impl LocalSide<'_> {
+    /// The refusal for a copier that takes no device memory (none with
+    /// host memory only).
+    pub(crate) fn host_only(&self, copier: Box<dyn Copier>) -> Result<Box<dyn Copier>, NoDeviceCopy> {
+        match self.device {
+            None => Ok(copier),
+            Some(device) => Err(NoDeviceCopy { device, kind: copier.name() }),
+        }
+    }
+}
+
+/// How a route's tasks are copied by this process: what its
+/// [`RouteImpl::plan`] returns, run by the local workers (or a helping
+/// caller). Each route's copier lives in its module; a route that posts
+/// work and is told of its completion later (a device's stream, an RDMA
+/// queue pair) implements [`Copier::post`].
+pub(crate) trait Copier: Send + Sync + 'static {
+    /// Its name, for refusals.
+    fn name(&self) -> &'static str;
+
     /// Copies `spans` (at most `limit` bytes) on the calling thread: the
     /// bytes moved and, on failure, how the task ended.
-    pub(crate) fn copy(&self, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
-        match self {
-            // SAFETY: the job retains the range loans of every span, and
-            // the lifecycle admits each task once.
-            CopyKind::Memory => (unsafe { loopback::copy_spans(op, spans, limit) }, None),
-            CopyKind::Mapped { peer_alive, .. } => shm::copy(op, spans, limit, peer_alive.as_ref()),
-            CopyKind::Cma { pid, peer_alive } => cma::copy_task(*pid, op, spans, limit, peer_alive.as_ref()),
-            CopyKind::File(entry, bounce) => file::copy(entry, bounce, op, spans, limit),
-            CopyKind::Device { .. } | CopyKind::Ipc { .. } => match self.issue(op, spans, limit) {
-                Some(Ok(issued)) => self.complete(op, issued),
-                Some(Err(ended)) => ended,
-                None => unreachable!("device kinds issue"),
-            },
-            CopyKind::Staged { device, chunk, pool, inner } => {
-                staging::copy(pool, *device, *chunk, inner, op, spans, limit)
-            }
-        }
+    fn copy(&self, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>);
+
+    /// Starts a task without waiting for it, to be ended by
+    /// [`Posted::finish`] on the same thread: a worker keeps a few posted
+    /// so the device never idles between them. `None`: this copier does
+    /// not post (the worker runs [`Copier::copy`]); `Some(Err)`: the task
+    /// already ended.
+    #[allow(clippy::type_complexity, reason = "posted, or how it ended")]
+    fn post(&self, op: Op, spans: &[Span], limit: u64) -> Option<Result<Box<dyn Posted>, (u64, Option<TaskEnd>)>> {
+        let _ = (op, spans, limit);
+        None
     }
 
-    /// Device kinds (`Device`, `Ipc`): queues a task's driver copies on
-    /// this thread's stream without waiting for them; [`complete`] on the
-    /// same thread then waits and says how the task ended. A worker keeps
-    /// a few tasks queued so the device never idles between them. `None`
-    /// for every other kind; `Some(Err)`: the task already ended.
-    ///
-    /// [`complete`]: CopyKind::complete
-    pub(crate) fn issue(
-        &self,
-        op: Op,
-        spans: &[Span],
-        limit: u64,
-    ) -> Option<Result<device::Issued, (u64, Option<TaskEnd>)>> {
-        let (device, copies) = match self {
-            CopyKind::Device { device, pins, .. } => {
-                for p in pins {
-                    p.ensure(*device);
-                }
-                (*device, device::copies(op, spans, limit))
-            }
-            CopyKind::Ipc { mappings, pins, .. } => match cuda_ipc::copies(mappings, op, spans, limit) {
-                Ok(Some(c)) => {
-                    for p in pins {
-                        p.ensure(c.0);
-                    }
-                    c
-                }
-                Ok(None) => return Some(Err((0, None))),
-                Err(end) => return Some(Err((0, Some(end)))),
-            },
-            CopyKind::Staged { device, chunk, pool, inner } => {
-                return staging::issue(pool, *device, *chunk, inner, op, spans, limit)
-                    .map(|r| r.map(|(ticket, bytes, task)| device::Issued { ticket, bytes, staged: Some(task) }));
-            }
-            _ => return None,
-        };
-        let bytes = copies.iter().map(|c| c.2).sum();
-        Some(match crate::cuda::issue_on_stream(device, &copies) {
-            Ok(ticket) => Ok(device::Issued { ticket, bytes, staged: None }),
-            // The bytes of the copies before the failing one landed; whether
-            // the failing one wrote anything is not known.
-            Err((done, _why)) => Err((done, Some(TaskEnd::Failed { effect_unknown: true }))),
-        })
-    }
-
-    /// Waits for a task [`issue`](CopyKind::issue) queued: the bytes moved
-    /// and, on failure, how it ended (a same-host peer that died meanwhile
-    /// fails it, as for a CPU copy into its memory).
-    pub(crate) fn complete(&self, op: Op, issued: device::Issued) -> (u64, Option<TaskEnd>) {
-        let device::Issued { ticket, bytes, staged } = issued;
-        let waited = crate::cuda::wait_ticket(ticket);
-        if let (Some(task), CopyKind::Staged { inner, .. }) = (staged, self) {
-            return staging::complete(waited, inner, bytes, task);
-        }
-        match waited {
-            Ok(()) => {
-                let peer_alive = match self {
-                    CopyKind::Device { peer_alive, .. } | CopyKind::Ipc { peer_alive, .. } => peer_alive.as_ref(),
-                    _ => None,
-                };
-                (bytes, crate::transport::liveness::after_one_sided(op, peer_alive))
-            }
-            Err(_why) => (0, Some(TaskEnd::Failed { effect_unknown: true })),
-        }
-    }
-
-    /// Whether a task of `spans` is staged through one buffer, pipelined
-    /// across tasks ([`staging::issue`]).
-    pub(crate) fn stages_in_one(&self, spans: &[Span]) -> bool {
-        matches!(self, CopyKind::Staged { chunk, .. } if spans.iter().map(|s| s.len).sum::<u64>() <= *chunk)
-    }
-
-    /// Whether a staged task of `spans` that fits one buffer can have one
-    /// now (it is then reserved for it); true for every other task.
-    pub(crate) fn staging_room(&self, spans: &[Span]) -> bool {
-        match self {
-            CopyKind::Staged { device, chunk, pool, .. } => {
-                spans.iter().map(|s| s.len).sum::<u64>() > *chunk || staging::room(pool, *device, *chunk)
-            }
-            _ => true,
-        }
-    }
+    /// How it copies with the transfer's local side `local`: itself, a
+    /// copier that reaches device memory, or why none does.
+    fn with_local(self: Box<Self>, local: &LocalSide<'_>) -> Result<Box<dyn Copier>, NoDeviceCopy>;
 
     /// Whether its tasks must stay off the posting thread (they wait for a
     /// device).
-    pub(crate) fn waits_for_device(&self) -> bool {
-        matches!(self, CopyKind::Device { .. } | CopyKind::Staged { .. } | CopyKind::Ipc { .. })
+    fn waits(&self) -> bool {
+        false
     }
+
+    /// Whether a caller's thread may run its tasks (a helping caller never
+    /// waits on a device or on another task).
+    fn helpable(&self) -> bool {
+        !self.waits()
+    }
+
+    /// Where its tasks are cut, given `task_bytes` (`configured`).
+    fn task_bytes(&self, configured: u64) -> u64 {
+        configured
+    }
+
+    /// Whether a posted task of `spans` holds one of the worker's staging
+    /// buffers until it is finished.
+    fn holds_buffer(&self, spans: &[Span]) -> bool {
+        let _ = spans;
+        false
+    }
+
+    /// For such a task: whether a buffer can be had now (then reserved for
+    /// it).
+    fn buffer_room(&self, spans: &[Span]) -> bool {
+        let _ = spans;
+        true
+    }
+
+    /// A span it cannot copy, found at prepare: its index and why.
+    fn refuse(&self, op: Op, spans: &[Span]) -> Option<(usize, String)> {
+        let _ = (op, spans);
+        None
+    }
+
+    /// How device memory moves, for the route's reason.
+    fn device_note(&self) -> Option<String> {
+        None
+    }
+}
+
+impl std::fmt::Debug for dyn Copier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A task [`Copier::post`] started.
+pub(crate) trait Posted {
+    /// Whether it holds a staging buffer until it is finished.
+    fn holds_buffer(&self) -> bool {
+        false
+    }
+
+    /// Sleeps until it (and what was posted before it on this thread) is
+    /// done.
+    fn await_done(&self);
+
+    /// Waits for it and says how it ended: the bytes moved and, on
+    /// failure, how.
+    fn finish(self: Box<Self>) -> (u64, Option<TaskEnd>);
 }
 
 /// How a planned program's tasks move: copies this process makes, or
@@ -532,7 +477,7 @@ impl CopyKind {
 pub(crate) enum Mover {
     /// This process copies them, on the local workers (or the posting
     /// thread).
-    Copy(CopyKind),
+    Copy(Box<dyn Copier>),
     /// The peer's link sends them as frames and the peer's server copies.
     /// `staging`: the device whose memory this side stages through the
     /// pool's page-locked buffers first (feature `cuda`).
@@ -541,9 +486,9 @@ pub(crate) enum Mover {
 
 impl Mover {
     /// The copies this process makes (`None`: frames).
-    pub(crate) fn copies(&self) -> Option<&CopyKind> {
+    pub(crate) fn copies(&self) -> Option<&dyn Copier> {
         match self {
-            Mover::Copy(kind) => Some(kind),
+            Mover::Copy(copier) => Some(&**copier),
             Mover::Frames { .. } => None,
         }
     }
@@ -562,104 +507,56 @@ impl Mover {
     }
 
     /// How it moves the memory a transfer's local ranges are in (`loans`):
-    /// with CUDA device memory among them, the self connection copies
-    /// through the driver, straight into a same-host peer's mapping too;
-    /// cma and files stage through the pool's page-locked buffers; tcp
-    /// stages on a worker before its link sends. No CPU copy is ever
-    /// handed a device address: any other pairing is refused.
+    /// each copier says how it takes CUDA device memory (or that it does
+    /// not); tcp stages on a worker before its link sends. No CPU copy is
+    /// ever handed a device address.
     pub(crate) fn for_memory(
         self,
         loans: &[Arc<crate::registry::Registration>],
         config: &crate::config::EngineConfig,
         pool: &Arc<staging::StagingPool>,
     ) -> Result<Mover, NoDeviceCopy> {
-        let host_pins = || -> Vec<Arc<crate::cuda::HostPin>> {
-            if !config.cuda_pin_host {
-                return Vec::new();
-            }
-            loans.iter().filter_map(|r| r.pin.clone()).collect()
-        };
-        // Driver copies already, whatever the local side is.
-        if let Mover::Copy(CopyKind::Ipc { mappings, peer_alive, .. }) = self {
-            return Ok(Mover::Copy(CopyKind::Ipc { mappings, peer_alive, pins: host_pins() }));
-        }
-        let Some(device) = loans.iter().find_map(|r| match r.kind {
+        let device = loans.iter().find_map(|r| match r.kind {
             crate::memory::MemoryKind::Cuda { device } => Some(device),
             _ => None,
-        }) else {
-            return Ok(self);
-        };
-        let kind = match self {
-            Mover::Frames { .. } => return Ok(Mover::Frames { staging: Some(device) }),
-            Mover::Copy(kind) => kind,
-        };
-        match kind {
-            CopyKind::Memory => Ok(Mover::Copy(CopyKind::Device { device, pins: host_pins(), peer_alive: None })),
-            // Straight into the peer's mapping: the device reaches any host
-            // memory of this process.
-            CopyKind::Mapped { peer_alive, shared_pins } => {
-                let mut pins = host_pins();
-                if config.cuda_pin_host {
-                    pins.extend(shared_pins);
-                }
-                Ok(Mover::Copy(CopyKind::Device { device, pins, peer_alive }))
+        });
+        match self {
+            Mover::Frames { staging } => Ok(Mover::Frames { staging: device.or(staging) }),
+            Mover::Copy(copier) => {
+                let pins = match config.cuda_pin_host {
+                    true => loans.iter().filter_map(|r| r.pin.clone()).collect(),
+                    false => Vec::new(),
+                };
+                let local =
+                    LocalSide { device, pins, pin_host: config.cuda_pin_host, chunk: config.staging_chunk_bytes, pool };
+                Ok(Mover::Copy(copier.with_local(&local)?))
             }
-            // Files take host memory only: the bytes bounce through the
-            // staging pool's page-locked buffers, as for cma.
-            inner @ (CopyKind::Cma { .. } | CopyKind::File(..)) => Ok(Mover::Copy(CopyKind::Staged {
-                device,
-                chunk: config.staging_chunk_bytes,
-                pool: pool.clone(),
-                inner: Box::new(inner),
-            })),
-            // A device kind already.
-            other => Err(NoDeviceCopy { device, kind: format!("{other:?}") }),
         }
     }
 
-    /// Whether a caller's thread may run its tasks (helping): copies only,
-    /// and not one that waits for a device, nor a direct file's, whose
-    /// read-modify-write may wait for another task's write of the same
-    /// file (a helping caller never waits on a copy).
+    /// Whether a caller's thread may run its tasks (helping): copies only.
     pub(crate) fn helpable(&self) -> bool {
-        self.copies()
-            .is_some_and(|k| !k.waits_for_device() && !matches!(k, CopyKind::File(f, _) if f.dio_align().is_some()))
+        self.copies().is_some_and(Copier::helpable)
     }
 
     /// Whether its tasks must stay off the posting thread.
     pub(crate) fn waits_for_device(&self) -> bool {
-        self.staging().is_some() || self.copies().is_some_and(CopyKind::waits_for_device)
+        self.staging().is_some() || self.copies().is_some_and(Copier::waits)
     }
 
-    /// Where its tasks are cut, given `task_bytes` (`configured`). A
-    /// worker waits for all of one task's operations on a direct file, so
-    /// those tasks are cut larger: their operations are what is in flight
-    /// at the device.
+    /// Where its tasks are cut, given `task_bytes` (`configured`).
     pub(crate) fn task_bytes(&self, configured: u64) -> u64 {
-        match self {
-            Mover::Copy(CopyKind::File(entry, _)) if entry.dio_align().is_some() => {
-                configured.max(crate::file::DIRECT_TASK_BYTES)
-            }
-            _ => configured,
-        }
+        self.copies().map_or(configured, |c| c.task_bytes(configured))
     }
 
     /// How device memory moves, for the route's reason.
     pub(crate) fn device_note(&self) -> Option<String> {
         match self {
-            Mover::Copy(CopyKind::Device { device, peer_alive: None, .. }) => {
-                Some(format!("CUDA device memory (device {device}) by driver copies"))
-            }
-            Mover::Copy(CopyKind::Device { device, .. }) => Some(format!(
-                "CUDA device memory (device {device}) by driver copies straight into the peer's shared memory"
-            )),
-            Mover::Copy(CopyKind::Staged { device, chunk, .. }) => Some(format!(
-                "CUDA device memory (device {device}) staged through page-locked buffers of {chunk} bytes"
-            )),
+            Mover::Copy(copier) => copier.device_note(),
             Mover::Frames { staging: Some(d) } => {
                 Some(format!("CUDA device memory (device {d}) staged through the pinned pool"))
             }
-            _ => None,
+            Mover::Frames { staging: None } => None,
         }
     }
 }

@@ -3,7 +3,10 @@
 //! CPU; it lends the ranges (a Borrow) for as long as transfers may touch
 //! them.
 
-use super::{CopyKind, LocalFetch, Mover, PeerOpening, PeerReach, PeerState, Reach, RouteImpl, Unreachable};
+use super::{
+    Copier, LocalFetch, LocalSide, Mover, NoDeviceCopy, PeerOpening, PeerReach, PeerState, Reach, RouteImpl,
+    Unreachable,
+};
 use crate::segment::{ExportedRegistration, SegmentView};
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -11,9 +14,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::{Mutex, RwLock};
 
+use crate::transport::Span;
+use crate::transport::liveness::LivenessCheck;
 use crate::transport::mapping::{SharedMaps, ShmMapping, map_fd, mapped_base, unmapped};
 use crate::transport::peer_errors::{LocalError, ShareError};
-use crate::types::{Desc, Route};
+use crate::types::{Desc, Op, Route, TaskEnd};
 
 /// The shm route.
 pub(crate) struct Shm;
@@ -106,7 +111,7 @@ impl RouteImpl for Shm {
         pins.sort_unstable_by_key(|m| Arc::as_ptr(m));
         pins.dedup_by(|a, b| Arc::ptr_eq(a, b));
         let shared_pins = pins.iter().map(|m| m.pin.clone()).collect();
-        Ok(Mover::Copy(CopyKind::Mapped { peer_alive: p.alive.map(|l| l.handle()), shared_pins }))
+        Ok(Mover::Copy(Box::new(Mapped { peer_alive: p.alive.map(|l| l.handle()), shared_pins })))
     }
 
     fn auto_reason(&self) -> Option<&'static str> {
@@ -125,19 +130,39 @@ impl RouteImpl for Shm {
     }
 }
 
-/// Copies a task into (or out of) the mapped allocation, then checks that
-/// the peer still runs: bytes copied into a dead peer's memory never
-/// reached it.
-pub(crate) fn copy(
-    op: crate::types::Op,
-    spans: &[crate::transport::Span],
-    limit: u64,
-    peer_alive: Option<&crate::transport::liveness::LivenessCheck>,
-) -> (u64, Option<crate::types::TaskEnd>) {
-    // SAFETY: the job retains the range loans (and mappings) of every
-    // span, and the lifecycle admits each task once.
-    let done = unsafe { super::loopback::copy_spans(op, spans, limit) };
-    (done, crate::transport::liveness::after_one_sided(op, peer_alive))
+/// Copies into (or out of) a same-host peer's shared allocations mapped
+/// here; the peer process is checked after each task (bytes that went
+/// into a dead peer's memory did not reach it).
+pub(crate) struct Mapped {
+    peer_alive: Option<LivenessCheck>,
+    /// The target ranges' shared allocations, for a device copy to pin
+    /// them for the driver (feature `cuda`).
+    shared_pins: Vec<Arc<crate::cuda::HostPin>>,
+}
+
+impl Copier for Mapped {
+    fn name(&self) -> &'static str {
+        "copies into shared memory"
+    }
+
+    fn copy(&self, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
+        // SAFETY: the job retains the range loans (and mappings) of every
+        // span, and the lifecycle admits each task once.
+        let done = unsafe { super::loopback::copy_spans(op, spans, limit) };
+        (done, crate::transport::liveness::after_one_sided(op, self.peer_alive.as_ref()))
+    }
+
+    /// Device memory on the local side: the same driver copies straight
+    /// into or out of the mapping (the device reaches any host memory of
+    /// this process), the mapping pinned too under `cuda_pin_host`.
+    fn with_local(self: Box<Self>, local: &LocalSide<'_>) -> Result<Box<dyn Copier>, NoDeviceCopy> {
+        let Some(device) = local.device else { return Ok(self) };
+        let mut pins = local.pins.clone();
+        if local.pin_host {
+            pins.extend(self.shared_pins);
+        }
+        Ok(Box::new(super::device::Device { device, pins, peer_alive: self.peer_alive }))
+    }
 }
 
 /// Maps a proven same-host peer's shared allocations `names`, their

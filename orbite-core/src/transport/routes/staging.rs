@@ -25,7 +25,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::CopyKind;
+use super::{Copier, LocalSide, NoDeviceCopy, Posted};
 use crate::charge::{Charge, Counter, Counters};
 use crate::cuda::{PinnedBuffer, Stager, Ticket};
 use crate::transport::Span;
@@ -52,7 +52,7 @@ pub(crate) fn release_thread_stagers() {
 /// `device` now: one is reserved, or the pool gives one (reserved for the
 /// next [`issue`]). False when `max_staging_bytes` leaves no room or the
 /// driver refuses the memory.
-pub(crate) fn room(pool: &Arc<StagingPool>, device: u32, chunk: u64) -> bool {
+fn room(pool: &Arc<StagingPool>, device: u32, chunk: u64) -> bool {
     RESERVED.with(|cell| {
         let mut r = cell.borrow_mut();
         if r.as_ref().is_some_and(|b| b.device() == device && b.len() >= chunk) {
@@ -73,10 +73,103 @@ fn take(pool: &Arc<StagingPool>, device: u32, chunk: u64) -> Option<Pooled> {
     }
 }
 
+/// A same-host route that cannot reach device memory (`inner`: cma, a
+/// file) with CUDA device memory on the local side: each task is bounced
+/// through page-locked buffers of `chunk` bytes from `pool`.
+pub(crate) struct Staged {
+    device: u32,
+    /// `staging_chunk_bytes`.
+    chunk: u64,
+    pool: Arc<StagingPool>,
+    inner: Arc<dyn Copier>,
+}
+
+impl Staged {
+    /// `inner` with the local side `local`: staged when that is device
+    /// memory.
+    pub(crate) fn over(inner: Box<dyn Copier>, local: &LocalSide<'_>) -> Box<dyn Copier> {
+        match local.device {
+            None => inner,
+            Some(device) => {
+                let (chunk, pool) = (local.chunk, local.pool.clone());
+                Box::new(Staged { device, chunk, pool, inner: Arc::from(inner) })
+            }
+        }
+    }
+
+    fn fits_one(&self, spans: &[Span]) -> bool {
+        spans.iter().map(|s| s.len).sum::<u64>() <= self.chunk
+    }
+}
+
+impl Copier for Staged {
+    fn name(&self) -> &'static str {
+        "staged copies"
+    }
+
+    fn copy(&self, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
+        copy(&self.pool, self.device, self.chunk, &*self.inner, op, spans, limit)
+    }
+
+    fn post(&self, op: Op, spans: &[Span], limit: u64) -> Option<Result<Box<dyn Posted>, (u64, Option<TaskEnd>)>> {
+        let issued = issue(&self.pool, self.device, self.chunk, &*self.inner, op, spans, limit)?;
+        Some(issued.map(|(ticket, bytes, task)| {
+            Box::new(StagedPosted { ticket, bytes, task, inner: self.inner.clone() }) as Box<dyn Posted>
+        }))
+    }
+
+    fn with_local(self: Box<Self>, local: &LocalSide<'_>) -> Result<Box<dyn Copier>, NoDeviceCopy> {
+        local.host_only(self)
+    }
+
+    fn waits(&self) -> bool {
+        true
+    }
+
+    /// A task that fits one buffer is pipelined across tasks, holding it.
+    fn holds_buffer(&self, spans: &[Span]) -> bool {
+        self.fits_one(spans)
+    }
+
+    fn buffer_room(&self, spans: &[Span]) -> bool {
+        !self.fits_one(spans) || room(&self.pool, self.device, self.chunk)
+    }
+
+    fn device_note(&self) -> Option<String> {
+        Some(format!(
+            "CUDA device memory (device {}) staged through page-locked buffers of {} bytes",
+            self.device, self.chunk
+        ))
+    }
+}
+
+/// A staged task [`Staged::post`] started: its device copy queued.
+struct StagedPosted {
+    ticket: Ticket,
+    bytes: u64,
+    task: StagedTask,
+    inner: Arc<dyn Copier>,
+}
+
+impl Posted for StagedPosted {
+    fn holds_buffer(&self) -> bool {
+        true
+    }
+
+    fn await_done(&self) {
+        crate::cuda::await_ticket(&self.ticket);
+    }
+
+    fn finish(self: Box<Self>) -> (u64, Option<TaskEnd>) {
+        let StagedPosted { ticket, bytes, task, inner } = *self;
+        complete(crate::cuda::wait_ticket(ticket), &*inner, bytes, task)
+    }
+}
+
 /// A pipelined task in flight: its buffer (no device copy and no
 /// CPU copy touches it once the task completed) and its spans with the
 /// local side in the buffer.
-pub(crate) struct StagedTask {
+struct StagedTask {
     /// Back in the pool when the task is dropped (after its device copy
     /// was waited for).
     _buffer: Pooled,
@@ -93,12 +186,12 @@ pub(crate) struct StagedTask {
 /// of the buffer. `None` when the task does not fit one buffer (the caller
 /// copies it through [`copy`]); `Err` when it already ended (no buffer to
 /// be had fails it, as for [`copy`]).
-#[allow(clippy::type_complexity, reason = "the shape of CopyKind::issue")]
-pub(crate) fn issue(
+#[allow(clippy::type_complexity, reason = "the shape of Copier::post")]
+fn issue(
     pool: &Arc<StagingPool>,
     device: u32,
     chunk: u64,
-    inner: &CopyKind,
+    inner: &dyn Copier,
     op: Op,
     spans: &[Span],
     limit: u64,
@@ -139,9 +232,9 @@ pub(crate) fn issue(
 /// Ends a task [`issue`] started, once its device copy was waited for
 /// (`device`: how that ended): WRITE copies the buffer out through the
 /// route; READ is done.
-pub(crate) fn complete(
+fn complete(
     device: Result<(), crate::cuda::CudaError>,
-    inner: &CopyKind,
+    inner: &dyn Copier,
     bytes: u64,
     task: StagedTask,
 ) -> (u64, Option<TaskEnd>) {
@@ -239,11 +332,11 @@ impl Chunk {
 /// bytes from the pool and this worker's stager of `device`: the bytes
 /// moved (a prefix) and, on failure, how the task ended. No buffer to be
 /// had within `max_staging_bytes` fails the task (nothing moved).
-pub(crate) fn copy(
+fn copy(
     pool: &Arc<StagingPool>,
     device: u32,
     chunk: u64,
-    inner: &CopyKind,
+    inner: &dyn Copier,
     op: Op,
     spans: &[Span],
     limit: u64,
@@ -279,7 +372,7 @@ pub(crate) fn copy(
 }
 
 /// Device to buffer (chunk k + 1) while the route copies chunk k out.
-fn write(st: &mut Stager, buffers: &[u64; 2], inner: &CopyKind, chunks: &[Chunk]) -> (u64, Option<TaskEnd>) {
+fn write(st: &mut Stager, buffers: &[u64; 2], inner: &dyn Copier, chunks: &[Chunk]) -> (u64, Option<TaskEnd>) {
     let device_failed = Some(TaskEnd::Failed { effect_unknown: false });
     if let Some(first) = chunks.first() {
         if st.enqueue(0, &first.device_copies(Op::Write, buffers[0])).is_err() {
@@ -308,7 +401,7 @@ fn write(st: &mut Stager, buffers: &[u64; 2], inner: &CopyKind, chunks: &[Chunk]
 }
 
 /// Route into a buffer (chunk k) while the device takes chunk k - 1.
-fn read(st: &mut Stager, buffers: &[u64; 2], inner: &CopyKind, chunks: &[Chunk]) -> (u64, Option<TaskEnd>) {
+fn read(st: &mut Stager, buffers: &[u64; 2], inner: &dyn Copier, chunks: &[Chunk]) -> (u64, Option<TaskEnd>) {
     // A failed device copy into local memory: what it wrote is not known.
     let device_failed = Some(TaskEnd::Failed { effect_unknown: true });
     let (mut landed, mut pending) = (0u64, [0u64; 2]);
