@@ -76,7 +76,9 @@ pub use error::Error;
 pub use memory::{CudaMemory, HostMemory, MemoryError, MemoryRange, OwnerRelease};
 pub use registry::RegistryError;
 pub use transport::PeerError;
-pub use types::{Exhausted, Intent, Op, Permission, RegistrationId, Resource, Route, RouteChoice, RoutePolicy};
+pub use types::{
+    Exhausted, Intent, Op, Permission, RegistrationId, Resource, Route, RouteChoice, RoutePolicy, TargetOf,
+};
 
 /// Test-only fault hooks (feature `fault-injection`).
 #[cfg(feature = "fault-injection")]

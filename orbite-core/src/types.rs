@@ -4,6 +4,34 @@
 //!
 //! This module imports nothing of the crate; every layer may use it.
 
+/// Whose memory a transfer's remote descriptors name. One enum, held as
+/// each layer needs it: by reference in a caller's spec
+/// ([`Target`](crate::Target)), kept alive by the engine while a prepared
+/// transfer lives, and seen by routes at prepare with the peer's view.
+#[derive(Debug, Clone, Copy)]
+pub enum TargetOf<P, F> {
+    /// This engine itself (the self connection NIXL uses for local
+    /// transfers): remote descriptors name this engine's registrations.
+    Loopback,
+    /// A peer engine: remote descriptors name registrations of its
+    /// segment (ids as in its descriptor).
+    Peer(P),
+    /// A local file: remote descriptors are file extents (`offset`, `len`;
+    /// their `registration` is ignored). READ moves file bytes into the
+    /// local memory, WRITE the reverse.
+    File(F),
+}
+
+impl<P, F> TargetOf<P, F> {
+    /// The peer, if the target is one.
+    pub fn peer(&self) -> Option<&P> {
+        match self {
+            TargetOf::Peer(p) => Some(p),
+            _ => None,
+        }
+    }
+}
+
 /// Generation-checked id of a registration.
 ///
 /// An id stays unique for the engine's life in practice: a slot's

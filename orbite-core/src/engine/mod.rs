@@ -966,7 +966,7 @@ impl TransferEngine {
         let (plan, loans, way, route) = {
             let reach = match (&target, &view) {
                 (PlanTarget::Peer(p), Some(v)) => Reach::Peer(p.reach(v)),
-                (PlanTarget::File(f), _) => Reach::File(f, &inner.routes.bounce_pool),
+                (PlanTarget::File(f), _) => Reach::File((f, &inner.routes.bounce_pool)),
                 _ => Reach::Loopback,
             };
             let policy = spec.options.route.unwrap_or(inner.config.route);

@@ -166,7 +166,7 @@ pub(crate) fn build(
             };
             resolve("remote", spec.remote, config, Some(needs), peer_view, &mut ids)?
         }
-        Reach::File(entry, _) => {
+        Reach::File((entry, _)) => {
             let writable = entry.mode() == crate::file::FileMode::ReadWrite;
             let permission = if writable { Permission::RemoteReadWrite } else { Permission::RemoteRead };
             let file_view = |id: RegistrationId| -> Result<View, Error> {
@@ -277,7 +277,7 @@ mod tests {
 
     /// The file route's copies of `entry`.
     fn file(entry: Arc<crate::file::Entry>, bounce: &Arc<crate::file::BouncePool>) -> Mover {
-        let target = Reach::File(&entry, bounce);
+        let target = Reach::File((&entry, bounce));
         crate::transport::routes::by_name(crate::types::Route::File).plan(&target, &[]).unwrap()
     }
 

@@ -7,22 +7,12 @@ use std::sync::Arc;
 use crate::batch::{Desc, TransferOptions};
 use crate::engine::RemoteSegment;
 use crate::file::Entry;
-use crate::types::Op;
+use crate::types::{Op, TargetOf};
 
-/// Who the remote descriptors belong to.
-#[derive(Debug, Clone, Copy)]
-pub enum Target<'a> {
-    /// This engine itself (the self connection NIXL uses for local
-    /// transfers): remote descriptors name this engine's registrations.
-    Loopback,
-    /// A peer engine: remote descriptors name registrations of its
-    /// segment (ids as in its descriptor).
-    Peer(&'a RemoteSegment),
-    /// A local file: remote descriptors are file extents (`offset`, `len`;
-    /// their `registration` is ignored). READ moves file bytes into the
-    /// local memory, WRITE the reverse.
-    File(&'a Arc<Entry>),
-}
+/// Who the remote descriptors belong to: this engine
+/// (`Target::Loopback`), a peer (`Target::Peer(&segment)`) or a local
+/// file (`Target::File(&entry)`); see [`TargetOf`].
+pub type Target<'a> = TargetOf<&'a RemoteSegment, &'a Arc<Entry>>;
 
 /// What to prepare.
 #[derive(Debug, Clone, Copy)]

@@ -44,13 +44,9 @@ pub(crate) struct Cell {
     pub orphaned: bool,
 }
 
-/// Whose memory the remote descriptors name.
-pub(crate) enum PlanTarget {
-    Loopback,
-    Peer(Arc<Peer>),
-    /// A local file (the file route).
-    File(Arc<crate::file::Entry>),
-}
+/// Whose memory the remote descriptors name, kept alive while the
+/// transfer lives.
+pub(crate) type PlanTarget = crate::types::TargetOf<Arc<Peer>, Arc<crate::file::Entry>>;
 
 /// Shared between the handle, queue entries and route tasks.
 pub(crate) struct TransferShared {

@@ -26,7 +26,7 @@ impl RouteImpl for File {
 
     fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<Mover, Unreachable> {
         match target {
-            Reach::File(entry, bounce) => {
+            Reach::File((entry, bounce)) => {
                 Ok(Mover::Copy(Box::new(FileCopy { entry: Arc::clone(entry), bounce: Arc::clone(bounce) })))
             }
             _ => Err(Unreachable::NotFile),

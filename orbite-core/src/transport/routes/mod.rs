@@ -208,17 +208,14 @@ impl PeerReach<'_> {
     }
 }
 
-/// A transfer's target, as routes see it.
-pub(crate) enum Reach<'a> {
-    /// This engine (the self connection).
-    Loopback,
-    /// A peer engine.
-    Peer(PeerReach<'a>),
-    /// A local file.
-    File(&'a std::sync::Arc<crate::file::Entry>, &'a std::sync::Arc<crate::file::BouncePool>),
-}
+/// A transfer's target, as routes see it: a peer with its view, a local
+/// file with the engine's bounce pool.
+pub(crate) type Reach<'a> = crate::types::TargetOf<PeerReach<'a>, FileReach<'a>>;
 
-impl<'a> Reach<'a> {
+/// A local file, as the file route sees it.
+pub(crate) type FileReach<'a> = (&'a Arc<crate::file::Entry>, &'a Arc<crate::file::BouncePool>);
+
+impl<'a> crate::types::TargetOf<PeerReach<'a>, FileReach<'a>> {
     /// The peer a same-host route reaches, and what this engine learnt of
     /// it at open; or why it is not one (not a peer, or not proven to run
     /// on this host).
