@@ -162,6 +162,38 @@ pub enum RoutePolicy {
     CudaIpc,
 }
 
+impl Route {
+    /// Its name, as policies, reasons and configuration spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Route::Loopback => "loopback",
+            Route::Tcp => "tcp",
+            Route::Shm => "shm",
+            Route::Cma => "cma",
+            Route::File => "file",
+            Route::CudaIpc => "cuda-ipc",
+        }
+    }
+}
+
+impl RoutePolicy {
+    /// The one route it allows (`None`: `auto`).
+    pub fn forced(self) -> Option<Route> {
+        match self {
+            RoutePolicy::Auto => None,
+            RoutePolicy::Tcp => Some(Route::Tcp),
+            RoutePolicy::Shm => Some(Route::Shm),
+            RoutePolicy::Cma => Some(Route::Cma),
+            RoutePolicy::CudaIpc => Some(Route::CudaIpc),
+        }
+    }
+
+    /// Its name, as configuration spells it.
+    pub fn name(self) -> &'static str {
+        self.forced().map_or("auto", Route::name)
+    }
+}
+
 /// The route a transfer takes, and why.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct RouteChoice {
@@ -272,4 +304,27 @@ pub struct Exhausted {
     pub limit: u64,
     /// What the refused request would have brought the charge to.
     pub requested: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Route, RoutePolicy};
+
+    /// The names reasons and the command line print are the names a
+    /// configuration takes, and each forced policy allows its own route.
+    #[test]
+    fn route_and_policy_names_are_their_configuration_names() {
+        let routes = [Route::Loopback, Route::Tcp, Route::Shm, Route::Cma, Route::File, Route::CudaIpc];
+        for r in routes {
+            assert_eq!(serde_json::to_string(&r).unwrap(), format!("\"{}\"", r.name()));
+        }
+        let policies = [RoutePolicy::Auto, RoutePolicy::Tcp, RoutePolicy::Shm, RoutePolicy::Cma, RoutePolicy::CudaIpc];
+        for p in policies {
+            assert_eq!(serde_json::to_string(&p).unwrap(), format!("\"{}\"", p.name()));
+            if let Some(r) = p.forced() {
+                assert_eq!(r.name(), p.name());
+            }
+        }
+        assert_eq!(RoutePolicy::Auto.forced(), None);
+    }
 }

@@ -162,7 +162,7 @@ impl Rig {
             }
         };
         let mut rig = Rig {
-            route: route_name(policy),
+            route: policy.name(),
             engine,
             local,
             r_id,
@@ -321,16 +321,6 @@ impl Rig {
 /// (an `ERR ...` line included).
 fn unexpected(line: &str) -> Error {
     HelperError::Unexpected { helper: Helper::Target, line: line.trim().to_owned() }.into()
-}
-
-fn route_name(policy: RoutePolicy) -> &'static str {
-    match policy {
-        RoutePolicy::Tcp => "tcp",
-        RoutePolicy::Shm => "shm",
-        RoutePolicy::Cma => "cma",
-        RoutePolicy::CudaIpc => "cuda-ipc",
-        RoutePolicy::Auto => "auto",
-    }
 }
 
 impl Drop for Rig {

@@ -15,7 +15,8 @@
 //! is closed; prepare finds it in [`PeerReach::state`].
 //!
 //! Adding a route is its module, one line in [`ROUTES`], and its name in
-//! `types::Route`.
+//! `types::Route` (and in `RoutePolicy`, to force it); nothing else here
+//! or in the engine names a route.
 
 pub(crate) mod cma;
 pub(crate) mod cuda_ipc;
@@ -300,17 +301,11 @@ pub(crate) fn choose(
             .map_err(|why| PeerError::RouteUnavailable { route: r.route(), reason: why.to_string() })?;
         return choice(r, kind, r.auto_reason().unwrap_or_default().into());
     }
-    let forced = match policy {
-        RoutePolicy::Auto => None,
-        RoutePolicy::Tcp => Some(Route::Tcp),
-        RoutePolicy::Shm => Some(Route::Shm),
-        RoutePolicy::Cma => Some(Route::Cma),
-        RoutePolicy::CudaIpc => Some(Route::CudaIpc),
-    };
+    let forced = policy.forced();
     if let Some(route) = forced {
         let r = by_name(route);
         return match r.plan(target, remote) {
-            Ok(kind) => choice(r, kind, format!("policy {}", name(route))),
+            Ok(kind) => choice(r, kind, format!("policy {}", route.name())),
             Err(why) => Err(PeerError::RouteUnavailable { route, reason: why.to_string() }),
         };
     }
@@ -323,22 +318,10 @@ pub(crate) fn choose(
                 let parts: Vec<String> = r.auto_reason().map(str::to_owned).into_iter().chain(ruled_out).collect();
                 return choice(r, kind, format!("auto: {}", parts.join("; ")));
             }
-            Err(why) => ruled_out.push(format!("not {}: {why}", name(r.route()))),
+            Err(why) => ruled_out.push(format!("not {}: {why}", r.route().name())),
         }
     }
     Err(PeerError::RouteUnavailable { route: Route::Tcp, reason: ruled_out.join("; ") })
-}
-
-/// A route's name as policies and reasons spell it.
-fn name(route: Route) -> &'static str {
-    match route {
-        Route::Loopback => "loopback",
-        Route::Tcp => "tcp",
-        Route::Shm => "shm",
-        Route::Cma => "cma",
-        Route::CudaIpc => "cuda-ipc",
-        Route::File => "file",
-    }
 }
 
 /// Device memory with a copier that cannot take it.
