@@ -1,7 +1,8 @@
-//! The local route: copies between registrations of one engine (the self
-//! connection) and into same-host peers (mapped shared memory, CMA), on
-//! worker threads; a small lone task may instead run on the posting
-//! thread (`run_inline`), which saves the hand-off.
+//! The copy workers: every task a route's copier runs in this process (the
+//! self connection, shm, cma, cuda-ipc, files, staging) runs on these
+//! threads; a small lone task may instead run on the posting thread
+//! (`run_inline`), which saves the hand-off. A copier that posts work and
+//! learns of its completion later has a few tasks posted per worker.
 //!
 //! Workers block on a condition variable when the queue is empty: an idle
 //! engine spends no CPU here. A job is a route task: its spans stay valid
@@ -244,27 +245,24 @@ fn start<J: CopyJob>(shared: &Arc<RouteShared<J>>, job: J, directive: Option<Fau
 
 fn worker<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
     work(shared);
-    // The streams this worker made for device copies go with it.
-    {
-        crate::cuda::release_thread_streams();
-        crate::transport::routes::staging::release_thread_stagers();
-    }
+    // What the routes made for this thread (streams, stagers) goes with it.
+    crate::transport::routes::release_thread();
 }
 
-/// Device tasks (driver copies on the self connection, shm or CUDA IPC,
-/// and staged cma tasks) a worker keeps queued on its streams at once:
-/// while the device runs task k, the worker has k + 1 .. queued behind
-/// it, so the copy engine never idles waiting for the worker to wake up
-/// and queue the next (and a staged task's CPU copy overlaps the next
-/// one's device copy).
-const DEVICE_DEPTH: usize = 8;
+/// Posted tasks (driver copies on the self connection, shm or CUDA IPC,
+/// and staged cma or file tasks) a worker keeps at once: while the device
+/// runs task k, the worker has k + 1 .. queued behind it, so the copy
+/// engine never idles waiting for the worker to wake up and queue the
+/// next (and a staged task's CPU copy overlaps the next one's device
+/// copy).
+const POSTED_DEPTH: usize = 8;
 
 /// Staged tasks (cma with device memory, one buffer each) a worker keeps
 /// in flight: two overlap one task's device copy with the other's CPU
 /// copy, and the buffers they cycle through stay in cache.
 const STAGED_DEPTH: usize = 2;
 
-/// A device task queued on this worker's stream.
+/// A task posted by this worker.
 struct InFlight<J> {
     job: J,
     planned: u64,
@@ -278,9 +276,9 @@ fn work<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
             // More only while there is room and a job is queued now;
             // otherwise the oldest is waited for and reported.
             // A full queue is waited for in halves: one wake-up reports
-            // DEVICE_DEPTH / 2 tasks while the other half keeps the
+            // POSTED_DEPTH / 2 tasks while the other half keeps the
             // device busy.
-            let next = if in_flight.len() < DEVICE_DEPTH { try_pop(shared) } else { None };
+            let next = if in_flight.len() < POSTED_DEPTH { try_pop(shared) } else { None };
             match next {
                 Some((job, forced)) => {
                     // A staged task takes a buffer: at most STAGED_DEPTH
@@ -302,7 +300,7 @@ fn work<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
                     dispatch(shared, job, forced, &mut in_flight)
                 }
                 None => {
-                    let batch = if in_flight.len() == DEVICE_DEPTH { DEVICE_DEPTH / 2 } else { 1 };
+                    let batch = if in_flight.len() == POSTED_DEPTH { POSTED_DEPTH / 2 } else { 1 };
                     if let Some(last) = in_flight.get(batch - 1) {
                         last.issued.await_done();
                     }
@@ -358,8 +356,8 @@ fn try_pop<J: CopyJob>(shared: &Arc<RouteShared<J>>) -> Option<(J, Option<FaultD
     Some((job, shared.directive(forced)))
 }
 
-/// Starts a job: a device task running free of fault directives is queued
-/// on the worker's stream (`in_flight`); anything else runs to its end now.
+/// Starts a job: a task of a posting copier, running free of fault
+/// directives, is posted (`in_flight`); anything else runs to its end now.
 fn dispatch<J: CopyJob>(
     shared: &Arc<RouteShared<J>>,
     job: J,

@@ -273,6 +273,13 @@ pub(crate) trait RouteImpl: Sync {
     }
 }
 
+/// Lets go of what the routes made for the calling thread (a worker, as
+/// it ends, after its last task completed): device streams, stagers.
+pub(crate) fn release_thread() {
+    crate::cuda::release_thread_streams();
+    staging::release_thread_stagers();
+}
+
 /// Every route. For peers, `auto` prefers them in this order.
 pub(crate) static ROUTES: &[&dyn RouteImpl] =
     &[&loopback::Loopback, &shm::Shm, &cma::Cma, &cuda_ipc::CudaIpc, &tcp::Tcp, &file::File];
