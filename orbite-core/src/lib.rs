@@ -60,6 +60,7 @@ pub mod session;
 mod time;
 mod transport;
 pub mod types;
+pub mod verbs;
 pub mod wire;
 
 pub use batch::{

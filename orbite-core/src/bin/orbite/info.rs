@@ -34,6 +34,62 @@ fn cma_policy() -> (bool, String) {
     }
 }
 
+/// The RDMA NICs this process sees, as JSON, and as text lines.
+fn rdma() -> (serde_json::Value, Vec<String>) {
+    use orbite_core::verbs::{self, GidType, LinkLayer, PortState};
+    let library = verbs::library();
+    let nics = match verbs::nics() {
+        Ok(n) => n,
+        Err(e) => {
+            let json = serde_json::json!({"library": library, "nics": [], "reason": e.to_string()});
+            return (json, vec![format!("rdma:            no NIC ({e})")]);
+        }
+    };
+    let kind = |k: GidType| match k {
+        GidType::Ib => "ib",
+        GidType::RoceV1 => "roce-v1",
+        GidType::RoceV2 => "roce-v2",
+    };
+    let mut text = vec![format!("rdma:            {} NIC(s) through {library}", nics.len())];
+    let mut json = Vec::new();
+    for n in &nics {
+        let numa = n.numa_node.map_or("unknown".to_owned(), |v| v.to_string());
+        text.push(format!("  {} (guid {:#018x}, firmware {}, NUMA node {numa})", n.name, n.guid, n.firmware));
+        let mut ports = Vec::new();
+        for p in &n.ports {
+            let state = match p.state {
+                PortState::Down => "down".to_owned(),
+                PortState::Init => "init".to_owned(),
+                PortState::Armed => "armed".to_owned(),
+                PortState::Active => "active".to_owned(),
+                PortState::Other(v) => format!("state {v}"),
+            };
+            let link = match p.link_layer {
+                LinkLayer::InfiniBand => "infiniband",
+                LinkLayer::Ethernet => "ethernet",
+                LinkLayer::Unspecified => "unspecified",
+            };
+            let default = p.default_gid().map(|g| g.index);
+            text.push(format!("    port {}: {state}, {link}, MTU {}", p.port, p.active_mtu));
+            for g in &p.gids {
+                let mark = if Some(g.index) == default { " (default)" } else { "" };
+                let dev = g.netdev.as_deref().map(|d| format!(", {d}")).unwrap_or_default();
+                text.push(format!("      gid {:>3} {} {}{dev}{mark}", g.index, g.gid, kind(g.kind)));
+            }
+            let gids: Vec<_> = p
+                .gids
+                .iter()
+                .map(|g| serde_json::json!({"index": g.index, "gid": g.gid.to_string(), "type": kind(g.kind), "netdev": g.netdev}))
+                .collect();
+            ports.push(serde_json::json!({"port": p.port, "state": state, "link_layer": link,
+                "active_mtu": p.active_mtu, "default_gid": default, "gids": gids}));
+        }
+        json.push(serde_json::json!({"name": n.name, "guid": format!("{:#018x}", n.guid), "firmware": n.firmware,
+            "numa_node": n.numa_node, "ports": ports}));
+    }
+    (serde_json::json!({"library": library, "nics": json, "reason": null}), text)
+}
+
 fn json_str(s: &str) -> String {
     serde_json::Value::String(s.to_owned()).to_string()
 }
@@ -88,11 +144,12 @@ pub(crate) fn run(args: InfoArgs) -> Result<(), Error> {
         _ => (cma, cma_why),
     };
     engine.close();
+    let (rdma_json, rdma_text) = rdma();
     if args.json {
         println!(
             "{{\"config_origin\":{},\"listen\":{},\"bound\":{},\"advertise\":{},\"advertise_source\":{},\
              \"other_hosts_can_connect\":{},\"warning\":{},\"route_policy\":{},\"same_host\":{{\"shm\":{},\
-             \"shm_reason\":{},\"cma\":{},\"cma_reason\":{},\"local_socket\":{}}},\"tcp\":true}}",
+             \"shm_reason\":{},\"cma\":{},\"cma_reason\":{},\"local_socket\":{}}},\"tcp\":true,\"rdma\":{}}}",
             json_str(&origin),
             json_str(configured_listen.as_deref().unwrap_or(ALL_INTERFACES)),
             json_str(&bound),
@@ -106,6 +163,7 @@ pub(crate) fn run(args: InfoArgs) -> Result<(), Error> {
             cma && boot_known,
             json_str(&cma_why),
             json_str(&local_socket),
+            rdma_json,
         );
         return Ok(());
     }
@@ -127,6 +185,9 @@ pub(crate) fn run(args: InfoArgs) -> Result<(), Error> {
     );
     println!("same-host shm:   {} ({shm_why})", if shm_ok { "offered" } else { "not offered" });
     println!("same-host cma:   {} ({cma_why})", if cma && boot_known { "offered" } else { "not offered" });
+    for line in rdma_text {
+        println!("{line}");
+    }
     Ok(())
 }
 
