@@ -4,7 +4,7 @@
 //! directory holding a `libibverbs.so.1` link to it; the engine loads it
 //! from there (`LD_LIBRARY_PATH`) or from `ORBITE_IBVERBS_LIB`.
 //!
-//! # What it models (so far)
+//! # What it models
 //!
 //! Devices, their ports and GID tables, from `ORBITE_VERBS_SHIM_DEVICES`
 //! (read once, at the first `ibv_get_device_list`): a JSON array of
@@ -23,14 +23,29 @@
 //! An empty array is a library with no device; a description that does
 //! not parse is no device either, and says why on stderr.
 //!
-//! Exports: `ibv_get_device_list`, `ibv_free_device_list`,
-//! `ibv_get_device_name`, `ibv_get_device_guid`, `ibv_open_device`,
-//! `ibv_close_device`, `ibv_query_device`, `ibv_query_port`,
-//! `ibv_query_gid`, `_ibv_query_gid_ex`, with rdma-core's signatures and
-//! return conventions (NULL and `errno` for the calls that make objects,
-//! an errno value for queries, -1 for `ibv_query_gid`).
-//! `orbite_verbs_shim_stats` counts what is open, so tests can check that
-//! the engine closes everything it opens.
+//! Protection domains, memory regions (distinct lkeys and rkeys, access
+//! flags, bounds; no access through a key once `ibv_dereg_mr` returned),
+//! completion queues with their channels (events, overrun), and RC queue
+//! pairs through RESET, INIT, RTR, RTS and ERR with the attributes each
+//! transition requires ([`verbs`]); RDMA WRITE, WRITE with immediate,
+//! READ and SEND/RECV between queue pairs of any processes that reach
+//! each other over IPv4, network namespaces included ([`fabric`]):
+//! signaled and unsignaled requests, error completions even when
+//! unsignaled, the queue pair to ERR and what follows flushed.
+//!
+//! Exports: the device, port and GID calls (`ibv_get_device_list`,
+//! `ibv_free_device_list`, `ibv_get_device_name`, `ibv_get_device_guid`,
+//! `ibv_open_device`, `ibv_close_device`, `ibv_query_device`,
+//! `ibv_query_port`, `ibv_query_gid`, `_ibv_query_gid_ex`), the object
+//! calls, and the context's `poll_cq`, `req_notify_cq`, `post_send` and
+//! `post_recv` ops (every other op answers EOPNOTSUPP), with rdma-core's
+//! signatures and return conventions (NULL and `errno` for the calls that
+//! make objects, an errno value for queries and destroys, -1 for
+//! `ibv_query_gid` and `ibv_get_cq_event`). `orbite_verbs_shim_stats`
+//! counts what is open, so tests can check that the engine closes
+//! everything it opens.
+//!
+//! Not yet: async events, dma-buf regions, fault injection.
 //!
 //! # Safety
 //!
@@ -41,6 +56,8 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod abi;
+pub mod fabric;
+pub mod verbs;
 
 use std::ffi::{c_char, c_int};
 use std::net::Ipv6Addr;
@@ -52,14 +69,14 @@ use abi::{IbvContext, IbvContextOps, IbvDevice, IbvDeviceAttr, IbvGidEntry, IbvP
 /// One port of a described device.
 #[derive(Debug, Clone, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-struct PortDesc {
+pub(crate) struct PortDesc {
     state: String,
     #[serde(default = "ethernet")]
     link_layer: String,
     #[serde(default = "mtu_4096")]
-    mtu: u32,
+    pub(crate) mtu: u32,
     #[serde(default)]
-    gids: Vec<GidDesc>,
+    pub(crate) gids: Vec<GidDesc>,
 }
 
 fn ethernet() -> String {
@@ -73,8 +90,8 @@ fn mtu_4096() -> u32 {
 /// One GID table entry.
 #[derive(Debug, Clone, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
-struct GidDesc {
-    gid: Ipv6Addr,
+pub(crate) struct GidDesc {
+    pub(crate) gid: Ipv6Addr,
     #[serde(rename = "type")]
     kind: String,
     #[serde(default)]
@@ -101,7 +118,7 @@ struct Device {
 
 /// An opened device: its `ibv_context` first.
 #[repr(C)]
-struct Context {
+pub(crate) struct Context {
     ctx: IbvContext,
     device: *const Device,
 }
@@ -114,6 +131,13 @@ pub struct ShimStats {
     pub device_lists: i64,
     /// Contexts opened and not closed.
     pub contexts: i64,
+    /// Protection domains, memory regions, completion queues, completion
+    /// channels and queue pairs not destroyed.
+    pub pds: i64,
+    pub mrs: i64,
+    pub cqs: i64,
+    pub channels: i64,
+    pub qps: i64,
 }
 
 static LISTS: AtomicI64 = AtomicI64::new(0);
@@ -189,7 +213,7 @@ fn fill(out: &mut [u8], s: &str) {
     out[n] = 0;
 }
 
-fn set_errno(e: c_int) {
+pub(crate) fn set_errno(e: c_int) {
     // SAFETY: errno is this thread's.
     unsafe { *libc::__errno_location() = e };
 }
@@ -277,10 +301,25 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut IbvDevice) -> *mut IbvContext
     // C signature; the stub takes nothing and returns an int, which every
     // caller of an op reads as EOPNOTSUPP.
     let stub: unsafe extern "C" fn() = unsafe { std::mem::transmute(stub) };
+    let mut slots = [Some(stub); 32];
+    // SAFETY: each op has its own C signature, as verbs.h calls it.
+    unsafe {
+        slots[11] =
+            Some(std::mem::transmute::<unsafe extern "C" fn(_, _, _) -> c_int, unsafe extern "C" fn()>(verbs::poll_cq));
+        slots[12] = Some(std::mem::transmute::<unsafe extern "C" fn(_, _) -> c_int, unsafe extern "C" fn()>(
+            verbs::req_notify_cq,
+        ));
+        slots[25] = Some(std::mem::transmute::<unsafe extern "C" fn(_, _, _) -> c_int, unsafe extern "C" fn()>(
+            verbs::post_send,
+        ));
+        slots[26] = Some(std::mem::transmute::<unsafe extern "C" fn(_, _, _) -> c_int, unsafe extern "C" fn()>(
+            verbs::post_recv,
+        ));
+    }
     let ctx = Box::new(Context {
         ctx: IbvContext {
             device: dev,
-            ops: IbvContextOps { slots: [Some(stub); 32] },
+            ops: IbvContextOps { slots },
             cmd_fd,
             async_fd,
             num_comp_vectors: 1,
@@ -357,7 +396,7 @@ pub unsafe extern "C" fn ibv_query_device(ctx: *mut IbvContext, attr: *mut IbvDe
 }
 
 /// The described port `port_num` (1-based) of a context's device.
-fn port(c: &Context, port_num: u8) -> Option<&'static PortDesc> {
+pub(crate) fn port(c: &Context, port_num: u8) -> Option<&'static PortDesc> {
     // SAFETY: the device outlives every context.
     let d: &'static Device = unsafe { &*c.device };
     d.desc.ports.get((port_num as usize).checked_sub(1)?)
@@ -483,7 +522,15 @@ pub unsafe extern "C" fn orbite_verbs_shim_stats(out: *mut ShimStats) -> c_int {
     if out.is_null() {
         return libc::EINVAL;
     }
-    let s = ShimStats { device_lists: LISTS.load(Ordering::Relaxed), contexts: CONTEXTS.load(Ordering::Relaxed) };
+    let s = ShimStats {
+        device_lists: LISTS.load(Ordering::Relaxed),
+        contexts: CONTEXTS.load(Ordering::Relaxed),
+        pds: verbs::PDS.load(Ordering::Relaxed),
+        mrs: verbs::MRS.load(Ordering::Relaxed),
+        cqs: verbs::CQS.load(Ordering::Relaxed),
+        channels: verbs::CHANNELS.load(Ordering::Relaxed),
+        qps: verbs::QPS.load(Ordering::Relaxed),
+    };
     // SAFETY: the caller's struct.
     unsafe { out.write(s) };
     0
