@@ -1,0 +1,250 @@
+//! The verbs objects against the test verbs library (`orbite-verbs-shim`,
+//! found at `ORBITE_VERBS_SHIM`; SKIP without it unless
+//! `ORBITE_VERBS_REQUIRED`): two queue pairs of its default NIC
+//! connected to each other over its fabric move bytes with WRITE, READ
+//! and SEND, refuse what a NIC refuses, flush after an error, and leave
+//! nothing open.
+
+use std::ffi::c_int;
+use std::net::Ipv6Addr;
+use std::sync::Arc;
+
+use super::super::loader;
+use super::*;
+
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct ShimStats {
+    device_lists: i64,
+    contexts: i64,
+    pds: i64,
+    mrs: i64,
+    cqs: i64,
+    channels: i64,
+    qps: i64,
+}
+
+/// The shim, loaded as the library of these tests, and its counters.
+fn shim() -> Option<(&'static Library, impl Fn() -> ShimStats)> {
+    let Some(path) = std::env::var_os("ORBITE_VERBS_SHIM") else {
+        assert!(std::env::var_os("ORBITE_VERBS_REQUIRED").is_none(), "ORBITE_VERBS_REQUIRED without ORBITE_VERBS_SHIM");
+        println!("SKIP: no ORBITE_VERBS_SHIM (scripts/verbs-shim builds the test verbs library)");
+        return None;
+    };
+    let path = path.to_str().expect("a UTF-8 path").to_owned();
+    let lib: &'static Library = Box::leak(Box::new(loader::load(&path).expect("the shim loads")));
+    let c = std::ffi::CString::new(path).unwrap();
+    // SAFETY: a NUL-terminated path of a library loaded above (never closed).
+    let handle = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    assert!(!handle.is_null());
+    // SAFETY: a live handle and a NUL-terminated name.
+    let f = unsafe { libc::dlsym(handle, c"orbite_verbs_shim_stats".as_ptr()) };
+    assert!(!f.is_null());
+    // SAFETY: the shim's export of this signature.
+    let f: unsafe extern "C" fn(*mut ShimStats) -> c_int = unsafe { std::mem::transmute(f) };
+    let stats = move || {
+        let mut s = ShimStats::default();
+        // SAFETY: a struct of the shim's layout.
+        assert_eq!(unsafe { f(&mut s) }, 0);
+        s
+    };
+    Some((lib, stats))
+}
+
+/// The shim's default NIC: port 1, GID 1 is `::ffff:127.0.0.1` (RoCE v2).
+const PORT: u8 = 1;
+const SGID: u8 = 1;
+
+fn gid() -> Ipv6Addr {
+    Ipv6Addr::from([0, 0, 0, 0, 0, 0xffff, 0x7f00, 1])
+}
+
+/// Two queue pairs connected to each other, each allowing remote reads
+/// and writes.
+fn pair(pd: &Arc<Pd>, cq: &Arc<Cq>) -> (Qp, Qp) {
+    let all = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
+    let (a, b) = (pd.create_qp(cq, 64).unwrap(), pd.create_qp(cq, 64).unwrap());
+    for (q, other) in [(&a, b.qpn), (&b, a.qpn)] {
+        q.to_init(PORT, all).unwrap();
+        q.to_rtr(RemoteQp { gid: gid(), qpn: other }, PORT, SGID, 4096).unwrap();
+        q.to_rts().unwrap();
+    }
+    (a, b)
+}
+
+/// Completions until `n` have come (the shim completes on its threads).
+fn wait(cq: &Cq, n: usize) -> Vec<Completion> {
+    let mut got = Vec::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while got.len() < n {
+        got.extend(cq.poll(16).unwrap());
+        assert!(std::time::Instant::now() < deadline, "completions: {got:?}");
+        std::thread::yield_now();
+    }
+    got
+}
+
+fn sge(buf: &[u8], mr: &Mr) -> Sge {
+    Sge { addr: buf.as_ptr() as u64, length: buf.len() as u32, lkey: mr.lkey }
+}
+
+#[test]
+fn queue_pairs_move_bytes_refuse_bad_keys_flush_after_errors_and_close_everything() {
+    let Some((lib, stats)) = shim() else { return };
+    let before = stats();
+    {
+        let dev = Device::open_in(lib, "shim0").unwrap();
+        assert_eq!(dev.name, "shim0");
+        assert_eq!(
+            Device::open_in(lib, "mlx5_9").err().map(|e| e.to_string()).as_deref(),
+            Some("ibv_open_device failed: mlx5_9: no such NIC")
+        );
+        let pd = dev.alloc_pd().unwrap();
+        let cq = dev.create_cq(256).unwrap();
+        let src: Vec<u8> = (0..65536u32).map(|i| (i * 7 + 3) as u8).collect();
+        let mut dst = vec![0u8; 65536];
+        let mut back = vec![0u8; 65536];
+        let all = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
+        // SAFETY (each): buffers of this test that outlive their regions.
+        let src_mr = unsafe { pd.register(src.as_ptr() as u64, src.len() as u64, access::LOCAL_WRITE) }.unwrap();
+        let dst_mr = unsafe { pd.register(dst.as_mut_ptr() as u64, dst.len() as u64, all) }.unwrap();
+        let back_mr = unsafe { pd.register(back.as_mut_ptr() as u64, back.len() as u64, access::LOCAL_WRITE) }.unwrap();
+        assert_ne!(dst_mr.lkey, dst_mr.rkey);
+        let (a, b) = pair(&pd, &cq);
+
+        // WRITE in two requests of one chain, one signaled; then READ back.
+        let half = 32768;
+        let write = |id, off: usize, signaled| WorkRequest {
+            id,
+            verb: Verb::Write { remote_addr: dst.as_ptr() as u64 + off as u64, rkey: dst_mr.rkey },
+            local: vec![sge(&src[off..off + half], &src_mr)],
+            signaled,
+        };
+        a.post(&[write(1, 0, false), write(2, half, true)]).unwrap();
+        let done = wait(&cq, 1);
+        assert_eq!((done[0].id, done[0].status, done[0].bytes), (2, status::SUCCESS, half as u32));
+        assert_eq!(dst, src, "both requests landed (the unsignaled one before the signaled one)");
+        let read = WorkRequest {
+            id: 3,
+            verb: Verb::Read { remote_addr: dst.as_ptr() as u64, rkey: dst_mr.rkey },
+            local: vec![sge(&back, &back_mr)],
+            signaled: true,
+        };
+        // Slept through: armed, the completion sends an event on the
+        // channel, whose descriptor is readable then.
+        cq.arm().unwrap();
+        a.post(&[read]).unwrap();
+        cq.wait().unwrap();
+        let mut pfd = libc::pollfd { fd: cq.event_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one pollfd; no wait.
+        assert_eq!(unsafe { libc::poll(&mut pfd, 1, 0) }, 0, "the one event was taken");
+        assert_eq!(wait(&cq, 1)[0].status, status::SUCCESS);
+        assert_eq!(back, src);
+
+        // SEND with a receive posted, and WRITE with immediate.
+        let mut inbox = vec![0u8; 64];
+        // SAFETY: as above.
+        let inbox_mr = unsafe { pd.register(inbox.as_mut_ptr() as u64, 64, access::LOCAL_WRITE) }.unwrap();
+        b.post_recv(10, &[sge(&inbox, &inbox_mr)]).unwrap();
+        b.post_recv(11, &[sge(&inbox, &inbox_mr)]).unwrap();
+        a.post(&[WorkRequest { id: 4, verb: Verb::Send, local: vec![sge(&src[..16], &src_mr)], signaled: true }])
+            .unwrap();
+        let mut got = wait(&cq, 2);
+        got.sort_by_key(|c| c.id);
+        assert_eq!((got[0].id, got[1].id, got[1].opcode, got[1].bytes), (4, 10, 128, 16));
+        assert_eq!(inbox[..16], src[..16]);
+        let imm = WorkRequest {
+            id: 5,
+            verb: Verb::WriteImm { remote_addr: dst.as_ptr() as u64, rkey: dst_mr.rkey, imm: 0xfeed },
+            local: vec![sge(&src[..8], &src_mr)],
+            signaled: true,
+        };
+        a.post(&[imm]).unwrap();
+        let mut got = wait(&cq, 2);
+        got.sort_by_key(|c| c.id);
+        assert_eq!((got[1].id, got[1].opcode, got[1].imm), (11, 129, Some(0xfeed)), "the immediate, in host order");
+
+        // A bad rkey: remote access error, both ends to ERR, what follows
+        // flushed, nothing written.
+        let before_dst = dst.clone();
+        let bad = |id, rkey| WorkRequest {
+            id,
+            verb: Verb::Write { remote_addr: dst.as_ptr() as u64, rkey },
+            local: vec![sge(&src[..64], &src_mr)],
+            signaled: false,
+        };
+        a.post(&[bad(6, dst_mr.lkey), bad(7, dst_mr.rkey)]).unwrap();
+        let got = wait(&cq, 2);
+        assert_eq!((got[0].id, got[0].status), (6, status::REM_ACCESS_ERR), "an error completes though unsignaled");
+        assert_eq!((got[1].id, got[1].status), (7, status::WR_FLUSH_ERR));
+        assert_eq!(dst, before_dst);
+        // The responder went to ERR too: a receive posted there flushes.
+        b.post_recv(12, &[sge(&inbox, &inbox_mr)]).unwrap();
+        assert_eq!(wait(&cq, 1)[0].status, status::WR_FLUSH_ERR);
+        drop((a, b));
+
+        // Moved to ERR by its owner: outstanding receives flush.
+        let (a, b) = pair(&pd, &cq);
+        b.post_recv(13, &[sge(&inbox, &inbox_mr)]).unwrap();
+        b.to_error().unwrap();
+        assert_eq!((wait(&cq, 1)[0].id, cq.poll(1).unwrap().len()), (13, 0));
+        // A remote queue pair that does not exist: the transport gives up.
+        let lone = pd.create_qp(&cq, 4).unwrap();
+        lone.to_init(PORT, all).unwrap();
+        lone.to_rtr(RemoteQp { gid: gid(), qpn: a.qpn ^ 0xff_0000 }, PORT, SGID, 4096).unwrap();
+        lone.to_rts().unwrap();
+        lone.post(&[bad(14, dst_mr.rkey)]).unwrap();
+        assert_eq!(wait(&cq, 1)[0].status, status::RETRY_EXC_ERR);
+        drop((a, b, lone));
+
+        // Out of bounds, no remote read access, a deregistered region, a
+        // bad lkey: each refused where a NIC refuses it.
+        let past_end = WorkRequest {
+            id: 20,
+            verb: Verb::Write { remote_addr: dst.as_ptr() as u64 + 65530, rkey: dst_mr.rkey },
+            local: vec![sge(&src[..64], &src_mr)],
+            signaled: true,
+        };
+        let no_remote_read = WorkRequest {
+            id: 21,
+            verb: Verb::Read { remote_addr: src.as_ptr() as u64, rkey: src_mr.rkey },
+            local: vec![sge(&back[..64], &back_mr)],
+            signaled: true,
+        };
+        let bad_lkey = WorkRequest {
+            id: 22,
+            verb: Verb::Write { remote_addr: dst.as_ptr() as u64, rkey: dst_mr.rkey },
+            local: vec![Sge { addr: src.as_ptr() as u64, length: 64, lkey: 0xdead }],
+            signaled: true,
+        };
+        let cases = [
+            ("past the region's end", past_end, status::REM_ACCESS_ERR),
+            ("no remote read", no_remote_read, status::REM_ACCESS_ERR),
+            ("a bad lkey", bad_lkey, status::LOC_PROT_ERR),
+        ];
+        for (what, wr, want) in cases {
+            let (a, _b) = pair(&pd, &cq);
+            a.post(&[wr]).unwrap();
+            assert_eq!(wait(&cq, 1)[0].status, want, "{what}");
+        }
+        let (a, _b) = pair(&pd, &cq);
+        let rkey = dst_mr.rkey;
+        drop(dst_mr);
+        a.post(&[bad(23, rkey)]).unwrap();
+        assert_eq!(wait(&cq, 1)[0].status, status::REM_ACCESS_ERR, "no access through a deregistered region's key");
+
+        // Transitions out of order are refused; posting before RTS too.
+        let q = pd.create_qp(&cq, 4).unwrap();
+        assert!(q.to_rtr(RemoteQp { gid: gid(), qpn: a.qpn }, PORT, SGID, 4096).is_err(), "RESET to RTR");
+        assert!(q.post(&[bad(24, rkey)]).is_err());
+        q.to_init(PORT, 0).unwrap();
+        assert!(
+            q.to_rtr(RemoteQp { gid: "fe80::1".parse().unwrap(), qpn: a.qpn }, PORT, SGID, 4096).is_err(),
+            "a GID the fabric cannot route"
+        );
+        assert!(q.to_rtr(RemoteQp { gid: gid(), qpn: a.qpn }, PORT, 9, 4096).is_err(), "no such source GID");
+        assert!(cq.poll(16).unwrap().is_empty());
+        drop((q, a, src_mr, back_mr, inbox_mr, cq, pd, dev));
+    }
+    assert_eq!(stats(), before, "every object the owners made is destroyed");
+}
