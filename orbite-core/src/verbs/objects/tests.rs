@@ -248,3 +248,199 @@ fn queue_pairs_move_bytes_refuse_bad_keys_flush_after_errors_and_close_everythin
     }
     assert_eq!(stats(), before, "every object the owners made is destroyed");
 }
+
+/// One end of [`queue_pairs_of_two_processes_and_two_network_namespaces`],
+/// run as a child process of this test binary (nothing without
+/// `ORBITE_VERBS_FABRIC_ROLE`). It speaks lines on stdin and stdout:
+/// `READY qpn addr rkey`, then it reads `PEER gid qpn addr rkey`, connects
+/// and says `CONNECTED`; a `requester` on `GO` writes 1 MiB of a pattern
+/// into the peer and reads it back (`DONE ok|bad`); a `responder` on
+/// `CHECK` compares its buffer with the pattern (`CHECKED ok|bad`); on
+/// `EXIT` both destroy everything and say `BYE` with whether every shim
+/// counter is back to zero.
+#[test]
+fn fabric_child() {
+    use std::io::BufRead;
+    let Ok(role) = std::env::var("ORBITE_VERBS_FABRIC_ROLE") else { return };
+    let (lib, stats) = shim().expect("the shim");
+    let mut lines = std::io::stdin().lock().lines().map_while(Result::ok);
+    let mut expect = |word: &str| {
+        let l = lines.next().unwrap_or_default();
+        assert!(l.starts_with(word), "wanted {word}, got {l:?}");
+        l.split_whitespace().skip(1).map(str::to_owned).collect::<Vec<_>>()
+    };
+    let say = |s: String| {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{s}").unwrap();
+        out.flush().unwrap();
+    };
+    const LEN: usize = 1 << 20;
+    let pattern: Vec<u8> = (0..LEN).map(|i| (i * 31 % 251) as u8).collect();
+    {
+        let dev = Device::open_in(lib, "shim0").unwrap();
+        let pd = dev.alloc_pd().unwrap();
+        let cq = dev.create_cq(64).unwrap();
+        let mut buf = vec![0u8; LEN];
+        let mut back = vec![0u8; LEN];
+        let all = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
+        // SAFETY (both): buffers of this function that outlive their regions.
+        let mr = unsafe { pd.register(buf.as_mut_ptr() as u64, LEN as u64, all) }.unwrap();
+        let back_mr = unsafe { pd.register(back.as_mut_ptr() as u64, LEN as u64, access::LOCAL_WRITE) }.unwrap();
+        let qp = pd.create_qp(&cq, 16).unwrap();
+        qp.to_init(PORT, all).unwrap();
+        say(format!("READY {} {} {}", qp.qpn, buf.as_ptr() as u64, mr.rkey));
+        let peer = expect("PEER");
+        let (gid, qpn): (Ipv6Addr, u32) = (peer[0].parse().unwrap(), peer[1].parse().unwrap());
+        let (addr, rkey): (u64, u32) = (peer[2].parse().unwrap(), peer[3].parse().unwrap());
+        qp.to_rtr(RemoteQp { gid, qpn }, PORT, 0, 4096).unwrap();
+        qp.to_rts().unwrap();
+        say("CONNECTED".into());
+        if role == "requester" {
+            expect("GO");
+            buf.copy_from_slice(&pattern);
+            let write = WorkRequest {
+                id: 1,
+                verb: Verb::Write { remote_addr: addr, rkey },
+                local: vec![sge(&buf, &mr)],
+                signaled: true,
+            };
+            let read = WorkRequest {
+                id: 2,
+                verb: Verb::Read { remote_addr: addr, rkey },
+                local: vec![sge(&back, &back_mr)],
+                signaled: true,
+            };
+            qp.post(&[write, read]).unwrap();
+            let done = wait(&cq, 2);
+            let ok = done.iter().all(|c| c.status == status::SUCCESS) && back == pattern;
+            say(format!("DONE {}", if ok { "ok" } else { "bad" }));
+        } else {
+            expect("CHECK");
+            say(format!("CHECKED {}", if buf == pattern { "ok" } else { "bad" }));
+        }
+        expect("EXIT");
+        drop((qp, mr, back_mr, cq, pd, dev));
+    }
+    say(format!("BYE {}", stats() == ShimStats::default()));
+}
+
+/// A child of this test binary running [`fabric_child`] as `role`, in
+/// network namespace `netns` if given, its shim NIC's GID the IPv4
+/// address `ip`.
+struct Child {
+    proc: std::process::Child,
+    out: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+}
+
+impl Child {
+    fn start(role: &str, netns: Option<&str>, ip: &str) -> Child {
+        use std::io::BufRead;
+        let exe = std::env::current_exe().unwrap();
+        let mut cmd = match netns {
+            Some(ns) => {
+                let mut c = std::process::Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&exe);
+                c
+            }
+            None => std::process::Command::new(&exe),
+        };
+        let devices = format!(
+            r#"[{{"name": "shim0", "ports": [{{"state": "active", "gids": [{{"gid": "::ffff:{ip}", "type": "roce-v2"}}]}}]}}]"#
+        );
+        cmd.args(["--exact", "verbs::objects::tests::fabric_child", "--nocapture", "--test-threads=1"])
+            .env("ORBITE_VERBS_FABRIC_ROLE", role)
+            .env("ORBITE_VERBS_SHIM_DEVICES", devices)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped());
+        let mut proc = cmd.spawn().unwrap();
+        let out = std::io::BufReader::new(proc.stdout.take().unwrap()).lines();
+        Child { proc, out }
+    }
+
+    /// The words after `word` on the next line that has it (libtest's
+    /// own lines are skipped; its `test ... ` may start the first one).
+    fn read(&mut self, word: &str) -> Vec<String> {
+        for l in self.out.by_ref().map_while(Result::ok) {
+            if let Some(at) = l.find(word) {
+                return l[at + word.len()..].split_whitespace().map(str::to_owned).collect();
+            }
+        }
+        panic!("the child ended before {word}");
+    }
+
+    fn send(&mut self, line: &str) {
+        use std::io::Write;
+        let stdin = self.proc.stdin.as_mut().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.proc.kill();
+        let _ = self.proc.wait();
+    }
+}
+
+/// A requester and a responder in two processes whose NICs have the GIDs
+/// of `ips`, optionally in two network namespaces.
+fn two_processes(netns: [Option<&str>; 2], ips: [&str; 2]) {
+    let mut req = Child::start("requester", netns[0], ips[0]);
+    let mut resp = Child::start("responder", netns[1], ips[1]);
+    let (r, s) = (req.read("READY "), resp.read("READY "));
+    req.send(&format!("PEER ::ffff:{} {} {} {}", ips[1], s[0], s[1], s[2]));
+    resp.send(&format!("PEER ::ffff:{} {} {} {}", ips[0], r[0], r[1], r[2]));
+    req.read("CONNECTED");
+    resp.read("CONNECTED");
+    req.send("GO");
+    assert_eq!(req.read("DONE "), ["ok"], "1 MiB written and read back across the processes");
+    resp.send("CHECK");
+    assert_eq!(resp.read("CHECKED "), ["ok"], "the responder's memory holds what was written");
+    for c in [&mut req, &mut resp] {
+        c.send("EXIT");
+        assert_eq!(c.read("BYE "), ["true"], "every shim object destroyed");
+    }
+}
+
+#[test]
+fn queue_pairs_of_two_processes_and_two_network_namespaces() {
+    if shim().is_none() {
+        return;
+    }
+    two_processes([None, None], ["127.0.0.1", "127.0.0.1"]);
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    let ip = std::process::Command::new("ip").arg("-V").output().is_ok_and(|o| o.status.success());
+    if !root || !ip {
+        println!("SKIP: two network namespaces need root and iproute2 (root: {root}, ip: {ip})");
+        return;
+    }
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("ip").args(args).output().unwrap();
+        assert!(out.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    let pid = std::process::id();
+    let id = pid % 200 + 20;
+    let (a, b) = (format!("orbite-vf-{pid}-a"), format!("orbite-vf-{pid}-b"));
+    struct Gone<'a>(&'a str, &'a str);
+    impl Drop for Gone<'_> {
+        fn drop(&mut self) {
+            for ns in [self.0, self.1] {
+                let _ = std::process::Command::new("ip").args(["netns", "del", ns]).output();
+            }
+        }
+    }
+    run(&["netns", "add", &a]);
+    let _gone = Gone(&a, &b);
+    run(&["netns", "add", &b]);
+    let (va, vb) = (format!("ovf{id}a"), format!("ovf{id}b"));
+    run(&["link", "add", &va, "netns", &a, "type", "veth", "peer", "name", &vb, "netns", &b]);
+    let (ipa, ipb) = (format!("10.214.{id}.1"), format!("10.214.{id}.2"));
+    for (ns, dev, ip) in [(&a, &va, &ipa), (&b, &vb, &ipb)] {
+        run(&["-n", ns, "addr", "add", &format!("{ip}/24"), "dev", dev]);
+        run(&["-n", ns, "link", "set", dev, "up"]);
+    }
+    two_processes([Some(&a), Some(&b)], [&ipa, &ipb]);
+}
