@@ -337,7 +337,17 @@ pub struct IbvQpAttr {
     pub _pad2: u32,
 }
 
+/// `struct ibv_async_event`: the element (a QP or CQ pointer, or a port
+/// number) and the event type.
+#[repr(C)]
+pub struct IbvAsyncEvent {
+    pub element: usize,
+    pub event_type: i32,
+    pub _pad: i32,
+}
+
 const _: () = {
+    assert!(size_of::<IbvAsyncEvent>() == 16);
     assert!(size_of::<IbvPd>() == 16);
     assert!(size_of::<IbvMr>() == 48);
     assert!(std::mem::offset_of!(IbvMr, lkey) == 36);

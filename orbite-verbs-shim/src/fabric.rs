@@ -64,7 +64,7 @@ fn slot(qpn: u32) -> usize {
     (qpn >> 16 & 0xff) as usize
 }
 
-fn lookup(qpn: u32) -> Option<Arc<QpShared>> {
+pub fn lookup(qpn: u32) -> Option<Arc<QpShared>> {
     let f = fabric()?;
     if qpn & 0xffff != f.port as u32 {
         return None;
@@ -169,14 +169,14 @@ fn gather(sges: &[IbvSge], pd: usize) -> Option<Vec<u8>> {
 fn request(qp: &Arc<QpShared>) {
     let mut conn: Option<TcpStream> = None;
     loop {
-        let (wr, state, dest) = {
+        let (wr, state, dest, port) = {
             let mut st = qp.st.lock().unwrap_or_else(|e| e.into_inner());
             loop {
                 if st.destroyed {
                     return;
                 }
                 if let Some(wr) = st.sends.pop_front() {
-                    break (wr, st.state, st.dest);
+                    break (wr, st.state, st.dest, st.port);
                 }
                 st = qp.work.wait(st).unwrap_or_else(|e| e.into_inner());
             }
@@ -188,7 +188,7 @@ fn request(qp: &Arc<QpShared>) {
         };
         let complete = |status: i32, byte_len: u32| {
             if wr.signaled || status != WC_SUCCESS {
-                qp.send_cq().push(IbvWc {
+                qp.complete_send(IbvWc {
                     wr_id: wr.wr_id,
                     status,
                     opcode,
@@ -202,7 +202,20 @@ fn request(qp: &Arc<QpShared>) {
             complete(WC_WR_FLUSH_ERR, 0);
             continue;
         }
-        let status = match execute(qp, &mut conn, &wr, dest) {
+        let (injected, delay) = {
+            let mut f = qp.faults.lock().unwrap_or_else(|e| e.into_inner());
+            (f.next_error.take(), f.delay_ms)
+        };
+        if delay > 0 {
+            std::thread::sleep(Duration::from_millis(delay as u64));
+        }
+        // A port that is down loses every request, as a link that is gone.
+        let lost = (port > 0 && qp.port_down(port)).then_some(WC_RETRY_EXC_ERR);
+        let result = match injected.or(lost) {
+            Some(status) => Err(status),
+            None => execute(qp, &mut conn, &wr, dest),
+        };
+        let status = match result {
             Ok(n) => {
                 complete(WC_SUCCESS, n);
                 continue;

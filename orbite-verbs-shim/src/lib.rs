@@ -45,7 +45,13 @@
 //! counts what is open, so tests can check that the engine closes
 //! everything it opens.
 //!
-//! Not yet: async events, dma-buf regions, fault injection.
+//! Async events (`ibv_get_async_event` on the context's `async_fd`): a
+//! queue pair gone fatal, a completion queue overrun, a port down or back.
+//! Faults a test injects ([`faults`]): a queue pair to ERR, its next
+//! request failing with retry exceeded or a remote access error, its
+//! completions held or its requests delayed, a port taken down.
+//!
+//! Not yet: dma-buf regions.
 //!
 //! # Safety
 //!
@@ -57,6 +63,7 @@
 
 pub mod abi;
 pub mod fabric;
+pub mod faults;
 pub mod verbs;
 
 use std::ffi::{c_char, c_int};
@@ -121,6 +128,33 @@ struct Device {
 pub(crate) struct Context {
     ctx: IbvContext,
     device: *const Device,
+    /// Async events not yet taken; `async_fd` counts them.
+    events: std::sync::Mutex<std::collections::VecDeque<abi::IbvAsyncEvent>>,
+}
+
+impl Context {
+    /// Queues an async event (`element`: a QP or CQ pointer, or a port).
+    pub(crate) fn post_event(&self, event_type: i32, element: usize) {
+        self.events.lock().unwrap_or_else(|e| e.into_inner()).push_back(abi::IbvAsyncEvent {
+            element,
+            event_type,
+            _pad: 0,
+        });
+        let one = 1u64.to_ne_bytes();
+        // SAFETY: 8 bytes into the context's eventfd.
+        unsafe { libc::write(self.ctx.async_fd, one.as_ptr() as *const libc::c_void, 8) };
+    }
+
+    /// The index of its device among the described ones.
+    pub(crate) fn device_index(&self) -> usize {
+        devices().iter().position(|d| std::ptr::eq(d, self.device)).unwrap_or(usize::MAX)
+    }
+}
+
+/// Every open context, for events that concern a device (a port down).
+pub(crate) fn contexts() -> &'static std::sync::Mutex<Vec<usize>> {
+    static C: OnceLock<std::sync::Mutex<Vec<usize>>> = OnceLock::new();
+    C.get_or_init(Default::default)
 }
 
 /// What is open now (for tests).
@@ -284,7 +318,8 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut IbvDevice) -> *mut IbvContext
     let (cmd_fd, async_fd) = unsafe {
         (
             libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK),
-            libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK),
+            // Blocking, as rdma-core's: one read takes one event.
+            libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_SEMAPHORE),
         )
     };
     if cmd_fd < 0 || async_fd < 0 {
@@ -328,9 +363,12 @@ pub unsafe extern "C" fn ibv_open_device(dev: *mut IbvDevice) -> *mut IbvContext
             abi_compat: std::ptr::null_mut(),
         },
         device: d,
+        events: Default::default(),
     });
     CONTEXTS.fetch_add(1, Ordering::Relaxed);
-    Box::into_raw(ctx) as *mut IbvContext
+    let raw = Box::into_raw(ctx);
+    contexts().lock().unwrap_or_else(|e| e.into_inner()).push(raw as usize);
+    raw as *mut IbvContext
 }
 
 /// The shim's context behind `ctx`.
@@ -348,6 +386,7 @@ pub unsafe extern "C" fn ibv_close_device(ctx: *mut IbvContext) -> c_int {
     if ctx.is_null() {
         return libc::EINVAL;
     }
+    contexts().lock().unwrap_or_else(|e| e.into_inner()).retain(|&c| c != ctx as usize);
     // SAFETY: made by ibv_open_device, closed once (the caller's contract).
     let c = unsafe { Box::from_raw(ctx as *mut Context) };
     // SAFETY: the context's own descriptors.
@@ -411,7 +450,9 @@ pub unsafe extern "C" fn ibv_query_port(ctx: *mut IbvContext, port_num: u8, attr
     if attr.is_null() {
         return libc::EINVAL;
     }
+    let down = crate::faults::port_down(c.device_index(), port_num);
     let state = match p.state.as_str() {
+        _ if down => 1,
         "down" => 1,
         "init" => 2,
         "armed" => 3,
@@ -515,6 +556,27 @@ pub unsafe extern "C" fn _ibv_query_gid_ex(
     };
     0
 }
+
+/// `ibv_get_async_event`: waits for the next async event of the context
+/// (as rdma-core's, blocking unless `async_fd` was made non-blocking).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ibv_get_async_event(ctx: *mut IbvContext, event: *mut abi::IbvAsyncEvent) -> c_int {
+    // SAFETY: the caller's context.
+    let Some(c) = (unsafe { context(ctx) }) else { return -1 };
+    let mut n = [0u8; 8];
+    // SAFETY: 8 bytes from the context's eventfd (a semaphore: one event).
+    if event.is_null() || unsafe { libc::read(c.ctx.async_fd, n.as_mut_ptr() as *mut libc::c_void, 8) } != 8 {
+        return -1;
+    }
+    let Some(e) = c.events.lock().unwrap_or_else(|e| e.into_inner()).pop_front() else { return -1 };
+    // SAFETY: the caller's struct.
+    unsafe { event.write(e) };
+    0
+}
+
+/// `ibv_ack_async_event`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ibv_ack_async_event(_event: *mut abi::IbvAsyncEvent) {}
 
 /// The shim's counters of what is open now.
 #[unsafe(no_mangle)]

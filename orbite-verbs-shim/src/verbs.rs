@@ -53,6 +53,9 @@ pub const WC_RECV: i32 = 128;
 pub const WC_RECV_RDMA_WITH_IMM: i32 = 129;
 pub const WC_WITH_IMM: u32 = 2;
 
+/// `IBV_EVENT_CQ_ERR`.
+const EVENT_CQ_ERR: i32 = 0;
+
 pub const WC_SUCCESS: i32 = 0;
 pub const WC_LOC_LEN_ERR: i32 = 1;
 pub const WC_LOC_PROT_ERR: i32 = 4;
@@ -287,7 +290,12 @@ impl Cq {
     pub fn push(&self, wc: IbvWc) {
         let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if s.entries.len() >= self.capacity {
-            s.overrun = true;
+            if !s.overrun {
+                s.overrun = true;
+                // SAFETY: the context outlives its CQs.
+                let ctx = unsafe { &*(self.ibv.context as *const Context) };
+                ctx.post_event(EVENT_CQ_ERR, self as *const Cq as usize);
+            }
             return;
         }
         s.entries.push_back(wc);
@@ -455,6 +463,11 @@ pub struct QpShared {
     /// The requester thread, and the responder streams and threads.
     pub threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
     pub streams: Mutex<Vec<std::net::TcpStream>>,
+    /// What a test injected.
+    pub faults: Mutex<crate::faults::QpFaults>,
+    /// Its context, and the `ibv_qp` handed out (for async events).
+    pub ctx: usize,
+    pub ibv: std::sync::atomic::AtomicUsize,
 }
 
 impl QpShared {
@@ -466,6 +479,32 @@ impl QpShared {
     pub fn recv_cq(&self) -> &Cq {
         // SAFETY: as above.
         unsafe { &*(self.recv_cq as *const Cq) }
+    }
+
+    /// Raises `event_type` about this queue pair on its context.
+    pub fn event(&self, event_type: i32) {
+        // SAFETY: the context outlives its queue pairs.
+        let ctx = unsafe { &*(self.ctx as *const Context) };
+        ctx.post_event(event_type, self.ibv.load(Ordering::Acquire));
+    }
+
+    /// Completes a send request: to the send CQ, or held (a fault).
+    pub fn complete_send(&self, wc: IbvWc) {
+        let mut f = self.faults.lock().unwrap_or_else(|e| e.into_inner());
+        match f.held.as_mut() {
+            Some(held) => held.push(wc),
+            None => {
+                drop(f);
+                self.send_cq().push(wc);
+            }
+        }
+    }
+
+    /// Whether its port is down.
+    pub fn port_down(&self, port: u8) -> bool {
+        // SAFETY: the context outlives its queue pairs.
+        let ctx = unsafe { &*(self.ctx as *const Context) };
+        crate::faults::port_down(ctx.device_index(), port)
     }
 
     /// Moves to ERR: every posted receive is flushed (sends are flushed
@@ -534,6 +573,9 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut IbvPd, attr: *mut IbvQpInitAttr)
         work: Condvar::new(),
         threads: Mutex::new(Vec::new()),
         streams: Mutex::new(Vec::new()),
+        faults: Mutex::default(),
+        ctx: p.ibv.context as usize,
+        ibv: std::sync::atomic::AtomicUsize::new(0),
     });
     crate::fabric::register(&shared);
     p.users.fetch_add(1, Ordering::AcqRel);
@@ -557,7 +599,10 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut IbvPd, attr: *mut IbvQpInitAttr)
         cond: libc::PTHREAD_COND_INITIALIZER,
         events_completed: 0,
     };
-    Box::into_raw(Box::new(Qp { ibv, shared })) as *mut IbvQp
+    let shared2 = shared.clone();
+    let raw = Box::into_raw(Box::new(Qp { ibv, shared }));
+    shared2.ibv.store(raw as usize, Ordering::Release);
+    raw as *mut IbvQp
 }
 
 /// `ibv_modify_qp`: the RC transitions with the attributes each requires.
