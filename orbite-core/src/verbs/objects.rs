@@ -126,6 +126,55 @@ impl Device {
     }
 }
 
+/// An async event of a device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum AsyncEvent {
+    /// A queue pair (its number) went to ERR by itself.
+    QpFatal(u32),
+    /// A queue pair (its number) saw a request or access error.
+    QpError(u32),
+    /// A port went down.
+    PortDown(u8),
+    /// A port came back.
+    PortActive(u8),
+    /// A completion queue overran (or another CQ error).
+    CqError,
+    /// Another `ibv_event_type`.
+    Other(i32),
+}
+
+impl Device {
+    /// Waits for the device's next async event (its descriptor,
+    /// [`Device::async_fd`], is readable when one is there).
+    pub fn async_event(&self) -> Result<AsyncEvent, VerbsError> {
+        let mut e = IbvAsyncEvent { element: 0, event_type: 0, _pad: 0 };
+        // SAFETY: a live context and an event to fill.
+        if unsafe { (self.lib.get_async_event)(self.ctx, &mut e) } != 0 {
+            return Err(failed("ibv_get_async_event", errno()));
+        }
+        // SAFETY: for a QP event the element is the queue pair, live until
+        // the event is acknowledged below.
+        let qpn = || unsafe { (*(e.element as *const IbvQp)).qp_num };
+        let event = match e.event_type {
+            1 => AsyncEvent::QpFatal(qpn()),
+            2 | 3 => AsyncEvent::QpError(qpn()),
+            10 => AsyncEvent::PortDown(e.element as u8),
+            9 => AsyncEvent::PortActive(e.element as u8),
+            0 => AsyncEvent::CqError,
+            other => AsyncEvent::Other(other),
+        };
+        // SAFETY: the event taken above, acknowledged once.
+        unsafe { (self.lib.ack_async_event)(&mut e) };
+        Ok(event)
+    }
+
+    /// The descriptor that is readable when an async event is there.
+    pub fn async_fd(&self) -> c_int {
+        // SAFETY: a live `struct ibv_context`: `async_fd` at offset 268.
+        unsafe { *((self.ctx as *const u8).add(268) as *const c_int) }
+    }
+}
+
 impl Drop for Device {
     fn drop(&mut self) {
         // SAFETY: the context this owner opened; every object made in it

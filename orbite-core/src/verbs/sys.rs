@@ -224,3 +224,14 @@ const _: () = {
     assert!(std::mem::offset_of!(IbvQpAttr, ah_attr) == 56);
     assert!(std::mem::offset_of!(IbvQpAttr, min_rnr_timer) == 128);
 };
+
+/// `struct ibv_async_event`: the element (a QP or CQ pointer, or a port
+/// number) and the event type.
+#[repr(C)]
+pub(super) struct IbvAsyncEvent {
+    pub(super) element: usize,
+    pub(super) event_type: c_int,
+    pub(super) _pad: c_int,
+}
+
+const _: () = assert!(size_of::<IbvAsyncEvent>() == 16);

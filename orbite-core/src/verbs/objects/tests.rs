@@ -24,6 +24,36 @@ struct ShimStats {
     qps: i64,
 }
 
+/// Held by each test that makes shim objects in this process: the
+/// counters and a port taken down are the process's.
+static SHIM_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// The shim's fault controls: `orbite_verbs_shim_inject(qpn, fault, arg)`
+/// and `orbite_verbs_shim_port(device, port, up)`.
+type Inject = unsafe extern "C" fn(u32, c_int, u32) -> c_int;
+type PortState = unsafe extern "C" fn(u32, u8, c_int) -> c_int;
+
+fn faults() -> (Inject, PortState) {
+    let path = std::ffi::CString::new(std::env::var("ORBITE_VERBS_SHIM").unwrap()).unwrap();
+    // SAFETY: a library this process loaded (never closed).
+    let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    // SAFETY: a live handle and NUL-terminated names.
+    let (inject, port) = unsafe {
+        (
+            libc::dlsym(handle, c"orbite_verbs_shim_inject".as_ptr()),
+            libc::dlsym(handle, c"orbite_verbs_shim_port".as_ptr()),
+        )
+    };
+    assert!(!inject.is_null() && !port.is_null());
+    // SAFETY: the shim's exports of these signatures.
+    unsafe {
+        (
+            std::mem::transmute::<*mut libc::c_void, Inject>(inject),
+            std::mem::transmute::<*mut libc::c_void, PortState>(port),
+        )
+    }
+}
+
 /// The shim, loaded as the library of these tests, and its counters.
 fn shim() -> Option<(&'static Library, impl Fn() -> ShimStats)> {
     let Some(path) = std::env::var_os("ORBITE_VERBS_SHIM") else {
@@ -91,6 +121,7 @@ fn sge(buf: &[u8], mr: &Mr) -> Sge {
 #[test]
 fn queue_pairs_move_bytes_refuse_bad_keys_flush_after_errors_and_close_everything() {
     let Some((lib, stats)) = shim() else { return };
+    let _one = SHIM_LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let before = stats();
     {
         let dev = Device::open_in(lib, "shim0").unwrap();
@@ -443,4 +474,104 @@ fn queue_pairs_of_two_processes_and_two_network_namespaces() {
         run(&["-n", ns, "link", "set", dev, "up"]);
     }
     two_processes([Some(&a), Some(&b)], [&ipa, &ipb]);
+}
+
+/// Faults injected into the shim fail requests as a NIC fails them, with
+/// the events a NIC raises: retry exceeded and remote access errors (the
+/// queue pair then in ERR, what follows flushed), completions held and
+/// released, a queue pair gone fatal, a port down and back.
+#[test]
+fn injected_faults_fail_requests_as_a_nic_does_and_raise_events() {
+    const QP_ERROR: c_int = 1;
+    const RETRY_EXCEEDED: c_int = 2;
+    const REMOTE_ACCESS: c_int = 3;
+    const HOLD: c_int = 4;
+    const RELEASE: c_int = 5;
+    let Some((lib, stats)) = shim() else { return };
+    let _one = SHIM_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let (inject, port) = faults();
+    let before = stats();
+    {
+        let dev = Device::open_in(lib, "shim0").unwrap();
+        let pd = dev.alloc_pd().unwrap();
+        let cq = dev.create_cq(64).unwrap();
+        let src = vec![5u8; 4096];
+        let mut dst = vec![0u8; 4096];
+        let all = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
+        // SAFETY (both): buffers of this test that outlive their regions.
+        let src_mr = unsafe { pd.register(src.as_ptr() as u64, 4096, access::LOCAL_WRITE) }.unwrap();
+        let dst_mr = unsafe { pd.register(dst.as_mut_ptr() as u64, 4096, all) }.unwrap();
+        let write = |id| WorkRequest {
+            id,
+            verb: Verb::Write { remote_addr: dst.as_ptr() as u64, rkey: dst_mr.rkey },
+            local: vec![sge(&src, &src_mr)],
+            signaled: true,
+        };
+        for (fault, want) in [(RETRY_EXCEEDED, status::RETRY_EXC_ERR), (REMOTE_ACCESS, status::REM_ACCESS_ERR)] {
+            let (a, _b) = pair(&pd, &cq);
+            // SAFETY: the shim's call on a queue pair of this process.
+            assert_eq!(unsafe { inject(a.qpn, fault, 0) }, 0);
+            a.post(&[write(1), write(2)]).unwrap();
+            let got = wait(&cq, 2);
+            assert_eq!((got[0].status, got[1].status), (want, status::WR_FLUSH_ERR), "fault {fault}");
+        }
+        // SAFETY: as above; an unknown queue pair is refused.
+        assert_eq!(unsafe { inject(0xff_ffff, RETRY_EXCEEDED, 0) }, libc::EINVAL);
+
+        // Held: the bytes land, the completion waits for the release.
+        let (a, b) = pair(&pd, &cq);
+        // SAFETY: as above.
+        assert_eq!(unsafe { inject(a.qpn, HOLD, 0) }, 0);
+        a.post(&[write(3)]).unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        // The shim's thread writes `dst`: read it as the device's memory.
+        // SAFETY: reads within the buffer.
+        let landed = || (0..dst.len()).all(|i| unsafe { std::ptr::read_volatile(dst.as_ptr().add(i)) } == 5);
+        while !landed() {
+            assert!(std::time::Instant::now() < deadline, "the write landed");
+            std::thread::yield_now();
+        }
+        assert!(cq.poll(4).unwrap().is_empty(), "held");
+        // SAFETY: as above.
+        assert_eq!(unsafe { inject(a.qpn, RELEASE, 0) }, 0);
+        assert_eq!(wait(&cq, 1)[0].id, 3);
+
+        // Fatal: the queue pair to ERR by itself, an event says which.
+        let mut inbox = vec![0u8; 64];
+        // SAFETY: as above.
+        let inbox_mr = unsafe { pd.register(inbox.as_mut_ptr() as u64, 64, access::LOCAL_WRITE) }.unwrap();
+        b.post_recv(4, &[sge(&inbox, &inbox_mr)]).unwrap();
+        // SAFETY: as above.
+        assert_eq!(unsafe { inject(b.qpn, QP_ERROR, 0) }, 0);
+        assert_eq!(dev.async_event().unwrap(), AsyncEvent::QpFatal(b.qpn));
+        assert_eq!((wait(&cq, 1)[0].id, cq.poll(1).unwrap().len()), (4, 0), "its receive flushed");
+        drop((a, b));
+
+        // A port down: events on the device, requests lost until it is up.
+        let (a, _b) = pair(&pd, &cq);
+        // SAFETY: the shim's call for its first device.
+        assert_eq!(unsafe { port(0, PORT, 0) }, 0);
+        assert_eq!(dev.async_event().unwrap(), AsyncEvent::PortDown(PORT));
+        a.post(&[write(5)]).unwrap();
+        assert_eq!(wait(&cq, 1)[0].status, status::RETRY_EXC_ERR);
+        // SAFETY: as above.
+        assert_eq!(unsafe { port(0, PORT, 1) }, 0);
+        assert_eq!(dev.async_event().unwrap(), AsyncEvent::PortActive(PORT));
+        let mut pfd = libc::pollfd { fd: dev.async_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one pollfd; no wait.
+        assert_eq!(unsafe { libc::poll(&mut pfd, 1, 0) }, 0, "no event left");
+        let (a, _b) = pair(&pd, &cq);
+        a.post(&[write(6)]).unwrap();
+        assert_eq!(wait(&cq, 1)[0].status, status::SUCCESS, "a new queue pair works again");
+        drop(a);
+
+        // A completion queue that overruns is unusable, and says so.
+        let small = dev.create_cq(2).unwrap();
+        let (a, _b) = pair(&pd, &small);
+        a.post(&[write(7), write(8), write(9)]).unwrap();
+        assert_eq!(dev.async_event().unwrap(), AsyncEvent::CqError);
+        assert!(small.poll(4).is_err(), "an overrun queue polls as an error");
+        drop((a, _b, small, src_mr, dst_mr, inbox_mr, cq, pd, dev));
+    }
+    assert_eq!(stats(), before, "every object destroyed");
 }
