@@ -100,6 +100,12 @@ pub fn availability() -> Result<CudaInfo, CudaError> {
     }
 }
 
+/// The PCI address of device `ordinal` (`dddd:bb:dd.0`, lower case, as
+/// sysfs names it), for finding the NIC closest to it.
+pub fn pci_bus_id(ordinal: u32) -> Result<String, CudaError> {
+    driver::pci_bus_id(ordinal)
+}
+
 /// Directions of [`reference_copy_gbps`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CopyDirection {
@@ -275,6 +281,24 @@ mod driver {
             }
             Ok(Driver { info: CudaInfo { devices: count as u32, driver_version: version } })
         }
+    }
+
+    pub(crate) fn pci_bus_id(ordinal: u32) -> Result<String, CudaError> {
+        get()?;
+        use sys::CUdevice_attribute as A;
+        let attr = |device, a| {
+            let mut v = 0;
+            // SAFETY: a device handle of the initialised driver and an
+            // out-pointer.
+            check(unsafe { sys::cuDeviceGetAttribute(&mut v, a, device) }, "cuDeviceGetAttribute").map(|()| v)
+        };
+        let mut device = 0;
+        // SAFETY: an out-pointer.
+        check(unsafe { sys::cuDeviceGet(&mut device, ordinal as i32) }, "cuDeviceGet")?;
+        let domain = attr(device, A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?;
+        let bus = attr(device, A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?;
+        let dev = attr(device, A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?;
+        Ok(format!("{domain:04x}:{bus:02x}:{dev:02x}.0"))
     }
 
     /// The driver's name of an error code.
@@ -1287,6 +1311,10 @@ mod driver {
     }
 
     pub(crate) fn release_thread_streams() {}
+
+    pub(crate) fn pci_bus_id(_ordinal: u32) -> Result<String, CudaError> {
+        Err(CudaError::NotBuilt)
+    }
 
     pub(crate) fn issue_on_stream(_ordinal: u32, _copies: &[(u64, u64, u64)]) -> Result<Ticket, (u64, CudaError)> {
         Err((0, CudaError::NotBuilt))

@@ -115,3 +115,72 @@ fn no_nic_says_why() {
     let not_verbs = rdma(&[("ORBITE_IBVERBS_LIB", "libc.so.6")]);
     assert_eq!(not_verbs["reason"], "the verbs library libc.so.6 has no ibv_get_device_list");
 }
+
+/// With the CUDA driver (feature `cuda`, the driver shim: GPU `n` at PCI
+/// `0000:0{n+1}:00.0`) and a fake sysfs tree, `orbite info` names the NIC
+/// closest to each GPU: fewest PCI hops, then the same NUMA node; a NIC
+/// with no active port is never named. Without a driver the list is
+/// empty (SKIP here unless `ORBITE_CUDA_REQUIRED`).
+#[test]
+fn the_nic_closest_to_each_gpu_is_the_fewest_pci_hops_away() {
+    let Some(shim) = shim() else { return };
+    let sysfs = std::env::temp_dir().join(format!("orbite-verbs-topology-{}", std::process::id()));
+    let dev = |p: &str, numa: u32| {
+        let d = sysfs.join("devices").join(p);
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("numa_node"), format!("{numa}\n")).unwrap();
+        d
+    };
+    let link = |target: &std::path::Path, at: std::path::PathBuf| {
+        std::fs::create_dir_all(at.parent().unwrap()).unwrap();
+        std::os::unix::fs::symlink(target, at).unwrap();
+    };
+    // GPU 0 and mlx5_0 behind one bridge; GPU 1 and mlx5_1 under another
+    // root complex (NUMA node 1); mlx5_2 across GPU 0's root complex, its
+    // port down.
+    for (bdf, path, numa) in [
+        ("0000:01:00.0", "pci0000:00/0000:00:01.0/0000:01:00.0", 0),
+        ("0000:02:00.0", "pci0000:80/0000:80:01.0/0000:02:00.0", 1),
+    ] {
+        link(&dev(path, numa), sysfs.join("bus/pci/devices").join(bdf));
+    }
+    for (nic, path, numa) in [
+        ("mlx5_0", "pci0000:00/0000:00:01.0/0000:10:00.0", 0),
+        ("mlx5_1", "pci0000:80/0000:80:01.0/0000:90:00.0", 1),
+        ("mlx5_2", "pci0000:00/0000:00:02.0/0000:11:00.0", 0),
+    ] {
+        link(&dev(path, numa), sysfs.join("class/infiniband").join(nic).join("device"));
+    }
+    let port =
+        |state: &str| format!(r#"{{"state": "{state}", "gids": [{{"gid": "::ffff:127.0.0.1", "type": "roce-v2"}}]}}"#);
+    let devices = format!(
+        r#"[{{"name": "mlx5_2", "ports": [{}]}}, {{"name": "mlx5_1", "ports": [{}]}}, {{"name": "mlx5_0", "ports": [{}]}}]"#,
+        port("down"),
+        port("active"),
+        port("active")
+    );
+    let r = rdma(&[
+        ("ORBITE_IBVERBS_LIB", shim.to_str().unwrap()),
+        ("ORBITE_VERBS_SHIM_DEVICES", &devices),
+        ("ORBITE_SYSFS_ROOT", sysfs.to_str().unwrap()),
+    ]);
+    std::fs::remove_dir_all(&sysfs).unwrap();
+    let gpus = r["gpus"].as_array().unwrap();
+    if gpus.is_empty() {
+        assert!(std::env::var_os("ORBITE_CUDA_REQUIRED").is_none(), "ORBITE_CUDA_REQUIRED: no GPU listed: {r}");
+        println!("SKIP: no CUDA driver for this orbite (feature cuda and the driver shim on the library path)");
+        return;
+    }
+    assert!(r["nics"][2]["pci_path"].as_str().unwrap().ends_with("0000:00:01.0/0000:10:00.0"), "{r}");
+    let names = |g: &Value| {
+        g["closest"].as_array().unwrap().iter().map(|c| c["nic"].as_str().unwrap().to_owned()).collect::<Vec<_>>()
+    };
+    assert_eq!(
+        (gpus[0]["pci"].as_str(), names(&gpus[0])),
+        (Some("0000:01:00.0"), vec!["mlx5_0".to_owned(), "mlx5_1".into()])
+    );
+    assert_eq!(gpus[0]["closest"][0]["pci_hops"], 2);
+    assert_eq!(gpus[0]["closest"][0]["same_numa"], true);
+    assert_eq!(names(&gpus[1]), ["mlx5_1", "mlx5_0"], "GPU 1's own root complex first");
+    assert_eq!(gpus[1]["closest"][0]["pci_hops"], 2);
+}

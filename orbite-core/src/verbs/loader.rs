@@ -191,7 +191,7 @@ fn nic(lib: &Library, dev: *mut Device) -> Result<Nic, VerbsError> {
     // SAFETY: the context opened above, closed once.
     unsafe { (lib.close_device)(ctx) };
     let (firmware, ports) = asked?;
-    Ok(Nic { numa_node: super::numa_node(&name), name, guid, firmware, ports })
+    Ok(Nic { numa_node: super::numa_node(&name), pci_path: super::pci_path(&name), name, guid, firmware, ports })
 }
 
 /// A device's firmware and ports, through its open context.

@@ -11,9 +11,9 @@
 //! this module passes are a hand-checked `#[repr(C)]` subset of
 //! `verbs.h` (x86_64 Linux layouts, asserted below).
 //!
-//! `ORBITE_SYSFS_ROOT` (default `/sys`) is where a NIC's NUMA node and a
-//! GID's type are read when the library does not say (tests point it at a
-//! fake tree).
+//! `ORBITE_SYSFS_ROOT` (default `/sys`) is where a NIC's NUMA node and
+//! place in the PCI hierarchy, a GPU's place, and a GID's type when the
+//! library does not say, are read (tests point it at a fake tree).
 
 use std::net::Ipv6Addr;
 
@@ -151,8 +151,77 @@ pub struct Nic {
     pub firmware: String,
     /// The NUMA node it is attached to, if known.
     pub numa_node: Option<u32>,
+    /// Its place in the PCI hierarchy (the resolved sysfs path of its
+    /// device), if known.
+    pub pci_path: Option<std::path::PathBuf>,
     /// Its ports, in order.
     pub ports: Vec<NicPort>,
+}
+
+impl Nic {
+    /// Whether a port of it is active.
+    pub fn active(&self) -> bool {
+        self.ports.iter().any(|p| p.state == PortState::Active)
+    }
+}
+
+/// Where a buffer's memory is, for choosing the NIC closest to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Near {
+    /// CUDA device `ordinal`'s memory.
+    Gpu(u32),
+    /// Host memory of this NUMA node.
+    Numa(u32),
+}
+
+/// A NIC, as close to a buffer as [`closest`] found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Closeness<'a> {
+    /// The NIC.
+    pub nic: &'a Nic,
+    /// PCI hops between the buffer's device and the NIC (through their
+    /// nearest common bridge), for device memory whose place is known.
+    pub pci_hops: Option<u32>,
+    /// Whether the NIC is on the buffer's NUMA node.
+    pub same_numa: bool,
+}
+
+/// The NICs with an active port, closest to memory `near` first: fewest
+/// PCI hops from a GPU (through the nearest common bridge of their sysfs
+/// paths), then on the same NUMA node, then by name.
+pub fn closest(nics: &[Nic], near: Near) -> Vec<Closeness<'_>> {
+    let (path, numa) = match near {
+        Near::Numa(n) => (None, Some(n)),
+        Near::Gpu(ordinal) => {
+            let path = crate::cuda::pci_bus_id(ordinal)
+                .ok()
+                .and_then(|bdf| std::fs::canonicalize(sysfs_root().join("bus/pci/devices").join(bdf)).ok());
+            let numa =
+                path.as_ref().and_then(|p| std::fs::read_to_string(p.join("numa_node")).ok()?.trim().parse().ok());
+            (path, numa)
+        }
+    };
+    let mut out: Vec<Closeness<'_>> = nics
+        .iter()
+        .filter(|n| n.active())
+        .map(|nic| Closeness {
+            nic,
+            pci_hops: path.as_ref().zip(nic.pci_path.as_ref()).map(|(a, b)| hops(a, b)),
+            same_numa: numa.is_some() && nic.numa_node == numa,
+        })
+        .collect();
+    out.sort_by(|a, b| {
+        let key = |c: &Closeness<'_>| (c.pci_hops.unwrap_or(u32::MAX), !c.same_numa);
+        key(a).cmp(&key(b)).then_with(|| a.nic.name.cmp(&b.nic.name))
+    });
+    out
+}
+
+/// Components of `a` and `b` below their longest common prefix.
+fn hops(a: &std::path::Path, b: &std::path::Path) -> u32 {
+    let (a, b): (Vec<_>, Vec<_>) = (a.components().collect(), b.components().collect());
+    let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    (a.len() - common + b.len() - common) as u32
 }
 
 /// The library a process loads: `ORBITE_IBVERBS_LIB`, else rdma-core's.
@@ -187,6 +256,12 @@ fn numa_node(name: &str) -> Option<u32> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
+/// The resolved sysfs path of the NIC `name`'s PCI device.
+#[cfg_attr(not(feature = "rdma"), allow(dead_code, reason = "read by the loader"))]
+fn pci_path(name: &str) -> Option<std::path::PathBuf> {
+    std::fs::canonicalize(sysfs_root().join("class/infiniband").join(name).join("device")).ok()
+}
+
 /// The type sysfs gives GID `index` of `port` of `name`.
 #[cfg_attr(not(feature = "rdma"), allow(dead_code, reason = "read by the loader"))]
 fn sysfs_gid_type(name: &str, port: u8, index: u32) -> GidType {
@@ -204,3 +279,46 @@ mod loader;
 pub(crate) mod objects;
 #[cfg(feature = "rdma")]
 mod sys;
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn nic(name: &str, numa: Option<u32>, pci: Option<&str>, state: PortState) -> Nic {
+        let port = NicPort { port: 1, state, link_layer: LinkLayer::Ethernet, active_mtu: 4096, gids: Vec::new() };
+        Nic {
+            name: name.into(),
+            guid: 0,
+            firmware: String::new(),
+            numa_node: numa,
+            pci_path: pci.map(Into::into),
+            ports: vec![port],
+        }
+    }
+
+    #[test]
+    fn pci_hops_count_the_path_below_the_nearest_common_bridge() {
+        let root = "/sys/devices/pci0000:00";
+        let gpu = Path::new("/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.0");
+        assert_eq!(hops(gpu, Path::new(&format!("{root}/0000:00:01.0/0000:10:00.0"))), 2, "behind one bridge");
+        assert_eq!(hops(gpu, Path::new(&format!("{root}/0000:00:02.0/0000:11:00.0"))), 4, "across the root complex");
+        assert_eq!(hops(gpu, Path::new("/sys/devices/pci0000:80/0000:80:01.0/0000:90:00.0")), 6, "another root");
+        assert_eq!(hops(gpu, Path::new("/sys/devices/pci0000:00/0000:00:01.0/0000:01:00.1")), 2);
+    }
+
+    #[test]
+    fn host_memory_prefers_nics_of_its_numa_node_and_skips_nics_with_no_active_port() {
+        let nics = [
+            nic("mlx5_0", Some(0), None, PortState::Active),
+            nic("mlx5_1", Some(1), None, PortState::Active),
+            nic("mlx5_2", Some(1), None, PortState::Down),
+            nic("mlx5_3", None, None, PortState::Active),
+        ];
+        let names = |near| closest(&nics, near).iter().map(|c| c.nic.name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(Near::Numa(1)), ["mlx5_1", "mlx5_0", "mlx5_3"]);
+        assert_eq!(names(Near::Numa(0)), ["mlx5_0", "mlx5_1", "mlx5_3"]);
+        assert!(closest(&nics, Near::Numa(1)).iter().all(|c| c.pci_hops.is_none()));
+    }
+}

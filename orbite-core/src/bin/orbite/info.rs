@@ -41,7 +41,7 @@ fn rdma() -> (serde_json::Value, Vec<String>) {
     let nics = match verbs::nics() {
         Ok(n) => n,
         Err(e) => {
-            let json = serde_json::json!({"library": library, "nics": [], "reason": e.to_string()});
+            let json = serde_json::json!({"library": library, "nics": [], "gpus": [], "reason": e.to_string()});
             return (json, vec![format!("rdma:            no NIC ({e})")]);
         }
     };
@@ -85,9 +85,30 @@ fn rdma() -> (serde_json::Value, Vec<String>) {
                 "active_mtu": p.active_mtu, "default_gid": default, "gids": gids}));
         }
         json.push(serde_json::json!({"name": n.name, "guid": format!("{:#018x}", n.guid), "firmware": n.firmware,
-            "numa_node": n.numa_node, "ports": ports}));
+            "numa_node": n.numa_node, "pci_path": n.pci_path, "ports": ports}));
     }
-    (serde_json::json!({"library": library, "nics": json, "reason": null}), text)
+    // The NIC closest to each GPU (its PCI place from the driver).
+    let mut gpus = Vec::new();
+    let devices = orbite_core::cuda::availability().map_or(0, |i| i.devices);
+    for ordinal in 0..devices {
+        let pci = orbite_core::cuda::pci_bus_id(ordinal).ok();
+        let order = verbs::closest(&nics, verbs::Near::Gpu(ordinal));
+        let says = |c: &verbs::Closeness<'_>| {
+            let hops = c.pci_hops.map_or("PCI place unknown".to_owned(), |h| format!("{h} PCI hops"));
+            format!("{} ({hops}{})", c.nic.name, if c.same_numa { ", same NUMA node" } else { "" })
+        };
+        let first = order.first().map_or("none with an active port".to_owned(), says);
+        text.push(format!(
+            "  gpu {ordinal} ({}): closest NIC {first}",
+            pci.as_deref().unwrap_or("PCI address unknown")
+        ));
+        let closest: Vec<_> = order
+            .iter()
+            .map(|c| serde_json::json!({"nic": c.nic.name, "pci_hops": c.pci_hops, "same_numa": c.same_numa}))
+            .collect();
+        gpus.push(serde_json::json!({"gpu": ordinal, "pci": pci, "closest": closest}));
+    }
+    (serde_json::json!({"library": library, "nics": json, "gpus": gpus, "reason": null}), text)
 }
 
 fn json_str(s: &str) -> String {
