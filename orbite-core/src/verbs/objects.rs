@@ -288,7 +288,7 @@ unsafe impl Send for Cq {}
 unsafe impl Sync for Cq {}
 
 /// One completion.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Completion {
     /// The work request's id.
     pub id: u64,
@@ -312,28 +312,31 @@ pub(crate) mod status {
 }
 
 impl Cq {
-    /// Takes up to `max` completions.
-    pub fn poll(&self, max: usize) -> Result<Vec<Completion>, VerbsError> {
-        let mut wc = vec![IbvWc::default(); max.clamp(1, 256)];
+    /// Takes up to `out.len()` completions (at most 32 a call) into `out`:
+    /// how many. No allocation: the route polls on its hot path.
+    pub fn poll(&self, out: &mut [Completion]) -> Result<usize, VerbsError> {
+        let mut wc = [IbvWc::default(); 32];
+        let want = out.len().min(wc.len());
         // SAFETY: a live CQ; its context's ops table.
         let poll = unsafe { op::<PollCq>(*(self.cq as *const *mut c_void), OP_POLL_CQ) };
         let poll = poll.ok_or_else(|| failed("ibv_poll_cq", libc::EOPNOTSUPP))?;
-        // SAFETY: a live CQ and room for `wc.len()` entries.
-        let n = unsafe { poll(self.cq, wc.len() as c_int, wc.as_mut_ptr()) };
+        // SAFETY: a live CQ and room for `want` entries.
+        let n = unsafe { poll(self.cq, want as c_int, wc.as_mut_ptr()) };
         if n < 0 {
             return Err(VerbsError::Call { call: "ibv_poll_cq", reason: "the completion queue overran".into() });
         }
-        Ok(wc[..n as usize]
-            .iter()
-            .map(|w| Completion {
+        let n = (n as usize).min(want);
+        for (o, w) in out.iter_mut().zip(&wc[..n]) {
+            *o = Completion {
                 id: w.wr_id,
                 status: w.status,
                 opcode: w.opcode,
                 bytes: w.byte_len,
                 imm: (w.wc_flags & 2 != 0).then_some(u32::from_be(w.imm_data)),
                 qpn: w.qp_num,
-            })
-            .collect())
+            };
+        }
+        Ok(n)
     }
 
     /// Asks for an event on the channel at the next completion.

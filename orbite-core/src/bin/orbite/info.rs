@@ -50,7 +50,11 @@ fn rdma() -> (serde_json::Value, Vec<String>) {
         GidType::RoceV1 => "roce-v1",
         GidType::RoceV2 => "roce-v2",
     };
-    let mut text = vec![format!("rdma:            {} NIC(s) through {library}", nics.len())];
+    let count = match nics.len() {
+        1 => "1 NIC".to_owned(),
+        n => format!("{n} NICs"),
+    };
+    let mut text = vec![format!("rdma:            {count} through {library}")];
     let mut json = Vec::new();
     for n in &nics {
         let numa = n.numa_node.map_or("unknown".to_owned(), |v| v.to_string());
