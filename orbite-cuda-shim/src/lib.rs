@@ -20,7 +20,8 @@
 //!   stream-ordered copies and memsets, streams (a worker thread each) and
 //!   events ([`stream`]), IPC memory handles between processes ([`ipc`]),
 //!   the virtual memory management API with POSIX file descriptors as
-//!   shareable handles ([`vmm`]), and counters for tests
+//!   shareable handles ([`vmm`]), dma-buf exports of device memory for a
+//!   NIC ([`dmabuf`], read by `orbite-verbs-shim`), and counters for tests
 //!   ([`stats::orbite_cuda_shim_stats`], [`stats::orbite_cuda_shim_vmm_stats`]).
 //!
 //! # Contract
@@ -58,6 +59,7 @@
 
 pub mod context;
 pub mod copy;
+pub mod dmabuf;
 pub mod errors;
 pub mod ffi;
 pub mod init;

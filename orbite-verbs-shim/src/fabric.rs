@@ -135,16 +135,13 @@ fn reply(stream: &mut TcpStream, status: i32, data: &[u8]) -> std::io::Result<()
 /// false if one is not.
 fn scatter(sges: &[IbvSge], pd: usize, data: &[u8]) -> bool {
     let r = regions().read().unwrap_or_else(|e| e.into_inner());
-    if sges.iter().any(|s| r.local(s, pd, true).is_none()) {
-        return false;
-    }
+    let Some(found) = sges.iter().map(|s| r.local(s, pd, true)).collect::<Option<Vec<_>>>() else { return false };
     let mut at = 0usize;
-    for s in sges {
+    for (s, region) in sges.iter().zip(found) {
         let n = (s.length as usize).min(data.len() - at);
-        // SAFETY: inside a registered, writable region of this process
-        // (checked above), which stays registered while the read lock is
-        // held.
-        unsafe { std::ptr::copy_nonoverlapping(data[at..].as_ptr(), s.addr as *mut u8, n) };
+        // SAFETY: inside a registered, writable region (checked above),
+        // which stays registered while the read lock is held.
+        unsafe { std::ptr::copy_nonoverlapping(data[at..].as_ptr(), region.at(s.addr), n) };
         at += n;
     }
     true
@@ -156,10 +153,10 @@ fn gather(sges: &[IbvSge], pd: usize) -> Option<Vec<u8>> {
     let r = regions().read().unwrap_or_else(|e| e.into_inner());
     let mut out = Vec::with_capacity(sges.iter().map(|s| s.length as usize).sum());
     for s in sges {
-        r.local(s, pd, false)?;
-        // SAFETY: inside a registered region of this process (checked),
-        // registered while the read lock is held.
-        out.extend_from_slice(unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.length as usize) });
+        let region = r.local(s, pd, false)?;
+        // SAFETY: inside a registered region (checked), registered while
+        // the read lock is held.
+        out.extend_from_slice(unsafe { std::slice::from_raw_parts(region.at(s.addr), s.length as usize) });
     }
     Some(out)
 }
@@ -324,20 +321,18 @@ fn respond(qp: &Arc<QpShared>, mut stream: TcpStream) {
 /// One request at the responder: its status and, for a READ, the bytes.
 fn serve(qp: &QpShared, op: i32, rkey: u32, addr: u64, len: u64, imm: u32, data: &[u8]) -> (i32, Vec<u8>) {
     let access = qp.st.lock().unwrap_or_else(|e| e.into_inner()).access;
-    let check = |need: u32| {
-        access & need == need
-            && regions().read().unwrap_or_else(|e| e.into_inner()).remote(rkey, addr, len, need, qp.pd)
-    };
+    let denied = (WC_REM_ACCESS_ERR, Vec::new());
     match op {
         WR_RDMA_WRITE | WR_RDMA_WRITE_WITH_IMM => {
             {
                 let r = regions().read().unwrap_or_else(|e| e.into_inner());
-                if access & ACCESS_REMOTE_WRITE == 0 || !r.remote(rkey, addr, len, ACCESS_REMOTE_WRITE, qp.pd) {
-                    return (WC_REM_ACCESS_ERR, Vec::new());
+                let Some(region) = r.remote(rkey, addr, len, ACCESS_REMOTE_WRITE, qp.pd) else { return denied };
+                if access & ACCESS_REMOTE_WRITE == 0 {
+                    return denied;
                 }
-                // SAFETY: inside a registered region of this process with
-                // remote write access (checked under this lock).
-                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
+                // SAFETY: inside a registered region with remote write
+                // access (checked under this lock, which keeps it).
+                unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), region.at(addr), data.len()) };
             }
             if op == WR_RDMA_WRITE_WITH_IMM {
                 return (receive(qp, &[], Some(imm), WC_RECV_RDMA_WITH_IMM, len), Vec::new());
@@ -345,16 +340,14 @@ fn serve(qp: &QpShared, op: i32, rkey: u32, addr: u64, len: u64, imm: u32, data:
             (WC_SUCCESS, Vec::new())
         }
         WR_RDMA_READ => {
-            if !check(ACCESS_REMOTE_READ) {
-                return (WC_REM_ACCESS_ERR, Vec::new());
-            }
             let r = regions().read().unwrap_or_else(|e| e.into_inner());
-            if !r.remote(rkey, addr, len, ACCESS_REMOTE_READ, qp.pd) {
-                return (WC_REM_ACCESS_ERR, Vec::new());
+            let Some(region) = r.remote(rkey, addr, len, ACCESS_REMOTE_READ, qp.pd) else { return denied };
+            if access & ACCESS_REMOTE_READ == 0 {
+                return denied;
             }
             // SAFETY: inside a registered region with remote read access,
             // registered while the read lock is held.
-            (WC_SUCCESS, unsafe { std::slice::from_raw_parts(addr as *const u8, len as usize) }.to_vec())
+            (WC_SUCCESS, unsafe { std::slice::from_raw_parts(region.at(addr), len as usize) }.to_vec())
         }
         WR_SEND | WR_SEND_WITH_IMM => {
             let imm = (op == WR_SEND_WITH_IMM).then_some(imm);

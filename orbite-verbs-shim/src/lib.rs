@@ -51,7 +51,10 @@
 //! request failing with retry exceeded or a remote access error, its
 //! completions held or its requests delayed, a port taken down.
 //!
-//! Not yet: dma-buf regions.
+//! dma-buf regions (`ibv_reg_dmabuf_mr`): the shim maps the dma-buf itself
+//! from its file position (where `orbite-cuda-shim`'s export starts) plus
+//! the offset, so RDMA reaches device memory the process cannot touch; a
+//! device described with `"dmabuf": false` answers EOPNOTSUPP.
 //!
 //! # Safety
 //!
@@ -113,6 +116,13 @@ struct DeviceDesc {
     #[serde(default)]
     guid: Option<String>,
     ports: Vec<PortDesc>,
+    /// Whether it takes dma-buf regions (GPUDirect without peermem).
+    #[serde(default = "yes")]
+    dmabuf: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// A device as handed out: its `ibv_device` first, so the pointer is both.
@@ -143,6 +153,12 @@ impl Context {
         let one = 1u64.to_ne_bytes();
         // SAFETY: 8 bytes into the context's eventfd.
         unsafe { libc::write(self.ctx.async_fd, one.as_ptr() as *const libc::c_void, 8) };
+    }
+
+    /// Whether its device takes dma-buf regions.
+    pub(crate) fn dmabuf(&self) -> bool {
+        // SAFETY: the device outlives every context.
+        unsafe { &*self.device }.desc.dmabuf
     }
 
     /// The index of its device among the described ones.
@@ -186,6 +202,7 @@ fn devices() -> &'static [Device] {
             Err(_) => vec![DeviceDesc {
                 name: "shim0".into(),
                 guid: None,
+                dmabuf: true,
                 ports: vec![PortDesc {
                     state: "active".into(),
                     link_layer: ethernet(),

@@ -76,11 +76,22 @@ pub static QPS: AtomicI64 = AtomicI64::new(0);
 /// A registered region, as the keys find it.
 #[derive(Debug, Clone, Copy)]
 pub struct Region {
+    /// Its first address as requests name it (the iova).
     pub addr: u64,
     pub len: u64,
     pub access: u32,
     /// The protection domain (its address).
     pub pd: usize,
+    /// Where its bytes are in this process: `addr` for memory registered
+    /// by address, the shim's own mapping of a dma-buf otherwise.
+    pub host: u64,
+}
+
+impl Region {
+    /// The address in this process of `addr` (inside the region).
+    pub fn at(&self, addr: u64) -> *mut u8 {
+        (self.host + (addr - self.addr)) as *mut u8
+    }
 }
 
 /// Every live region by key. Copies into or out of a region hold the read
@@ -106,11 +117,11 @@ impl Regions {
         (inside && r.pd == pd && (!write || r.access & ACCESS_LOCAL_WRITE != 0)).then_some(r)
     }
 
-    /// The remote range under `rkey` with `access`, in `pd`.
-    pub fn remote(&self, rkey: u32, addr: u64, len: u64, access: u32, pd: usize) -> bool {
-        let Some(r) = self.by_rkey.get(&rkey) else { return false };
+    /// The region of the remote range under `rkey` with `access`, in `pd`.
+    pub fn remote(&self, rkey: u32, addr: u64, len: u64, access: u32, pd: usize) -> Option<Region> {
+        let r = *self.by_rkey.get(&rkey)?;
         let inside = addr >= r.addr && addr.checked_add(len).is_some_and(|end| end <= r.addr + r.len);
-        inside && r.pd == pd && r.access & access == access
+        (inside && r.pd == pd && r.access & access == access).then_some(r)
     }
 }
 
@@ -158,10 +169,11 @@ fn next_keys() -> (u32, u32) {
     (k << 8 | 0x11, k << 8 | 0x22)
 }
 
-/// A memory region as handed out.
+/// A memory region as handed out, with the shim's mapping of a dma-buf.
 #[repr(C)]
 pub struct Mr {
     pub ibv: IbvMr,
+    mapped: Option<(usize, usize)>,
 }
 
 #[unsafe(no_mangle)]
@@ -191,8 +203,14 @@ pub unsafe extern "C" fn ibv_reg_mr_iova2(
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
     }
+    let region = Region { addr: addr as u64, len: length as u64, access, pd: pd as usize, host: addr as u64 };
+    new_mr(p, pd, region, None)
+}
+
+/// Makes the region `region` of `p` (whose mapping `mapped` the shim
+/// unmaps at deregistration).
+fn new_mr(p: &Pd, pd: *mut IbvPd, region: Region, mapped: Option<(usize, usize)>) -> *mut IbvMr {
     let (lkey, rkey) = next_keys();
-    let region = Region { addr: addr as u64, len: length as u64, access, pd: pd as usize };
     {
         let mut r = regions().write().unwrap_or_else(|e| e.into_inner());
         r.by_lkey.insert(lkey, region);
@@ -200,10 +218,85 @@ pub unsafe extern "C" fn ibv_reg_mr_iova2(
     }
     p.users.fetch_add(1, Ordering::AcqRel);
     MRS.fetch_add(1, Ordering::Relaxed);
-    // SAFETY: the protection domain's context.
-    let context = p.ibv.context;
-    Box::into_raw(Box::new(Mr { ibv: IbvMr { context, pd, addr, length, handle: next_handle(), lkey, rkey } }))
-        as *mut IbvMr
+    let ibv = IbvMr {
+        context: p.ibv.context,
+        pd,
+        addr: region.addr as *mut c_void,
+        length: region.len as usize,
+        handle: next_handle(),
+        lkey,
+        rkey,
+    };
+    Box::into_raw(Box::new(Mr { ibv, mapped })) as *mut IbvMr
+}
+
+/// `ibv_reg_dmabuf_mr`: a region of a dma-buf (`fd`, from `offset`), named
+/// by requests from `iova`. The shim maps the dma-buf itself, from its
+/// file position (where the CUDA shim's export starts; 0 for a real one)
+/// plus `offset`, so requests reach the memory without the process
+/// touching it. `fd` -1 answers EBADF (the probe that dma-buf is
+/// supported), or EOPNOTSUPP on a device described with `"dmabuf": false`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn ibv_reg_dmabuf_mr(
+    pd: *mut IbvPd,
+    offset: u64,
+    length: usize,
+    iova: u64,
+    fd: c_int,
+    access: c_int,
+) -> *mut IbvMr {
+    let fail = |e| {
+        set_errno(e);
+        std::ptr::null_mut()
+    };
+    // SAFETY: a live protection domain (the caller's contract).
+    let Some(p) = (unsafe { (pd as *const Pd).as_ref() }) else { return fail(libc::EINVAL) };
+    // SAFETY: the domain's context is live while it is.
+    let ctx = unsafe { &*(p.ibv.context as *const Context) };
+    if !ctx.dmabuf() {
+        return fail(libc::EOPNOTSUPP);
+    }
+    if fd < 0 {
+        return fail(libc::EBADF);
+    }
+    let access = access as u32 & !0x3ff0_0000;
+    let allowed = ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE | ACCESS_REMOTE_READ | ACCESS_REMOTE_ATOMIC;
+    let needs_local_write = access & (ACCESS_REMOTE_WRITE | ACCESS_REMOTE_ATOMIC) != 0;
+    let page = 4096u64;
+    if length == 0
+        || access & !allowed != 0
+        || (needs_local_write && access & ACCESS_LOCAL_WRITE == 0)
+        || iova % page != offset % page
+    {
+        return fail(libc::EINVAL);
+    }
+    // SAFETY: the caller's descriptor; position and size only.
+    let (start, size) = unsafe {
+        let mut st: libc::stat = std::mem::zeroed();
+        (libc::lseek(fd, 0, libc::SEEK_CUR), if libc::fstat(fd, &mut st) == 0 { st.st_size } else { -1 })
+    };
+    let Some(from) = u64::try_from(start).ok().and_then(|s| s.checked_add(offset)) else { return fail(libc::EINVAL) };
+    if size < 0 || from.checked_add(length as u64).is_none_or(|end| end > size as u64) {
+        return fail(libc::EINVAL);
+    }
+    let skew = from % page;
+    let map_len = (skew + length as u64).div_ceil(page) * page;
+    // SAFETY: a new shared mapping of the dma-buf chosen by the kernel.
+    let m = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            map_len as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            (from - skew) as libc::off_t,
+        )
+    };
+    if m == libc::MAP_FAILED {
+        return fail(libc::EINVAL);
+    }
+    let region = Region { addr: iova, len: length as u64, access, pd: pd as usize, host: m as u64 + skew };
+    new_mr(p, pd, region, Some((m as usize, map_len as usize)))
 }
 
 /// `ibv_dereg_mr`: once it returns, no access through the keys runs or
@@ -219,6 +312,11 @@ pub unsafe extern "C" fn ibv_dereg_mr(mr: *mut IbvMr) -> c_int {
         let mut r = regions().write().unwrap_or_else(|e| e.into_inner());
         r.by_lkey.remove(&m.ibv.lkey);
         r.by_rkey.remove(&m.ibv.rkey);
+    }
+    if let Some((at, len)) = m.mapped {
+        // SAFETY: the shim's own mapping; no access through the keys runs
+        // now (they are gone, under the write lock).
+        unsafe { libc::munmap(at as *mut c_void, len) };
     }
     // SAFETY: the protection domain outlives its regions (dealloc refuses).
     unsafe { &*(m.ibv.pd as *const Pd) }.users.fetch_sub(1, Ordering::AcqRel);
