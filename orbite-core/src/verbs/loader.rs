@@ -31,6 +31,7 @@ type AckCqEvents = unsafe extern "C" fn(*mut c_void, u32);
 type CreateQp = unsafe extern "C" fn(*mut c_void, *mut sys::IbvQpInitAttr) -> *mut sys::IbvQp;
 type ModifyQp = unsafe extern "C" fn(*mut sys::IbvQp, *mut sys::IbvQpAttr, c_int) -> c_int;
 type DestroyQp = unsafe extern "C" fn(*mut sys::IbvQp) -> c_int;
+type RegDmabufMr = unsafe extern "C" fn(*mut c_void, u64, usize, u64, c_int, c_int) -> *mut sys::IbvMr;
 type GetAsyncEvent = unsafe extern "C" fn(*mut Context, *mut sys::IbvAsyncEvent) -> c_int;
 type AckAsyncEvent = unsafe extern "C" fn(*mut sys::IbvAsyncEvent);
 type QueryGidEx = unsafe extern "C" fn(*mut Context, u32, u32, *mut GidEntry, u32, usize) -> c_int;
@@ -62,6 +63,8 @@ pub(super) struct Library {
     pub(super) create_qp: CreateQp,
     pub(super) modify_qp: ModifyQp,
     pub(super) destroy_qp: DestroyQp,
+    /// rdma-core 34 and later.
+    pub(super) reg_dmabuf_mr: Option<RegDmabufMr>,
     pub(super) get_async_event: GetAsyncEvent,
     pub(super) ack_async_event: AckAsyncEvent,
 }
@@ -132,6 +135,7 @@ pub(super) fn load(name: &str) -> Result<Library, VerbsError> {
             create_qp: std::mem::transmute::<*mut c_void, CreateQp>(need(c"ibv_create_qp")?),
             modify_qp: std::mem::transmute::<*mut c_void, ModifyQp>(need(c"ibv_modify_qp")?),
             destroy_qp: std::mem::transmute::<*mut c_void, DestroyQp>(need(c"ibv_destroy_qp")?),
+            reg_dmabuf_mr: sym(c"ibv_reg_dmabuf_mr").map(|p| std::mem::transmute::<*mut c_void, RegDmabufMr>(p)),
             get_async_event: std::mem::transmute::<*mut c_void, GetAsyncEvent>(need(c"ibv_get_async_event")?),
             ack_async_event: std::mem::transmute::<*mut c_void, AckAsyncEvent>(need(c"ibv_ack_async_event")?),
         })

@@ -217,6 +217,45 @@ impl Pd {
         Ok(Mr { pd: self.clone(), mr, lkey, rkey })
     }
 
+    /// Registers `[offset, offset + len)` of the dma-buf `fd` (device
+    /// memory exported by the CUDA driver), named by requests from `iova`
+    /// (GPUDirect RDMA without peermem).
+    ///
+    /// # Safety
+    /// The memory behind the dma-buf stays allocated until the region is
+    /// dropped (the NIC, and peers holding the rkey, may reach it).
+    pub unsafe fn register_dmabuf(
+        self: &Arc<Self>,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: u64,
+        iova: u64,
+        access: u32,
+    ) -> Result<Mr, VerbsError> {
+        let reg = self.dev.lib.reg_dmabuf_mr.ok_or_else(|| failed("ibv_reg_dmabuf_mr", libc::EOPNOTSUPP))?;
+        let len = usize::try_from(len).map_err(|_| failed("ibv_reg_dmabuf_mr", libc::EINVAL))?;
+        let fd = std::os::fd::AsRawFd::as_raw_fd(&fd);
+        // SAFETY: a live protection domain and descriptor; the memory per
+        // the contract.
+        let mr = unsafe { reg(self.pd, offset, len, iova, fd, access as c_int) };
+        if mr.is_null() {
+            return Err(failed("ibv_reg_dmabuf_mr", errno()));
+        }
+        // SAFETY: the region the library made.
+        let (lkey, rkey) = unsafe { ((*mr).lkey, (*mr).rkey) };
+        Ok(Mr { pd: self.clone(), mr, lkey, rkey })
+    }
+
+    /// Whether the NIC takes dma-buf regions: the probe rdma-core's users
+    /// make, a registration of descriptor -1 that fails with EBADF when it
+    /// does (and EOPNOTSUPP when it does not).
+    pub fn dmabuf_supported(&self) -> bool {
+        let Some(reg) = self.dev.lib.reg_dmabuf_mr else { return false };
+        // SAFETY: a live protection domain; descriptor -1 maps nothing.
+        let mr = unsafe { reg(self.pd, 0, 0, 0, -1, 0) };
+        !mr.is_null() || errno() == libc::EBADF
+    }
+
     /// An RC queue pair completing into `cq`, of `depth` requests each way.
     pub fn create_qp(self: &Arc<Self>, cq: &Arc<Cq>, depth: u32) -> Result<Qp, VerbsError> {
         let mut init = IbvQpInitAttr {

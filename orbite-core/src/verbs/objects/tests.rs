@@ -581,3 +581,67 @@ fn injected_faults_fail_requests_as_a_nic_does_and_raise_events() {
     }
     assert_eq!(stats(), before, "every object destroyed");
 }
+
+/// GPUDirect RDMA through dma-buf: device memory exported by the CUDA
+/// driver (the driver shim, feature `cuda`) and registered with the NIC
+/// takes a WRITE and answers a READ, its bytes moved by the NIC (the shim
+/// maps the dma-buf itself; the device address is never touched by the
+/// CPU: the driver shim keeps it inaccessible). SKIP without a driver
+/// unless `ORBITE_CUDA_REQUIRED`.
+#[test]
+fn device_memory_registered_through_dma_buf_takes_writes_and_reads() {
+    let Some((lib, stats)) = shim() else { return };
+    let alloc = match crate::cuda::DeviceAllocation::new(0, 1 << 20) {
+        Ok(a) => a,
+        Err(e) => {
+            assert!(std::env::var_os("ORBITE_CUDA_REQUIRED").is_none(), "ORBITE_CUDA_REQUIRED: {e}");
+            println!("SKIP: no CUDA device ({e})");
+            return;
+        }
+    };
+    let _one = SHIM_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let before = stats();
+    {
+        let dev = Device::open_in(lib, "shim0").unwrap();
+        let pd = dev.alloc_pd().unwrap();
+        assert!(pd.dmabuf_supported());
+        let cq = dev.create_cq(16).unwrap();
+        // The second half of the allocation, exported on its own.
+        let half = 1u64 << 19;
+        let fd = alloc.dmabuf(half, half).unwrap();
+        let all = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
+        let iova = alloc.ptr + half;
+        // SAFETY: the allocation outlives the region (dropped below first).
+        let vram = unsafe { pd.register_dmabuf(std::os::fd::AsFd::as_fd(&fd), 0, half, iova, all) }.unwrap();
+        drop(fd);
+        let src: Vec<u8> = (0..half as usize).map(|i| (i % 253) as u8).collect();
+        let mut back = vec![0u8; half as usize];
+        // SAFETY (both): buffers of this test that outlive their regions.
+        let src_mr = unsafe { pd.register(src.as_ptr() as u64, half, access::LOCAL_WRITE) }.unwrap();
+        let back_mr = unsafe { pd.register(back.as_mut_ptr() as u64, half, access::LOCAL_WRITE) }.unwrap();
+        let (a, _b) = pair(&pd, &cq);
+        let write = WorkRequest {
+            id: 1,
+            verb: Verb::Write { remote_addr: iova, rkey: vram.rkey },
+            local: vec![sge(&src, &src_mr)],
+            signaled: true,
+        };
+        let read = WorkRequest {
+            id: 2,
+            verb: Verb::Read { remote_addr: iova, rkey: vram.rkey },
+            local: vec![sge(&back, &back_mr)],
+            signaled: true,
+        };
+        a.post(&[write, read]).unwrap();
+        assert!(wait(&cq, 2).iter().all(|c| c.status == status::SUCCESS));
+        assert_eq!(back, src, "read back from device memory");
+        let mut seen = vec![0u8; half as usize];
+        alloc.read(half, &mut seen).unwrap();
+        assert_eq!(seen, src, "the driver sees what the NIC wrote");
+        let mut first = vec![1u8; 16];
+        alloc.read(0, &mut first).unwrap();
+        assert_eq!(first, [0u8; 16], "nothing before the exported range was touched");
+        drop((a, _b, vram, src_mr, back_mr, cq, pd, dev));
+    }
+    assert_eq!(stats(), before, "every object destroyed");
+}
