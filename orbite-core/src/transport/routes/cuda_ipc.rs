@@ -218,7 +218,7 @@ impl Copier for Ipc {
     /// The driver copies already, whatever the local side is; its host
     /// registrations are pinned for it.
     fn with_local(self: Box<Self>, local: &LocalSide<'_>) -> Result<Box<dyn Copier>, NoDeviceCopy> {
-        Ok(Box::new(Ipc { pins: local.pins.clone(), ..*self }))
+        Ok(Box::new(Ipc { pins: local.pins(), ..*self }))
     }
 
     fn waits(&self) -> bool {

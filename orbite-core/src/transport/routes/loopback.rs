@@ -47,7 +47,7 @@ impl Copier for Memory {
     /// Device memory on the local side: driver copies.
     fn with_local(self: Box<Self>, local: &LocalSide<'_>) -> Result<Box<dyn Copier>, NoDeviceCopy> {
         let Some(device) = local.device else { return Ok(self) };
-        Ok(Box::new(super::device::Device { device, pins: local.pins.clone(), peer_alive: None }))
+        Ok(Box::new(super::device::Device { device, pins: local.pins(), peer_alive: None }))
     }
 }
 

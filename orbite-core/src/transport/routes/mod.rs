@@ -344,9 +344,8 @@ pub(crate) struct NoDeviceCopy {
 pub(crate) struct LocalSide<'a> {
     /// The CUDA device of the first device registration named, if any.
     pub device: Option<u32>,
-    /// This engine's host registrations named, to be page-locked for the
-    /// driver (empty unless `cuda_pin_host`).
-    pub pins: Vec<Arc<crate::cuda::HostPin>>,
+    /// The registrations the transfer names.
+    pub loans: &'a [Arc<crate::registry::Registration>],
     /// `cuda_pin_host`.
     pub pin_host: bool,
     /// `staging_chunk_bytes`.
@@ -355,6 +354,16 @@ pub(crate) struct LocalSide<'a> {
 }
 
 impl LocalSide<'_> {
+    /// This engine's host registrations named, to be page-locked for the
+    /// driver (none unless `cuda_pin_host`). Collected only by a copier
+    /// that drives the device: host-only prepares pay nothing for it.
+    pub(crate) fn pins(&self) -> Vec<Arc<crate::cuda::HostPin>> {
+        match self.pin_host {
+            true => self.loans.iter().filter_map(|r| r.pin.clone()).collect(),
+            false => Vec::new(),
+        }
+    }
+
     /// The refusal for a copier that takes no device memory (none with
     /// host memory only).
     pub(crate) fn host_only(&self, copier: Box<dyn Copier>) -> Result<Box<dyn Copier>, NoDeviceCopy> {
@@ -510,12 +519,13 @@ impl Mover {
         match self {
             Mover::Frames { staging } => Ok(Mover::Frames { staging: device.or(staging) }),
             Mover::Copy(copier) => {
-                let pins = match config.cuda_pin_host {
-                    true => loans.iter().filter_map(|r| r.pin.clone()).collect(),
-                    false => Vec::new(),
+                let local = LocalSide {
+                    device,
+                    loans,
+                    pin_host: config.cuda_pin_host,
+                    chunk: config.staging_chunk_bytes,
+                    pool,
                 };
-                let local =
-                    LocalSide { device, pins, pin_host: config.cuda_pin_host, chunk: config.staging_chunk_bytes, pool };
                 Ok(Mover::Copy(copier.with_local(&local)?))
             }
         }

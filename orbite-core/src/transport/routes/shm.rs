@@ -157,7 +157,7 @@ impl Copier for Mapped {
     /// this process), the mapping pinned too under `cuda_pin_host`.
     fn with_local(self: Box<Self>, local: &LocalSide<'_>) -> Result<Box<dyn Copier>, NoDeviceCopy> {
         let Some(device) = local.device else { return Ok(self) };
-        let mut pins = local.pins.clone();
+        let mut pins = local.pins();
         if local.pin_host {
             pins.extend(self.shared_pins);
         }
