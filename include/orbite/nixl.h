@@ -18,7 +18,7 @@
  ABI minor: additive changes (new entry points, new feature bits, new
  record versions negotiated by size).
  */
-#define ORBITE_ABI_MINOR 5
+#define ORBITE_ABI_MINOR 6
 
 #if defined(ORBITE_TEST_HOOKS)
 /*
@@ -118,6 +118,12 @@
  impossible); also what `OrbiteXferState::route` reports for it (ABI 1.3).
  */
 #define ORBITE_ROUTE_CUDA_IPC 7
+
+/*
+ Force RDMA (fails at prepare if impossible); also what
+ `OrbiteXferState::route` reports for it (ABI 1.6).
+ */
+#define ORBITE_ROUTE_RDMA 8
 
 /*
  `OrbiteXferSpec::flags`: deliver `notification` to the peer once every
@@ -859,8 +865,8 @@ typedef struct OrbiteXferSpec {
    */
   uint32_t intent;
   /*
-   `ORBITE_ROUTE_DEFAULT`, `_AUTO`, `_TCP`, `_SHM`, `_CMA` or
-   `_CUDA_IPC`.
+   `ORBITE_ROUTE_DEFAULT`, `_AUTO`, `_TCP`, `_SHM`, `_CMA`,
+   `_CUDA_IPC` or `_RDMA`.
    */
   uint32_t route;
   /*

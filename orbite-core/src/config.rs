@@ -222,9 +222,20 @@ pub struct EngineConfig {
     pub max_frame_body: u64,
     /// Largest notification payload, in bytes. Default 64 KiB.
     pub max_notification_bytes: u64,
-    /// Route policy for peer transfers: "auto" (shm, then cma, then tcp),
-    /// "tcp", "shm" or "cma". Transfers may override it. Default "auto".
+    /// Route policy for peer transfers: "auto" (same-host routes, then
+    /// rdma, then tcp) or one route's name. Transfers may override it.
+    /// Default "auto".
     pub route: crate::types::RoutePolicy,
+    /// RDMA NICs the engine uses (feature `rdma`): null, every NIC with
+    /// an active port; a list of NIC names (`["mlx5_0", "mlx5_1"]`), those;
+    /// `[]`, none (RDMA off). Default null.
+    pub rdma_devices: Option<Vec<String>>,
+    /// Queue pairs to each opened peer per NIC (1 to 16). Default 2.
+    pub rdma_qps_per_nic: u32,
+    /// The GID index each NIC's port sends from. Default null: on RoCE a
+    /// RoCE v2 GID over IPv4 first (then any routable one), on
+    /// InfiniBand the first.
+    pub rdma_gid_index: Option<u32>,
 }
 
 impl Default for EngineConfig {
@@ -278,6 +289,9 @@ impl Default for EngineConfig {
             max_frame_body: MIB,
             max_notification_bytes: 64 * KIB,
             route: crate::types::RoutePolicy::Auto,
+            rdma_devices: None,
+            rdma_qps_per_nic: 2,
+            rdma_gid_index: None,
         }
     }
 }
@@ -356,6 +370,12 @@ impl EngineConfig {
         }
         if self.max_staging_bytes < 2 * self.staging_chunk_bytes {
             return invalid("max_staging_bytes", "must hold two staging chunks (a task larger than one)");
+        }
+        if !(1..=16).contains(&self.rdma_qps_per_nic) {
+            return invalid("rdma_qps_per_nic", "must be 1 to 16");
+        }
+        if self.rdma_devices.as_ref().is_some_and(|d| d.iter().any(|n| n.is_empty() || n.len() > 64)) {
+            return invalid("rdma_devices", "NIC names must be 1 to 64 bytes");
         }
         if !(1..=16).contains(&self.connections_per_peer) {
             return invalid("connections_per_peer", "must be 1 to 16");

@@ -35,6 +35,10 @@ pub(crate) struct Registration {
     /// Host memory: page-locked for the driver on the first device copy
     /// that names it, unpinned before the memory goes (feature `cuda`).
     pub pin: Option<Arc<crate::cuda::HostPin>>,
+    /// Its memory region on each of the engine's RDMA NICs (or why not
+    /// there): deregistered when the registration goes, so after its last
+    /// borrower retired; peers' access through the rkeys ends then.
+    pub rdma: crate::verbs::rails::Regions,
     backing: Backing,
     _charge: Charge,
 }
@@ -73,6 +77,8 @@ impl Drop for Registration {
         if let Some(pin) = &self.pin {
             pin.release();
         }
+        // The NICs let go of the pages before they can go.
+        drop(std::mem::take(&mut self.rdma));
         let release = match &mut self.backing {
             Backing::Borrowed(release) => release.take(),
             Backing::Cuda { release, .. } => release.take(),
@@ -227,6 +233,16 @@ impl Table {
     }
 }
 
+/// What a registration's RDMA regions let peers do.
+fn remote_access(p: Permission) -> crate::verbs::rails::Remote {
+    use crate::verbs::rails::Remote;
+    match p {
+        Permission::LocalOnly => Remote::None,
+        Permission::RemoteRead => Remote::Read,
+        Permission::RemoteReadWrite => Remote::ReadWrite,
+    }
+}
+
 /// The registry of one engine.
 #[derive(Default)]
 pub(crate) struct Registry {
@@ -239,12 +255,15 @@ impl Registry {
         self.table.lock()
     }
 
-    /// Registers all ranges or none.
+    /// Registers all ranges or none, each with a memory region on every
+    /// NIC of `rails` (made before the table is locked: a large region
+    /// takes the NIC a while).
     pub fn register(
         &self,
         ranges: Vec<MemoryRange>,
         counters: &Arc<Counters>,
         config: &EngineConfig,
+        rails: &crate::verbs::rails::Rails,
     ) -> Result<Vec<RegistrationId>, MemoryError> {
         let mut pending = Vec::with_capacity(ranges.len());
         for (i, r) in ranges.into_iter().enumerate() {
@@ -261,7 +280,16 @@ impl Registry {
                     (Counter::RegisteredBytes, r.len, Some((Resource::RegisteredBytes, config.max_registered_bytes))),
                 ],
             )?;
-            pending.push((r, charge));
+            let regions = match &r.backing {
+                // Device memory: through dma-buf when the NIC takes it
+                // (docs/rdma.md); until then none, and the route says so.
+                Backing::Cuda { .. } => crate::verbs::rails::Regions::default(),
+                // SAFETY: host memory the registration keeps valid (its
+                // backing, or the caller's promise for a borrowed range)
+                // until it is dropped, and the regions go first.
+                _ => unsafe { rails.register(r.ptr as u64, r.len, remote_access(r.permission)) },
+            };
+            pending.push((r, charge, regions));
         }
         let mut table = self.table.lock();
         // Slots retire once every 2^32 registrations of one slot; an index
@@ -272,7 +300,7 @@ impl Registry {
             return Err(MemoryError::System("every registration slot has retired".into()));
         }
         let mut ids = Vec::with_capacity(pending.len());
-        for (r, charge) in pending {
+        for (r, charge, rdma) in pending {
             let added_at = table.bump();
             let index = match table.free.pop() {
                 Some(i) => i,
@@ -304,6 +332,7 @@ impl Registry {
                 fenced: AtomicBool::new(false),
                 fence_charge: Mutex::new(None),
                 pin,
+                rdma,
                 backing: r.backing,
                 _charge: charge,
             }));
@@ -393,7 +422,7 @@ mod tests {
         let mem = HostMemory::allocate(&counters, n * 4096, u64::MAX).unwrap();
         let reg = Registry::default();
         let ranges = (0..n).map(|k| MemoryRange::host(&mem, k * 4096, 4096, Permission::RemoteRead).unwrap()).collect();
-        let ids = reg.register(ranges, &counters, &config).unwrap();
+        let ids = reg.register(ranges, &counters, &config, &crate::verbs::rails::Rails::none("test")).unwrap();
         (reg, counters, mem, ids)
     }
 
@@ -405,7 +434,8 @@ mod tests {
         let v = all.version;
         reg.deregister(ids[3], &counters).unwrap();
         let local = MemoryRange::host(&_mem, 0, 4096, Permission::LocalOnly).unwrap();
-        reg.register(vec![local], &counters, &EngineConfig::default()).unwrap();
+        reg.register(vec![local], &counters, &EngineConfig::default(), &crate::verbs::rails::Rails::none("test"))
+            .unwrap();
         let d = reg.lock().changes_since(v, usize::MAX, crate::segment::ExportedRegistration::of, |_| 40);
         assert_eq!(d.removed, vec![ids[3].to_raw()]);
         assert!(d.added.is_empty(), "local-only registrations are not exported");
@@ -436,15 +466,16 @@ mod tests {
         // Fast-forward the slot to its last generations (4 billion
         // register/deregister cycles would take minutes).
         reg.lock().slots[0].generation = u32::MAX - 1;
-        let before_last = reg.register(range(), &counters, &config).unwrap()[0];
+        let before_last =
+            reg.register(range(), &counters, &config, &crate::verbs::rails::Rails::none("test")).unwrap()[0];
         assert_eq!((before_last.index, before_last.generation), (0, u32::MAX - 1));
         reg.deregister(before_last, &counters).unwrap();
-        let last = reg.register(range(), &counters, &config).unwrap()[0];
+        let last = reg.register(range(), &counters, &config, &crate::verbs::rails::Rails::none("test")).unwrap()[0];
         assert_eq!((last.index, last.generation), (0, u32::MAX), "the last generation is still used");
         reg.deregister(last, &counters).unwrap();
         // The slot retired: the next registration takes a new slot, and no
         // id of the old one (the wrapped generation included) resolves.
-        let next = reg.register(range(), &counters, &config).unwrap()[0];
+        let next = reg.register(range(), &counters, &config, &crate::verbs::rails::Rails::none("test")).unwrap()[0];
         assert_eq!(next.index, 1, "a retired slot is never reused");
         for generation in [0, 1, u32::MAX - 1, u32::MAX] {
             let old = RegistrationId { index: 0, generation };

@@ -21,7 +21,7 @@ use crate::types::{Permission, RegistrationId};
 use crate::wire::WireError;
 
 /// Version of the descriptor encoding.
-pub const DESCRIPTOR_VERSION: u16 = 5;
+pub const DESCRIPTOR_VERSION: u16 = 6;
 const ENTRY_FIXED: usize = 40;
 const HEADER_FIXED: usize = 2 + 2 + 4 + 8 + 8 + 16 + 2;
 
@@ -43,6 +43,11 @@ pub struct ExportedRegistration {
     /// Peers reach it only over tcp, where the exporting engine stages it
     /// (never by CMA or a mapping: its address is a device address).
     pub device: Option<u32>,
+    /// The rkey of its memory region on each RDMA NIC of the exporting
+    /// engine, by the NIC's index (`None`: no region there). Carried only
+    /// to authenticated peers: [`SegmentDescriptor::without_keys`] clears
+    /// them from a descriptor handed out of band.
+    pub rkeys: Vec<Option<u32>>,
 }
 
 impl ExportedRegistration {
@@ -61,6 +66,7 @@ impl ExportedRegistration {
                 MemoryKind::Cuda { device } => Some(device),
                 _ => None,
             },
+            rkeys: r.rdma.rkeys(),
         }
     }
 }
@@ -77,6 +83,9 @@ pub struct SegmentDescriptor {
     pub registry_version: u64,
     /// The engine's process id (for CMA).
     pub pid: u32,
+    /// How many RDMA NICs the engine uses (0: none): registrations list an
+    /// rkey per NIC, and a peer with NICs of its own connects to them.
+    pub rdma_nics: u8,
     /// The kernel's boot id (all zero if unknown): same-host routes need
     /// both sides to report the same nonzero one.
     pub boot_id: [u8; 16],
@@ -140,7 +149,7 @@ fn read_entries(r: &mut Reader<'_>, count: usize) -> Result<Vec<ExportedRegistra
         let len = r.u64().map_err(short)?;
         let addr = r.u64().map_err(short)?;
         let offset = r.u64().map_err(short)?;
-        let [permission, shared, n0, n1, kind, ordinal, _, _] = r.array::<8>().map_err(short)?;
+        let [permission, shared, n0, n1, kind, ordinal, keys, _] = r.array::<8>().map_err(short)?;
         let permission = match permission {
             0 => Permission::LocalOnly,
             1 => Permission::RemoteRead,
@@ -170,7 +179,19 @@ fn read_entries(r: &mut Reader<'_>, count: usize) -> Result<Vec<ExportedRegistra
             (1, d, false) => Some(d as u32),
             _ => return Err(bad),
         };
-        out.push(ExportedRegistration { id, len, permission, addr, shm, device });
+        // An rkey per NIC of the exporter: a flag (1: a region there),
+        // then the key (0 without one).
+        let mut rkeys = Vec::with_capacity(keys as usize);
+        for _ in 0..keys {
+            let [flag, k0, k1, k2, k3] = r.array::<5>().map_err(short)?;
+            let key = u32::from_le_bytes([k0, k1, k2, k3]);
+            rkeys.push(match (flag, key) {
+                (1, key) => Some(key),
+                (0, 0) => None,
+                _ => return Err(bad),
+            });
+        }
+        out.push(ExportedRegistration { rkeys, id, len, permission, addr, shm, device });
     }
     Ok(out)
 }
@@ -186,16 +207,21 @@ fn encode_entry(out: &mut Vec<u8>, r: &ExportedRegistration) {
     out.extend_from_slice(&(name.len() as u16).to_le_bytes());
     // A device ordinal above 255 is exported as host-unreachable memory of
     // device 255 (never addressed by CMA or a mapping either way).
+    let keys = r.rkeys.len().min(u8::MAX as usize);
     match r.device {
-        Some(d) => out.extend_from_slice(&[1, d.min(255) as u8, 0, 0]),
-        None => out.extend_from_slice(&[0u8; 4]),
+        Some(d) => out.extend_from_slice(&[1, d.min(255) as u8, keys as u8, 0]),
+        None => out.extend_from_slice(&[0, 0, keys as u8, 0]),
     }
     out.extend_from_slice(name.as_bytes());
+    for k in &r.rkeys[..keys] {
+        out.push(k.is_some() as u8);
+        out.extend_from_slice(&k.unwrap_or(0).to_le_bytes());
+    }
 }
 
 /// Encoded size of one registration entry.
 pub fn entry_len(r: &ExportedRegistration) -> usize {
-    ENTRY_FIXED + r.shm.as_ref().map_or(0, |(n, _)| n.len())
+    ENTRY_FIXED + r.shm.as_ref().map_or(0, |(n, _)| n.len()) + 5 * r.rkeys.len().min(u8::MAX as usize)
 }
 
 /// Bytes before the lists of an encoded [`Delta`].
@@ -419,7 +445,7 @@ impl SegmentDescriptor {
         let ep = self.endpoint.as_bytes();
         let mut out = Vec::with_capacity(HEADER_FIXED + ep.len() + 4 + self.registrations.len() * ENTRY_FIXED);
         out.extend_from_slice(&DESCRIPTOR_VERSION.to_le_bytes());
-        out.extend_from_slice(&0u16.to_le_bytes());
+        out.extend_from_slice(&[self.rdma_nics, 0]);
         out.extend_from_slice(&self.pid.to_le_bytes());
         out.extend_from_slice(&self.epoch.to_le_bytes());
         out.extend_from_slice(&self.registry_version.to_le_bytes());
@@ -448,7 +474,10 @@ impl SegmentDescriptor {
         if r.u16().map_err(short)? != DESCRIPTOR_VERSION {
             return Err(bad);
         }
-        r.u16().map_err(short)?;
+        let [rdma_nics, reserved] = r.array::<2>().map_err(short)?;
+        if reserved != 0 {
+            return Err(bad);
+        }
         let pid = r.u32().map_err(short)?;
         let epoch = r.u64().map_err(short)?;
         let registry_version = r.u64().map_err(short)?;
@@ -467,7 +496,26 @@ impl SegmentDescriptor {
         if !r.is_empty() {
             return Err(bad);
         }
-        Ok(SegmentDescriptor { endpoint, epoch, registry_version, pid, boot_id, inbox, local_socket, registrations })
+        Ok(SegmentDescriptor {
+            rdma_nics,
+            endpoint,
+            epoch,
+            registry_version,
+            pid,
+            boot_id,
+            inbox,
+            local_socket,
+            registrations,
+        })
+    }
+
+    /// The descriptor with no rkey: the form handed out of band (to
+    /// anyone), where only an authenticated peer's Describe gets keys.
+    pub fn without_keys(mut self) -> Self {
+        for r in &mut self.registrations {
+            r.rkeys.clear();
+        }
+        self
     }
 
     /// True if both descriptors come from one boot of one machine.
@@ -482,6 +530,7 @@ mod tests {
 
     fn sample() -> SegmentDescriptor {
         SegmentDescriptor {
+            rdma_nics: 0,
             endpoint: "127.0.0.1:4000".into(),
             epoch: 0xDEAD_BEEF,
             registry_version: 17,
@@ -491,6 +540,7 @@ mod tests {
             local_socket: "orbite-00000000deadbeef".into(),
             registrations: vec![
                 ExportedRegistration {
+                    rkeys: Vec::new(),
                     id: RegistrationId::from_raw(7 | (3 << 32)),
                     len: 4096,
                     permission: Permission::RemoteRead,
@@ -499,6 +549,7 @@ mod tests {
                     device: None,
                 },
                 ExportedRegistration {
+                    rkeys: Vec::new(),
                     id: RegistrationId::from_raw(1),
                     len: 1,
                     permission: Permission::RemoteReadWrite,
@@ -524,6 +575,38 @@ mod tests {
         let mut evil = d.clone();
         evil.registrations[0].shm = Some(("../etc/passwd".into(), 0));
         assert!(SegmentDescriptor::decode(&evil.to_bytes(), 1 << 20).is_err());
+    }
+
+    /// Rkeys, one per NIC of the exporter, round-trip exactly; a flag
+    /// that is neither 0 nor 1, or a key without a region, is refused; and
+    /// the form handed out of band carries none.
+    #[test]
+    fn rkeys_travel_per_nic_and_stay_out_of_the_public_form() {
+        let mut d = sample();
+        d.rdma_nics = 2;
+        d.registrations[1].rkeys = vec![Some(0xAABB_CCDD), None];
+        let b = d.to_bytes();
+        assert_eq!(SegmentDescriptor::decode(&b, 1 << 20).unwrap(), d);
+        // The last entry ends with its two keys: flag and key each.
+        let keys = b.len() - 10;
+        assert_eq!(&b[keys..], &[1, 0xDD, 0xCC, 0xBB, 0xAA, 0, 0, 0, 0, 0]);
+        for (at, v) in [(keys, 2u8), (keys + 5, 1), (keys + 6, 1)] {
+            let mut bad = b.clone();
+            bad[at] = v;
+            let r = SegmentDescriptor::decode(&bad, 1 << 20);
+            if (at, v) == (keys + 5, 1) {
+                assert_eq!(r.unwrap().registrations[1].rkeys, [Some(0xAABB_CCDD), Some(0)], "a region with key 0");
+            } else {
+                assert!(r.is_err(), "byte {at} = {v}");
+            }
+        }
+        let public = d.clone().without_keys();
+        assert!(public.registrations.iter().all(|r| r.rkeys.is_empty()));
+        assert_eq!(public.rdma_nics, 2);
+        assert!(public.to_bytes().len() < b.len());
+        let mut reserved = b.clone();
+        reserved[3] = 1;
+        assert!(SegmentDescriptor::decode(&reserved, 1 << 20).is_err(), "the reserved header byte");
     }
 
     #[test]
@@ -553,6 +636,7 @@ mod tests {
         let mut view = SegmentView::of(&d);
         assert_eq!((view.version, view.len()), (17, 2));
         let added = ExportedRegistration {
+            rkeys: Vec::new(),
             id: RegistrationId::from_raw(9),
             len: 100,
             permission: Permission::RemoteRead,
@@ -582,7 +666,10 @@ mod tests {
         let mut small = SegmentView::bounded(&d, 3).unwrap();
         let two = Delta {
             version: 30,
-            added: vec![added.clone(), ExportedRegistration { id: RegistrationId::from_raw(99), ..added.clone() }],
+            added: vec![
+                added.clone(),
+                ExportedRegistration { rkeys: Vec::new(), id: RegistrationId::from_raw(99), ..added.clone() },
+            ],
             ..Delta::default()
         };
         assert!(
@@ -595,8 +682,9 @@ mod tests {
         let phantom = Delta { removed: vec![1234, 5678], ..two.clone() };
         assert!(matches!(small.apply(phantom), Err(WireError::TooLong { .. })), "phantom removals make no room");
         assert_eq!(small.len(), d.registrations.len(), "refused pages change nothing");
-        let three: Vec<ExportedRegistration> =
-            (0..3).map(|i| ExportedRegistration { id: RegistrationId::from_raw(500 + i), ..added.clone() }).collect();
+        let three: Vec<ExportedRegistration> = (0..3)
+            .map(|i| ExportedRegistration { rkeys: Vec::new(), id: RegistrationId::from_raw(500 + i), ..added.clone() })
+            .collect();
         let mut one = SegmentView::bounded(&d, 2).unwrap();
         let kept = one.len();
         assert!(one.apply(Delta { version: 40, reset: true, added: three, ..Delta::default() }).is_err());
@@ -620,7 +708,7 @@ mod tests {
             for (version, (removed, added)) in pages.into_iter().enumerate() {
                 let added: Vec<ExportedRegistration> = added
                     .into_iter()
-                    .map(|(raw, addr, len)| ExportedRegistration {
+                    .map(|(raw, addr, len)| ExportedRegistration { rkeys: Vec::new(),
                         id: RegistrationId::from_raw(raw),
                         len,
                         permission: Permission::RemoteRead,

@@ -139,6 +139,9 @@ pub enum Route {
     /// here through CUDA IPC (feature `cuda`).
     #[serde(rename = "cuda-ipc")]
     CudaIpc,
+    /// One-sided RDMA READ and WRITE over the NICs' reliable-connected
+    /// queue pairs (feature `rdma`).
+    Rdma,
 }
 
 /// Which route a transfer to a peer may take.
@@ -148,7 +151,8 @@ pub enum RoutePolicy {
     /// shm if every target range is a shared allocation on this boot, else
     /// cma if the peer is on this boot and the kernel permits it, else
     /// CUDA IPC if every target range is the peer's device memory opened
-    /// here, else tcp.
+    /// here, else rdma if both engines have NICs connected to each other
+    /// and every range is registered on them, else tcp.
     #[default]
     Auto,
     /// Only tcp.
@@ -160,6 +164,8 @@ pub enum RoutePolicy {
     /// Only CUDA IPC; a transfer that cannot use it fails at prepare.
     #[serde(rename = "cuda-ipc")]
     CudaIpc,
+    /// Only rdma; a transfer that cannot use it fails at prepare.
+    Rdma,
 }
 
 impl Route {
@@ -172,6 +178,7 @@ impl Route {
             Route::Cma => "cma",
             Route::File => "file",
             Route::CudaIpc => "cuda-ipc",
+            Route::Rdma => "rdma",
         }
     }
 }
@@ -185,6 +192,7 @@ impl RoutePolicy {
             RoutePolicy::Shm => Some(Route::Shm),
             RoutePolicy::Cma => Some(Route::Cma),
             RoutePolicy::CudaIpc => Some(Route::CudaIpc),
+            RoutePolicy::Rdma => Some(Route::Rdma),
         }
     }
 
@@ -314,11 +322,18 @@ mod tests {
     /// configuration takes, and each forced policy allows its own route.
     #[test]
     fn route_and_policy_names_are_their_configuration_names() {
-        let routes = [Route::Loopback, Route::Tcp, Route::Shm, Route::Cma, Route::File, Route::CudaIpc];
+        let routes = [Route::Loopback, Route::Tcp, Route::Shm, Route::Cma, Route::File, Route::CudaIpc, Route::Rdma];
         for r in routes {
             assert_eq!(serde_json::to_string(&r).unwrap(), format!("\"{}\"", r.name()));
         }
-        let policies = [RoutePolicy::Auto, RoutePolicy::Tcp, RoutePolicy::Shm, RoutePolicy::Cma, RoutePolicy::CudaIpc];
+        let policies = [
+            RoutePolicy::Auto,
+            RoutePolicy::Tcp,
+            RoutePolicy::Shm,
+            RoutePolicy::Cma,
+            RoutePolicy::CudaIpc,
+            RoutePolicy::Rdma,
+        ];
         for p in policies {
             assert_eq!(serde_json::to_string(&p).unwrap(), format!("\"{}\"", p.name()));
             if let Some(r) = p.forced() {

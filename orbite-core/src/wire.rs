@@ -20,8 +20,9 @@ pub const MAGIC: u32 = u32::from_be_bytes(*b"ORBT");
 /// Major version: a peer with another major is refused.
 pub const MAJOR: u8 = 1;
 /// Minor version: additive changes (1: delta refresh and watch; 2: the
-/// authentication hello names the responder, keepalives).
-pub const MINOR: u8 = 2;
+/// authentication hello names the responder, keepalives; 3: RDMA queue
+/// pairs connected over the control connection).
+pub const MINOR: u8 = 3;
 /// Length of every frame header.
 pub const HEADER_LEN: usize = 24;
 /// Bytes of one remote descriptor in a request body.
@@ -95,6 +96,11 @@ pub enum Kind {
     /// Initiator, on an idle connection (minor 2): it is alive. No body,
     /// no reply.
     Keepalive = 26,
+    /// Initiator (minor 3): connect RDMA queue pairs, one per card, to
+    /// the target's NICs.
+    RdmaConnect = 27,
+    /// The target's queue pair for each card, in order.
+    RdmaAccept = 28,
 }
 
 impl Kind {
@@ -126,6 +132,8 @@ impl Kind {
             24 => Kind::IpcHandles,
             25 => Kind::IpcHandlesReply,
             26 => Kind::Keepalive,
+            27 => Kind::RdmaConnect,
+            28 => Kind::RdmaAccept,
             _ => return None,
         })
     }
@@ -801,6 +809,101 @@ impl IpcEntry {
     }
 }
 
+/// Most queue pairs one RdmaConnect asks for.
+pub const MAX_RDMA_CARDS: usize = 64;
+/// Bytes of one queue pair's card.
+pub const CARD_LEN: usize = 32;
+
+/// What one end of an RDMA queue pair tells the other: where the queue
+/// pair is (GID and number), the first packet sequence number it sends,
+/// its port's MTU, and which NICs of both engines it joins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpCard {
+    /// The GID its NIC's port sends from.
+    pub gid: [u8; 16],
+    /// The queue pair number (24 bits).
+    pub qpn: u32,
+    /// Its first packet sequence number (24 bits).
+    pub psn: u32,
+    /// Its port's MTU in bytes: 256, 512, 1024, 2048 or 4096.
+    pub mtu: u32,
+    /// The sender's NIC (its index among the sender's NICs).
+    pub nic: u8,
+    /// The receiver's NIC it connects to.
+    pub peer_nic: u8,
+}
+
+fn put_card(out: &mut Vec<u8>, c: &QpCard) {
+    out.extend_from_slice(&c.gid);
+    codec::put_u32(out, c.qpn);
+    codec::put_u32(out, c.psn);
+    codec::put_u32(out, c.mtu);
+    out.extend_from_slice(&[c.nic, c.peer_nic, 0, 0]);
+}
+
+fn read_cards(r: &mut Reader<'_>, count: usize) -> Result<Vec<QpCard>, WireError> {
+    let bad = || WireError::Malformed("rdma queue pair card");
+    if count > MAX_RDMA_CARDS {
+        return Err(WireError::TooLong { what: "rdma queue pairs", len: count as u64, limit: MAX_RDMA_CARDS as u64 });
+    }
+    if r.remaining() != count * CARD_LEN {
+        return Err(bad());
+    }
+    let mut out = Vec::with_capacity(count);
+    for _ in 0..count {
+        let gid = r.array::<16>().map_err(|_| bad())?;
+        let qpn = r.u32().map_err(|_| bad())?;
+        let psn = r.u32().map_err(|_| bad())?;
+        let mtu = r.u32().map_err(|_| bad())?;
+        let [nic, peer_nic, p0, p1] = r.array::<4>().map_err(|_| bad())?;
+        if qpn > 0xff_ffff || psn > 0xff_ffff || ![256, 512, 1024, 2048, 4096].contains(&mtu) || (p0, p1) != (0, 0) {
+            return Err(bad());
+        }
+        out.push(QpCard { gid, qpn, psn, mtu, nic, peer_nic });
+    }
+    Ok(out)
+}
+
+/// RdmaConnect body: the target epoch (8), a count (2), 6 zero bytes, then
+/// the cards ([`CARD_LEN`] each).
+pub fn encode_rdma_connect(out: &mut Vec<u8>, target_epoch: u64, cards: &[QpCard]) {
+    out.clear();
+    codec::put_u64(out, target_epoch);
+    codec::put_u16(out, cards.len() as u16);
+    out.extend_from_slice(&[0; 6]);
+    cards.iter().for_each(|c| put_card(out, c));
+}
+
+fn decode_rdma_connect(body: &[u8]) -> Result<(u64, Vec<QpCard>), WireError> {
+    let mut r = Reader::new(body);
+    let bad = || WireError::Malformed("rdma connect");
+    let epoch = r.u64().map_err(|_| bad())?;
+    let count = r.u16().map_err(|_| bad())? as usize;
+    if r.array::<6>().map_err(|_| bad())? != [0; 6] {
+        return Err(bad());
+    }
+    Ok((epoch, read_cards(&mut r, count)?))
+}
+
+/// RdmaAccept body: a count (2), 6 zero bytes, then a card per card asked.
+pub fn encode_rdma_accept(out: &mut Vec<u8>, cards: &[QpCard]) {
+    out.clear();
+    codec::put_u16(out, cards.len() as u16);
+    out.extend_from_slice(&[0; 6]);
+    cards.iter().for_each(|c| put_card(out, c));
+}
+
+/// Decodes an RdmaAccept body.
+pub fn decode_rdma_accept(body: &[u8]) -> Result<Vec<QpCard>, WireError> {
+    let mut r = Reader::new(body);
+    let bad = || WireError::Malformed("rdma accept");
+    let count = r.u16().map_err(|_| bad())? as usize;
+    if r.array::<6>().map_err(|_| bad())? != [0; 6] {
+        return Err(bad());
+    }
+    read_cards(&mut r, count)
+}
+
 /// IpcHandles body: the target epoch (8), a count (2), then the raw
 /// registration ids (8 each).
 pub fn encode_ipc_handles(out: &mut Vec<u8>, target_epoch: u64, ids: &[u64]) {
@@ -1032,6 +1135,15 @@ pub enum Message<'a> {
     IpcHandlesReply(Vec<IpcEntry>),
     /// The initiator is alive.
     Keepalive,
+    /// Connect RDMA queue pairs.
+    RdmaConnect {
+        /// The target epoch.
+        target_epoch: u64,
+        /// The initiator's queue pairs.
+        cards: Vec<QpCard>,
+    },
+    /// The target's queue pairs, one per card asked.
+    RdmaAccept(Vec<QpCard>),
 }
 
 impl<'a> Message<'a> {
@@ -1105,6 +1217,11 @@ impl<'a> Message<'a> {
             }
             Kind::IpcHandlesReply => Message::IpcHandlesReply(decode_ipc_handles_reply(body)?),
             Kind::Keepalive => empty("keepalive").map(|()| Message::Keepalive)?,
+            Kind::RdmaConnect => {
+                let (target_epoch, cards) = decode_rdma_connect(body)?;
+                Message::RdmaConnect { target_epoch, cards }
+            }
+            Kind::RdmaAccept => Message::RdmaAccept(decode_rdma_accept(body)?),
         };
         if h.data_len != 0 {
             return Err(WireError::UnexpectedData { kind: h.kind, len: h.data_len });
@@ -1141,6 +1258,8 @@ impl<'a> Message<'a> {
             Message::IpcHandles { .. } => Kind::IpcHandles,
             Message::IpcHandlesReply(_) => Kind::IpcHandlesReply,
             Message::Keepalive => Kind::Keepalive,
+            Message::RdmaConnect { .. } => Kind::RdmaConnect,
+            Message::RdmaAccept(_) => Kind::RdmaAccept,
         }
     }
 
@@ -1186,6 +1305,8 @@ impl<'a> Message<'a> {
             Message::ShareFdsReply(attached) => encode_share_fds_reply(out, attached.iter().copied()),
             Message::IpcHandles { target_epoch, ids } => encode_ipc_handles(out, *target_epoch, ids),
             Message::IpcHandlesReply(entries) => encode_ipc_handles_reply(out, entries),
+            Message::RdmaConnect { target_epoch, cards } => encode_rdma_connect(out, *target_epoch, cards),
+            Message::RdmaAccept(cards) => encode_rdma_accept(out, cards),
         }
     }
 }
@@ -1275,7 +1396,48 @@ mod tests {
             Message::IpcHandles { target_epoch: 1, ids: vec![5, 6] },
             Message::IpcHandlesReply(vec![IpcEntry::Refused("no".into())]),
             Message::Keepalive,
+            Message::RdmaConnect { target_epoch: 7, cards: vec![card(), QpCard { nic: 1, ..card() }] },
+            Message::RdmaAccept(vec![card()]),
         ]
+    }
+
+    fn card() -> QpCard {
+        QpCard { gid: [9; 16], qpn: 0x12_3456, psn: 0xab_cdef, mtu: 4096, nic: 0, peer_nic: 1 }
+    }
+
+    /// A queue pair's card is checked field by field: 24-bit numbers, an
+    /// MTU verbs knows, zero padding; and a peer asks for at most
+    /// `MAX_RDMA_CARDS` queue pairs.
+    #[test]
+    fn rdma_cards_are_checked_and_bounded() {
+        let mut body = Vec::new();
+        encode_rdma_connect(&mut body, 7, &[card()]);
+        assert_eq!(decode_rdma_connect(&body), Ok((7, vec![card()])));
+        let bad_cards = [
+            QpCard { qpn: 1 << 24, ..card() },
+            QpCard { psn: 1 << 24, ..card() },
+            QpCard { mtu: 1500, ..card() },
+            QpCard { mtu: 8192, ..card() },
+        ];
+        for c in bad_cards {
+            encode_rdma_connect(&mut body, 7, &[c]);
+            assert!(decode_rdma_connect(&body).is_err(), "{c:?}");
+            encode_rdma_accept(&mut body, &[c]);
+            assert!(decode_rdma_accept(&body).is_err(), "{c:?}");
+        }
+        encode_rdma_accept(&mut body, &[card()]);
+        let mut padded = body.clone();
+        *padded.last_mut().unwrap() = 1;
+        assert!(decode_rdma_accept(&padded).is_err(), "card padding");
+        let mut header_pad = body.clone();
+        header_pad[3] = 1;
+        assert!(decode_rdma_accept(&header_pad).is_err(), "header padding");
+        assert!(decode_rdma_accept(&body[..body.len() - 1]).is_err(), "short");
+        let many = vec![card(); MAX_RDMA_CARDS + 1];
+        encode_rdma_connect(&mut body, 7, &many);
+        assert!(matches!(decode_rdma_connect(&body), Err(WireError::TooLong { .. })));
+        encode_rdma_connect(&mut body, 7, &many[..MAX_RDMA_CARDS]);
+        assert_eq!(decode_rdma_connect(&body).unwrap().1.len(), MAX_RDMA_CARDS);
     }
 
     #[test]
@@ -1317,7 +1479,7 @@ mod tests {
                 assert!(Message::decode(&longer_h, &longer).is_err(), "{:?} with a byte more", m.kind());
             }
         }
-        assert_eq!(kinds.len(), 26, "every kind has a sample");
+        assert_eq!(kinds.len(), 28, "every kind has a sample");
         let mut body = Vec::new();
         Message::Write(
             Request::decode(&{

@@ -655,6 +655,7 @@ fn claiming(e: &TransferEngine, local_socket: &str, why: &str) {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
     let fake = SegmentDescriptor {
+        rdma_nics: 0,
         endpoint: addr.clone(),
         epoch: 0xfa4e,
         registry_version: 1,
@@ -663,6 +664,7 @@ fn claiming(e: &TransferEngine, local_socket: &str, why: &str) {
         inbox: String::new(),
         local_socket: local_socket.to_owned(),
         registrations: vec![ExportedRegistration {
+            rkeys: Vec::new(),
             id: RegistrationId::from_raw(1 | (1 << 32)),
             len: victim.len() as u64,
             permission: Permission::RemoteReadWrite,

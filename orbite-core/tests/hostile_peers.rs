@@ -467,6 +467,7 @@ fn an_engine_never_peers_with_itself() {
     let v_hash = v.hash();
     let described = |epoch: u64, v: &Engine| {
         SegmentDescriptor {
+            rdma_nics: 0,
             endpoint: "127.0.0.1:1".into(),
             epoch,
             registry_version: 1,
@@ -475,6 +476,7 @@ fn an_engine_never_peers_with_itself() {
             inbox: String::new(),
             local_socket: v.local_socket.clone(),
             registrations: vec![ExportedRegistration {
+                rkeys: Vec::new(),
                 id: RegistrationId::from_raw(1),
                 len: REGION as u64,
                 permission: Permission::RemoteReadWrite,

@@ -52,6 +52,7 @@ impl Drop for FakePeer {
 
 fn descriptor(endpoint: &str) -> Vec<u8> {
     SegmentDescriptor {
+        rdma_nics: 0,
         endpoint: endpoint.into(),
         epoch: EPOCH,
         registry_version: 1,
@@ -60,6 +61,7 @@ fn descriptor(endpoint: &str) -> Vec<u8> {
         inbox: String::new(),
         local_socket: String::new(),
         registrations: vec![ExportedRegistration {
+            rkeys: Vec::new(),
             id: RegistrationId::from_raw(7),
             len: REG_LEN,
             permission: Permission::RemoteReadWrite,

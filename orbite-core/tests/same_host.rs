@@ -362,7 +362,7 @@ fn a_peer_naming_another_process_reaches_only_that_process_registered_ranges() {
     let honest = victim.open(&e).descriptor().clone();
     let real = honest.registrations.iter().find(|r| r.id == victim.region).unwrap().clone();
     // The same id, but 1 MiB further into the victim's address space.
-    let mut fake = SegmentDescriptor { endpoint: String::new(), ..honest.clone() };
+    let mut fake = SegmentDescriptor { rdma_nics: 0, endpoint: String::new(), ..honest.clone() };
     for r in &mut fake.registrations {
         r.addr += 1 << 20;
     }

@@ -1142,6 +1142,7 @@ unsafe fn prepare(
         ORBITE_ROUTE_SHM => Some(RoutePolicy::Shm),
         ORBITE_ROUTE_CMA => Some(RoutePolicy::Cma),
         ORBITE_ROUTE_CUDA_IPC => Some(RoutePolicy::CudaIpc),
+        ORBITE_ROUTE_RDMA => Some(RoutePolicy::Rdma),
         v => return fail(OrbiteStatus::InvalidArgument, format!("unknown route {v}")),
     };
     if s.flags & !(ORBITE_XFER_NOTIFY | ORBITE_XFER_REMOTE_BY_ADDRESS) != 0 {
@@ -1445,6 +1446,7 @@ pub unsafe extern "C" fn orbite_xfer_query(xfer: OrbiteXfer, out: *mut OrbiteXfe
             Route::Cma => ORBITE_ROUTE_CMA,
             Route::File => ORBITE_ROUTE_FILE,
             Route::CudaIpc => ORBITE_ROUTE_CUDA_IPC,
+            Route::Rdma => ORBITE_ROUTE_RDMA,
         };
         let mut v = OrbiteXferState {
             size: size_of::<OrbiteXferState>() as u32,

@@ -46,4 +46,4 @@ pub use status::OrbiteStatus;
 pub const ORBITE_ABI_MAJOR: u32 = 1;
 /// ABI minor: additive changes (new entry points, new feature bits, new
 /// record versions negotiated by size).
-pub const ORBITE_ABI_MINOR: u32 = 5;
+pub const ORBITE_ABI_MINOR: u32 = 6;

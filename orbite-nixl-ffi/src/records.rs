@@ -37,6 +37,9 @@ pub const ORBITE_ROUTE_FILE: u32 = 6;
 /// Force CUDA IPC to a same-host peer's device memory (fails at prepare if
 /// impossible); also what `OrbiteXferState::route` reports for it (ABI 1.3).
 pub const ORBITE_ROUTE_CUDA_IPC: u32 = 7;
+/// Force RDMA (fails at prepare if impossible); also what
+/// `OrbiteXferState::route` reports for it (ABI 1.6).
+pub const ORBITE_ROUTE_RDMA: u32 = 8;
 
 /// `OrbiteXferSpec::flags`: deliver `notification` to the peer once every
 /// byte landed (an empty payload is allowed).
@@ -353,8 +356,8 @@ pub struct OrbiteXferSpec {
     pub op: u32,
     /// `ORBITE_INTENT_*`.
     pub intent: u32,
-    /// `ORBITE_ROUTE_DEFAULT`, `_AUTO`, `_TCP`, `_SHM`, `_CMA` or
-    /// `_CUDA_IPC`.
+    /// `ORBITE_ROUTE_DEFAULT`, `_AUTO`, `_TCP`, `_SHM`, `_CMA`,
+    /// `_CUDA_IPC` or `_RDMA`.
     pub route: u32,
     /// `ORBITE_XFER_*` bits.
     pub flags: u32,

@@ -141,6 +141,8 @@ struct Routes {
     bounce_pool: Arc<crate::file::BouncePool>,
     /// Test hooks (feature `fault-injection`); none in a shipped build.
     hooks: Option<Arc<dyn Hooks<RouteTask>>>,
+    /// The RDMA NICs this engine uses (`rdma_devices`), or why none.
+    rails: Arc<crate::verbs::rails::Rails>,
 }
 
 /// An engine's transfers and its close: the live transfers (weakly), the
@@ -719,6 +721,11 @@ impl TransferEngine {
                 )),
                 bounce_pool: crate::file::BouncePool::charged(counters.clone(), config.max_staging_bytes),
                 hooks,
+                rails: Arc::new(crate::verbs::rails::Rails::open(&crate::verbs::rails::RailChoice {
+                    devices: config.rdma_devices.clone(),
+                    gid_index: config.rdma_gid_index,
+                    spin: config.spin(),
+                })),
             },
             life: Lifecycle {
                 active: Mutex::new(HashMap::new()),
@@ -860,7 +867,7 @@ impl TransferEngine {
         if inner.is_closed() {
             return Err(Error::Closed);
         }
-        let ids = inner.registry.register(ranges, &inner.counters, &inner.config)?;
+        let ids = inner.registry.register(ranges, &inner.counters, &inner.config, &inner.routes.rails)?;
         inner.announce_registry();
         Ok(ids)
     }
@@ -1082,9 +1089,10 @@ impl TransferEngine {
 
     /// What this engine exposes to peers (endpoint, epoch and every
     /// registration a peer may read or write). `to_bytes` gives the
-    /// bounded, versioned form to exchange out of band.
+    /// bounded, versioned form to exchange out of band; it carries no
+    /// RDMA key (an authenticated peer's Describe gets those).
     pub fn segment_descriptor(&self) -> SegmentDescriptor {
-        self.inner().segment_descriptor()
+        self.inner().segment_descriptor().without_keys()
     }
 
     /// Connects to a peer and imports its segment. The peer's own Describe

@@ -70,7 +70,22 @@ impl EngineInner {
             .map_err(|e| PeerError::Protocol(format!("the peer's description: {e}")))?;
         // What each route keeps for it (a proven same-host peer hands over
         // its shared allocations over its local socket), and its inbox.
-        let opening = PeerOpening { descriptor: &link.descriptor, same_host: same_host.as_ref(), local: &*link };
+        // Queue pairs are connected over the first connection, which is
+        // authenticated (or the engine runs without a secret).
+        let control = |kind: Kind, body: Vec<u8>| {
+            let deadline = crate::time::deadline_after(c.peer_timeout());
+            self.call_on(&link, deadline, true, |done| PeerJob::Control(ControlJob { kind, flags: 0, body, done }))
+                .map_err(|e| e.to_string())
+        };
+        let opening = PeerOpening {
+            descriptor: &link.descriptor,
+            same_host: same_host.as_ref(),
+            local: &*link,
+            rails: &self.routes.rails,
+            qps_per_nic: c.rdma_qps_per_nic,
+            timeout: c.peer_timeout(),
+            control: &control,
+        };
         let routes = PeerStates::open(&opening);
         let inbox_name = link.descriptor.inbox.clone();
         let inbox = match same_host {
@@ -340,6 +355,18 @@ impl EngineInner {
         first: bool,
         make: impl FnOnce(ControlDone) -> PeerJob<RouteTask>,
     ) -> Result<Vec<u8>, PeerError> {
+        self.call_on(&peer.link, deadline, first, make)
+    }
+
+    /// A control call on `link` (a peer's, or one being opened): the
+    /// reply's body, or why there is none by `deadline`.
+    fn call_on(
+        &self,
+        link: &PeerLink<RouteTask>,
+        deadline: Instant,
+        first: bool,
+        make: impl FnOnce(ControlDone) -> PeerJob<RouteTask>,
+    ) -> Result<Vec<u8>, PeerError> {
         let slot: Arc<Reply> = Arc::new((Mutex::new(None), Condvar::new()));
         let s2 = slot.clone();
         let job = make(Box::new(move |r| {
@@ -347,9 +374,9 @@ impl EngineInner {
             s2.1.notify_all();
         }));
         if first {
-            peer.link.submit_first(job)
+            link.submit_first(job)
         } else {
-            peer.link.submit(job)
+            link.submit(job)
         }
         let spin_until = Instant::now() + self.config.spin();
         let mut g = slot.0.lock();

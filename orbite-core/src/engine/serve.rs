@@ -58,6 +58,19 @@ impl TargetView for EngineInner {
         self.segment_descriptor().to_bytes()
     }
 
+    fn rdma_connect(
+        &self,
+        cards: &[crate::wire::QpCard],
+    ) -> Result<(Vec<crate::wire::QpCard>, Box<dyn std::any::Any + Send>), (RemoteStatus, String)> {
+        if self.routes.rails.rails().is_empty() {
+            let why = self.routes.rails.why().unwrap_or("no RDMA NIC");
+            return Err((RemoteStatus::Other, format!("this engine has no RDMA NIC: {why}")));
+        }
+        let (mine, links) = crate::transport::routes::rdma::accept(&self.routes.rails, cards)
+            .map_err(|why| (RemoteStatus::ResourceExhausted, why))?;
+        Ok((mine, Box::new(links)))
+    }
+
     fn resolve(
         &self,
         req: &Request<'_>,
@@ -363,6 +376,7 @@ impl EngineInner {
     pub(crate) fn segment_descriptor(&self) -> SegmentDescriptor {
         let (registrations, registry_version) = self.registry.lock().exported(ExportedRegistration::of);
         SegmentDescriptor {
+            rdma_nics: self.routes.rails.rails().len() as u8,
             endpoint: self.own_endpoint(),
             epoch: self.epoch,
             registry_version,

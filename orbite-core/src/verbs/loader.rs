@@ -2,7 +2,6 @@
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 use std::net::Ipv6Addr;
-use std::sync::OnceLock;
 
 use super::sys::{DeviceAttr, GidEntry, PortAttr};
 use super::{Gid, GidType, LinkLayer, Nic, NicPort, PortState, VerbsError, sys};
@@ -70,11 +69,21 @@ pub(super) struct Library {
 }
 
 /// The library, loaded by the first call.
+/// The process's library (feature `rdma`; without it, `NotBuilt`: the
+/// rest of this module is built either way and never reached).
 pub(super) fn get() -> Result<&'static Library, VerbsError> {
-    static LIB: OnceLock<Result<Library, VerbsError>> = OnceLock::new();
-    LIB.get_or_init(|| load(&super::library())).as_ref().map_err(Clone::clone)
+    #[cfg(feature = "rdma")]
+    {
+        static LIB: std::sync::OnceLock<Result<Library, VerbsError>> = std::sync::OnceLock::new();
+        LIB.get_or_init(|| load(&super::library())).as_ref().map_err(Clone::clone)
+    }
+    #[cfg(not(feature = "rdma"))]
+    {
+        Err(VerbsError::NotBuilt)
+    }
 }
 
+#[cfg_attr(not(feature = "rdma"), allow(dead_code, reason = "loads only with the feature"))]
 pub(super) fn load(name: &str) -> Result<Library, VerbsError> {
     let no_library = |reason: String| VerbsError::NoLibrary { library: name.to_owned(), reason };
     let c_name = CString::new(name).map_err(|_| no_library("a NUL in its name".into()))?;

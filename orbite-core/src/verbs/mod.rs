@@ -190,24 +190,13 @@ pub struct Closeness<'a> {
 /// PCI hops from a GPU (through the nearest common bridge of their sysfs
 /// paths), then on the same NUMA node, then by name.
 pub fn closest(nics: &[Nic], near: Near) -> Vec<Closeness<'_>> {
-    let (path, numa) = match near {
-        Near::Numa(n) => (None, Some(n)),
-        Near::Gpu(ordinal) => {
-            let path = crate::cuda::pci_bus_id(ordinal)
-                .ok()
-                .and_then(|bdf| std::fs::canonicalize(sysfs_root().join("bus/pci/devices").join(bdf)).ok());
-            let numa =
-                path.as_ref().and_then(|p| std::fs::read_to_string(p.join("numa_node")).ok()?.trim().parse().ok());
-            (path, numa)
-        }
-    };
+    let place = Place::of(near);
     let mut out: Vec<Closeness<'_>> = nics
         .iter()
         .filter(|n| n.active())
-        .map(|nic| Closeness {
-            nic,
-            pci_hops: path.as_ref().zip(nic.pci_path.as_ref()).map(|(a, b)| hops(a, b)),
-            same_numa: numa.is_some() && nic.numa_node == numa,
+        .map(|nic| {
+            let (pci_hops, same_numa) = place.distance(nic.numa_node, nic.pci_path.as_deref());
+            Closeness { nic, pci_hops, same_numa }
         })
         .collect();
     out.sort_by(|a, b| {
@@ -215,6 +204,56 @@ pub fn closest(nics: &[Nic], near: Near) -> Vec<Closeness<'_>> {
         key(a).cmp(&key(b)).then_with(|| a.nic.name.cmp(&b.nic.name))
     });
     out
+}
+
+/// Where memory is: its device's place in the PCI hierarchy (for device
+/// memory whose place sysfs gives) and its NUMA node.
+pub(crate) struct Place {
+    path: Option<std::path::PathBuf>,
+    numa: Option<u32>,
+}
+
+impl Place {
+    /// The place of memory `near`.
+    pub(crate) fn of(near: Near) -> Place {
+        match near {
+            Near::Numa(n) => Place { path: None, numa: Some(n) },
+            Near::Gpu(ordinal) => {
+                let path = crate::cuda::pci_bus_id(ordinal)
+                    .ok()
+                    .and_then(|bdf| std::fs::canonicalize(sysfs_root().join("bus/pci/devices").join(bdf)).ok());
+                let numa =
+                    path.as_ref().and_then(|p| std::fs::read_to_string(p.join("numa_node")).ok()?.trim().parse().ok());
+                Place { path, numa }
+            }
+        }
+    }
+
+    /// How far a NIC on NUMA node `numa_node` at `pci_path` is: PCI hops
+    /// (when both places are known), and whether it is on the same node.
+    pub(crate) fn distance(&self, numa_node: Option<u32>, pci_path: Option<&std::path::Path>) -> (Option<u32>, bool) {
+        let hops = self.path.as_deref().zip(pci_path).map(|(a, b)| hops(a, b));
+        (hops, self.numa.is_some() && numa_node == self.numa)
+    }
+}
+
+/// The NUMA node of the page at `addr` of this process, if the kernel
+/// says.
+pub(crate) fn numa_node_of(addr: u64) -> Option<u32> {
+    let mut node: libc::c_int = -1;
+    // MPOL_F_NODE | MPOL_F_ADDR: the node of the page at that address.
+    // SAFETY: get_mempolicy writes one int; the address is only looked up.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_get_mempolicy,
+            &mut node as *mut libc::c_int,
+            std::ptr::null_mut::<u64>(),
+            0u64,
+            addr,
+            3u64,
+        )
+    };
+    (r == 0 && node >= 0).then_some(node as u32)
 }
 
 /// Components of `a` and `b` below their longest common prefix.
@@ -232,38 +271,26 @@ pub fn library() -> String {
 /// Every RDMA NIC of this machine with its ports and GIDs, or why there
 /// is none to ask. A library with no device gives an empty list.
 pub fn nics() -> Result<Vec<Nic>, VerbsError> {
-    #[cfg(feature = "rdma")]
-    {
-        let lib = loader::get()?;
-        loader::nics(lib)
-    }
-    #[cfg(not(feature = "rdma"))]
-    {
-        Err(VerbsError::NotBuilt)
-    }
+    loader::nics(loader::get()?)
 }
 
 /// Where sysfs is read (`ORBITE_SYSFS_ROOT`, default `/sys`).
-#[cfg_attr(not(feature = "rdma"), allow(dead_code, reason = "read by the loader"))]
 fn sysfs_root() -> std::path::PathBuf {
     std::env::var_os("ORBITE_SYSFS_ROOT").map_or_else(|| "/sys".into(), Into::into)
 }
 
 /// The NUMA node sysfs gives the NIC `name` (none: -1 or unreadable).
-#[cfg_attr(not(feature = "rdma"), allow(dead_code, reason = "read by the loader"))]
 fn numa_node(name: &str) -> Option<u32> {
     let path = sysfs_root().join("class/infiniband").join(name).join("device/numa_node");
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
 /// The resolved sysfs path of the NIC `name`'s PCI device.
-#[cfg_attr(not(feature = "rdma"), allow(dead_code, reason = "read by the loader"))]
 fn pci_path(name: &str) -> Option<std::path::PathBuf> {
     std::fs::canonicalize(sysfs_root().join("class/infiniband").join(name).join("device")).ok()
 }
 
 /// The type sysfs gives GID `index` of `port` of `name`.
-#[cfg_attr(not(feature = "rdma"), allow(dead_code, reason = "read by the loader"))]
 fn sysfs_gid_type(name: &str, port: u8, index: u32) -> GidType {
     let path = sysfs_root().join(format!("class/infiniband/{name}/ports/{port}/gid_attrs/types/{index}"));
     match std::fs::read_to_string(path).map(|s| s.trim().to_owned()).as_deref() {
@@ -273,11 +300,9 @@ fn sysfs_gid_type(name: &str, port: u8, index: u32) -> GidType {
     }
 }
 
-#[cfg(feature = "rdma")]
 mod loader;
-#[cfg(feature = "rdma")]
 pub(crate) mod objects;
-#[cfg(feature = "rdma")]
+pub(crate) mod rails;
 mod sys;
 
 #[cfg(test)]

@@ -426,6 +426,8 @@ impl Drop for Cq {
 pub(crate) struct RemoteQp {
     pub gid: Ipv6Addr,
     pub qpn: u32,
+    /// The first packet sequence number it sends.
+    pub psn: u32,
 }
 
 /// An RDMA operation of a work request.
@@ -502,7 +504,7 @@ impl Qp {
             qp_state: 2,
             path_mtu: mtu_enum(mtu),
             dest_qp_num: remote.qpn,
-            rq_psn: 0,
+            rq_psn: remote.psn & 0xff_ffff,
             max_dest_rd_atomic: 16,
             min_rnr_timer: 12,
             ah_attr: ah,
@@ -512,11 +514,11 @@ impl Qp {
         self.modify(&mut a, 1 | 1 << 7 | 1 << 8 | 1 << 20 | 1 << 12 | 1 << 17 | 1 << 15, "ibv_modify_qp(RTR)")
     }
 
-    /// RTR to RTS.
-    pub fn to_rts(&self) -> Result<(), VerbsError> {
+    /// RTR to RTS, sending from packet sequence number `psn`.
+    pub fn to_rts(&self, psn: u32) -> Result<(), VerbsError> {
         let mut a = IbvQpAttr {
             qp_state: 3,
-            sq_psn: 0,
+            sq_psn: psn & 0xff_ffff,
             timeout: 14,
             retry_cnt: 7,
             rnr_retry: 7,

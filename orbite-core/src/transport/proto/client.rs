@@ -57,6 +57,7 @@ impl ControlJob {
             Kind::Borrow => Kind::BorrowAck,
             Kind::Return => Kind::ReturnAck,
             Kind::DescribeSince => Kind::DescribeDelta,
+            Kind::RdmaConnect => Kind::RdmaAccept,
             _ => Kind::NotifyAck,
         }
     }

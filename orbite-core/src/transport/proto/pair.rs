@@ -153,6 +153,7 @@ fn changes(since: u64) -> crate::segment::Delta {
 /// What the target describes.
 fn descriptor() -> SegmentDescriptor {
     SegmentDescriptor {
+        rdma_nics: 0,
         endpoint: "target".into(),
         epoch: EPOCH,
         registry_version: 3,

@@ -84,6 +84,17 @@ pub(crate) trait TargetView: Send + Sync + 'static {
         let _ = (req, write, loans);
         Err((RemoteStatus::PermissionDenied, "this target lends no device memory".into()))
     }
+    /// Connects this engine's RDMA queue pairs to the initiator's `cards`:
+    /// a card per card asked, and what the connection keeps (the queue
+    /// pairs, closed with it); or a refusal (no NIC, none left).
+    #[allow(clippy::type_complexity, reason = "the cards, and what the connection holds")]
+    fn rdma_connect(
+        &self,
+        cards: &[crate::wire::QpCard],
+    ) -> Result<(Vec<crate::wire::QpCard>, Box<dyn std::any::Any + Send>), (RemoteStatus, String)> {
+        let _ = cards;
+        Err((RemoteStatus::Other, "this engine has no RDMA NIC".into()))
+    }
     /// What changed in the exported registrations after registry version
     /// `since`, in at most `budget` encoded bytes.
     fn changes(&self, since: u64, budget: usize) -> crate::segment::Delta;
@@ -396,6 +407,9 @@ pub(crate) struct ServerConn {
     /// Borrows this connection holds: id to the registrations it keeps,
     /// and what they are charged.
     borrows: HashMap<u64, (Vec<Arc<Registration>>, Charge)>,
+    /// The RDMA queue pairs connected for the initiator (once per
+    /// connection), closed with it.
+    rdma: Option<Box<dyn std::any::Any + Send>>,
     /// Frames received whole so far.
     frames: u64,
     /// Payload or reply bytes the exchange in progress moves.
@@ -447,6 +461,7 @@ impl ServerConn {
             awaiting: None,
             auth: secret.map_or(Auth::Open, Auth::Hello),
             borrows: HashMap::new(),
+            rdma: None,
             frames: 0,
             work: 0,
             input: Input::Frame,
@@ -859,6 +874,23 @@ impl ServerConn {
                 self.reply(Kind::ReturnAck, request, &[]);
             }
             Message::DescribeSince(d) => self.on_describe_since(request, &d, side),
+            Message::RdmaConnect { target_epoch, cards } => {
+                if target_epoch != side.epoch() {
+                    self.epoch_mismatch(request, side);
+                } else if self.rdma.is_some() {
+                    self.error(request, RemoteStatus::Other, "this connection's queue pairs are connected already");
+                } else {
+                    match side.rdma_connect(&cards) {
+                        Ok((mine, keep)) => {
+                            self.rdma = Some(keep);
+                            let mut body = Vec::new();
+                            crate::wire::encode_rdma_accept(&mut body, &mine);
+                            self.reply(Kind::RdmaAccept, request, &body);
+                        }
+                        Err((status, detail)) => self.error(request, status, &detail),
+                    }
+                }
+            }
             // The peer is alive (the driver's clock saw the bytes).
             Message::Keepalive => {}
             Message::Describe { .. } => {
@@ -880,6 +912,7 @@ impl ServerConn {
             | Message::AuthOk
             | Message::ShareFdsReply(_)
             | Message::IpcHandlesReply(_)
+            | Message::RdmaAccept(_)
             | Message::AuthHello(_)
             | Message::AuthProof(_)) => return Err(Close::Malformed(WireError::OutOfPlace(m.kind()))),
         }

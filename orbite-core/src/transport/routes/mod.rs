@@ -1,7 +1,7 @@
 //! The routes: one module each, and the interface they share.
 //!
-//! Every route (the self connection, shm, cma, cuda-ipc, tcp, a local
-//! file; RDMA next) is one module here implementing [`RouteImpl`]: its
+//! Every route (the self connection, shm, cma, cuda-ipc, rdma, tcp, a
+//! local file) is one module here implementing [`RouteImpl`]: its
 //! capability check and copy program at prepare ([`RouteImpl::plan`]),
 //! how it addresses a target's ranges, whether the target must lend it
 //! the ranges, and where its tasks run; its copies are the [`Copier`] it
@@ -23,6 +23,7 @@ pub(crate) mod cuda_ipc;
 pub(crate) mod device;
 pub(crate) mod file;
 pub(crate) mod loopback;
+pub(crate) mod rdma;
 pub(crate) mod shm;
 pub(crate) mod staging;
 pub(crate) mod tcp;
@@ -89,6 +90,9 @@ pub(crate) enum Unreachable {
     /// This build lacks what the route needs.
     #[error(transparent)]
     NotBuilt(#[from] crate::cuda::CudaError),
+    /// RDMA does not reach the peer, or one of its ranges: why.
+    #[error("{0}")]
+    Rdma(String),
 }
 
 /// What this engine learnt at open about a peer proven to run on this host.
@@ -132,6 +136,15 @@ pub(crate) struct PeerOpening<'a> {
     pub same_host: Result<&'a SameHost, &'a LocalError>,
     /// Its local socket (a same-host peer only answers there).
     pub local: &'a dyn LocalFetch,
+    /// This engine's RDMA NICs.
+    pub rails: &'a crate::verbs::rails::Rails,
+    /// `rdma_qps_per_nic`.
+    pub qps_per_nic: u32,
+    /// `peer_timeout_ms`: how long a task may wait for its completions.
+    pub timeout: std::time::Duration,
+    /// A control call to the peer on its authenticated connection: the
+    /// reply's body, or why there is none.
+    pub control: &'a dyn Fn(crate::wire::Kind, Vec<u8>) -> Result<Vec<u8>, String>,
 }
 
 /// A route's own state for one opened peer: opened with it
@@ -282,7 +295,7 @@ pub(crate) fn release_thread() {
 
 /// Every route. For peers, `auto` prefers them in this order.
 pub(crate) static ROUTES: &[&dyn RouteImpl] =
-    &[&loopback::Loopback, &shm::Shm, &cma::Cma, &cuda_ipc::CudaIpc, &tcp::Tcp, &file::File];
+    &[&loopback::Loopback, &shm::Shm, &cma::Cma, &cuda_ipc::CudaIpc, &rdma::Rdma, &tcp::Tcp, &file::File];
 
 /// The route called `route`.
 pub(crate) fn by_name(route: Route) -> &'static dyn RouteImpl {
@@ -621,6 +634,7 @@ mod tests {
 
     fn reg(raw: u64, shm: Option<&str>, device: Option<u32>) -> ExportedRegistration {
         ExportedRegistration {
+            rkeys: Vec::new(),
             id: RegistrationId::from_raw(raw),
             len: 4096,
             permission: Permission::RemoteReadWrite,
@@ -638,6 +652,7 @@ mod tests {
     #[test]
     fn route_states_open_with_a_peer_follow_its_registrations_and_close_with_it() {
         let desc = SegmentDescriptor {
+            rdma_nics: 0,
             endpoint: "peer".into(),
             epoch: 7,
             registry_version: 1,
@@ -648,9 +663,19 @@ mod tests {
             registrations: vec![reg(1, Some("a"), None), reg(2, Some("a"), None), reg(3, None, Some(0))],
         };
         let counters = Arc::new(crate::charge::Counters::default());
+        let rails = crate::verbs::rails::Rails::none("test");
+        let no_control = |_: crate::wire::Kind, _: Vec<u8>| -> Result<Vec<u8>, String> { Err("no link".into()) };
         let host = SameHost { cma: Ok(()), pid: 1, ipc: Ok(counters) };
         let socket = Socket::default();
-        let states = PeerStates::open(&PeerOpening { descriptor: &desc, same_host: Ok(&host), local: &socket });
+        let states = PeerStates::open(&PeerOpening {
+            descriptor: &desc,
+            same_host: Ok(&host),
+            local: &socket,
+            rails: &rails,
+            qps_per_nic: 2,
+            timeout: std::time::Duration::from_secs(1),
+            control: &no_control,
+        });
         assert_eq!(*socket.asked.lock(), [["a"]], "one fetch at open, each allocation once");
         let view = RwLock::new(SegmentView::bounded(&desc, 0).unwrap());
         let mapping = {
@@ -687,11 +712,27 @@ mod tests {
         }
         // Not proven local: no route state.
         let why = LocalError::NoSocket;
-        let none = PeerStates::open(&PeerOpening { descriptor: &desc, same_host: Err(&why), local: &socket });
+        let none = PeerStates::open(&PeerOpening {
+            descriptor: &desc,
+            same_host: Err(&why),
+            local: &socket,
+            rails: &rails,
+            qps_per_nic: 2,
+            timeout: std::time::Duration::from_secs(1),
+            control: &no_control,
+        });
         assert!(!none.behind());
         assert_eq!(socket.asked.lock().len(), 2);
         let host_off = SameHost { cma: Ok(()), pid: 1, ipc: Err(IpcOff::Disabled) };
-        let no_ipc = PeerStates::open(&PeerOpening { descriptor: &desc, same_host: Ok(&host_off), local: &socket });
+        let no_ipc = PeerStates::open(&PeerOpening {
+            descriptor: &desc,
+            same_host: Ok(&host_off),
+            local: &socket,
+            rails: &rails,
+            qps_per_nic: 2,
+            timeout: std::time::Duration::from_secs(1),
+            control: &no_control,
+        });
         assert!(!no_ipc.behind(), "IPC off: nothing to import");
         // Closed with the peer: a mapping goes with its last user.
         let weak = Arc::downgrade(&mapping);

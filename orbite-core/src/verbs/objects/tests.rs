@@ -96,8 +96,8 @@ fn pair(pd: &Arc<Pd>, cq: &Arc<Cq>) -> (Qp, Qp) {
     let (a, b) = (pd.create_qp(cq, 64).unwrap(), pd.create_qp(cq, 64).unwrap());
     for (q, other) in [(&a, b.qpn), (&b, a.qpn)] {
         q.to_init(PORT, all).unwrap();
-        q.to_rtr(RemoteQp { gid: gid(), qpn: other }, PORT, SGID, 4096).unwrap();
-        q.to_rts().unwrap();
+        q.to_rtr(RemoteQp { gid: gid(), qpn: other, psn: 0 }, PORT, SGID, 4096).unwrap();
+        q.to_rts(0).unwrap();
     }
     (a, b)
 }
@@ -224,8 +224,8 @@ fn queue_pairs_move_bytes_refuse_bad_keys_flush_after_errors_and_close_everythin
         // A remote queue pair that does not exist: the transport gives up.
         let lone = pd.create_qp(&cq, 4).unwrap();
         lone.to_init(PORT, all).unwrap();
-        lone.to_rtr(RemoteQp { gid: gid(), qpn: a.qpn ^ 0xff_0000 }, PORT, SGID, 4096).unwrap();
-        lone.to_rts().unwrap();
+        lone.to_rtr(RemoteQp { gid: gid(), qpn: a.qpn ^ 0xff_0000, psn: 0 }, PORT, SGID, 4096).unwrap();
+        lone.to_rts(0).unwrap();
         lone.post(&[bad(14, dst_mr.rkey)]).unwrap();
         assert_eq!(wait(&cq, 1)[0].status, status::RETRY_EXC_ERR);
         drop((a, b, lone));
@@ -268,14 +268,14 @@ fn queue_pairs_move_bytes_refuse_bad_keys_flush_after_errors_and_close_everythin
 
         // Transitions out of order are refused; posting before RTS too.
         let q = pd.create_qp(&cq, 4).unwrap();
-        assert!(q.to_rtr(RemoteQp { gid: gid(), qpn: a.qpn }, PORT, SGID, 4096).is_err(), "RESET to RTR");
+        assert!(q.to_rtr(RemoteQp { gid: gid(), qpn: a.qpn, psn: 0 }, PORT, SGID, 4096).is_err(), "RESET to RTR");
         assert!(q.post(&[bad(24, rkey)]).is_err());
         q.to_init(PORT, 0).unwrap();
         assert!(
-            q.to_rtr(RemoteQp { gid: "fe80::1".parse().unwrap(), qpn: a.qpn }, PORT, SGID, 4096).is_err(),
+            q.to_rtr(RemoteQp { gid: "fe80::1".parse().unwrap(), qpn: a.qpn, psn: 0 }, PORT, SGID, 4096).is_err(),
             "a GID the fabric cannot route"
         );
-        assert!(q.to_rtr(RemoteQp { gid: gid(), qpn: a.qpn }, PORT, 9, 4096).is_err(), "no such source GID");
+        assert!(q.to_rtr(RemoteQp { gid: gid(), qpn: a.qpn, psn: 0 }, PORT, 9, 4096).is_err(), "no such source GID");
         assert!(cq.poll(&mut [Completion::default(); 16]).unwrap() == 0);
         drop((q, a, src_mr, back_mr, inbox_mr, cq, pd, dev));
     }
@@ -326,8 +326,8 @@ fn fabric_child() {
         let peer = expect("PEER");
         let (gid, qpn): (Ipv6Addr, u32) = (peer[0].parse().unwrap(), peer[1].parse().unwrap());
         let (addr, rkey): (u64, u32) = (peer[2].parse().unwrap(), peer[3].parse().unwrap());
-        qp.to_rtr(RemoteQp { gid, qpn }, PORT, 0, 4096).unwrap();
-        qp.to_rts().unwrap();
+        qp.to_rtr(RemoteQp { gid, qpn, psn: 0 }, PORT, 0, 4096).unwrap();
+        qp.to_rts(0).unwrap();
         say("CONNECTED".into());
         if role == "requester" {
             expect("GO");
