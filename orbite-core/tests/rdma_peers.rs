@@ -12,6 +12,7 @@ mod common;
 mod peer;
 
 use std::ffi::c_int;
+use std::time::{Duration, Instant};
 
 use common::*;
 use orbite_core::*;
@@ -35,20 +36,71 @@ struct ShimStats {
     qps: i64,
 }
 
-fn shim_stats() -> ShimStats {
+/// The shim's export `name` (the library the engine loaded).
+fn shim_fn(name: &std::ffi::CStr) -> *mut libc::c_void {
     let path = std::ffi::CString::new(std::env::var("ORBITE_IBVERBS_LIB").unwrap()).unwrap();
     // SAFETY: a NUL-terminated path; the handle is never closed.
     let handle = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
     assert!(!handle.is_null(), "the engine loaded the shim");
     // SAFETY: a live handle, a NUL-terminated name.
-    let f = unsafe { libc::dlsym(handle, c"orbite_verbs_shim_stats".as_ptr()) };
-    assert!(!f.is_null());
+    let f = unsafe { libc::dlsym(handle, name.as_ptr()) };
+    assert!(!f.is_null(), "{name:?}");
+    f
+}
+
+fn shim_stats() -> ShimStats {
     // SAFETY: the shim's export of this signature.
-    let f: unsafe extern "C" fn(*mut ShimStats) -> c_int = unsafe { std::mem::transmute(f) };
+    let f: unsafe extern "C" fn(*mut ShimStats) -> c_int =
+        unsafe { std::mem::transmute(shim_fn(c"orbite_verbs_shim_stats")) };
     let mut s = ShimStats::default();
     // SAFETY: a struct of the shim's layout.
     assert_eq!(unsafe { f(&mut s) }, 0);
     s
+}
+
+/// The shim's faults (`orbite-verbs-shim/src/faults.rs`).
+const RETRY_EXCEEDED: c_int = 2;
+const REMOTE_ACCESS: c_int = 3;
+const HOLD_COMPLETIONS: c_int = 4;
+const RELEASE_COMPLETIONS: c_int = 5;
+const DELAY_MS: c_int = 6;
+
+/// Injects `fault` on every queue pair of this process (the initiator's).
+fn inject_all(fault: c_int, arg: u32) {
+    // SAFETY: the shim's exports of these signatures.
+    let (qps, inject) = unsafe {
+        (
+            std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(*mut u32, usize) -> usize>(shim_fn(
+                c"orbite_verbs_shim_qps",
+            )),
+            std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(u32, c_int, u32) -> c_int>(shim_fn(
+                c"orbite_verbs_shim_inject",
+            )),
+        )
+    };
+    let mut out = [0u32; 256];
+    // SAFETY: room for 256 numbers.
+    let n = unsafe { qps(out.as_mut_ptr(), out.len()) };
+    assert!(n > 0, "the engine made queue pairs");
+    for q in &out[..n.min(256)] {
+        // SAFETY: a plain call.
+        assert_eq!(unsafe { inject(*q, fault, arg) }, 0);
+    }
+}
+
+/// Takes port 1 of the shim's first device down or up in this process.
+fn port(up: bool) {
+    // SAFETY: the shim's export of this signature.
+    let f: unsafe extern "C" fn(u32, u8, c_int) -> c_int =
+        unsafe { std::mem::transmute(shim_fn(c"orbite_verbs_shim_port")) };
+    // SAFETY: a plain call.
+    assert_eq!(unsafe { f(0, 1, up as c_int) }, 0);
+}
+
+/// Checks that the shim's objects of this process are all gone.
+fn assert_shim_idle() {
+    let left = shim_stats();
+    assert_eq!((left.qps, left.mrs, left.pds, left.cqs, left.contexts), (0, 0, 0, 0, 0), "{left:?}");
 }
 
 /// Whether this process runs `test`'s body: yes with the library set;
@@ -129,7 +181,306 @@ fn fragmented_write_and_read_over_rdma_with_guards_and_charges() {
     assert_eq!((s.registrations, s.registered_bytes), (base.registrations, base.registered_bytes));
     e.close();
     drop(e);
-    let left = shim_stats();
-    assert_eq!((left.qps, left.mrs, left.pds, left.cqs, left.contexts), (0, 0, 0, 0, 0), "{left:?}");
+    assert_shim_idle();
     p.kill();
+}
+
+/// Each transfer's notification arrives exactly once, after its bytes,
+/// binary payloads intact; standalone notifications too.
+#[test]
+fn notifications_follow_every_completion_exactly_once() {
+    if !in_shim_process("notifications_follow_every_completion_exactly_once") {
+        return;
+    }
+    let mut p = PeerProcess::spawn();
+    let e = initiator("");
+    let seg = p.open(&e);
+    let local = region(&e, 1 << 20, Permission::RemoteReadWrite);
+    fill(&local.mem, 8);
+    // Several tasks per transfer, so a notification could overtake them.
+    let (l, r) = ([Desc::new(local.id, 0, 1 << 20)], [Desc::new(p.region, 0, 1 << 20)]);
+    let mut want = Vec::new();
+    for i in 0..20u8 {
+        let note = [i, 0, 0xFE, b'\n'];
+        let mut s = TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg));
+        s.notification = Some(&note);
+        let t = e.prepare(&s).unwrap();
+        t.post().unwrap();
+        assert!(wait_retired(&t).outcome.is_success());
+        assert_eq!(p.hash(0, 1 << 20), fnv(&snapshot(&local.mem)), "bytes before the notification");
+        want.push(format!("{i:02x}00fe0a"));
+    }
+    assert_eq!(p.ask("notifs"), format!("NOTIFS 20 {}", want.join(",")));
+    e.notify(&seg, &[0, 0xFF]).unwrap();
+    assert_eq!(p.ask("notifs"), "NOTIFS 1 00ff");
+    drop(seg);
+    drop(local);
+    e.close();
+    drop(e);
+    assert_shim_idle();
+    p.kill();
+}
+
+/// A target that deregisters a range under an RDMA WRITE in flight keeps
+/// it (and its region) until the borrower returns it; the WRITE lands;
+/// the next transfer to the range is refused.
+#[test]
+fn target_deregistration_waits_for_remote_borrowers() {
+    if !in_shim_process("target_deregistration_waits_for_remote_borrowers") {
+        return;
+    }
+    let mut p = PeerProcess::spawn();
+    let e = initiator("");
+    let seg = p.open(&e);
+    let local = region(&e, 1 << 20, Permission::RemoteReadWrite);
+    fill(&local.mem, 3);
+    let (l, r) = ([Desc::new(local.id, 0, 65536)], [Desc::new(p.region, 0, 65536)]);
+    let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+    let t2 = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+    // The WRITE waits in its queue pair while the target deregisters.
+    inject_all(DELAY_MS, 500);
+    t.post().unwrap();
+    assert_eq!(p.ask("dereg"), "OK");
+    assert_eq!(p.ask("drop_region"), "OK");
+    // Fenced (1), still registered (4: read-only, alias, shared, the fenced
+    // region), memory alive (4, the inbox included).
+    assert_eq!(p.ask("stats"), "STATS 4 1 4 0");
+    assert!(!t.check().is_terminal(), "the WRITE is still in flight");
+    assert!(wait_retired(&t).outcome.is_success());
+    inject_all(DELAY_MS, 0);
+    t.release().unwrap();
+    // `t2` borrowed the range too, at prepare: the target still keeps it.
+    assert_eq!(p.ask("stats"), "STATS 4 1 4 0");
+    // Posting it asks again, and the target refuses the range it gave up:
+    // nothing moves.
+    match t2.post() {
+        Err(Error::Peer(PeerError::Refused { .. })) => {}
+        Ok(()) => {
+            let r2 = wait_retired(&t2);
+            assert_eq!((r2.outcome.code, r2.outcome.remote_effect), (OutcomeCode::Failed, RemoteEffect::None));
+        }
+        Err(other) => panic!("{other:?}"),
+    }
+    // Every borrow returned: the fenced registration (and its region) goes.
+    drop(t2);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while p.ask("stats") != "STATS 3 0 4 0" {
+        assert!(Instant::now() < deadline, "the fenced registration stayed: {}", p.ask("stats"));
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop((seg, local));
+    e.close();
+    drop(e);
+    assert_shim_idle();
+    p.kill();
+}
+
+/// Each injected fault fails the transfer as the rules say: a WRITE's
+/// effect unknown, a READ's exact prefix with nothing beyond it touched;
+/// nothing replayed; a broken queue pair is left for the others, and once
+/// all are broken rdma says so until the peer is opened again, which
+/// makes new ones.
+#[test]
+fn injected_faults_fail_transfers_by_the_rules() {
+    if !in_shim_process("injected_faults_fail_transfers_by_the_rules") {
+        return;
+    }
+    let mut p = PeerProcess::spawn();
+    let e = initiator(r#", "rdma_qps_per_nic": 1"#);
+    let base = e.stats();
+    let local = region(&e, REGION, Permission::RemoteReadWrite);
+    for (fault, op) in [(RETRY_EXCEEDED, Op::Write), (REMOTE_ACCESS, Op::Read), (RETRY_EXCEEDED, Op::Read)] {
+        let seg = p.open(&e);
+        fill(&local.mem, fault as u64);
+        let before = snapshot(&local.mem);
+        let (l, r) = ([Desc::new(local.id, 0, REGION as u64)], [Desc::new(p.region, 0, REGION as u64)]);
+        let t = e.prepare(&TransferSpec::new(op, &l, &r, Target::Peer(&seg))).unwrap();
+        inject_all(fault, 0);
+        t.post().unwrap();
+        let res = wait_retired(&t);
+        assert_eq!(res.outcome.code, OutcomeCode::Failed, "{fault} {op:?}: {res:?}");
+        match op {
+            Op::Write => assert_eq!(res.outcome.remote_effect, RemoteEffect::Unknown, "{res:?}"),
+            Op::Read => {
+                assert_ne!(res.outcome.remote_effect, RemoteEffect::Unknown);
+                let n = res.outcome.transferred_prefix as usize;
+                assert_eq!(&snapshot(&local.mem)[n..], &before[n..], "bytes beyond the prefix were written");
+            }
+        }
+        assert!(matches!(t.post(), Err(Error::Batch(BatchError::RepostRefused { .. }))), "no replay");
+        // Its one queue pair is broken: rdma says so, and says why.
+        let again = e.prepare(&TransferSpec::new(op, &l, &r, Target::Peer(&seg)));
+        match again {
+            Err(Error::Peer(PeerError::RouteUnavailable { route: Route::Rdma, reason })) => {
+                assert!(reason.contains("queue pair"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+        drop(t);
+        e.close_segment(&seg, WAIT).unwrap();
+    }
+    // Opened again: new queue pairs, and the bytes move.
+    let seg = p.open(&e);
+    let (l, r) = ([Desc::new(local.id, 0, 65536)], [Desc::new(p.region, 0, 65536)]);
+    let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+    t.post().unwrap();
+    assert!(wait_retired(&t).outcome.is_success());
+    assert_eq!(p.hash(0, 65536), fnv(&snapshot(&local.mem)[..65536]));
+    drop(t);
+    e.close_segment(&seg, WAIT).unwrap();
+    drop(seg);
+    e.deregister(local.id).unwrap();
+    drop(local);
+    assert_eq!(e.stats(), base);
+    e.close();
+    drop(e);
+    assert_shim_idle();
+    p.kill();
+}
+
+/// Completions that never come: the task fails within `peer_timeout_ms`
+/// (its queue pair moved to ERR), the WRITE's effect unknown.
+#[test]
+fn held_completions_fail_within_the_peer_timeout() {
+    if !in_shim_process("held_completions_fail_within_the_peer_timeout") {
+        return;
+    }
+    let p = PeerProcess::spawn();
+    let e = engine(r#"{"listen": "127.0.0.1:0", "task_bytes": 262144, "peer_timeout_ms": 1000, "route": "rdma"}"#);
+    let seg = p.open(&e);
+    let local = region(&e, 1 << 20, Permission::RemoteReadWrite);
+    let (l, r) = ([Desc::new(local.id, 0, 4096)], [Desc::new(p.region, 0, 4096)]);
+    let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+    inject_all(HOLD_COMPLETIONS, 0);
+    let start = Instant::now();
+    t.post().unwrap();
+    let res = wait_retired(&t);
+    let took = start.elapsed();
+    assert_eq!((res.outcome.code, res.outcome.remote_effect), (OutcomeCode::Failed, RemoteEffect::Unknown));
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(10), "took {took:?}");
+    inject_all(RELEASE_COMPLETIONS, 0);
+    drop((t, seg, local));
+    e.close();
+    drop(e);
+    assert_shim_idle();
+}
+
+/// A NIC whose port goes down takes no new transfers (rdma says why)
+/// until it is back.
+#[test]
+fn a_port_down_takes_the_nic_out_until_it_is_back() {
+    if !in_shim_process("a_port_down_takes_the_nic_out_until_it_is_back") {
+        return;
+    }
+    let mut p = PeerProcess::spawn();
+    let e = initiator("");
+    let seg = p.open(&e);
+    let local = region(&e, 1 << 20, Permission::RemoteReadWrite);
+    fill(&local.mem, 9);
+    let (l, r) = ([Desc::new(local.id, 0, 65536)], [Desc::new(p.region, 0, 65536)]);
+    port(false);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let refused = loop {
+        match e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))) {
+            Err(Error::Peer(PeerError::RouteUnavailable { reason, .. })) => break reason,
+            Ok(_) => assert!(Instant::now() < deadline, "the port event never came"),
+            Err(other) => panic!("{other:?}"),
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert!(refused.contains("down"), "{refused}");
+    port(true);
+    let t = loop {
+        match e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))) {
+            Ok(t) => break t,
+            Err(_) => assert!(Instant::now() < deadline, "the NIC never came back"),
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    t.post().unwrap();
+    assert!(wait_retired(&t).outcome.is_success());
+    assert_eq!(p.hash(0, 65536), fnv(&snapshot(&local.mem)[..65536]));
+    drop((t, seg, local));
+    e.close();
+    drop(e);
+    assert_shim_idle();
+    p.kill();
+}
+
+/// The peer dies while RDMA requests are in flight: the transfer fails
+/// within a bound (a WRITE's effect unknown; a READ's exact prefix with
+/// nothing beyond it touched), the peer is lost, nothing is replayed, and
+/// another peer is unaffected.
+fn kill_mid_transfer(op: Op) {
+    let mut p = PeerProcess::spawn();
+    let other = PeerProcess::spawn();
+    let e = initiator("");
+    let base = e.stats();
+    let seg = p.open(&e);
+    let seg_other = other.open(&e);
+    let local = region(&e, REGION, Permission::RemoteReadWrite);
+    fill(&local.mem, 6);
+    let before = snapshot(&local.mem);
+    let (l, r) = ([Desc::new(local.id, 0, REGION as u64)], [Desc::new(p.region, 0, REGION as u64)]);
+    let t = e.prepare(&TransferSpec::new(op, &l, &r, Target::Peer(&seg))).unwrap();
+    // Requests wait in their queue pairs, so the peer dies mid-transfer.
+    inject_all(DELAY_MS, 100);
+    t.post().unwrap();
+    std::thread::sleep(Duration::from_millis(150));
+    let killed = Instant::now();
+    p.kill();
+    let res = wait_retired(&t);
+    assert!(killed.elapsed() < Duration::from_secs(5), "failure took {:?}", killed.elapsed());
+    inject_all(DELAY_MS, 0);
+    assert_eq!(res.outcome.code, OutcomeCode::Failed, "{res:?}");
+    match op {
+        Op::Write => assert_eq!(res.outcome.remote_effect, RemoteEffect::Unknown, "{res:?}"),
+        Op::Read => {
+            assert_ne!(res.outcome.remote_effect, RemoteEffect::Unknown);
+            // Tasks run on several queue pairs at once: beyond the prefix,
+            // only tasks that finished (counted in transferred_bytes)
+            // wrote here.
+            let n = res.outcome.transferred_prefix as usize;
+            let after = snapshot(&local.mem);
+            let changed = after[n..].iter().zip(&before[n..]).filter(|(a, b)| a != b).count() as u64;
+            assert!(changed <= res.outcome.transferred_bytes - res.outcome.transferred_prefix, "{changed} {res:?}");
+        }
+    }
+    assert!(res.outcome.transferred_prefix < REGION as u64);
+    assert!(matches!(t.post(), Err(Error::Batch(BatchError::RepostRefused { .. }))), "no replay");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while seg.lost().is_none() {
+        assert!(Instant::now() < deadline, "the peer was never lost");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Another peer is unaffected (queue pairs of its own).
+    let ro = [Desc::new(other.region, 0, 4096)];
+    let lo = [Desc::new(local.id, 0, 4096)];
+    let t2 = e.prepare(&TransferSpec::new(Op::Write, &lo, &ro, Target::Peer(&seg_other))).unwrap();
+    t2.post().unwrap();
+    assert!(wait_retired(&t2).outcome.is_success());
+    drop((t, t2));
+    e.deregister(local.id).unwrap();
+    drop(local);
+    let _ = e.close_segment(&seg, WAIT);
+    e.close_segment(&seg_other, WAIT).unwrap();
+    drop((seg, seg_other));
+    assert_eq!(e.stats(), base);
+    e.close();
+    drop(e);
+    assert_shim_idle();
+}
+
+#[test]
+fn peer_killed_mid_write() {
+    if in_shim_process("peer_killed_mid_write") {
+        kill_mid_transfer(Op::Write);
+    }
+}
+
+#[test]
+fn peer_killed_mid_read() {
+    if in_shim_process("peer_killed_mid_read") {
+        kill_mid_transfer(Op::Read);
+    }
 }

@@ -64,6 +64,13 @@ fn slot(qpn: u32) -> usize {
     (qpn >> 16 & 0xff) as usize
 }
 
+/// The numbers of this process's queue pairs, in slot order.
+pub fn live() -> Vec<u32> {
+    let Some(f) = fabric() else { return Vec::new() };
+    let slots = f.slots.lock().unwrap_or_else(|e| e.into_inner());
+    slots.iter().flatten().flatten().map(|q| q.qpn).collect()
+}
+
 pub fn lookup(qpn: u32) -> Option<Arc<QpShared>> {
     let f = fabric()?;
     if qpn & 0xffff != f.port as u32 {

@@ -75,6 +75,21 @@ pub unsafe extern "C" fn orbite_verbs_shim_inject(qpn: u32, fault: c_int, arg: u
     0
 }
 
+/// Writes the numbers of this process's queue pairs (at most `cap`) to
+/// `out`: how many there are (more than `cap` when they did not all fit),
+/// so a test can inject faults on the queue pairs an engine made.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn orbite_verbs_shim_qps(out: *mut u32, cap: usize) -> usize {
+    let qps = crate::fabric::live();
+    if !out.is_null() {
+        for (i, q) in qps.iter().take(cap).enumerate() {
+            // SAFETY: the caller's array of `cap` entries.
+            unsafe { *out.add(i) = *q };
+        }
+    }
+    qps.len()
+}
+
 /// Takes port `port` of the described device `device` (its index) down
 /// (`up` 0) or back up, raising the port event on every open context of
 /// that device. A queue pair on a port that is down fails its requests

@@ -606,9 +606,15 @@ impl QpShared {
     }
 
     /// Moves to ERR: every posted receive is flushed (sends are flushed
-    /// by the requester thread, in order).
+    /// by the requester thread, in order), and completions a fault held
+    /// are flushed too: a request whose answer never came completes,
+    /// flushed, once its queue pair is in ERR, as on a NIC.
     pub fn to_error(&self, st: &mut QpState) {
         st.state = QPS_ERR;
+        let held = self.faults.lock().unwrap_or_else(|e| e.into_inner()).held.take();
+        for wc in held.unwrap_or_default() {
+            self.send_cq().push(IbvWc { status: WC_WR_FLUSH_ERR, byte_len: 0, ..wc });
+        }
         for r in st.recvs.drain(..) {
             self.recv_cq().push(IbvWc {
                 wr_id: r.wr_id,

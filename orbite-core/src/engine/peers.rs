@@ -77,6 +77,26 @@ impl EngineInner {
             self.call_on(&link, deadline, true, |done| PeerJob::Control(ControlJob { kind, flags: 0, body, done }))
                 .map_err(|e| e.to_string())
         };
+        // A round trip on the control connection, answered or not: a peer
+        // that is gone fails it, and its link is lost (one page of its
+        // registrations is the smallest answer a target gives).
+        let probe: Arc<dyn Fn() + Send + Sync> = {
+            let weak = Arc::downgrade(&link);
+            let (mine, theirs) = (self.epoch, link.descriptor.epoch);
+            Arc::new(move || {
+                let Some(link) = weak.upgrade() else { return };
+                let mut body = Vec::new();
+                let d = crate::wire::DescribeSince {
+                    initiator_epoch: mine,
+                    expected_epoch: theirs,
+                    since: 0,
+                    max_reply: 1024 + crate::segment::DELTA_HEADER as u64,
+                };
+                crate::wire::encode_describe_since(&mut body, &d);
+                let done: ControlDone = Box::new(|_| {});
+                link.submit_first(PeerJob::Control(ControlJob { kind: Kind::DescribeSince, flags: 0, body, done }));
+            })
+        };
         let opening = PeerOpening {
             descriptor: &link.descriptor,
             same_host: same_host.as_ref(),
@@ -85,6 +105,7 @@ impl EngineInner {
             qps_per_nic: c.rdma_qps_per_nic,
             timeout: c.peer_timeout(),
             control: &control,
+            probe,
         };
         let routes = PeerStates::open(&opening);
         let inbox_name = link.descriptor.inbox.clone();

@@ -41,6 +41,8 @@ pub(crate) const MAX_QPS: u32 = 256;
 /// Requests of a chain: the chain's last one is signaled, and a task
 /// waits for room on its queue pair for each chain.
 const CHAIN: usize = 128;
+/// The completion status of a request the peer never answered.
+pub(crate) const RETRY_EXCEEDED: i32 = status::RETRY_EXC_ERR;
 /// Largest message of one request (real NICs take up to 2 GiB).
 const MAX_MESSAGE: u64 = 1 << 30;
 

@@ -145,6 +145,10 @@ pub(crate) struct PeerOpening<'a> {
     /// A control call to the peer on its authenticated connection: the
     /// reply's body, or why there is none.
     pub control: &'a dyn Fn(crate::wire::Kind, Vec<u8>) -> Result<Vec<u8>, String>,
+    /// Asks the peer something on its control connection, without
+    /// waiting: if the peer is gone, its link is lost (what a one-sided
+    /// route does after its own requests went unanswered).
+    pub probe: Arc<dyn Fn() + Send + Sync>,
 }
 
 /// A route's own state for one opened peer: opened with it
@@ -675,6 +679,7 @@ mod tests {
             qps_per_nic: 2,
             timeout: std::time::Duration::from_secs(1),
             control: &no_control,
+            probe: Arc::new(|| {}),
         });
         assert_eq!(*socket.asked.lock(), [["a"]], "one fetch at open, each allocation once");
         let view = RwLock::new(SegmentView::bounded(&desc, 0).unwrap());
@@ -720,6 +725,7 @@ mod tests {
             qps_per_nic: 2,
             timeout: std::time::Duration::from_secs(1),
             control: &no_control,
+            probe: Arc::new(|| {}),
         });
         assert!(!none.behind());
         assert_eq!(socket.asked.lock().len(), 2);
@@ -732,6 +738,7 @@ mod tests {
             qps_per_nic: 2,
             timeout: std::time::Duration::from_secs(1),
             control: &no_control,
+            probe: Arc::new(|| {}),
         });
         assert!(!no_ipc.behind(), "IPC off: nothing to import");
         // Closed with the peer: a mapping goes with its last user.

@@ -48,6 +48,9 @@ pub(crate) struct PeerRail {
 /// per NIC, or why there are none.
 pub(crate) struct RdmaPeer {
     rails: Result<Arc<[PeerRail]>, String>,
+    /// A round trip on the peer's control connection, after requests went
+    /// unanswered: a peer that is gone is lost.
+    probe: Arc<dyn Fn() + Send + Sync>,
     /// How long a task may wait for its completions (`peer_timeout_ms`).
     timeout: Duration,
 }
@@ -153,7 +156,7 @@ impl RouteImpl for Rdma {
             true => Err(peer.rails.why().unwrap_or("no RDMA NIC").to_owned()),
             false => RdmaPeer::connect(peer).map(Arc::from),
         };
-        Some(Box::new(RdmaPeer { rails, timeout: peer.timeout }))
+        Some(Box::new(RdmaPeer { rails, timeout: peer.timeout, probe: peer.probe.clone() }))
     }
 
     fn serves(&self, target: &Reach<'_>) -> bool {
@@ -164,6 +167,9 @@ impl RouteImpl for Rdma {
         let Reach::Peer(p) = target else { return Err(Unreachable::NotPeer) };
         let state = p.state::<RdmaPeer>(Route::Rdma).ok_or_else(|| Unreachable::Rdma("no RDMA NIC".into()))?;
         let rails = state.rails.as_ref().map_err(|why| Unreachable::Rdma(why.clone()))?;
+        if let Some(down) = rails.iter().find(|r| !r.rail.usable()).filter(|_| rails.iter().all(|r| !r.rail.usable())) {
+            return Err(Unreachable::Rdma(format!("the port of NIC {} is down", down.rail.name)));
+        }
         if rails.iter().all(|r| r.qps.iter().all(|q| q.broken())) {
             return Err(Unreachable::Rdma("every queue pair to the peer failed (open it again)".into()));
         }
@@ -195,6 +201,7 @@ impl RouteImpl for Rdma {
             device: None,
             next: AtomicUsize::new(0),
             timeout: state.timeout,
+            probe: state.probe.clone(),
         })))
     }
 
@@ -225,6 +232,7 @@ pub(crate) struct RdmaCopy {
     device: Option<u32>,
     next: AtomicUsize,
     timeout: Duration,
+    probe: Arc<dyn Fn() + Send + Sync>,
 }
 
 impl RdmaCopy {
@@ -294,7 +302,7 @@ impl Copier for RdmaCopy {
         }
         let deadline = crate::time::deadline_after(self.timeout);
         let pending = link.post(&ops, deadline);
-        Some(Ok(Box::new(RdmaPosted { pending, lens, op, deadline })))
+        Some(Ok(Box::new(RdmaPosted { pending, lens, op, deadline, probe: self.probe.clone() })))
     }
 
     /// Device memory on the local side is read and written by the NIC
@@ -346,6 +354,7 @@ struct RdmaPosted {
     lens: Vec<u64>,
     op: Op,
     deadline: std::time::Instant,
+    probe: Arc<dyn Fn() + Send + Sync>,
 }
 
 impl Posted for RdmaPosted {
@@ -355,9 +364,18 @@ impl Posted for RdmaPosted {
 
     fn finish(self: Box<Self>) -> (u64, Option<TaskEnd>) {
         let total: u64 = self.lens.iter().sum();
-        let Ended { failed, .. } = self.pending.wait(self.deadline);
+        let Ended { failed, complete } = self.pending.wait(self.deadline);
+        // Requests the peer never answered (its NIC, its link or the peer
+        // itself gone): ask on its control connection, so a dead peer is
+        // lost (its other work then fails at once) and a live one is not.
+        if !complete || failed.is_some_and(|(_, s)| s == crate::verbs::rails::RETRY_EXCEEDED) {
+            (self.probe)();
+        }
         match failed {
-            None => (total, None),
+            None if complete => (total, None),
+            // Not all of it completed even after its queue pair went to
+            // ERR: nothing is known of it.
+            None => (0, Some(TaskEnd::Failed { effect_unknown: self.op == Op::Write })),
             // Requests complete in order: every one before the failed one
             // moved its bytes. A READ landed exactly that prefix; a WRITE
             // may have moved more of the failed one.
