@@ -199,7 +199,7 @@ impl fmt::Debug for DeviceRange {
 
 pub(crate) use driver::{
     ContextLease, DeviceAllocation, HostPin, IpcMapping, PinnedBuffer, Stager, Ticket, await_ticket, copy_on_stream,
-    ipc_export, issue_on_stream, release_thread_streams, validate, wait_ticket,
+    dmabuf_of, ipc_export, issue_on_stream, release_thread_streams, validate, wait_ticket,
 };
 
 /// How a target hands a same-host peer the allocation holding a
@@ -1047,6 +1047,43 @@ mod driver {
         Ok(None)
     }
 
+    /// The allocation of device `ordinal` holding `ptr..ptr + len` as a
+    /// dma-buf descriptor (its whole allocation, rounded up to host pages,
+    /// as NCCL exports it), and the range's offset in it: what a NIC
+    /// registers for GPUDirect RDMA (`ibv_reg_dmabuf_mr`). A range over
+    /// several physical allocations of the virtual memory management API
+    /// is refused.
+    pub(crate) fn dmabuf_of(ordinal: u32, ptr: u64, len: u64) -> Result<(std::os::fd::OwnedFd, u64), CudaError> {
+        let range = validate(ordinal, ptr, len)?;
+        if range.chunks > 1 {
+            return Err(CudaError::Range(format!(
+                "it spans {} physical allocations: a dma-buf export takes one",
+                range.chunks
+            )));
+        }
+        let lease = ContextLease::retain(ordinal)?;
+        let _current = lease.enter()?;
+        let page = 4096u64;
+        let size = range.alloc_len.div_ceil(page) * page;
+        let mut fd: std::ffi::c_int = -1;
+        let kind = sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD;
+        // SAFETY: a current context; the start of a live allocation (just
+        // checked); an int for the descriptor.
+        let r = unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                range.alloc_base,
+                size as usize,
+                kind,
+                0,
+            )
+        };
+        check(r, "cuMemGetHandleForAddressRange")?;
+        // SAFETY: a fresh descriptor the driver handed over.
+        let fd = unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) };
+        Ok((fd, ptr - range.alloc_base))
+    }
+
     /// Exports the allocation of device `ordinal` holding `ptr`: as a
     /// legacy CUDA IPC handle, or else (memory of the virtual memory
     /// management API) as a POSIX file descriptor, which the allocation
@@ -1423,6 +1460,10 @@ mod driver {
         pub(crate) fn dmabuf(&self, _offset: u64, _len: u64) -> Result<std::os::fd::OwnedFd, CudaError> {
             match self.lease.never {}
         }
+    }
+
+    pub(crate) fn dmabuf_of(_ordinal: u32, _ptr: u64, _len: u64) -> Result<(std::os::fd::OwnedFd, u64), CudaError> {
+        Err(CudaError::NotBuilt)
     }
 
     pub(crate) fn ipc_export(_ordinal: u32, _ptr: u64, _len: u64) -> Result<IpcExport, CudaError> {

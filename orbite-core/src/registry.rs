@@ -20,6 +20,7 @@ use crate::config::EngineConfig;
 use crate::memory::{Backing, MemoryError, MemoryKind, MemoryRange};
 use crate::types::RegistrationId;
 use crate::types::{Permission, Resource};
+use std::os::fd::AsFd;
 
 /// One registered range and its owner.
 pub(crate) struct Registration {
@@ -281,9 +282,17 @@ impl Registry {
                 ],
             )?;
             let regions = match &r.backing {
-                // Device memory: through dma-buf when the NIC takes it
-                // (docs/rdma.md); until then none, and the route says so.
-                Backing::Cuda { .. } => crate::verbs::rails::Regions::default(),
+                _ if rails.rails().is_empty() => crate::verbs::rails::Regions::default(),
+                // Device memory: its dma-buf export, else by address where
+                // nvidia-peermem is loaded (docs/rdma.md).
+                Backing::Cuda { lease, .. } => {
+                    let dmabuf = crate::cuda::dmabuf_of(lease.device(), r.ptr as u64, r.len);
+                    let fd = dmabuf.as_ref().map(|(fd, offset)| (fd.as_fd(), *offset)).map_err(|e| e.to_string());
+                    // SAFETY: device memory the registration keeps (its
+                    // lease and allocation, or the caller's promise) until
+                    // it is dropped, and the regions go first.
+                    unsafe { rails.register_device(r.ptr as u64, r.len, remote_access(r.permission), fd) }
+                }
                 // SAFETY: host memory the registration keeps valid (its
                 // backing, or the caller's promise for a borrowed range)
                 // until it is dropped, and the regions go first.

@@ -763,6 +763,10 @@ const _: () = assert!(1 + 16 + IPC_HANDLE_LEN + 16 <= IPC_ENTRY_MAX, "an exporte
 /// Flag of a Borrow frame: the borrower reaches CUDA device memory of the
 /// target through an IPC mapping (asked on the local socket only).
 pub const BORROW_DEVICE: u8 = 2;
+/// Flag of a Borrow frame (minor 3): the borrower reaches the ranges with
+/// RDMA through the target's memory regions (host or device memory, each
+/// with a region).
+pub const BORROW_RDMA: u8 = 4;
 
 /// One registration's answer in an IpcHandlesReply.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -1080,6 +1084,8 @@ pub enum Message<'a> {
         write: bool,
         /// Device memory through CUDA IPC ([`BORROW_DEVICE`]).
         device: bool,
+        /// Ranges reached with RDMA ([`BORROW_RDMA`]).
+        rdma: bool,
     },
     /// The borrow is held.
     BorrowAck,
@@ -1153,7 +1159,7 @@ impl<'a> Message<'a> {
     /// flags. The layout of every body is exact.
     pub fn decode(h: &Header, body: &'a [u8]) -> Result<Message<'a>, WireError> {
         let empty = |what: &'static str| if body.is_empty() { Ok(()) } else { Err(WireError::Malformed(what)) };
-        if h.flags & !(BORROW_WRITE | BORROW_DEVICE) != 0 || (h.flags != 0 && h.kind != Kind::Borrow) {
+        if h.flags & !(BORROW_WRITE | BORROW_DEVICE | BORROW_RDMA) != 0 || (h.flags != 0 && h.kind != Kind::Borrow) {
             let what = if h.kind == Kind::Borrow { "borrow flags" } else { "flags" };
             return Err(WireError::Malformed(what));
         }
@@ -1190,7 +1196,7 @@ impl<'a> Message<'a> {
             Kind::Borrow => {
                 let (id, request) = decode_borrow(body)?;
                 let (write, device) = (h.flags & BORROW_WRITE != 0, h.flags & BORROW_DEVICE != 0);
-                Message::Borrow { id, request, write, device }
+                Message::Borrow { id, request, write, device, rdma: h.flags & BORROW_RDMA != 0 }
             }
             Kind::BorrowAck => empty("borrow ack").map(|()| Message::BorrowAck)?,
             Kind::Return => Message::Return { id: decode_return(body)? },
@@ -1266,8 +1272,10 @@ impl<'a> Message<'a> {
     /// The flags its header carries.
     pub fn flags(&self) -> u8 {
         match self {
-            Message::Borrow { write, device, .. } => {
-                (if *write { BORROW_WRITE } else { 0 }) | (if *device { BORROW_DEVICE } else { 0 })
+            Message::Borrow { write, device, rdma, .. } => {
+                (if *write { BORROW_WRITE } else { 0 })
+                    | (if *device { BORROW_DEVICE } else { 0 })
+                    | (if *rdma { BORROW_RDMA } else { 0 })
             }
             _ => 0,
         }
@@ -1372,8 +1380,9 @@ mod tests {
             Message::Notify(NotifyEnvelope { sender_endpoint: "h:1", sender_epoch: 1, target_epoch: 2, payload: b"x" }),
             Message::NotifyAck,
             Message::Error { status: RemoteStatus::OutOfBounds, detail: "far".into() },
-            Message::Borrow { id: 4, request, write: true, device: false },
-            Message::Borrow { id: 4, request, write: false, device: true },
+            Message::Borrow { id: 4, request, write: true, device: false, rdma: false },
+            Message::Borrow { id: 4, request, write: false, device: true, rdma: false },
+            Message::Borrow { id: 4, request, write: true, device: false, rdma: true },
             Message::BorrowAck,
             Message::Return { id: 4 },
             Message::ReturnAck,

@@ -107,6 +107,11 @@ fn assert_shim_idle() {
 /// else the test runs in a child that has it (and this checks the child
 /// passed), or is skipped without a shim.
 fn in_shim_process(test: &str) -> bool {
+    in_shim_process_with(test, &[])
+}
+
+/// As [`in_shim_process`], the child also given `env`.
+fn in_shim_process_with(test: &str, env: &[(&str, &str)]) -> bool {
     if std::env::var_os("ORBITE_IBVERBS_LIB").is_some() {
         return true;
     }
@@ -118,6 +123,7 @@ fn in_shim_process(test: &str) -> bool {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args([test, "--exact", "--nocapture", "--test-threads", "1"])
         .env("ORBITE_IBVERBS_LIB", &shim)
+        .envs(env.iter().copied())
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
@@ -482,5 +488,182 @@ fn peer_killed_mid_write() {
 fn peer_killed_mid_read() {
     if in_shim_process("peer_killed_mid_read") {
         kill_mid_transfer(Op::Read);
+    }
+}
+
+/// GPUDirect RDMA through both shims (feature `cuda`, the CUDA shim on
+/// `LD_LIBRARY_PATH`): device memory as a NIC's region through its
+/// dma-buf, or by address where nvidia-peermem is loaded, else staged
+/// through the pinned pool; `Transfer::route()` says which and why.
+#[cfg(feature = "cuda")]
+mod gpudirect {
+    use super::*;
+
+    /// Whether this process has a CUDA driver (SKIP without one, unless
+    /// `ORBITE_CUDA_REQUIRED`).
+    fn driver(test: &str) -> bool {
+        match cuda::availability() {
+            Ok(_) => true,
+            Err(why) => {
+                assert!(std::env::var_os("ORBITE_CUDA_REQUIRED").is_none(), "{test}: {why}");
+                println!("SKIP {test}: {why} (scripts/cuda-shim builds the test driver)");
+                false
+            }
+        }
+    }
+
+    /// Waits until a target's peers are gone (their connections closed,
+    /// their borrows returned).
+    fn settled(target: &TransferEngine) {
+        let deadline = Instant::now() + WAIT;
+        while target.stats().borrows > 0 || target.stats().connections > 0 {
+            assert!(Instant::now() < deadline, "{:?}", target.stats());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// A fake sysfs root, with nvidia-peermem loaded or not.
+    fn sysfs(peermem: bool) -> std::path::PathBuf {
+        let root = std::env::temp_dir().join(format!("orbite-sysfs-{}-{peermem}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join("module")).unwrap();
+        if peermem {
+            std::fs::create_dir_all(root.join("module/nvidia_peermem")).unwrap();
+        }
+        root
+    }
+
+    const NO_DMABUF: &str = r#"[{"name": "shim0", "dmabuf": false, "ports": [{"state": "active",
+        "gids": [{"gid": "::ffff:127.0.0.1", "type": "roce-v2"}]}]}]"#;
+
+    /// WRITE from this engine's device memory into the peer's, then READ
+    /// it back into another device range, both engines in this process,
+    /// over rdma; the reason names `via`.
+    fn device_to_device(via: &str) {
+        let a = engine(r#"{"listen": "127.0.0.1:0", "route": "rdma", "task_bytes": 262144}"#);
+        let b = engine(r#"{"listen": "127.0.0.1:0"}"#);
+        let base = (a.stats(), b.stats());
+        let len = 1 << 20;
+        let (ma, mb) = (a.allocate_cuda_memory(0, 2 * len).unwrap(), b.allocate_cuda_memory(0, len).unwrap());
+        let ia = a
+            .register_memory_ranges(vec![MemoryRange::cuda(&ma, 0, 2 * len, Permission::LocalOnly).unwrap()])
+            .unwrap()[0];
+        let ib = b
+            .register_memory_ranges(vec![MemoryRange::cuda(&mb, 0, len, Permission::RemoteReadWrite).unwrap()])
+            .unwrap()[0];
+        let data: Vec<u8> = (0..len).map(|i| (i * 31 % 251) as u8).collect();
+        // SAFETY: no transfer uses the memory yet.
+        unsafe { ma.write(0, &data).unwrap() };
+        let seg = a.open_segment(&b.endpoint().unwrap(), Some(b.source_epoch()), WAIT).unwrap();
+        let (l, r) = ([Desc::new(ia, 0, len as u64)], [Desc::new(ib, 0, len as u64)]);
+        let t = a.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+        assert_eq!(t.route().route, Route::Rdma);
+        assert!(t.route().reason.contains(via), "{:?}", t.route());
+        t.post().unwrap();
+        assert!(wait_retired(&t).outcome.is_success());
+        let mut back = vec![0u8; len];
+        // SAFETY: the transfer retired.
+        unsafe { mb.read(0, &mut back).unwrap() };
+        assert!(back == data, "the peer's device memory has the bytes");
+        let l2 = [Desc::new(ia, len as u64, len as u64)];
+        let t2 = a.prepare(&TransferSpec::new(Op::Read, &l2, &r, Target::Peer(&seg))).unwrap();
+        t2.post().unwrap();
+        assert!(wait_retired(&t2).outcome.is_success());
+        // SAFETY: as above.
+        unsafe { ma.read(len, &mut back).unwrap() };
+        assert!(back == data, "read back into device memory");
+        drop((t, t2));
+        a.close_segment(&seg, WAIT).unwrap();
+        drop(seg);
+        settled(&b);
+        a.deregister(ia).unwrap();
+        b.deregister(ib).unwrap();
+        drop((ma, mb));
+        assert_eq!((a.stats(), b.stats()), base, "charges back to baseline");
+        a.close();
+        b.close();
+        drop((a, b));
+        assert_shim_idle();
+    }
+
+    #[test]
+    fn device_memory_through_dma_buf() {
+        if in_shim_process("gpudirect::device_memory_through_dma_buf") && driver("dma-buf") {
+            device_to_device("dma-buf");
+        }
+    }
+
+    #[test]
+    fn device_memory_through_nvidia_peermem() {
+        let root = sysfs(true);
+        let env = [("ORBITE_VERBS_SHIM_DEVICES", NO_DMABUF), ("ORBITE_SYSFS_ROOT", root.to_str().unwrap())];
+        if in_shim_process_with("gpudirect::device_memory_through_nvidia_peermem", &env) && driver("peermem") {
+            device_to_device("nvidia-peermem");
+        }
+    }
+
+    /// Neither: this engine's device memory is staged through the pool
+    /// (the reason says why), and the peer's cannot be reached by rdma.
+    #[test]
+    fn device_memory_without_gpudirect_is_staged() {
+        let root = sysfs(false);
+        let env = [("ORBITE_VERBS_SHIM_DEVICES", NO_DMABUF), ("ORBITE_SYSFS_ROOT", root.to_str().unwrap())];
+        if !in_shim_process_with("gpudirect::device_memory_without_gpudirect_is_staged", &env) || !driver("staged") {
+            return;
+        }
+        let a = engine(r#"{"listen": "127.0.0.1:0", "route": "rdma", "task_bytes": 262144}"#);
+        let b = engine(r#"{"listen": "127.0.0.1:0"}"#);
+        let base = (a.stats(), b.stats());
+        let len = 1 << 20;
+        let ma = a.allocate_cuda_memory(0, 2 * len).unwrap();
+        let ia = a
+            .register_memory_ranges(vec![MemoryRange::cuda(&ma, 0, 2 * len, Permission::LocalOnly).unwrap()])
+            .unwrap()[0];
+        let host = region(&b, len, Permission::RemoteReadWrite);
+        let mb = b.allocate_cuda_memory(0, len).unwrap();
+        let ib = b
+            .register_memory_ranges(vec![MemoryRange::cuda(&mb, 0, len, Permission::RemoteReadWrite).unwrap()])
+            .unwrap()[0];
+        let data: Vec<u8> = (0..len).map(|i| (i * 13 % 241) as u8).collect();
+        // SAFETY: no transfer uses the memory yet.
+        unsafe { ma.write(0, &data).unwrap() };
+        let seg = a.open_segment(&b.endpoint().unwrap(), Some(b.source_epoch()), WAIT).unwrap();
+        let (l, r) = ([Desc::new(ia, 0, len as u64)], [Desc::new(host.id, 0, len as u64)]);
+        let t = a.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(&seg))).unwrap();
+        assert_eq!(t.route().route, Route::Rdma);
+        let reason = &t.route().reason;
+        assert!(reason.contains("staged") && reason.contains("no GPUDirect"), "{reason}");
+        t.post().unwrap();
+        assert!(wait_retired(&t).outcome.is_success());
+        assert!(snapshot(&host.mem) == data, "staged WRITE landed");
+        let l2 = [Desc::new(ia, len as u64, len as u64)];
+        let t2 = a.prepare(&TransferSpec::new(Op::Read, &l2, &r, Target::Peer(&seg))).unwrap();
+        t2.post().unwrap();
+        assert!(wait_retired(&t2).outcome.is_success());
+        let mut back = vec![0u8; len];
+        // SAFETY: the transfer retired.
+        unsafe { ma.read(len, &mut back).unwrap() };
+        assert!(back == data, "staged READ landed in device memory");
+        // The peer's device memory has no region: rdma cannot reach it.
+        let rv = [Desc::new(ib, 0, len as u64)];
+        match a.prepare(&TransferSpec::new(Op::Write, &l, &rv, Target::Peer(&seg))) {
+            Err(Error::Peer(PeerError::RouteUnavailable { route: Route::Rdma, reason })) => {
+                assert!(reason.contains("device memory"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+        drop((t, t2));
+        a.close_segment(&seg, WAIT).unwrap();
+        drop(seg);
+        settled(&b);
+        a.deregister(ia).unwrap();
+        b.deregister(ib).unwrap();
+        b.deregister(host.id).unwrap();
+        drop((ma, mb, host));
+        a.close();
+        b.close();
+        assert_eq!((a.stats().registrations, b.stats().registrations), (base.0.registrations, base.1.registrations));
+        drop((a, b));
+        assert_shim_idle();
     }
 }

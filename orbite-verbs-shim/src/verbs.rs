@@ -203,8 +203,105 @@ pub unsafe extern "C" fn ibv_reg_mr_iova2(
         set_errno(libc::EINVAL);
         return std::ptr::null_mut();
     }
+    // Memory the process cannot touch (the CUDA shim's device memory) is
+    // registered as nvidia-peermem registers GPU memory, when it is
+    // loaded; without it the kernel cannot pin the pages (EFAULT).
+    if !accessible(addr as u64) {
+        return match peermem_pages(addr as u64, length as u64) {
+            Some((m, map_len, host)) => {
+                let region = Region { addr: addr as u64, len: length as u64, access, pd: pd as usize, host };
+                new_mr(p, pd, region, Some((m, map_len)))
+            }
+            None => {
+                set_errno(libc::EFAULT);
+                std::ptr::null_mut()
+            }
+        };
+    }
     let region = Region { addr: addr as u64, len: length as u64, access, pd: pd as usize, host: addr as u64 };
     new_mr(p, pd, region, None)
+}
+
+/// Whether this process can read the byte at `addr`.
+fn accessible(addr: u64) -> bool {
+    let mut byte = 0u8;
+    let local = libc::iovec { iov_base: (&mut byte as *mut u8).cast(), iov_len: 1 };
+    let remote = libc::iovec { iov_base: addr as *mut c_void, iov_len: 1 };
+    // SAFETY: one byte into a local; the kernel checks the remote address.
+    unsafe { libc::process_vm_readv(libc::getpid(), &local, 1, &remote, 1, 0) == 1 }
+}
+
+/// Whether nvidia-peermem (or nv_peer_mem) is loaded, as the engine reads
+/// it: under `ORBITE_SYSFS_ROOT` (default `/sys`).
+fn peermem_loaded() -> bool {
+    let root = std::env::var_os("ORBITE_SYSFS_ROOT").map_or_else(|| "/sys".into(), std::path::PathBuf::from);
+    root.join("module/nvidia_peermem").exists() || root.join("module/nv_peer_mem").exists()
+}
+
+/// nvidia-peermem as the shim models it: the CUDA driver (the CUDA shim,
+/// when this process loaded it) resolves `[addr, addr + len)` to its
+/// allocation's pages, which the shim maps: the mapping, its length, and
+/// where `addr` is in it.
+fn peermem_pages(addr: u64, len: u64) -> Option<(usize, usize, u64)> {
+    if !peermem_loaded() {
+        return None;
+    }
+    type Range = unsafe extern "C" fn(*mut u64, *mut usize, u64) -> c_int;
+    type Handle = unsafe extern "C" fn(*mut c_void, u64, usize, c_int, u64) -> c_int;
+    // SAFETY: a NUL-terminated name; only an already loaded library.
+    let lib = unsafe { libc::dlopen(c"libcuda.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if lib.is_null() {
+        return None;
+    }
+    // SAFETY: a live handle and NUL-terminated names.
+    let (range, handle) = unsafe {
+        (
+            libc::dlsym(lib, c"cuMemGetAddressRange_v2".as_ptr()),
+            libc::dlsym(lib, c"cuMemGetHandleForAddressRange".as_ptr()),
+        )
+    };
+    if range.is_null() || handle.is_null() {
+        return None;
+    }
+    // SAFETY: the driver API's signatures.
+    let (range, handle) = unsafe {
+        (std::mem::transmute::<*mut c_void, Range>(range), std::mem::transmute::<*mut c_void, Handle>(handle))
+    };
+    let (mut base, mut size) = (0u64, 0usize);
+    // SAFETY: two out-values.
+    if unsafe { range(&mut base, &mut size, addr) } != 0 || addr.checked_add(len)? > base + size as u64 {
+        return None;
+    }
+    let page = 4096u64;
+    let mut fd: c_int = -1;
+    // SAFETY: an int for the descriptor (1: a dma-buf).
+    if unsafe {
+        handle((&mut fd as *mut c_int).cast(), base, (size as u64).div_ceil(page) as usize * page as usize, 1, 0)
+    } != 0
+    {
+        return None;
+    }
+    // SAFETY: the descriptor the driver gave; its position is where the
+    // allocation starts.
+    let start = unsafe { libc::lseek(fd, 0, libc::SEEK_CUR) };
+    let from = u64::try_from(start).ok()? + (addr - base);
+    let skew = from % page;
+    let map_len = (skew + len).div_ceil(page) * page;
+    // SAFETY: a new shared mapping of the descriptor, then it is closed
+    // (the mapping keeps the pages).
+    let m = unsafe {
+        let m = libc::mmap(
+            std::ptr::null_mut(),
+            map_len as usize,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd,
+            (from - skew) as libc::off_t,
+        );
+        libc::close(fd);
+        m
+    };
+    (m != libc::MAP_FAILED).then(|| (m as usize, map_len as usize, m as u64 + skew))
 }
 
 /// Makes the region `region` of `p` (whose mapping `mapped` the shim

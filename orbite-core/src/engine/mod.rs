@@ -699,6 +699,11 @@ impl TransferEngine {
             None => None,
         };
         let hooks = hooks();
+        let rails = Arc::new(crate::verbs::rails::Rails::open(&crate::verbs::rails::RailChoice {
+            devices: config.rdma_devices.clone(),
+            gid_index: config.rdma_gid_index,
+            spin: config.spin(),
+        }));
         let route = LocalRoute::start(config.route_workers(), config.spin(), hooks.clone())
             .map_err(|e| Error::System(e.to_string()))?;
         let counters = Arc::new(Counters::default());
@@ -718,14 +723,11 @@ impl TransferEngine {
                 staging_pool: Arc::new(crate::transport::routes::staging::StagingPool::new(
                     counters.clone(),
                     config.max_staging_bytes,
+                    rails.clone(),
                 )),
                 bounce_pool: crate::file::BouncePool::charged(counters.clone(), config.max_staging_bytes),
                 hooks,
-                rails: Arc::new(crate::verbs::rails::Rails::open(&crate::verbs::rails::RailChoice {
-                    devices: config.rdma_devices.clone(),
-                    gid_index: config.rdma_gid_index,
-                    spin: config.spin(),
-                })),
+                rails,
             },
             life: Lifecycle {
                 active: Mutex::new(HashMap::new()),

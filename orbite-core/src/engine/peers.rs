@@ -434,13 +434,13 @@ impl EngineInner {
 
     /// Asks `peer` to keep registrations `ids` alive for a one-sided route
     /// until the returned loan is dropped.
-    /// `device`: the ranges are device memory reached through CUDA IPC.
+    /// `flags`: how the route reaches them (`RouteImpl::borrow_flags`).
     pub(crate) fn borrow(
         &self,
         peer: &Arc<Peer>,
         ids: &[(u64, u64)],
         write: bool,
-        device: bool,
+        flags: u8,
     ) -> Result<RemoteLoan, PeerError> {
         let id = self.peers.next_borrow.fetch_add(1, Ordering::Relaxed) ^ self.epoch.rotate_left(32);
         let mut body = Vec::new();
@@ -450,8 +450,7 @@ impl EngineInner {
             peer.epoch,
             ids.iter().map(|&(raw, len)| crate::wire::RemoteDesc { registration: raw, offset: 0, len }),
         );
-        let flags =
-            if write { crate::wire::BORROW_WRITE } else { 0 } | if device { crate::wire::BORROW_DEVICE } else { 0 };
+        let flags = if write { crate::wire::BORROW_WRITE } else { 0 } | flags;
         // Read before asking: a deregistration after this read either makes
         // the peer refuse the borrow or moves the count, so the next post
         // asks again.

@@ -117,6 +117,27 @@ impl TargetView for EngineInner {
         }
     }
 
+    fn lend_rdma(
+        &self,
+        req: &Request<'_>,
+        write: bool,
+        loans: &mut Vec<Arc<Registration>>,
+    ) -> Result<(), (RemoteStatus, String)> {
+        if self.is_closed() {
+            return Err((RemoteStatus::Closing, "engine is closing".into()));
+        }
+        let table = self.registry.lock();
+        for d in req.descs() {
+            // Ranges with a memory region: what the borrower's requests
+            // reach through its rkeys.
+            let reg = checked_range(&table, d, write, |r| r.rdma.any())?;
+            if !loans.last().is_some_and(|l| Arc::ptr_eq(l, reg)) {
+                loans.push(reg.clone());
+            }
+        }
+        Ok(())
+    }
+
     fn lend_device(
         &self,
         req: &Request<'_>,

@@ -399,8 +399,8 @@ impl Transfer {
             return Err(e.into());
         }
         let write = self.shared.plan.program.op == crate::batch::Op::Write;
-        let device = self.shared.way.lends_device();
-        let loan = self.engine.borrow(p, &self.shared.remote_ids, write, device)?;
+        let flags = self.shared.way.borrow_flags();
+        let loan = self.engine.borrow(p, &self.shared.remote_ids, write, flags)?;
         // The previous loan (if any) is given back once the lock is released.
         let _previous = {
             let mut cell = self.shared.cell.lock();

@@ -237,6 +237,13 @@ impl Place {
     }
 }
 
+/// Whether nvidia-peermem (or its predecessor nv_peer_mem) is loaded:
+/// NICs then take CUDA device memory by address (`ibv_reg_mr`).
+pub(crate) fn peermem_loaded() -> bool {
+    let root = sysfs_root();
+    root.join("module/nvidia_peermem").exists() || root.join("module/nv_peer_mem").exists()
+}
+
 /// The NUMA node of the page at `addr` of this process, if the kernel
 /// says.
 pub(crate) fn numa_node_of(addr: u64) -> Option<u32> {

@@ -155,7 +155,77 @@ impl Rails {
                 Remote::ReadWrite => access::REMOTE_READ | access::REMOTE_WRITE,
             };
         // SAFETY: per the contract.
-        Regions(self.rails.iter().map(|r| unsafe { r.pd.register(addr, len, flags) }).collect())
+        Regions { regions: self.rails.iter().map(|r| unsafe { r.pd.register(addr, len, flags) }).collect(), via: None }
+    }
+
+    /// Registers CUDA device memory `[addr, addr + len)` on every NIC
+    /// (GPUDirect RDMA): through its dma-buf export `dmabuf` (a descriptor
+    /// and the range's offset in it) where the NIC takes dma-buf, else by
+    /// address where nvidia-peermem is loaded; a NIC with neither has no
+    /// region (the route then stages the memory), and the regions say why.
+    ///
+    /// # Safety
+    /// As for [`Rails::register`], for the device memory.
+    pub unsafe fn register_device(
+        &self,
+        addr: u64,
+        len: u64,
+        remote: Remote,
+        dmabuf: Result<(std::os::fd::BorrowedFd<'_>, u64), String>,
+    ) -> Regions {
+        let flags = access::LOCAL_WRITE
+            | match remote {
+                Remote::None => 0,
+                Remote::Read => access::REMOTE_READ,
+                Remote::ReadWrite => access::REMOTE_READ | access::REMOTE_WRITE,
+            };
+        let peermem = super::peermem_loaded();
+        let mut via = None;
+        let regions = self
+            .rails
+            .iter()
+            .map(|r| match &dmabuf {
+                Ok((fd, offset)) if r.pd.dmabuf_supported() => {
+                    via = Some(GpuDirect::DmaBuf);
+                    // SAFETY: per the contract; the registration keeps the
+                    // allocation until the region is dropped.
+                    unsafe { r.pd.register_dmabuf(*fd, *offset, len, addr, flags) }
+                }
+                _ if peermem => {
+                    via = via.or(Some(GpuDirect::PeerMem));
+                    // SAFETY: as above; nvidia-peermem resolves the device
+                    // pages.
+                    unsafe { r.pd.register(addr, len, flags) }
+                }
+                Ok(_) => Err(VerbsError::Call {
+                    call: "ibv_reg_dmabuf_mr",
+                    reason: format!("{} takes no dma-buf and nvidia-peermem is not loaded", r.name),
+                }),
+                Err(why) => Err(VerbsError::Call {
+                    call: "cuMemGetHandleForAddressRange",
+                    reason: format!("no dma-buf of the memory ({why}) and nvidia-peermem is not loaded"),
+                }),
+            })
+            .collect();
+        Regions { regions, via }
+    }
+}
+
+/// How a NIC reaches CUDA device memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GpuDirect {
+    /// A region of the memory's dma-buf export.
+    DmaBuf,
+    /// A region by address, resolved by nvidia-peermem.
+    PeerMem,
+}
+
+impl GpuDirect {
+    pub fn name(self) -> &'static str {
+        match self {
+            GpuDirect::DmaBuf => "dma-buf",
+            GpuDirect::PeerMem => "nvidia-peermem",
+        }
     }
 }
 
@@ -170,17 +240,41 @@ pub(crate) enum Remote {
 /// A registered range's region on each NIC of its engine (by rail index),
 /// or why it has none there. Dropping it deregisters them.
 #[derive(Default)]
-pub(crate) struct Regions(Vec<Result<Mr, VerbsError>>);
+pub(crate) struct Regions {
+    regions: Vec<Result<Mr, VerbsError>>,
+    /// For device memory: how the NICs reach it.
+    via: Option<GpuDirect>,
+}
 
 impl Regions {
     /// The rkey of each NIC's region (`None`: no region there).
     pub fn rkeys(&self) -> Vec<Option<u32>> {
-        self.0.iter().map(|r| r.as_ref().ok().map(|m| m.rkey)).collect()
+        self.regions.iter().map(|r| r.as_ref().ok().map(|m| m.rkey)).collect()
+    }
+
+    /// The lkey of each NIC's region (`None`: no region there).
+    pub fn lkeys(&self) -> Vec<Option<u32>> {
+        self.regions.iter().map(|r| r.as_ref().ok().map(|m| m.lkey)).collect()
+    }
+
+    /// For device memory, how the NICs reach it (`None`: they do not).
+    pub fn gpudirect(&self) -> Option<GpuDirect> {
+        self.via
+    }
+
+    /// Whether a NIC has a region of it.
+    pub fn any(&self) -> bool {
+        self.regions.iter().any(Result::is_ok)
+    }
+
+    /// Why NIC `rail` has no region (`None`: it has one).
+    pub fn why_not(&self, rail: u8) -> Option<String> {
+        self.lkey(rail).err().map(|e| e.to_string())
     }
 
     /// The lkey of NIC `rail`'s region.
     pub fn lkey(&self, rail: u8) -> Result<u32, &VerbsError> {
-        match self.0.get(rail as usize) {
+        match self.regions.get(rail as usize) {
             Some(Ok(m)) => Ok(m.lkey),
             Some(Err(e)) => Err(e),
             None => Err(&NO_REGION),

@@ -115,6 +115,18 @@ pub(crate) trait TargetView: Send + Sync + 'static {
             },
         }
     }
+    /// As `resolve` for a borrow of a peer that reaches the ranges with
+    /// RDMA: loans on every named range, each of which must have a memory
+    /// region (host or device memory); no I/O vectors.
+    fn lend_rdma(
+        &self,
+        req: &Request<'_>,
+        write: bool,
+        loans: &mut Vec<Arc<Registration>>,
+    ) -> Result<(), (RemoteStatus, String)> {
+        let _ = (req, write, loans);
+        Err((RemoteStatus::PermissionDenied, "this target lends nothing to RDMA".into()))
+    }
     /// What borrowers may make this target hold.
     fn borrow_limits(&self) -> BorrowLimits {
         BorrowLimits { per_connection: 4096, registrations_per_borrow: 1024 }
@@ -864,8 +876,8 @@ impl ServerConn {
                     payload: env.payload.to_vec(),
                 })));
             }
-            Message::Borrow { id, request: req, write, device } => {
-                self.on_borrow(request, id, &req, write, device, side)
+            Message::Borrow { id, request: req, write, device, rdma } => {
+                self.on_borrow(request, id, &req, write, (device, rdma), side)
             }
             Message::Return { id } => {
                 // Only this connection's own borrows: another connection
@@ -949,12 +961,16 @@ impl ServerConn {
         borrow_id: u64,
         req: &Request<'_>,
         write: bool,
-        device: bool,
+        (device, rdma): (bool, bool),
         side: &dyn TargetView,
     ) {
         let mut iovs = Vec::new();
         let refusal = if req.target_epoch != side.epoch() {
             Some((RemoteStatus::EpochMismatch, format!("target epoch is {:#x}", side.epoch())))
+        } else if device && rdma {
+            Some((RemoteStatus::Other, "a borrow is for CUDA IPC or for RDMA, not both".into()))
+        } else if rdma {
+            side.lend_rdma(req, write, &mut self.loans).err()
         } else if device && !self.local() {
             Some((RemoteStatus::PermissionDenied, "device memory is lent on the local socket only".into()))
         } else if device {

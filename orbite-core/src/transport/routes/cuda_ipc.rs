@@ -176,8 +176,8 @@ impl RouteImpl for CudaIpc {
         true
     }
 
-    fn lends_device(&self) -> bool {
-        true
+    fn borrow_flags(&self) -> u8 {
+        crate::wire::BORROW_DEVICE
     }
 }
 

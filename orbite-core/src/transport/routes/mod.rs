@@ -283,10 +283,12 @@ pub(crate) trait RouteImpl: Sync {
         false
     }
 
-    /// Whether the ranges it borrows are device memory (lent on the local
-    /// socket only, through CUDA IPC).
-    fn lends_device(&self) -> bool {
-        false
+    /// How it reaches the ranges it borrows, as the Borrow's flags say:
+    /// none for host memory by address; `wire::BORROW_DEVICE` for device
+    /// memory through CUDA IPC (lent on the local socket only);
+    /// `wire::BORROW_RDMA` for ranges with memory regions.
+    fn borrow_flags(&self) -> u8 {
+        0
     }
 }
 

@@ -199,6 +199,8 @@ impl RouteImpl for Rdma {
             local: Vec::new(),
             use_rails: (0..rails.len()).collect(),
             device: None,
+            gpudirect: None,
+            staging: None,
             next: AtomicUsize::new(0),
             timeout: state.timeout,
             probe: state.probe.clone(),
@@ -218,6 +220,10 @@ impl RouteImpl for Rdma {
     fn borrows(&self) -> bool {
         true
     }
+
+    fn borrow_flags(&self) -> u8 {
+        wire::BORROW_RDMA
+    }
 }
 
 /// RDMA reads and writes of one transfer.
@@ -230,6 +236,10 @@ pub(crate) struct RdmaCopy {
     /// The NICs (indexes into `rails`) its tasks take in turn.
     use_rails: Vec<usize>,
     device: Option<u32>,
+    /// How the NICs reach the local device memory (GPUDirect), if they do.
+    gpudirect: Option<&'static str>,
+    /// The pool device memory is staged through when they do not.
+    staging: Option<Arc<super::staging::StagingPool>>,
     next: AtomicUsize,
     timeout: Duration,
     probe: Arc<dyn Fn() + Send + Sync>,
@@ -239,7 +249,13 @@ impl RdmaCopy {
     /// The lkey of the local range `[addr, addr + len)` on NIC `rail`.
     fn lkey(&self, rail: u8, addr: u64, len: u64) -> Option<u32> {
         let i = self.local.partition_point(|r| r.base as u64 <= addr);
-        self.local[..i].iter().rev().find(|r| addr + len <= r.base as u64 + r.len).and_then(|r| r.rdma.lkey(rail).ok())
+        let found = self.local[..i]
+            .iter()
+            .rev()
+            .find(|r| addr + len <= r.base as u64 + r.len)
+            .and_then(|r| r.rdma.lkey(rail).ok());
+        // A staged task's local side is a staging buffer.
+        found.or_else(|| self.staging.as_ref()?.lkey(rail, addr, len))
     }
 
     fn rkey(&self, peer_nic: u8, raw: u64) -> Option<u32> {
@@ -312,9 +328,26 @@ impl Copier for RdmaCopy {
     fn with_local(mut self: Box<Self>, local: &LocalSide<'_>) -> Result<Box<dyn Copier>, NoDeviceCopy> {
         let mut loans: Vec<Arc<Registration>> = local.loans.to_vec();
         loans.sort_unstable_by_key(|r| r.base as u64);
-        let mut usable: Vec<usize> = (0..self.rails.len())
-            .filter(|&i| loans.iter().all(|r| r.rdma.lkey(self.rails[i].rail.index).is_ok()))
-            .collect();
+        let on = |i: usize, r: &Registration| r.rdma.lkey(self.rails[i].rail.index).is_ok();
+        let direct: Vec<usize> = (0..self.rails.len()).filter(|&i| loans.iter().all(|r| on(i, r))).collect();
+        if let (Some(device), true) = (local.device, direct.is_empty()) {
+            // No GPUDirect: the device memory goes through the pool, whose
+            // buffers are regions on every NIC; its host ranges still need
+            // theirs.
+            let why = loans.iter().find(|r| !r.is_host() && !r.rdma.any()).and_then(|r| r.rdma.why_not(0));
+            let hosts: Vec<usize> =
+                (0..self.rails.len()).filter(|&i| loans.iter().filter(|r| r.is_host()).all(|r| on(i, r))).collect();
+            if hosts.is_empty() {
+                return Err(NoDeviceCopy { device, kind: self.name() });
+            }
+            self.use_rails = hosts;
+            self.staging = Some(local.pool.clone());
+            self.local = loans;
+            let why = why.unwrap_or_else(|| "no NIC has a region of it".into());
+            return Ok(super::staging::Staged::over_because(self, local, why));
+        }
+        self.gpudirect = loans.iter().find_map(|r| r.rdma.gpudirect()).map(|g| g.name());
+        let mut usable = direct;
         // The NICs closest to the local memory (its GPU's PCI place, or
         // the NUMA node of its first page) take the tasks, in turn.
         let near = match local.device {
@@ -343,7 +376,10 @@ impl Copier for RdmaCopy {
     }
 
     fn device_note(&self) -> Option<String> {
-        self.device.map(|d| format!("CUDA device memory (device {d}) read and written by the NIC (GPUDirect RDMA)"))
+        self.device.map(|d| {
+            let via = self.gpudirect.unwrap_or("dma-buf");
+            format!("CUDA device memory (device {d}) read and written by the NIC through {via} (GPUDirect RDMA)")
+        })
     }
 }
 

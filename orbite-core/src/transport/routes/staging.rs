@@ -82,6 +82,9 @@ pub(crate) struct Staged {
     chunk: u64,
     pool: Arc<StagingPool>,
     inner: Arc<dyn Copier>,
+    /// Why the inner route does not reach the device memory, where it
+    /// could have (said in the route's reason).
+    why: Option<String>,
 }
 
 impl Staged {
@@ -92,7 +95,19 @@ impl Staged {
             None => inner,
             Some(device) => {
                 let (chunk, pool) = (local.chunk, local.pool.clone());
-                Box::new(Staged { device, chunk, pool, inner: Arc::from(inner) })
+                Box::new(Staged { device, chunk, pool, inner: Arc::from(inner), why: None })
+            }
+        }
+    }
+
+    /// As [`Staged::over`], saying `why` the inner route (RDMA) does not
+    /// reach the device memory itself.
+    pub(crate) fn over_because(inner: Box<dyn Copier>, local: &LocalSide<'_>, why: String) -> Box<dyn Copier> {
+        match local.device {
+            None => inner,
+            Some(device) => {
+                let (chunk, pool) = (local.chunk, local.pool.clone());
+                Box::new(Staged { device, chunk, pool, inner: Arc::from(inner), why: Some(why) })
             }
         }
     }
@@ -136,8 +151,9 @@ impl Copier for Staged {
     }
 
     fn device_note(&self) -> Option<String> {
+        let why = self.why.as_ref().map(|w| format!(" (no GPUDirect: {w})")).unwrap_or_default();
         Some(format!(
-            "CUDA device memory (device {}) staged through page-locked buffers of {} bytes",
+            "CUDA device memory (device {}) staged through page-locked buffers of {} bytes{why}",
             self.device, self.chunk
         ))
     }
@@ -459,12 +475,30 @@ pub(crate) struct StagingPool {
     counters: Arc<Counters>,
     /// `max_staging_bytes`.
     limit: u64,
+    /// The engine's RDMA NICs: every buffer is a memory region on each,
+    /// so an RDMA task can be staged through it.
+    rails: Arc<crate::verbs::rails::Rails>,
+    /// Every live buffer's lkeys per NIC, by address.
+    keys: Arc<Keys>,
 }
 
+/// Live buffers' lkeys per NIC, by address: `(len, lkeys)`.
+type Keys = Mutex<std::collections::BTreeMap<u64, (u64, Vec<Option<u32>>)>>;
+
 struct Item {
+    /// Before the buffer: the NICs let go of it first.
+    regions: crate::verbs::rails::Regions,
+    keys: Arc<Keys>,
     device: u32,
     buffer: PinnedBuffer,
     _charge: Charge,
+}
+
+impl Drop for Item {
+    fn drop(&mut self) {
+        self.keys.lock().remove(&self.buffer.addr());
+        drop(std::mem::take(&mut self.regions));
+    }
 }
 
 impl std::fmt::Debug for StagingPool {
@@ -485,8 +519,16 @@ pub(crate) enum StagingError {
 }
 
 impl StagingPool {
-    pub fn new(counters: Arc<Counters>, limit: u64) -> Self {
-        StagingPool { free: Mutex::new(Vec::new()), counters, limit }
+    pub fn new(counters: Arc<Counters>, limit: u64, rails: Arc<crate::verbs::rails::Rails>) -> Self {
+        StagingPool { free: Mutex::new(Vec::new()), counters, limit, rails, keys: Arc::default() }
+    }
+
+    /// The lkey of NIC `rail`'s region of the buffer holding
+    /// `[addr, addr + len)`.
+    pub(crate) fn lkey(&self, rail: u8, addr: u64, len: u64) -> Option<u32> {
+        let keys = self.keys.lock();
+        let (base, (size, lkeys)) = keys.range(..=addr).next_back()?;
+        (addr + len <= base + size).then(|| lkeys.get(rail as usize).copied().flatten()).flatten()
     }
 
     /// A buffer of device `device` of at least `len` bytes: a free one, or
@@ -517,7 +559,15 @@ impl StagingPool {
                         .map_err(|_| StagingError::Exhausted(e))?
                     }
                 };
-                Item { device, buffer: PinnedBuffer::new(device, len).map_err(StagingError::Driver)?, _charge: charge }
+                let buffer = PinnedBuffer::new(device, len).map_err(StagingError::Driver)?;
+                let (addr, size) = (buffer.addr(), buffer.len());
+                // SAFETY: page-locked host memory the item owns; its regions
+                // are dropped before it.
+                let regions = unsafe { self.rails.register(addr, size, crate::verbs::rails::Remote::None) };
+                if regions.any() {
+                    self.keys.lock().insert(addr, (size, regions.lkeys()));
+                }
+                Item { regions, keys: self.keys.clone(), device, buffer, _charge: charge }
             }
         };
         Ok(Pooled { pool: self.clone(), item: Some(item) })
