@@ -90,11 +90,42 @@ fn inject_all(fault: c_int, arg: u32) {
 
 /// Takes port 1 of the shim's first device down or up in this process.
 fn port(up: bool) {
+    port_of(0, up)
+}
+
+/// Takes port 1 of the shim's device `device` down or up in this process.
+fn port_of(device: u32, up: bool) {
     // SAFETY: the shim's export of this signature.
     let f: unsafe extern "C" fn(u32, u8, c_int) -> c_int =
         unsafe { std::mem::transmute(shim_fn(c"orbite_verbs_shim_port")) };
     // SAFETY: a plain call.
-    assert_eq!(unsafe { f(0, 1, up as c_int) }, 0);
+    assert_eq!(unsafe { f(device, 1, up as c_int) }, 0);
+}
+
+/// Requests this process's queue pairs executed, per shim device.
+fn executed_per_device() -> [u64; 2] {
+    // SAFETY: the shim's exports of these signatures.
+    let (qps, info) = unsafe {
+        (
+            std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(*mut u32, usize) -> usize>(shim_fn(
+                c"orbite_verbs_shim_qps",
+            )),
+            std::mem::transmute::<*mut libc::c_void, unsafe extern "C" fn(u32, *mut u32, *mut u64) -> c_int>(shim_fn(
+                c"orbite_verbs_shim_qp_info",
+            )),
+        )
+    };
+    let mut out = [0u32; 256];
+    // SAFETY: room for 256 numbers.
+    let n = unsafe { qps(out.as_mut_ptr(), out.len()) };
+    let mut per = [0u64; 2];
+    for q in &out[..n.min(256)] {
+        let (mut dev, mut done) = (0u32, 0u64);
+        // SAFETY: two out-values.
+        assert_eq!(unsafe { info(*q, &mut dev, &mut done) }, 0);
+        per[dev as usize] += done;
+    }
+    per
 }
 
 /// Checks that the shim's objects of this process are all gone.
@@ -666,4 +697,108 @@ mod gpudirect {
         drop((a, b));
         assert_shim_idle();
     }
+}
+
+/// Two NICs: a fake sysfs root puts them on NUMA nodes `numa`, and the
+/// shim describes both (on the one fabric).
+fn two_nics(numa: [u32; 2]) -> (String, std::path::PathBuf) {
+    let root = std::env::temp_dir().join(format!("orbite-sysfs-nics-{}-{}{}", std::process::id(), numa[0], numa[1]));
+    let _ = std::fs::remove_dir_all(&root);
+    for (i, n) in numa.iter().enumerate() {
+        let dir = root.join(format!("class/infiniband/shim{i}/device"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("numa_node"), format!("{n}\n")).unwrap();
+    }
+    let nic = |name: &str| {
+        format!(
+            r#"{{"name": "{name}", "ports": [{{"state": "active", "gids": [{{"gid": "::ffff:127.0.0.1", "type": "roce-v2"}}]}}]}}"#
+        )
+    };
+    (format!("[{}, {}]", nic("shim0"), nic("shim1")), root)
+}
+
+/// WRITEs `len` bytes to the peer over rdma and checks they landed.
+fn write_through(e: &TransferEngine, p: &mut PeerProcess, seg: &RemoteSegment, local: &Region, len: u64) {
+    let (l, r) = ([Desc::new(local.id, 0, len)], [Desc::new(p.region, 0, len)]);
+    let t = e.prepare(&TransferSpec::new(Op::Write, &l, &r, Target::Peer(seg))).unwrap();
+    t.post().unwrap();
+    assert!(wait_retired(&t).outcome.is_success());
+    assert_eq!(p.hash(0, len as usize), fnv(&snapshot(&local.mem)[..len as usize]));
+}
+
+/// Two NICs equally close to the memory: a transfer's tasks go to both in
+/// turn; a NIC whose port is down takes no new task, the other carries
+/// the transfer, and it takes tasks again once back.
+#[test]
+fn two_nics_stripe_and_a_failed_nic_takes_no_new_tasks() {
+    let (devices, root) = two_nics([0, 0]);
+    let env = [("ORBITE_VERBS_SHIM_DEVICES", devices.as_str()), ("ORBITE_SYSFS_ROOT", root.to_str().unwrap())];
+    if !in_shim_process_with("two_nics_stripe_and_a_failed_nic_takes_no_new_tasks", &env) {
+        return;
+    }
+    let mut p = PeerProcess::spawn();
+    let e = initiator("");
+    let seg = p.open(&e);
+    let local = region(&e, REGION, Permission::RemoteReadWrite);
+    fill(&local.mem, 11);
+    write_through(&e, &mut p, &seg, &local, 4 << 20);
+    let striped = executed_per_device();
+    assert!(striped[0] > 0 && striped[1] > 0, "both NICs took tasks: {striped:?}");
+    port_of(1, false);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        fill(&local.mem, 12);
+        let before = executed_per_device();
+        write_through(&e, &mut p, &seg, &local, 4 << 20);
+        let after = executed_per_device();
+        if after[1] == before[1] {
+            assert!(after[0] > before[0], "the working NIC carried it");
+            break;
+        }
+        // The port event is asynchronous: until it lands, the down NIC's
+        // tasks fail and the transfer with them; wait for it.
+        assert!(Instant::now() < deadline, "the NIC that is down still takes tasks");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    port_of(1, true);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let before = executed_per_device();
+        write_through(&e, &mut p, &seg, &local, 4 << 20);
+        if executed_per_device()[1] > before[1] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the NIC never took tasks again");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop((seg, local));
+    e.close();
+    drop(e);
+    assert_shim_idle();
+    p.kill();
+}
+
+/// NICs on different NUMA nodes: host memory's tasks go to the NIC on
+/// its node only.
+#[test]
+fn host_memory_uses_the_nic_on_its_numa_node() {
+    let (devices, root) = two_nics([0, 1]);
+    let env = [("ORBITE_VERBS_SHIM_DEVICES", devices.as_str()), ("ORBITE_SYSFS_ROOT", root.to_str().unwrap())];
+    if !in_shim_process_with("host_memory_uses_the_nic_on_its_numa_node", &env) {
+        return;
+    }
+    let mut p = PeerProcess::spawn();
+    let e = initiator("");
+    let seg = p.open(&e);
+    let local = region(&e, REGION, Permission::RemoteReadWrite);
+    fill(&local.mem, 13);
+    write_through(&e, &mut p, &seg, &local, 4 << 20);
+    // The memory is on node 0 or 1 (wherever the kernel put it): one NIC.
+    let per = executed_per_device();
+    assert!((per[0] > 0) != (per[1] > 0), "only the NIC on the memory's node: {per:?}");
+    drop((seg, local));
+    e.close();
+    drop(e);
+    assert_shim_idle();
+    p.kill();
 }

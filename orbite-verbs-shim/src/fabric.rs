@@ -221,6 +221,7 @@ fn request(qp: &Arc<QpShared>) {
         };
         let status = match result {
             Ok(n) => {
+                qp.executed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 complete(WC_SUCCESS, n);
                 continue;
             }

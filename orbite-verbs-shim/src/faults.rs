@@ -90,6 +90,26 @@ pub unsafe extern "C" fn orbite_verbs_shim_qps(out: *mut u32, cap: usize) -> usi
     qps.len()
 }
 
+/// The described device (its index) queue pair `qpn` of this process
+/// belongs to, and how many requests it executed with success. 0, or
+/// EINVAL for an unknown queue pair.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn orbite_verbs_shim_qp_info(qpn: u32, device: *mut u32, executed: *mut u64) -> c_int {
+    let Some(qp) = crate::fabric::lookup(qpn) else { return libc::EINVAL };
+    // SAFETY: the context outlives its queue pairs.
+    let ctx = unsafe { &*(qp.ctx as *const crate::Context) };
+    // SAFETY: the caller's out-values (null: not wanted).
+    unsafe {
+        if !device.is_null() {
+            *device = ctx.device_index() as u32;
+        }
+        if !executed.is_null() {
+            *executed = qp.executed.load(std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    0
+}
+
 /// Takes port `port` of the described device `device` (its index) down
 /// (`up` 0) or back up, raising the port event on every open context of
 /// that device. A queue pair on a port that is down fails its requests

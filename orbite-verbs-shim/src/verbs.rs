@@ -660,6 +660,9 @@ pub struct QpShared {
     pub streams: Mutex<Vec<std::net::TcpStream>>,
     /// What a test injected.
     pub faults: Mutex<crate::faults::QpFaults>,
+    /// Requests it executed with success (for tests: which NIC moved a
+    /// transfer's bytes).
+    pub executed: std::sync::atomic::AtomicU64,
     /// Its context, and the `ibv_qp` handed out (for async events).
     pub ctx: usize,
     pub ibv: std::sync::atomic::AtomicUsize,
@@ -775,6 +778,7 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut IbvPd, attr: *mut IbvQpInitAttr)
         threads: Mutex::new(Vec::new()),
         streams: Mutex::new(Vec::new()),
         faults: Mutex::default(),
+        executed: std::sync::atomic::AtomicU64::new(0),
         ctx: p.ibv.context as usize,
         ibv: std::sync::atomic::AtomicUsize::new(0),
     });
