@@ -173,14 +173,14 @@ fn gather(sges: &[IbvSge], pd: usize) -> Option<Vec<u8>> {
 fn request(qp: &Arc<QpShared>) {
     let mut conn: Option<TcpStream> = None;
     loop {
-        let (wr, state, dest, port) = {
+        let (wr, state, dest, port, ack) = {
             let mut st = qp.st.lock().unwrap_or_else(|e| e.into_inner());
             loop {
                 if st.destroyed {
                     return;
                 }
                 if let Some(wr) = st.sends.pop_front() {
-                    break (wr, st.state, st.dest, st.port);
+                    break (wr, st.state, st.dest, st.port, st.ack_timeout);
                 }
                 st = qp.work.wait(st).unwrap_or_else(|e| e.into_inner());
             }
@@ -217,7 +217,7 @@ fn request(qp: &Arc<QpShared>) {
         let lost = (port > 0 && qp.port_down(port)).then_some(WC_RETRY_EXC_ERR);
         let result = match injected.or(lost) {
             Some(status) => Err(status),
-            None => execute(qp, &mut conn, &wr, dest),
+            None => execute(qp, &mut conn, &wr, dest, ack),
         };
         let status = match result {
             Ok(n) => {
@@ -242,6 +242,7 @@ fn execute(
     conn: &mut Option<TcpStream>,
     wr: &SendWr,
     dest: Option<(Ipv4Addr, u32)>,
+    ack: Option<Duration>,
 ) -> Result<u32, i32> {
     let total: u64 = wr.sges.iter().map(|s| s.length as u64).sum();
     if total > MAX_MESSAGE {
@@ -274,6 +275,13 @@ fn execute(
         *conn = Some(s);
     }
     let s = conn.as_mut().ok_or(WC_RETRY_EXC_ERR)?;
+    // A request unanswered (the peer or its link gone) within the queue
+    // pair's transport timeout and retries fails with retry exceeded; its
+    // bytes' own time on the wire is allowed for (as a NIC acks per
+    // packet), at 1 GB/s at least.
+    let allowed = ack.map(|a| a + Duration::from_nanos(total));
+    let _ = s.set_read_timeout(allowed);
+    let _ = s.set_write_timeout(allowed);
     s.write_all(&header(wr.opcode, wr.rkey, wr.remote_addr, total, wr.imm)).map_err(lost)?;
     s.write_all(&data).map_err(lost)?;
     let mut h = [0u8; 16];

@@ -639,6 +639,10 @@ pub struct QpState {
     pub access: u32,
     /// The remote queue pair: its IPv4 address (from the GID) and number.
     pub dest: Option<(std::net::Ipv4Addr, u32)>,
+    /// How long a request waits for its answer before it fails with retry
+    /// exceeded: the transport timeout (4.096 us x 2^timeout) times the
+    /// tries (retry_cnt + 1), set at RTS; `None` (timeout 0): for ever.
+    pub ack_timeout: Option<std::time::Duration>,
     pub sends: VecDeque<SendWr>,
     pub recvs: VecDeque<RecvWr>,
     pub destroyed: bool,
@@ -770,6 +774,7 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut IbvPd, attr: *mut IbvQpInitAttr)
             port: 0,
             access: 0,
             dest: None,
+            ack_timeout: None,
             sends: VecDeque::new(),
             recvs: VecDeque::new(),
             destroyed: false,
@@ -879,6 +884,12 @@ pub unsafe extern "C" fn ibv_modify_qp(qp: *mut IbvQp, attr: *mut IbvQpAttr, mas
                 return libc::EINVAL;
             }
             start = st.state == QPS_RTR;
+            if start {
+                st.ack_timeout = (a.timeout > 0).then(|| {
+                    let one = std::time::Duration::from_nanos(4096u64 << a.timeout.min(31));
+                    one * (u32::from(a.retry_cnt.min(7)) + 1)
+                });
+            }
             st.state = QPS_RTS;
         }
         _ => return libc::EINVAL,

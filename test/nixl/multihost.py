@@ -10,6 +10,11 @@ addresses of namespaces this script created are used, and everything it
 made is removed at the end (also on failure).
 
     multihost.py [-v] [TEST ...]     the tests (`python multihost tests: N passed, M failed`)
+    multihost.py --rdma [-v] [TEST ...]
+                                     the same over the rdma route: each host's NIC is the
+                                     verbs shim (MH_VERBS_SHIM, its libibverbs.so.1) with its
+                                     namespace's address as GID; then checks that RDMA
+                                     requests carried the bytes
     multihost.py --bench [--quick]   ORBITE against UCX and one raw TCP stream on this harness
     multihost.py --agent ROLE        (internal) the agent of one host, driven over stdin/stdout
 
@@ -187,6 +192,24 @@ class Agent:
     def stats(self):
         return self.hooks.stats() if self.hooks else {}
 
+    def rdma_requests(self):
+        """Requests this process's queue pairs executed (the verbs shim's
+        counters; 0 without the shim)."""
+        import ctypes
+
+        path = os.environ.get("ORBITE_IBVERBS_LIB")
+        if not path:
+            return 0
+        lib = ctypes.CDLL(path)
+        qps = (ctypes.c_uint32 * 256)()
+        n = lib.orbite_verbs_shim_qps(qps, ctypes.c_size_t(256))
+        total = 0
+        for q in qps[: min(n, 256)]:
+            dev, done = ctypes.c_uint32(), ctypes.c_uint64()
+            if lib.orbite_verbs_shim_qp_info(ctypes.c_uint32(q), ctypes.byref(dev), ctypes.byref(done)) == 0:
+                total += done.value
+        return total
+
     def deregister(self, key):
         self.agent.deregister_memory(self.regs.pop(key))
 
@@ -259,6 +282,13 @@ class Host:
         env.pop("ORBITE_CONFIG", None)  # exactly as vLLM creates the backend
         if os.environ.get("MH_ORBITE_CONFIG"):
             env["ORBITE_CONFIG"] = os.environ["MH_ORBITE_CONFIG"]
+        if hosts.rdma:
+            # The host's NIC: the verbs shim, reached at its namespace's
+            # address (RoCE v2 over IPv4).
+            gid = "::ffff:" + hosts.addr[role]
+            env["ORBITE_IBVERBS_LIB"] = hosts.rdma
+            env["ORBITE_VERBS_SHIM_DEVICES"] = json.dumps(
+                [{"name": f"mlx5_{role.lower()}", "ports": [{"state": "active", "gids": [{"gid": gid, "type": "roce-v2"}]}]}])
         self.proc = subprocess.Popen(
             ["ip", "netns", "exec", hosts.ns[role], "unshare", "--mount", "--pid", "--fork", "--mount-proc",
              "--propagation", "private", sys.executable, os.path.abspath(__file__), "--agent", role],
@@ -301,8 +331,9 @@ class Host:
 class Hosts:
     """Two network namespaces joined by a veth pair; cleaned up on exit."""
 
-    def __init__(self, log):
+    def __init__(self, log, rdma=None):
         tag = os.getpid() % 200 + 20
+        self.rdma = rdma
         self.log = log
         self.ns = {"A": f"orbite-mh{os.getpid()}-a", "B": f"orbite-mh{os.getpid()}-b"}
         self.dev = {"A": f"om{os.getpid() % 100000}a", "B": f"om{os.getpid() % 100000}b"}
@@ -468,8 +499,10 @@ FLOWS = [
 ]
 
 
-def run_tests(names, verbose):
+def run_tests(names, verbose, rdma=None):
     why = missing_facilities()
+    if rdma is not None and not os.path.exists(rdma or ""):
+        why = why or f"no verbs shim at {rdma!r} (MH_VERBS_SHIM; scripts/verbs-shim builds it)"
     if why:
         print(f"SKIP: multi-host tests: {why}")
         print("python multihost tests: 0 passed, 0 failed")
@@ -479,7 +512,7 @@ def run_tests(names, verbose):
 
     with tempfile.TemporaryFile("w+") as log:
         try:
-            with Hosts(log) as hosts:
+            with Hosts(log, rdma) as hosts:
                 a, b = hosts.start("A"), hosts.start("B")
                 state = {"notes": []}
                 state["b_kv"] = b.register("kv", BLOCKS * BLOCK, 2)
@@ -504,6 +537,14 @@ def run_tests(names, verbose):
                         failed += 1
                         if name == "exchange_and_addresses":
                             break
+                if rdma and failed == 0:
+                    n = a.rdma_requests()
+                    if n > 0:
+                        print(f"PASS rdma_carried_the_bytes ({n} requests)")
+                        passed += 1
+                    else:
+                        print("FAIL rdma_carried_the_bytes: no RDMA request ran")
+                        failed += 1
                 if b_base is not None and failed == 0:
                     # the target lets go of everything the dead connections held
                     deadline = time.monotonic() + 60
@@ -642,7 +683,8 @@ def main(argv):
         return run_bench("--quick" in argv)
     verbose = "-v" in argv[1:]
     names = [a for a in argv[1:] if not a.startswith("-")]
-    return run_tests(names, verbose)
+    rdma = os.environ.get("MH_VERBS_SHIM", "") if "--rdma" in argv[1:] else None
+    return run_tests(names, verbose, rdma)
 
 
 if __name__ == "__main__":
