@@ -149,7 +149,14 @@ pub fn sample_descriptor() -> Option<Vec<u8>> {
         ranges.push(MemoryRange::host(&shm, 4096, 4096, Permission::RemoteReadWrite).ok()?);
     }
     engine.register_memory_ranges(ranges).ok()?;
-    Some(engine.segment_descriptor().to_bytes())
+    // As an authenticated peer's Describe has it: two RDMA NICs, a region
+    // on the first for every registration, on the second for some.
+    let mut d = engine.segment_descriptor();
+    d.rdma_nics = 2;
+    for (i, r) in d.registrations.iter_mut().enumerate() {
+        r.rkeys = vec![Some(0x1100 + i as u32), (i % 2 == 0).then_some(0x2200 + i as u32)];
+    }
+    Some(d.to_bytes())
 }
 
 /// Deltas of the sample descriptor's registrations: removals, additions,

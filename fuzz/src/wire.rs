@@ -45,7 +45,7 @@ pub fn run(data: &[u8]) {
 }
 
 /// Every kind of the protocol.
-const KINDS: [Kind; 26] = [
+const KINDS: [Kind; 28] = [
     Kind::Describe,
     Kind::DescribeReply,
     Kind::Write,
@@ -72,6 +72,8 @@ const KINDS: [Kind; 26] = [
     Kind::IpcHandles,
     Kind::IpcHandlesReply,
     Kind::Keepalive,
+    Kind::RdmaConnect,
+    Kind::RdmaAccept,
 ];
 
 /// `body` decoded as every kind of message, with a round trip for what
@@ -85,7 +87,7 @@ pub fn bodies(body: &[u8]) {
             Kind::Write => Request::decode(body).ok().and_then(|r| r.total_len()).filter(|t| *t <= u32::MAX as u64),
             _ => Some(0),
         };
-        let flags: &[u8] = if kind == Kind::Borrow { &[0, 1, 2, 3] } else { &[0] };
+        let flags: &[u8] = if kind == Kind::Borrow { &[0, 1, 2, 3, 4, 5, 6, 7] } else { &[0] };
         for &f in flags {
             let mut h = wire::header(kind, body.len(), data.unwrap_or(0), 1);
             h.flags = f;
@@ -146,6 +148,13 @@ fn check_message(m: &Message<'_>) {
             }
         }
         Message::ShareFds(names) => assert!(names.len() <= wire::MAX_SHARED_FDS, "share requests stay bounded"),
+        Message::RdmaConnect { cards, .. } | Message::RdmaAccept(cards) => {
+            assert!(cards.len() <= wire::MAX_RDMA_CARDS, "queue pair cards stay bounded");
+            for c in cards {
+                assert!(c.qpn <= 0xff_ffff && c.psn <= 0xff_ffff, "24-bit queue pair numbers and PSNs");
+                assert!([256, 512, 1024, 2048, 4096].contains(&c.mtu), "an MTU verbs knows");
+            }
+        }
         _ => {}
     }
 }
@@ -223,11 +232,24 @@ pub fn sample_frames(epoch: u64) -> Vec<Vec<u8>> {
     };
     hello.encode(&mut body);
     frames.push(frame(Kind::AuthHello, &body, &[], 12));
-    let challenge = wire::AuthChallenge { nonce: [2; wire::AUTH_NONCE], responder_epoch: epoch, mac: [3; wire::AUTH_MAC] };
+    let challenge =
+        wire::AuthChallenge { nonce: [2; wire::AUTH_NONCE], responder_epoch: epoch, mac: [3; wire::AUTH_MAC] };
     challenge.encode(&mut body);
     frames.push(frame(Kind::AuthChallenge, &body, &[], 13));
     frames.push(frame(Kind::AuthProof, &[4; wire::AUTH_MAC], &[], 14));
     frames.push(frame(Kind::WriteAck, &[], &[], 15));
+    let card = wire::QpCard { gid: [0xfe; 16], qpn: 0x12_0042, psn: 0x00_beef, mtu: 4096, nic: 0, peer_nic: 1 };
+    wire::encode_rdma_connect(&mut body, epoch, &[card, wire::QpCard { nic: 1, peer_nic: 0, ..card }]);
+    frames.push(frame(Kind::RdmaConnect, &body, &[], 16));
+    wire::encode_rdma_accept(&mut body, &[card]);
+    frames.push(frame(Kind::RdmaAccept, &body, &[], 17));
+    let mut rdma_borrow = wire::header(Kind::Borrow, 0, 0, 18);
+    wire::encode_borrow(&mut body, 43, epoch, descs.iter().copied());
+    rdma_borrow.body_len = body.len() as u32;
+    rdma_borrow.flags = wire::BORROW_WRITE | wire::BORROW_RDMA;
+    let mut f = wire::encode_header(&rdma_borrow).to_vec();
+    f.extend_from_slice(&body);
+    frames.push(f);
     frames
 }
 

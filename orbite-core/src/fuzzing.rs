@@ -178,6 +178,19 @@ impl TargetView for FakeTarget {
         b"fake segment descriptor".to_vec()
     }
 
+    /// One NIC: a card per card asked on it, kept by the connection; a
+    /// card for another NIC is refused.
+    fn rdma_connect(
+        &self,
+        cards: &[crate::wire::QpCard],
+    ) -> Result<(Vec<crate::wire::QpCard>, Box<dyn std::any::Any + Send>), (RemoteStatus, String)> {
+        if cards.iter().any(|c| c.peer_nic != 0) {
+            return Err((RemoteStatus::ResourceExhausted, "one NIC".into()));
+        }
+        let mine = cards.iter().map(|c| crate::wire::QpCard { nic: 0, peer_nic: c.nic, ..*c }).collect();
+        Ok((mine, Box::new(cards.len())))
+    }
+
     fn resolve(
         &self,
         req: &Request<'_>,

@@ -22,6 +22,7 @@ enum Route {
     Tcp,
     Shm,
     Cma,
+    Rdma,
     Auto,
 }
 
@@ -33,6 +34,7 @@ impl Route {
             Route::Tcp => Some(RoutePolicy::Tcp),
             Route::Shm => Some(RoutePolicy::Shm),
             Route::Cma => Some(RoutePolicy::Cma),
+            Route::Rdma => Some(RoutePolicy::Rdma),
             Route::Auto => Some(RoutePolicy::Auto),
         }
     }
@@ -63,9 +65,10 @@ enum Workload {
 #[derive(Debug, Parser)]
 #[command(args_override_self = true)]
 pub struct BenchArgs {
-    /// Routes to measure, a comma list of local, shm, cma, tcp, auto or all
-    /// (= local,shm,cma,tcp); peer routes spawn their target as a child
-    /// process on loopback
+    /// Routes to measure, a comma list of local, shm, cma, tcp, rdma, auto
+    /// or all (= local,shm,cma,tcp); peer routes spawn their target as a
+    /// child process on loopback (rdma: through the NICs' loopback, or the
+    /// verbs shim named by ORBITE_IBVERBS_LIB, where its rows carry no bar)
     #[arg(long = "route", value_name = "LIST", default_value = "all", value_parser = routes)]
     routes: Routes,
     /// Workloads to run, a comma list of W1, W2, W3, idle, sessions,
@@ -109,6 +112,7 @@ fn routes(v: &str) -> Result<Routes, ValueError> {
         "tcp" => Ok(vec![Route::Tcp]),
         "shm" => Ok(vec![Route::Shm]),
         "cma" => Ok(vec![Route::Cma]),
+        "rdma" => Ok(vec![Route::Rdma]),
         "auto" => Ok(vec![Route::Auto]),
         "all" => Ok(vec![Route::Local, Route::Shm, Route::Cma, Route::Tcp]),
         other => Err(ValueError::UnknownRoute(other.to_owned())),
@@ -571,6 +575,7 @@ fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Resul
         let dev: Vec<Desc> = (0..n).map(|i| Desc::new(v, i * block, block)).collect();
         let host: Vec<Desc> = (0..n).map(|i| Desc::new(rig.local.l_id, i * block, block)).collect();
         let td = rig.engine.prepare(&TransferSpec::new(op, &dev, &remote, rig.target()))?;
+        let staged = td.route().reason.contains("staged");
         let th = rig.engine.prepare(&TransferSpec::new(op, &host, &remote, rig.target()))?;
         let (mut ds, mut hs) = (Vec::new(), Vec::new());
         let start = Instant::now();
@@ -603,7 +608,7 @@ fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Resul
             "limit": "cuda-pinned",
             "limit_gbps": round(limit[&op], 3),
             "x_limit": round(dg / limit[&op], 3),
-            "staged": matches!(rig.route, "cma" | "tcp"),
+            "staged": staged,
             "device": m.device(),
         });
         emit_bulk(report, "orbite", rig.route, &w, block, n, total, &mut ds, verified, Some(extra));
