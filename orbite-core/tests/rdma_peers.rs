@@ -59,6 +59,7 @@ fn shim_stats() -> ShimStats {
 }
 
 /// The shim's faults (`orbite-verbs-shim/src/faults.rs`).
+const QP_ERROR: c_int = 1;
 const RETRY_EXCEEDED: c_int = 2;
 const REMOTE_ACCESS: c_int = 3;
 const HOLD_COMPLETIONS: c_int = 4;
@@ -211,6 +212,25 @@ fn fragmented_write_and_read_over_rdma_with_guards_and_charges() {
         t.release().unwrap();
     }
     assert_idle(&e);
+    // Idle means idle: the NIC's poller sleeps on its completion channel
+    // once nothing is in flight.
+    let cpu = || -> u64 {
+        let mut ticks = 0;
+        for t in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+            let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+            if comm.starts_with("orbite-rdma") {
+                let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+                let fields: Vec<&str> = stat.rsplit(") ").next().unwrap_or("").split(' ').collect();
+                ticks += fields.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+                ticks += fields.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            }
+        }
+        ticks
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    let before = cpu();
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(cpu() - before <= 2, "the idle poller used {} ticks in a second", cpu() - before);
     drop(seg);
     e.deregister(local.id).unwrap();
     drop(local);
@@ -326,7 +346,9 @@ fn injected_faults_fail_transfers_by_the_rules() {
     let e = initiator(r#", "rdma_qps_per_nic": 1"#);
     let base = e.stats();
     let local = region(&e, REGION, Permission::RemoteReadWrite);
-    for (fault, op) in [(RETRY_EXCEEDED, Op::Write), (REMOTE_ACCESS, Op::Read), (RETRY_EXCEEDED, Op::Read)] {
+    let faults =
+        [(RETRY_EXCEEDED, Op::Write), (REMOTE_ACCESS, Op::Read), (RETRY_EXCEEDED, Op::Read), (QP_ERROR, Op::Write)];
+    for (fault, op) in faults {
         let seg = p.open(&e);
         fill(&local.mem, fault as u64);
         let before = snapshot(&local.mem);
@@ -337,6 +359,12 @@ fn injected_faults_fail_transfers_by_the_rules() {
         let res = wait_retired(&t);
         assert_eq!(res.outcome.code, OutcomeCode::Failed, "{fault} {op:?}: {res:?}");
         match op {
+            // A queue pair already in ERR (its event seen) takes nothing:
+            // nothing was sent. Otherwise a WRITE's effect is unknown.
+            Op::Write if fault == QP_ERROR => {
+                assert_ne!(res.outcome.remote_effect, RemoteEffect::Known, "{res:?}");
+                assert_eq!(res.outcome.transferred_prefix, 0, "{res:?}");
+            }
             Op::Write => assert_eq!(res.outcome.remote_effect, RemoteEffect::Unknown, "{res:?}"),
             Op::Read => {
                 assert_ne!(res.outcome.remote_effect, RemoteEffect::Unknown);
