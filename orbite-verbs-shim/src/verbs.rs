@@ -284,24 +284,11 @@ fn peermem_pages(addr: u64, len: u64) -> Option<(usize, usize, u64)> {
     // SAFETY: the descriptor the driver gave; its position is where the
     // allocation starts.
     let start = unsafe { libc::lseek(fd, 0, libc::SEEK_CUR) };
-    let from = u64::try_from(start).ok()? + (addr - base);
-    let skew = from % page;
-    let map_len = (skew + len).div_ceil(page) * page;
-    // SAFETY: a new shared mapping of the descriptor, then it is closed
-    // (the mapping keeps the pages).
-    let m = unsafe {
-        let m = libc::mmap(
-            std::ptr::null_mut(),
-            map_len as usize,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            fd,
-            (from - skew) as libc::off_t,
-        );
-        libc::close(fd);
-        m
-    };
-    (m != libc::MAP_FAILED).then(|| (m as usize, map_len as usize, m as u64 + skew))
+    let mapped = u64::try_from(start).ok().and_then(|s| map_pages(fd, s + (addr - base), len));
+    // SAFETY: the descriptor the driver gave, closed once (a mapping keeps
+    // the pages).
+    unsafe { libc::close(fd) };
+    mapped
 }
 
 /// Makes the region `region` of `p` (whose mapping `mapped` the shim
@@ -376,9 +363,18 @@ pub unsafe extern "C" fn ibv_reg_dmabuf_mr(
     if size < 0 || from.checked_add(length as u64).is_none_or(|end| end > size as u64) {
         return fail(libc::EINVAL);
     }
+    let Some((m, map_len, host)) = map_pages(fd, from, length as u64) else { return fail(libc::EINVAL) };
+    let region = Region { addr: iova, len: length as u64, access, pd: pd as usize, host };
+    new_mr(p, pd, region, Some((m, map_len)))
+}
+
+/// Maps `len` bytes of the dma-buf `fd` from file offset `from` (whole
+/// pages around them): the mapping, its length, and where `from` is in it.
+fn map_pages(fd: c_int, from: u64, len: u64) -> Option<(usize, usize, u64)> {
+    let page = 4096u64;
     let skew = from % page;
-    let map_len = (skew + length as u64).div_ceil(page) * page;
-    // SAFETY: a new shared mapping of the dma-buf chosen by the kernel.
+    let map_len = (skew + len).div_ceil(page) * page;
+    // SAFETY: a new shared mapping of the descriptor, placed by the kernel.
     let m = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -389,11 +385,7 @@ pub unsafe extern "C" fn ibv_reg_dmabuf_mr(
             (from - skew) as libc::off_t,
         )
     };
-    if m == libc::MAP_FAILED {
-        return fail(libc::EINVAL);
-    }
-    let region = Region { addr: iova, len: length as u64, access, pd: pd as usize, host: m as u64 + skew };
-    new_mr(p, pd, region, Some((m as usize, map_len as usize)))
+    (m != libc::MAP_FAILED).then(|| (m as usize, map_len as usize, m as u64 + skew))
 }
 
 /// `ibv_dereg_mr`: once it returns, no access through the keys runs or

@@ -123,19 +123,9 @@ impl TargetView for EngineInner {
         write: bool,
         loans: &mut Vec<Arc<Registration>>,
     ) -> Result<(), (RemoteStatus, String)> {
-        if self.is_closed() {
-            return Err((RemoteStatus::Closing, "engine is closing".into()));
-        }
-        let table = self.registry.lock();
-        for d in req.descs() {
-            // Ranges with a memory region: what the borrower's requests
-            // reach through its rkeys.
-            let reg = checked_range(&table, d, write, |r| r.rdma.any())?;
-            if !loans.last().is_some_and(|l| Arc::ptr_eq(l, reg)) {
-                loans.push(reg.clone());
-            }
-        }
-        Ok(())
+        // Ranges with a memory region: what the borrower's requests reach
+        // through its rkeys.
+        self.lend(req, write, loans, |r| r.rdma.any())
     }
 
     fn lend_device(
@@ -144,16 +134,31 @@ impl TargetView for EngineInner {
         write: bool,
         loans: &mut Vec<Arc<Registration>>,
     ) -> Result<(), (RemoteStatus, String)> {
-        if self.is_closed() {
-            return Err((RemoteStatus::Closing, "engine is closing".into()));
-        }
         if !self.config.cuda_ipc {
             return Err((RemoteStatus::PermissionDenied, "CUDA IPC is off on this target (cuda_ipc)".into()));
         }
+        // Device memory only: what the borrower opened through IPC.
+        self.lend(req, write, loans, |r| !r.is_host())
+    }
+}
+
+impl EngineInner {
+    /// Loans on every range `req` names (checked as `resolve` checks them,
+    /// each registration also passing `lendable`), no I/O vectors: a
+    /// borrow of a route that reaches the ranges itself.
+    fn lend(
+        &self,
+        req: &Request<'_>,
+        write: bool,
+        loans: &mut Vec<Arc<Registration>>,
+        lendable: impl Fn(&Registration) -> bool,
+    ) -> Result<(), (RemoteStatus, String)> {
+        if self.is_closed() {
+            return Err((RemoteStatus::Closing, "engine is closing".into()));
+        }
         let table = self.registry.lock();
         for d in req.descs() {
-            // Device memory only: what the borrower opened through IPC.
-            let reg = checked_range(&table, d, write, |r| !r.is_host())?;
+            let reg = checked_range(&table, d, write, &lendable)?;
             if !loans.last().is_some_and(|l| Arc::ptr_eq(l, reg)) {
                 loans.push(reg.clone());
             }
