@@ -439,13 +439,14 @@ pub(crate) enum Verb {
     Send,
 }
 
-/// One work request: its id, verb, local entries, and whether it
-/// completes when it succeeds (an error always completes).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One work request: its id, verb, local range, and whether it completes
+/// when it succeeds (an error always completes). One local entry each:
+/// what the route posts, with nothing to allocate per request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct WorkRequest {
     pub id: u64,
     pub verb: Verb,
-    pub local: Vec<Sge>,
+    pub local: Sge,
     pub signaled: bool,
 }
 
@@ -553,8 +554,8 @@ impl Qp {
                 IbvSendWr {
                     wr_id: w.id,
                     next: std::ptr::null_mut(),
-                    sg_list: w.local.as_ptr(),
-                    num_sge: w.local.len() as c_int,
+                    sg_list: &w.local,
+                    num_sge: 1,
                     opcode,
                     send_flags: if w.signaled { 2 } else { 0 },
                     imm_data: imm,

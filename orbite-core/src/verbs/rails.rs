@@ -525,7 +525,7 @@ impl QpLink {
                 .map(|(i, o)| WorkRequest {
                     id: (u64::from(pending.token) << 32) | (first + i) as u64,
                     verb: o.verb,
-                    local: vec![o.local],
+                    local: o.local,
                     signaled: i + 1 == chunk.len(),
                 })
                 .collect();
@@ -557,6 +557,14 @@ impl QpLink {
     fn give_room(&self, n: u32) {
         *self.room.lock() += n;
         self.room_cv.notify_all();
+    }
+}
+
+impl Drop for QpLink {
+    fn drop(&mut self) {
+        // Before its number can be reused (the queue pair is destroyed
+        // after this, with the fields).
+        self.hub.links.lock().remove(&self.qp.qpn);
     }
 }
 

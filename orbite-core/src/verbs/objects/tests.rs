@@ -150,7 +150,7 @@ fn queue_pairs_move_bytes_refuse_bad_keys_flush_after_errors_and_close_everythin
         let write = |id, off: usize, signaled| WorkRequest {
             id,
             verb: Verb::Write { remote_addr: dst.as_ptr() as u64 + off as u64, rkey: dst_mr.rkey },
-            local: vec![sge(&src[off..off + half], &src_mr)],
+            local: sge(&src[off..off + half], &src_mr),
             signaled,
         };
         a.post(&[write(1, 0, false), write(2, half, true)]).unwrap();
@@ -160,7 +160,7 @@ fn queue_pairs_move_bytes_refuse_bad_keys_flush_after_errors_and_close_everythin
         let read = WorkRequest {
             id: 3,
             verb: Verb::Read { remote_addr: dst.as_ptr() as u64, rkey: dst_mr.rkey },
-            local: vec![sge(&back, &back_mr)],
+            local: sge(&back, &back_mr),
             signaled: true,
         };
         // Slept through: armed, the completion sends an event on the
@@ -180,8 +180,7 @@ fn queue_pairs_move_bytes_refuse_bad_keys_flush_after_errors_and_close_everythin
         let inbox_mr = unsafe { pd.register(inbox.as_mut_ptr() as u64, 64, access::LOCAL_WRITE) }.unwrap();
         b.post_recv(10, &[sge(&inbox, &inbox_mr)]).unwrap();
         b.post_recv(11, &[sge(&inbox, &inbox_mr)]).unwrap();
-        a.post(&[WorkRequest { id: 4, verb: Verb::Send, local: vec![sge(&src[..16], &src_mr)], signaled: true }])
-            .unwrap();
+        a.post(&[WorkRequest { id: 4, verb: Verb::Send, local: sge(&src[..16], &src_mr), signaled: true }]).unwrap();
         let mut got = wait(&cq, 2);
         got.sort_by_key(|c| c.id);
         assert_eq!((got[0].id, got[1].id, got[1].opcode, got[1].bytes), (4, 10, 128, 16));
@@ -189,7 +188,7 @@ fn queue_pairs_move_bytes_refuse_bad_keys_flush_after_errors_and_close_everythin
         let imm = WorkRequest {
             id: 5,
             verb: Verb::WriteImm { remote_addr: dst.as_ptr() as u64, rkey: dst_mr.rkey, imm: 0xfeed },
-            local: vec![sge(&src[..8], &src_mr)],
+            local: sge(&src[..8], &src_mr),
             signaled: true,
         };
         a.post(&[imm]).unwrap();
@@ -203,7 +202,7 @@ fn queue_pairs_move_bytes_refuse_bad_keys_flush_after_errors_and_close_everythin
         let bad = |id, rkey| WorkRequest {
             id,
             verb: Verb::Write { remote_addr: dst.as_ptr() as u64, rkey },
-            local: vec![sge(&src[..64], &src_mr)],
+            local: sge(&src[..64], &src_mr),
             signaled: false,
         };
         a.post(&[bad(6, dst_mr.lkey), bad(7, dst_mr.rkey)]).unwrap();
@@ -235,19 +234,19 @@ fn queue_pairs_move_bytes_refuse_bad_keys_flush_after_errors_and_close_everythin
         let past_end = WorkRequest {
             id: 20,
             verb: Verb::Write { remote_addr: dst.as_ptr() as u64 + 65530, rkey: dst_mr.rkey },
-            local: vec![sge(&src[..64], &src_mr)],
+            local: sge(&src[..64], &src_mr),
             signaled: true,
         };
         let no_remote_read = WorkRequest {
             id: 21,
             verb: Verb::Read { remote_addr: src.as_ptr() as u64, rkey: src_mr.rkey },
-            local: vec![sge(&back[..64], &back_mr)],
+            local: sge(&back[..64], &back_mr),
             signaled: true,
         };
         let bad_lkey = WorkRequest {
             id: 22,
             verb: Verb::Write { remote_addr: dst.as_ptr() as u64, rkey: dst_mr.rkey },
-            local: vec![Sge { addr: src.as_ptr() as u64, length: 64, lkey: 0xdead }],
+            local: Sge { addr: src.as_ptr() as u64, length: 64, lkey: 0xdead },
             signaled: true,
         };
         let cases = [
@@ -335,13 +334,13 @@ fn fabric_child() {
             let write = WorkRequest {
                 id: 1,
                 verb: Verb::Write { remote_addr: addr, rkey },
-                local: vec![sge(&buf, &mr)],
+                local: sge(&buf, &mr),
                 signaled: true,
             };
             let read = WorkRequest {
                 id: 2,
                 verb: Verb::Read { remote_addr: addr, rkey },
-                local: vec![sge(&back, &back_mr)],
+                local: sge(&back, &back_mr),
                 signaled: true,
             };
             qp.post(&[write, read]).unwrap();
@@ -506,7 +505,7 @@ fn injected_faults_fail_requests_as_a_nic_does_and_raise_events() {
         let write = |id| WorkRequest {
             id,
             verb: Verb::Write { remote_addr: dst.as_ptr() as u64, rkey: dst_mr.rkey },
-            local: vec![sge(&src, &src_mr)],
+            local: sge(&src, &src_mr),
             signaled: true,
         };
         for (fault, want) in [(RETRY_EXCEEDED, status::RETRY_EXC_ERR), (REMOTE_ACCESS, status::REM_ACCESS_ERR)] {
@@ -623,13 +622,13 @@ fn device_memory_registered_through_dma_buf_takes_writes_and_reads() {
         let write = WorkRequest {
             id: 1,
             verb: Verb::Write { remote_addr: iova, rkey: vram.rkey },
-            local: vec![sge(&src, &src_mr)],
+            local: sge(&src, &src_mr),
             signaled: true,
         };
         let read = WorkRequest {
             id: 2,
             verb: Verb::Read { remote_addr: iova, rkey: vram.rkey },
-            local: vec![sge(&back, &back_mr)],
+            local: sge(&back, &back_mr),
             signaled: true,
         };
         a.post(&[write, read]).unwrap();
