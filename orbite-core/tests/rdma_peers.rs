@@ -638,6 +638,12 @@ mod gpudirect {
         a.deregister(ia).unwrap();
         b.deregister(ib).unwrap();
         drop((ma, mb));
+        // A worker lets go of its last task's loans just after the task
+        // retired.
+        let deadline = Instant::now() + WAIT;
+        while (a.stats(), b.stats()) != base && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         assert_eq!((a.stats(), b.stats()), base, "charges back to baseline");
         a.close();
         b.close();

@@ -157,6 +157,9 @@ pub(crate) trait TargetSide: TargetView {
     /// A connection from `from` was closed at accept: it would exceed the
     /// cap `why` (a configuration field's name).
     fn connection_refused(&self, _from: &str, _why: &str) {}
+    /// A connection from `from` was closed for a frame that broke the
+    /// protocol (`why`).
+    fn connection_broke(&self, _from: &str, _why: &str) {}
     /// A duplicate of the descriptor of shared allocation `name` (its
     /// notification inbox, or one a registration peers may target lies
     /// in), for a same-host peer on the local socket.
@@ -1535,7 +1538,7 @@ mod tests {
             (raw(Kind::Write, 0, &req, 10), WireError::PayloadMismatch { declared: 10, described: 16 }),
             (raw(Kind::Describe, 0, &describe, 4), WireError::UnexpectedData { kind: Kind::Describe, len: 4 }),
             (raw(Kind::Return, 1, &ret, 0), WireError::Malformed("flags")),
-            (raw(Kind::Borrow, 4, &borrow, 0), WireError::Malformed("borrow flags")),
+            (raw(Kind::Borrow, 8, &borrow, 0), WireError::Malformed("borrow flags")),
             (raw(Kind::Describe, 0, &describe[..8], 0), WireError::Malformed("describe")),
         ];
         for (bytes, why) in cases {
