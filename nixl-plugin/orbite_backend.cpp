@@ -2,7 +2,9 @@
 #include "orbite_backend.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <new>
 
 #include "common/nixl_log.h"
@@ -215,10 +217,45 @@ bool buildConfig(const nixlBackendInitParams &params, std::string &json, std::st
     return true;
 }
 
+namespace {
+
+// One engine log record into NIXL's logger, at the matching level.
+void toNixl(uint32_t level, const char *target, const char *message, void *) {
+    switch (level) {
+    case ORBITE_LOG_ERROR: NIXL_ERROR << target << ": " << message; break;
+    case ORBITE_LOG_WARN: NIXL_WARN << target << ": " << message; break;
+    case ORBITE_LOG_INFO: NIXL_INFO << target << ": " << message; break;
+    case ORBITE_LOG_DEBUG: NIXL_DEBUG << target << ": " << message; break;
+    default: NIXL_TRACE << target << ": " << message; break;
+    }
+}
+
+// The engine's threshold for NIXL_LOG_LEVEL (as NIXL reads it: TRACE,
+// DEBUG, INFO, WARN, ERROR, FATAL; WARN when unset or unknown), so the
+// engine makes no record NIXL would drop.
+uint32_t nixlThreshold() {
+    const char *e = std::getenv("NIXL_LOG_LEVEL");
+    if (e == nullptr) return ORBITE_LOG_WARN;
+    const std::string v(e);
+    if (v == "TRACE") return ORBITE_LOG_TRACE;
+    if (v == "DEBUG") return ORBITE_LOG_DEBUG;
+    if (v == "INFO") return ORBITE_LOG_INFO;
+    if (v == "ERROR" || v == "FATAL") return ORBITE_LOG_ERROR;
+    return ORBITE_LOG_WARN;
+}
+
+} // namespace
+
+void forwardLogsToNixl() {
+    static std::once_flag once;
+    std::call_once(once, [] { orbite_log_install(&toNixl, nullptr, nixlThreshold()); });
+}
+
 Engine::Engine(const nixlBackendInitParams *init_params) : nixlBackendEngine(init_params) {
     // No exception leaves the constructor: any failure sets initErr, which
     // NIXL checks before using the engine.
     try {
+        forwardLogsToNixl();
         std::string json;
         if (!buildConfig(*init_params, json, init_error_)) {
             NIXL_ERROR << "ORBITE: " << init_error_;

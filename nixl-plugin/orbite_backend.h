@@ -113,6 +113,11 @@ nixl_status_t statusOf(OrbiteStatus s);
 // The calling thread's last error message from the C ABI ("" if none).
 std::string lastError();
 
+// Sends the engine's log records to NIXL's logger, at NIXL_LOG_LEVEL's
+// threshold (once per process; both backends call it before they create
+// their engine).
+void forwardLogsToNixl();
+
 // Builds the engine's configuration from the backend's parameters: the
 // explicit OrbiTE JSON ("config"), else the document in ORBITE_CONFIG (a
 // JSON object or @file; read through the C ABI), with the progress worker

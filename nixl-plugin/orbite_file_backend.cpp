@@ -98,6 +98,7 @@ struct Files {
 FileEngine::FileEngine(const nixlBackendInitParams *init_params)
     : nixlBackendEngine(init_params), pending_(std::make_shared<Pending>()), files_(std::make_shared<Files>()) {
     try {
+        forwardLogsToNixl();
         std::string json = "{}";
         if (init_params->customParams != nullptr) {
             for (const auto &[key, value] : *init_params->customParams) {

@@ -120,6 +120,36 @@
 #define ORBITE_ROUTE_CUDA_IPC 7
 
 /*
+ `orbite_log_install`'s levels (ABI 1.6): no record.
+ */
+#define ORBITE_LOG_OFF 0
+
+/*
+ Errors.
+ */
+#define ORBITE_LOG_ERROR 1
+
+/*
+ Warnings (what `ORBITE_LOG` shows by default).
+ */
+#define ORBITE_LOG_WARN 2
+
+/*
+ What the engine does (NICs opened, peers lost).
+ */
+#define ORBITE_LOG_INFO 3
+
+/*
+ Details for debugging.
+ */
+#define ORBITE_LOG_DEBUG 4
+
+/*
+ Everything.
+ */
+#define ORBITE_LOG_TRACE 5
+
+/*
  Force RDMA (fails at prepare if impossible); also what
  `OrbiteXferState::route` reports for it (ABI 1.6).
  */
@@ -454,6 +484,12 @@ typedef enum OrbiteStatus OrbiteStatus;
 typedef int32_t OrbiteStatus;
 #endif // __STDC_VERSION__ >= 202311L
 #endif // __cplusplus
+
+/*
+ A host's log sink (`orbite_log_install`): `(level, target, message,
+ ctx)`; both strings NUL-terminated, valid for the call only.
+ */
+typedef void (*OrbiteLogSink)(uint32_t level, const char *target, const char *message, void *ctx);
 
 /*
  What this library is (output of `orbite_abi_info`).
@@ -1124,6 +1160,26 @@ typedef struct OrbiteNotifView {
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/*
+ Sends the engine's log records to `sink` (ABI 1.6), each with its level
+ (`ORBITE_LOG_ERROR` 1 to `ORBITE_LOG_TRACE` 5), its target (the layer:
+ `orbite::engine`, `orbite::peer`, `orbite::server`, `orbite::auth`,
+ `orbite::rdma`) and its message, both NUL-terminated and valid for the
+ call only; records above `max_level` are not made (`ORBITE_LOG_OFF`:
+ none). The sink is called from any thread, also while the caller is in
+ another call of this library; it must not call back into it. A null
+ `sink` sends records to stderr again, as before any install (under
+ `ORBITE_LOG`, warnings and worse by default). Callable before anything
+ else, with no engine; the last install wins, for the whole process.
+
+ # Safety
+ `sink` is null or a function of this signature that stays callable
+ with `ctx` until it is replaced.
+
+ Checked: `max_level` above `ORBITE_LOG_TRACE`.
+ */
+OrbiteStatus orbite_log_install(OrbiteLogSink sink, void *ctx, uint32_t max_level);
 
 /*
  Describes this library: ABI version, feature bits and the size of

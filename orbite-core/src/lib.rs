@@ -53,6 +53,7 @@ pub mod error;
 pub mod file;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod logs;
 pub mod memory;
 mod registry;
 pub mod segment;

@@ -290,6 +290,37 @@ fn stats_record(s: Stats) -> OrbiteStats {
     }
 }
 
+/// Sends the engine's log records to `sink` (ABI 1.6), each with its level
+/// (`ORBITE_LOG_ERROR` 1 to `ORBITE_LOG_TRACE` 5), its target (the layer:
+/// `orbite::engine`, `orbite::peer`, `orbite::server`, `orbite::auth`,
+/// `orbite::rdma`) and its message, both NUL-terminated and valid for the
+/// call only; records above `max_level` are not made (`ORBITE_LOG_OFF`:
+/// none). The sink is called from any thread, also while the caller is in
+/// another call of this library; it must not call back into it. A null
+/// `sink` sends records to stderr again, as before any install (under
+/// `ORBITE_LOG`, warnings and worse by default). Callable before anything
+/// else, with no engine; the last install wins, for the whole process.
+///
+/// # Safety
+/// `sink` is null or a function of this signature that stays callable
+/// with `ctx` until it is replaced.
+///
+/// Checked: `max_level` above `ORBITE_LOG_TRACE`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn orbite_log_install(
+    sink: OrbiteLogSink,
+    ctx: *mut std::ffi::c_void,
+    max_level: u32,
+) -> OrbiteStatus {
+    entry("orbite_log_install", || {
+        if max_level > ORBITE_LOG_TRACE {
+            return fail(OrbiteStatus::InvalidArgument, format!("log level {max_level} is above ORBITE_LOG_TRACE"));
+        }
+        crate::logging::install(sink, ctx, max_level);
+        Ok(())
+    })
+}
+
 /// Describes this library: ABI version, feature bits and the size of
 /// every record. Callable before anything else, with no engine.
 ///
@@ -403,6 +434,7 @@ pub unsafe extern "C" fn orbite_engine_create(
         if o.flags & ORBITE_ENGINE_DEPLOYMENT != 0 && config.listen.is_none() {
             config.listen = Some(orbite_core::endpoint::ALL_INTERFACES.into());
         }
+        crate::logging::ensure();
         let engine = TransferEngine::new(config)?;
         let obj = Arc::new(EngineObj { engine, children: AtomicU64::new(0), shared: Mutex::new(Vec::new()) });
         let raw = handles::insert(Object::Engine(obj))?;

@@ -32,6 +32,7 @@ mod api;
 #[doc(hidden)]
 pub mod fuzzing;
 mod handles;
+mod logging;
 mod objects;
 mod records;
 mod status;

@@ -3,7 +3,7 @@
 //! records alike. A record whose version or size this library does not
 //! know is refused before anything else is read from it.
 
-use std::ffi::c_void;
+use std::ffi::{c_char, c_void};
 
 /// Version of every record in this ABI minor.
 pub const ORBITE_RECORD_VERSION: u32 = 1;
@@ -37,6 +37,24 @@ pub const ORBITE_ROUTE_FILE: u32 = 6;
 /// Force CUDA IPC to a same-host peer's device memory (fails at prepare if
 /// impossible); also what `OrbiteXferState::route` reports for it (ABI 1.3).
 pub const ORBITE_ROUTE_CUDA_IPC: u32 = 7;
+/// A host's log sink (`orbite_log_install`): `(level, target, message,
+/// ctx)`; both strings NUL-terminated, valid for the call only.
+pub type OrbiteLogSink =
+    Option<unsafe extern "C" fn(level: u32, target: *const c_char, message: *const c_char, ctx: *mut c_void)>;
+
+/// `orbite_log_install`'s levels (ABI 1.6): no record.
+pub const ORBITE_LOG_OFF: u32 = 0;
+/// Errors.
+pub const ORBITE_LOG_ERROR: u32 = 1;
+/// Warnings (what `ORBITE_LOG` shows by default).
+pub const ORBITE_LOG_WARN: u32 = 2;
+/// What the engine does (NICs opened, peers lost).
+pub const ORBITE_LOG_INFO: u32 = 3;
+/// Details for debugging.
+pub const ORBITE_LOG_DEBUG: u32 = 4;
+/// Everything.
+pub const ORBITE_LOG_TRACE: u32 = 5;
+
 /// Force RDMA (fails at prepare if impossible); also what
 /// `OrbiteXferState::route` reports for it (ABI 1.6).
 pub const ORBITE_ROUTE_RDMA: u32 = 8;

@@ -1055,6 +1055,40 @@ def vllm_style_flow():
         engines_gone(hooks)
 
 
+LOG_CHILD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import orbite_harness as H
+agent = H.make_agent("logs", style="vllm")
+del agent
+"""
+
+
+def log_forwarding():
+    """The engine's log records reach NIXL's logger at matching levels, so
+    NIXL_LOG_LEVEL governs them: the engine's warning that it listens
+    without authentication shows under WARN and INFO (INFO also shows its
+    RDMA line), and nothing of it under ERROR."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    seen = {}
+    for level in ("ERROR", "WARN", "INFO"):
+        env = dict(os.environ, NIXL_LOG_LEVEL=level)
+        env.pop("ORBITE_LOG", None)
+        r = subprocess.run([sys.executable, "-c", LOG_CHILD, here], env=env, capture_output=True, text=True,
+                           timeout=60)
+        check(r.returncode == 0, f"an agent under NIXL_LOG_LEVEL={level}: {r.stderr[-2000:]}")
+        seen[level] = r.stderr
+    warn = "orbite::engine: engine 0x"
+    check(warn in seen["WARN"] and "without authentication" in seen["WARN"],
+          f"the engine's warning under WARN: {seen['WARN'][-2000:]!r}")
+    check(warn in seen["INFO"] and "orbite::rdma" in seen["INFO"], f"INFO: {seen['INFO'][-2000:]!r}")
+    check("orbite::rdma" not in seen["WARN"], "an info record under WARN")
+    check(warn not in seen["ERROR"], f"a warning under ERROR: {seen['ERROR'][-2000:]!r}")
+    check("orbite: WARN" not in "".join(seen.values()), "a record went to the engine's own stderr logger")
+
+
 TESTS = [
     ("n01_dram_fragmented", n01_dram_fragmented),
     ("n02_active_release", n02_active_release),
@@ -1064,6 +1098,7 @@ TESTS = [
     ("n07_repost_and_bounds", n07_repost_and_bounds),
     ("n08_notifications", n08_notifications),
     ("vllm_style_flow", vllm_style_flow),
+    ("log_forwarding", log_forwarding),
 ]
 
 

@@ -704,6 +704,14 @@ impl TransferEngine {
             gid_index: config.rdma_gid_index,
             spin: config.spin(),
         }));
+        let names: Vec<&str> = rails.rails().iter().map(|r| r.name.as_str()).collect();
+        match (names.is_empty(), rails.why()) {
+            (false, None) => log::info!(target: crate::logs::RDMA, "RDMA NICs: {}", names.join(", ")),
+            (false, Some(why)) => {
+                log::warn!(target: crate::logs::RDMA, "RDMA NICs: {}; not used: {why}", names.join(", "))
+            }
+            (true, why) => log::info!(target: crate::logs::RDMA, "no RDMA: {}", why.unwrap_or("no NIC")),
+        }
         let route = LocalRoute::start(config.route_workers(), config.spin(), hooks.clone())
             .map_err(|e| Error::System(e.to_string()))?;
         let counters = Arc::new(Counters::default());
@@ -767,9 +775,10 @@ impl TransferEngine {
                 .map_err(|e| Error::System(format!("cannot listen on {bind}: {e}")))?;
             let bound = server.local_addr();
             if inner.listener.secret.is_none() {
-                eprintln!(
-                    "orbite: engine {:#x} listens on {bound} without authentication: anyone who can reach it can \
-                     read and write registered memory (set auth.secret_file)",
+                log::warn!(
+                    target: crate::logs::ENGINE,
+                    "engine {:#x} listens on {bound} without authentication: anyone who can reach it can read and \
+                     write registered memory (set auth.secret_file)",
                     inner.epoch
                 );
             }

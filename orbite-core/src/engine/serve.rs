@@ -33,12 +33,10 @@ pub(crate) struct Listener {
     pub watchers: OnceLock<Arc<Watchers>>,
     /// The shared secret every peer connection proves (`auth`).
     pub secret: Option<Arc<crate::transport::auth::Secret>>,
-    /// Peers whose refusal was logged (once each).
-    pub auth_logged: Mutex<std::collections::HashSet<String>>,
+    /// Refusals of peers, logged at most once a minute per peer and
+    /// reason, each report saying how many it stands for.
+    pub refusals: crate::logs::Repeats,
 }
-
-/// Most peers remembered as logged for failed authentication.
-const MAX_AUTH_LOGGED: usize = 1024;
 
 impl TargetView for EngineInner {
     fn epoch(&self) -> u64 {
@@ -202,9 +200,18 @@ impl TargetSide for EngineInner {
 
     fn connection_refused(&self, from: &str, why: &str) {
         self.counters.connections_refused.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        self.log_once(
+        self.log_refusal(
+            crate::logs::SERVER,
             &format!("{from} {why}"),
             &format!("a connection from {from} was closed at accept: {why} is full"),
+        );
+    }
+
+    fn connection_broke(&self, from: &str, why: &str) {
+        self.log_refusal(
+            crate::logs::SERVER,
+            &format!("{from} broke"),
+            &format!("a connection from {from} was closed: it broke the protocol ({why})"),
         );
     }
 
@@ -357,15 +364,16 @@ impl EngineInner {
 
     pub(crate) fn note_auth_failure(&self, who: &str, what: &str) {
         self.counters.auth_failures.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        self.log_once(who, &format!("peer {who} {what}"));
+        self.log_refusal(crate::logs::AUTH, &format!("{who} auth"), &format!("peer {who} {what}"));
     }
 
-    /// Logs a refusal of a peer once per `key` (at most [`MAX_AUTH_LOGGED`]
-    /// keys): a peer that repeats it is counted, not logged again.
-    fn log_once(&self, key: &str, what: &str) {
-        let mut logged = self.listener.auth_logged.lock();
-        if logged.len() < MAX_AUTH_LOGGED && logged.insert(key.to_owned()) {
-            eprintln!("orbite: engine {:#x}: {what} (logged once)", self.epoch);
+    /// Logs a refusal of a peer under `target`, rate-limited per `key`
+    /// (one report a minute at most, saying how many it stands for): a peer
+    /// that repeats it is counted, and cannot flood the log.
+    pub(crate) fn log_refusal(&self, target: &str, key: &str, what: &str) {
+        if let Some(n) = self.listener.refusals.admit(key, std::time::Instant::now()) {
+            let also = crate::logs::standing_for(n, crate::logs::WINDOW);
+            log::warn!(target: target, "engine {:#x}: {what}{also}", self.epoch);
         }
     }
 

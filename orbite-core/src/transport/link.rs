@@ -652,6 +652,8 @@ impl<J: CopyJob> PeerLink<J> {
         {
             let mut q = self.queue.lock();
             if q.lost.is_none() {
+                let d = &self.descriptor;
+                log::warn!(target: crate::logs::PEER, "peer {} (epoch {:#x}) is lost: {why}", d.endpoint, d.epoch);
                 q.lost = Some(why.to_owned());
             }
             self.lost_flag.store(true, Ordering::Release);

@@ -539,7 +539,12 @@ impl Served {
                     side.auth_failed(&from, m.refusal().unwrap_or("refused"));
                     break After::Close;
                 }
-                Err(Close::Malformed(_)) => break After::Close, // malformed: close this connection only
+                Err(Close::Malformed(why)) => {
+                    // Malformed: close this connection only, and say so.
+                    let from = self.peer.map_or_else(|| "the local socket".to_owned(), |ip| ip.to_string());
+                    side.connection_broke(&from, &why.to_string());
+                    break After::Close;
+                }
             }
         };
         self.m.tick(Instant::now(), moved > 0);

@@ -488,10 +488,11 @@ impl QpLink {
         self.broken.load(Ordering::Acquire)
     }
 
-    /// Moves it to ERR (once): every request outstanding completes,
-    /// flushed.
-    pub fn fail(&self) {
+    /// Moves it to ERR (once), for `why`: every request outstanding
+    /// completes, flushed.
+    pub fn fail(&self, why: &str) {
         if !self.broken.swap(true, Ordering::AcqRel) {
+            log::warn!(target: crate::logs::RDMA, "queue pair {} on {} failed: {why}", self.qp.qpn, self.hub.dev.name);
             let _ = self.qp.to_error();
         }
     }
@@ -535,7 +536,7 @@ impl QpLink {
                 // of this chain is flushed; this chain and the ones after
                 // it end here.
                 self.give_room(chunk.len() as u32);
-                self.fail();
+                self.fail("the library refused a post");
                 pending.abandon((first + at) as u32, status::WR_FLUSH_ERR, chains - c);
                 return pending;
             }
@@ -679,7 +680,7 @@ impl Pending {
             if timed_out && !*done {
                 drop(done);
                 complete = false;
-                self.link.fail();
+                self.link.fail("no completion within the peer timeout");
                 // Flushes come within the NIC's own bound; a chain whose
                 // signaled request was never posted is counted here.
                 let mut done = self.task.done.lock();
@@ -755,7 +756,7 @@ impl Hub {
         if c.status != status::SUCCESS {
             let link = self.links.lock().get(&c.qpn).and_then(Weak::upgrade);
             if let Some(l) = link {
-                l.fail();
+                l.fail(&format!("a request completed with status {}", c.status));
             }
         }
         let task = self.tasks.lock().live.get(&token).cloned();
@@ -789,12 +790,18 @@ impl Hub {
     fn on_async_event(&self) {
         use super::objects::AsyncEvent;
         match self.dev.async_event() {
-            Ok(AsyncEvent::PortDown(p)) if p == self.port => self.port_down.store(true, Ordering::Release),
-            Ok(AsyncEvent::PortActive(p)) if p == self.port => self.port_down.store(false, Ordering::Release),
+            Ok(AsyncEvent::PortDown(p)) if p == self.port => {
+                log::warn!(target: crate::logs::RDMA, "{} port {p} is down: it takes no new task", self.dev.name);
+                self.port_down.store(true, Ordering::Release)
+            }
+            Ok(AsyncEvent::PortActive(p)) if p == self.port => {
+                log::info!(target: crate::logs::RDMA, "{} port {p} is active again", self.dev.name);
+                self.port_down.store(false, Ordering::Release)
+            }
             Ok(AsyncEvent::QpFatal(qpn) | AsyncEvent::QpError(qpn)) => {
                 let link = self.links.lock().get(&qpn).and_then(Weak::upgrade);
                 if let Some(l) = link {
-                    l.fail();
+                    l.fail("the NIC reported it in error");
                 }
             }
             _ => {}

@@ -91,6 +91,11 @@ struct ServeArgs {
 }
 
 fn main() -> ExitCode {
+    // What the engine says goes to stderr, warnings and worse unless
+    // ORBITE_LOG says otherwise.
+    if log::set_logger(&orbite_core::logs::Stderr).is_ok() {
+        log::set_max_level(orbite_core::logs::level_from_env(log::LevelFilter::Warn));
+    }
     let result = match Cli::parse().into_command() {
         Command::Bench(args) => bench::run((*args).into()),
         Command::Copy(args) => copy(args),
