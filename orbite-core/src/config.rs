@@ -236,6 +236,9 @@ pub struct EngineConfig {
     /// RoCE v2 GID over IPv4 first (then any routable one), on
     /// InfiniBand the first.
     pub rdma_gid_index: Option<u32>,
+    /// Where to serve Prometheus/OpenMetrics text at `/metrics`
+    /// (`host:port`; port 0 picks one). Default null: no endpoint.
+    pub metrics_listen: Option<String>,
 }
 
 impl Default for EngineConfig {
@@ -292,6 +295,7 @@ impl Default for EngineConfig {
             rdma_devices: None,
             rdma_qps_per_nic: 2,
             rdma_gid_index: None,
+            metrics_listen: None,
         }
     }
 }

@@ -6,7 +6,7 @@
 //! Each layer logs under its own target ([`ENGINE`], [`PEER`], [`SERVER`],
 //! [`AUTH`], [`RDMA`]), so a host can filter by layer. An event a peer can
 //! repeat at will (a refused connection, a failed handshake) goes through
-//! [`Repeats`]: logged at once the first time, then at most once per
+//! `Repeats`: logged at once the first time, then at most once per
 //! window, each message saying how many events it stands for. Imports
 //! nothing of the crate.
 

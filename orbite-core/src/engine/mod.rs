@@ -5,6 +5,7 @@
 //! cheap to clone; many threads may call it at once. No lock is held across
 //! a copy, and no lock is held while an owner-release callback runs.
 
+mod metrics;
 mod notify;
 mod peer;
 mod peers;
@@ -128,6 +129,10 @@ pub(crate) struct EngineInner {
     /// The event loop of the server, the initiators and liveness, started
     /// with the first of them.
     reactor: Mutex<Option<Arc<Reactor>>>,
+    /// What the data path counts for `/metrics`.
+    metrics: metrics::Metrics,
+    /// The `/metrics` endpoint (`metrics_listen`), until close.
+    metrics_server: Mutex<Option<metrics::MetricsServer>>,
 }
 
 /// Where an engine's tasks run: its route workers, the buffers device and
@@ -283,6 +288,10 @@ impl EngineInner {
             let m = cell.life.active_mut(seq).expect("checked above");
             m.admit_next();
             let all_started = m.admissions_closed();
+            let started = Instant::now();
+            if let Some(posted) = cell.posted_at.take() {
+                self.metrics.admitted_after(started.saturating_duration_since(posted));
+            }
             drop(cell);
             queue.note_served(class);
             if all_started {
@@ -294,6 +303,7 @@ impl EngineInner {
                 seq,
                 task,
                 in_flight,
+                started,
                 stage: transfer
                     .plan
                     .program
@@ -470,6 +480,8 @@ impl EngineInner {
         if let Some(server) = self.listener.server.lock().take() {
             server.shutdown();
         }
+        // The metrics endpoint goes with the engine (its thread joined).
+        drop(self.metrics_server.lock().take());
         if drained {
             self.close_all_peers(Duration::ZERO);
             if let Some(i) = self.peers.initiators.lock().take() {
@@ -753,8 +765,16 @@ impl TransferEngine {
             peers: Peers { next_borrow: AtomicU64::new(1), ..Peers::default() },
             notifications: notify::Notifications::default(),
             reactor: Mutex::new(None),
+            metrics: metrics::Metrics::default(),
+            metrics_server: Mutex::new(None),
             config,
         });
+        if let Some(bind) = inner.config.metrics_listen.clone() {
+            let server = metrics::MetricsServer::start(&bind, Arc::downgrade(&inner))
+                .map_err(|e| Error::System(format!("cannot serve metrics on {bind}: {e}")))?;
+            log::info!(target: crate::logs::ENGINE, "engine {:#x} serves metrics at http://{}/metrics", inner.epoch, server.addr);
+            *inner.metrics_server.lock() = Some(server);
+        }
         if let Some(bind) = inner.config.listen.clone() {
             let side: Weak<dyn crate::transport::proto::server::TargetSide> = Arc::downgrade(&inner) as _;
             let local = crate::transport::unix::socket_name(inner.epoch);
@@ -1025,6 +1045,7 @@ impl TransferEngine {
                 exec_charge: None,
                 owners: Some(Owners { loans, remote_loan: None, _charge: charge }),
                 orphaned: false,
+                posted_at: None,
             }),
             retired: Condvar::new(),
             retirements: AtomicU64::new(0),
@@ -1074,6 +1095,12 @@ impl TransferEngine {
     /// unquiesced and its owners are kept, never freed.
     pub fn close_with_timeout(&self, timeout: Duration) -> CloseReport {
         self.inner().close(timeout)
+    }
+
+    /// Where this engine serves its metrics (`metrics_listen`), if it does:
+    /// `http://ADDRESS/metrics`.
+    pub fn metrics_address(&self) -> Option<std::net::SocketAddr> {
+        self.inner().metrics_server.lock().as_ref().map(|m| m.addr)
     }
 
     /// The endpoint peers connect to (the advertised one), if the engine

@@ -141,6 +141,31 @@ impl TargetView for EngineInner {
 }
 
 impl EngineInner {
+    /// A peer's notification into the queue, or why not.
+    fn deliver_checked(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)> {
+        if env.payload.len() as u64 > self.config.max_notification_bytes {
+            return Err((RemoteStatus::NotificationTooLarge, format!("limit {}", self.config.max_notification_bytes)));
+        }
+        if env.sender_endpoint.len() > crate::engine::notify::MAX_SENDER_ENDPOINT {
+            let limit = crate::engine::notify::MAX_SENDER_ENDPOINT;
+            return Err((RemoteStatus::BadLength, format!("a sender endpoint may have {limit} bytes")));
+        }
+        // A sender we know under another epoch is a stale (or future)
+        // identity: refuse rather than attribute it wrongly.
+        let known = self.peers.latest.lock().get(env.sender_endpoint).and_then(|w| w.upgrade()).map(|p| p.epoch);
+        if let Some(epoch) = known {
+            if epoch != env.sender_epoch {
+                return Err((RemoteStatus::EpochMismatch, format!("sender epoch is {epoch:#x}")));
+            }
+        }
+        let n = Notification {
+            sender_endpoint: env.sender_endpoint.to_owned(),
+            sender_epoch: env.sender_epoch,
+            payload: env.payload.to_vec(),
+        };
+        self.enqueue_notification(n).map_err(|e| (RemoteStatus::ResourceExhausted, e.to_string()))
+    }
+
     /// Loans on every range `req` names (checked as `resolve` checks them,
     /// each registration also passing `lendable`), no I/O vectors: a
     /// borrow of a route that reaches the ranges itself.
@@ -171,27 +196,11 @@ impl TargetSide for EngineInner {
     }
 
     fn deliver(&self, env: &NotifyEnvelope<'_>) -> Result<(), (RemoteStatus, String)> {
-        if env.payload.len() as u64 > self.config.max_notification_bytes {
-            return Err((RemoteStatus::NotificationTooLarge, format!("limit {}", self.config.max_notification_bytes)));
+        let r = self.deliver_checked(env);
+        if r.is_err() {
+            self.metrics.notifications_refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
-        if env.sender_endpoint.len() > crate::engine::notify::MAX_SENDER_ENDPOINT {
-            let limit = crate::engine::notify::MAX_SENDER_ENDPOINT;
-            return Err((RemoteStatus::BadLength, format!("a sender endpoint may have {limit} bytes")));
-        }
-        // A sender we know under another epoch is a stale (or future)
-        // identity: refuse rather than attribute it wrongly.
-        let known = self.peers.latest.lock().get(env.sender_endpoint).and_then(|w| w.upgrade()).map(|p| p.epoch);
-        if let Some(epoch) = known {
-            if epoch != env.sender_epoch {
-                return Err((RemoteStatus::EpochMismatch, format!("sender epoch is {epoch:#x}")));
-            }
-        }
-        let n = Notification {
-            sender_endpoint: env.sender_endpoint.to_owned(),
-            sender_epoch: env.sender_epoch,
-            payload: env.payload.to_vec(),
-        };
-        self.enqueue_notification(n).map_err(|e| (RemoteStatus::ResourceExhausted, e.to_string()))
+        r
     }
 
     fn auth_failed(&self, from: &str, why: &str) {

@@ -42,6 +42,9 @@ pub(crate) struct Cell {
     pub owners: Option<Owners>,
     /// The handle was dropped while active: free owners at retirement.
     pub orphaned: bool,
+    /// When the current execution was posted, until its first task is
+    /// admitted (its admission wait, for `/metrics`).
+    pub posted_at: Option<std::time::Instant>,
 }
 
 /// Whose memory the remote descriptors name, kept alive while the
@@ -72,21 +75,27 @@ pub(crate) struct AfterRetire {
     owners: Option<Owners>,
     exec_charge: Option<Charge>,
     retired: bool,
+    /// The execution's logical outcome.
+    outcome: Option<crate::batch::OutcomeCode>,
 }
 
 impl Cell {
     /// Called under the cell lock when the current execution just retired.
     pub fn on_retired(&mut self) -> AfterRetire {
+        let outcome = match self.life.status() {
+            crate::batch::TransferStatus::Retired(r) => Some(r.outcome.code),
+            _ => None,
+        };
         if self.orphaned {
             // Nobody can observe this transfer's status: free its owners
             // before the execution charge, so that an idle engine means
             // every charge is back.
-            AfterRetire { owners: self.owners.take(), exec_charge: self.exec_charge.take(), retired: true }
+            AfterRetire { owners: self.owners.take(), exec_charge: self.exec_charge.take(), retired: true, outcome }
         } else {
             // Refund now, under the lock: a caller who sees `Retired` also
             // sees the execution charge gone.
             drop(self.exec_charge.take());
-            AfterRetire { retired: true, ..AfterRetire::default() }
+            AfterRetire { retired: true, outcome, ..AfterRetire::default() }
         }
     }
 }
@@ -99,6 +108,9 @@ impl AfterRetire {
         }
         drop(self.owners);
         drop(self.exec_charge);
+        if let Some(outcome) = self.outcome {
+            engine.metrics.transfer_retired(transfer.route.route, transfer.plan.program.op, outcome);
+        }
         engine.forget_active(transfer.id);
         if let PlanTarget::Peer(p) = &transfer.target {
             p.execution_retired();
@@ -116,6 +128,8 @@ pub(crate) struct RouteTask {
     pub seq: u64,
     pub task: u32,
     pub in_flight: Option<Charge>,
+    /// When it was admitted (its duration, for `/metrics`).
+    pub started: std::time::Instant,
     /// A tcp task staging CUDA device memory through a host buffer.
     pub stage: Option<Box<crate::transport::routes::staging::TcpStage>>,
 }
@@ -187,6 +201,8 @@ impl RouteTask {
     /// The task's end: its report to the lifecycle, its budget back.
     fn retire(mut self, report: TaskReport) {
         let engine = self.engine.clone();
+        let (route, op) = (self.transfer.route.route, self.transfer.plan.program.op);
+        engine.metrics.task_ended(route, op, report.done, report.end, self.started.elapsed());
         drop(self.in_flight.take()); // give back the budget first
         let (after, stopped_early, notify) = {
             let mut cell = self.transfer.cell.lock();
@@ -357,6 +373,7 @@ impl Transfer {
                     p.notification.is_some(),
                 );
                 cell.exec_charge = Some(exec_charge);
+                cell.posted_at = Some(std::time::Instant::now());
                 if let PlanTarget::Peer(p) = &self.shared.target {
                     p.execution_started();
                 }

@@ -41,6 +41,7 @@ pub(crate) struct Server {
     reactor: Arc<Reactor>,
     group: Group,
     watchers: Arc<Watchers>,
+    shared: Arc<ServerShared>,
 }
 
 /// What a server accepts, and how long it waits for a peer.
@@ -186,9 +187,9 @@ impl Server {
             reactor.add(&group, listening(Listener::Local(l)));
             name
         });
-        let pushes = Pushes { shared, last: Instant::now() };
+        let pushes = Pushes { shared: shared.clone(), last: Instant::now() };
         reactor.add(&group, move |_| Box::new(pushes));
-        Ok(Server { addr, local: local_name, reactor: reactor.clone(), group, watchers })
+        Ok(Server { addr, local: local_name, reactor: reactor.clone(), group, watchers, shared })
     }
 
     /// Initiators watching this engine's registrations.
@@ -199,6 +200,11 @@ impl Server {
     /// The bound address.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Connections that have not authenticated yet.
+    pub fn unauthenticated(&self) -> usize {
+        self.shared.unauthenticated.lock().len()
     }
 
     /// The local socket's name, if it serves one.
