@@ -71,8 +71,8 @@ pub use batch::{
 pub use charge::Stats;
 pub use config::{AuthConfig, ConfigError, EngineConfig};
 pub use engine::{
-    BindingCharge, CloseReport, Notification, RangePin, ReleaseRefused, RemoteSegment, Target, Transfer,
-    TransferEngine, TransferSpec, UnquiescedExecution,
+    BindingCharge, CloseReport, MetricFamily, MetricsSource, Notification, RangePin, ReleaseRefused, RemoteSegment,
+    Target, Transfer, TransferEngine, TransferSpec, UnquiescedExecution,
 };
 pub use error::Error;
 pub use memory::{CudaMemory, HostMemory, MemoryError, MemoryRange, OwnerRelease};

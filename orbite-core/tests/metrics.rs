@@ -214,3 +214,40 @@ fn prometheus_scrapes_the_engine() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A KV session service adds its sessions to its engine's `/metrics`
+/// (as `orbite serve` does): sessions by state, idempotent retries,
+/// expiries, draining.
+#[test]
+fn kv_sessions_join_the_engines_metrics() {
+    use orbite_core::session::*;
+    let e = engine(r#"{"metrics_listen": "127.0.0.1:0"}"#);
+    let addr = e.metrics_address().unwrap();
+    let clock = std::sync::Arc::new(ManualClock::default());
+    let svc = std::sync::Arc::new(KvSessionService::new(e.clone(), KvConnectorInfo::default(), clock));
+    let source: std::sync::Weak<dyn MetricsSource> = std::sync::Arc::downgrade(&svc) as _;
+    e.add_metrics(source);
+    let req = AllocateRequest {
+        request_id: "req-1".into(),
+        model: "m".into(),
+        idempotency_key: "k1".into(),
+        style: KvScheduleStyle::Unspecified,
+        disposition: KvTransferDisposition::Required,
+        lease_ms: Some(10_000),
+        meta: KvTransferMeta { layout: "l".into(), block_bytes: 4096, blocks: 1 },
+    };
+    svc.allocate(&req).unwrap();
+    svc.allocate(&req).unwrap(); // an identical retry
+    let (_, text) = get(addr, "/metrics");
+    assert_eq!(sample(&text, r#"orbite_kv_sessions{state="live"}"#), Some(1.0), "{text}");
+    assert_eq!(sample(&text, "orbite_kv_idempotent_retries_total"), Some(1.0));
+    assert_eq!(sample(&text, "orbite_kv_session_expiries_total"), Some(0.0));
+    assert_eq!(sample(&text, "orbite_kv_draining"), Some(0.0));
+    svc.start_drain();
+    let (_, text) = get(addr, "/metrics");
+    assert_eq!(sample(&text, "orbite_kv_draining"), Some(1.0));
+    // The service gone, its metrics go with it.
+    drop(svc);
+    let (_, text) = get(addr, "/metrics");
+    assert!(sample(&text, "orbite_kv_draining").is_none());
+}

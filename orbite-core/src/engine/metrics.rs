@@ -135,6 +135,29 @@ impl Metrics {
     }
 }
 
+/// One metric family a layer above the engine adds to its `/metrics`
+/// (the KV session service does): its name, help, whether it is a counter
+/// (else a gauge), and its samples, each with its labels (from fixed sets:
+/// never a peer's address or id) and value.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MetricFamily {
+    /// The family's name (a counter's without `_total`).
+    pub name: &'static str,
+    /// One line of help.
+    pub help: &'static str,
+    /// A counter (else a gauge).
+    pub counter: bool,
+    /// Each sample's labels and value.
+    pub samples: Vec<(Vec<(&'static str, &'static str)>, u64)>,
+}
+
+/// What a layer above the engine exports through the engine's `/metrics`
+/// ([`crate::TransferEngine::add_metrics`]), read at each scrape.
+pub trait MetricsSource: Send + Sync {
+    /// Its families now.
+    fn families(&self) -> Vec<MetricFamily>;
+}
+
 /// The engine as a Prometheus collector (weakly: a scrape after close
 /// finds nothing).
 #[derive(Debug)]
@@ -155,7 +178,23 @@ fn counter(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> Fmt
 impl Collector for EngineCollector {
     fn encode(&self, mut e: DescriptorEncoder<'_>) -> Fmt {
         let Some(engine) = self.0.upgrade() else { return Ok(()) };
-        engine.encode_metrics(&mut e)
+        engine.encode_metrics(&mut e)?;
+        let sources: Vec<Arc<dyn MetricsSource>> =
+            engine.metrics_sources.lock().iter().filter_map(Weak::upgrade).collect();
+        for family in sources.iter().flat_map(|s| s.families()) {
+            let kind = if family.counter { MetricType::Counter } else { MetricType::Gauge };
+            let mut d = e.encode_descriptor(family.name, family.help, None, kind)?;
+            for (labels, v) in &family.samples {
+                // A sample without labels is the family's only one.
+                match (labels.is_empty(), family.counter) {
+                    (true, true) => d.encode_counter::<NoLabelSet, _, u64>(v, None)?,
+                    (true, false) => d.encode_gauge(&(*v as i64))?,
+                    (false, true) => d.encode_family(labels)?.encode_counter::<NoLabelSet, _, u64>(v, None)?,
+                    (false, false) => d.encode_family(labels)?.encode_gauge(&(*v as i64))?,
+                }
+            }
+        }
+        Ok(())
     }
 }
 

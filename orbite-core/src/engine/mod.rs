@@ -14,6 +14,7 @@ mod serve;
 mod spec;
 mod transfer;
 
+pub use metrics::{MetricFamily, MetricsSource};
 pub use notify::Notification;
 pub use spec::{Target, TransferSpec};
 pub use transfer::{ReleaseRefused, Transfer};
@@ -133,6 +134,8 @@ pub(crate) struct EngineInner {
     metrics: metrics::Metrics,
     /// The `/metrics` endpoint (`metrics_listen`), until close.
     metrics_server: Mutex<Option<metrics::MetricsServer>>,
+    /// What layers above the engine add to `/metrics` (weakly).
+    metrics_sources: Mutex<Vec<Weak<dyn metrics::MetricsSource>>>,
 }
 
 /// Where an engine's tasks run: its route workers, the buffers device and
@@ -767,6 +770,7 @@ impl TransferEngine {
             reactor: Mutex::new(None),
             metrics: metrics::Metrics::default(),
             metrics_server: Mutex::new(None),
+            metrics_sources: Mutex::new(Vec::new()),
             config,
         });
         if let Some(bind) = inner.config.metrics_listen.clone() {
@@ -1101,6 +1105,14 @@ impl TransferEngine {
     /// `http://ADDRESS/metrics`.
     pub fn metrics_address(&self) -> Option<std::net::SocketAddr> {
         self.inner().metrics_server.lock().as_ref().map(|m| m.addr)
+    }
+
+    /// Adds what `source` exports to this engine's `/metrics`, read at
+    /// each scrape for as long as the source lives (held weakly).
+    pub fn add_metrics(&self, source: Weak<dyn MetricsSource>) {
+        let mut s = self.inner().metrics_sources.lock();
+        s.retain(|w| w.strong_count() > 0);
+        s.push(source);
     }
 
     /// The endpoint peers connect to (the advertised one), if the engine

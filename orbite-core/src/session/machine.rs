@@ -63,6 +63,9 @@ pub struct SessionMachine {
     /// Ended sessions not yet cleaned up.
     uncleaned: u64,
     expired: u64,
+    /// Allocations answered with the session an identical earlier
+    /// request created.
+    retried: u64,
     draining: bool,
     effects: Vec<Effect>,
     reaper_visits: u64,
@@ -134,6 +137,7 @@ impl SessionMachine {
             live: 0,
             uncleaned: 0,
             expired: 0,
+            retried: 0,
             draining: false,
             effects: Vec::new(),
             reaper_visits: 0,
@@ -196,6 +200,7 @@ impl SessionMachine {
                 return self.allocate(req, now);
             }
             return if &entry.request == req {
+                self.retried += 1;
                 Ok(entry.session.clone())
             } else {
                 Err(KvError::IdempotencyConflict { key: req.idempotency_key.clone(), session: id })
@@ -569,6 +574,11 @@ impl SessionMachine {
     /// Sessions ended by lease expiry so far.
     pub fn expired_count(&self) -> u64 {
         self.expired
+    }
+
+    /// Allocations answered by an identical earlier request's session.
+    pub fn retried_count(&self) -> u64 {
+        self.retried
     }
 
     /// This machine's incarnation.

@@ -109,6 +109,9 @@ pub struct KvServiceStats {
     pub engine_executions: u64,
     /// Sessions ended by lease expiry.
     pub sessions_expired: u64,
+    /// Allocations answered with the session an identical earlier
+    /// request (same idempotency key) created.
+    pub idempotent_retries: u64,
     /// Runs of the built-in reaper.
     pub reaper_ticks: u64,
     /// CPU time the built-in reaper's thread spent in `poll`, in
@@ -285,6 +288,7 @@ impl KvSessionService {
                 awaiting_cleanup: m.awaiting_cleanup(),
                 tracked_transfers: inner.tracked,
                 sessions_expired: m.expired_count(),
+                idempotent_retries: m.retried_count(),
                 tick_ns: inner.tick_ns,
                 ..KvServiceStats::default()
             };
@@ -535,5 +539,52 @@ impl KvSessionService {
     /// Whether a decode may run without a session.
     pub fn check_sessionless_decode(&self, disposition: KvTransferDisposition) -> Result<(), KvError> {
         self.inner.lock().machine.check_sessionless_decode(disposition)
+    }
+}
+
+/// The service's part of its engine's `/metrics` (`orbite serve` adds it
+/// with `TransferEngine::add_metrics`).
+impl crate::MetricsSource for KvSessionService {
+    fn families(&self) -> Vec<crate::MetricFamily> {
+        let s = self.stats();
+        let family = |name, help, counter, samples| crate::MetricFamily { name, help, counter, samples };
+        vec![
+            family(
+                "orbite_kv_sessions",
+                "KV sessions: not yet terminal (live), and ended ones kept",
+                false,
+                vec![(vec![("state", "live")], s.live_sessions), (vec![("state", "ended")], s.tombstones)],
+            ),
+            family(
+                "orbite_kv_sessions_awaiting_cleanup",
+                "Ended KV sessions whose transfers have not retired yet",
+                false,
+                vec![(vec![], s.awaiting_cleanup)],
+            ),
+            family(
+                "orbite_kv_session_expiries",
+                "KV sessions ended by lease expiry",
+                true,
+                vec![(vec![], s.sessions_expired)],
+            ),
+            family(
+                "orbite_kv_idempotent_retries",
+                "Allocations answered with an identical earlier request's session",
+                true,
+                vec![(vec![], s.idempotent_retries)],
+            ),
+            family(
+                "orbite_kv_draining",
+                "1 while the service drains (refuses new sessions)",
+                false,
+                vec![(vec![], u64::from(s.draining))],
+            ),
+            family(
+                "orbite_kv_pinned_ranges",
+                "Ranges KV sessions pin in the engine",
+                false,
+                vec![(vec![], s.pinned_ranges)],
+            ),
+        ]
     }
 }

@@ -173,6 +173,9 @@ pub fn run(args: ServeArgs) -> Result<(), ServeError> {
         .map_err(ServeError::KvPool)?;
     let region = orbite_core::Desc { registration: ids[0], offset: 0, len: c.kv_pool_bytes };
     let service = Arc::new(KvSessionService::new(engine.clone(), c.sessions.clone(), Arc::new(SystemClock::default())));
+    // The sessions' metrics join the engine's `/metrics` (metrics_listen).
+    let source: std::sync::Weak<dyn orbite_core::MetricsSource> = Arc::downgrade(&service) as _;
+    engine.add_metrics(source);
     let reaper = service.start_reaper(Duration::from_millis(c.reaper_period_ms.max(1))).map_err(ServeError::Reaper)?;
     let grpc = KvGrpcService::new(service.clone())
         .with_kv_regions(vec![region])
