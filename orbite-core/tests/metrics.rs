@@ -243,6 +243,24 @@ fn kv_sessions_join_the_engines_metrics() {
     assert_eq!(sample(&text, "orbite_kv_idempotent_retries_total"), Some(1.0));
     assert_eq!(sample(&text, "orbite_kv_session_expiries_total"), Some(0.0));
     assert_eq!(sample(&text, "orbite_kv_draining"), Some(0.0));
+    // Every metric the Grafana dashboard (docs/grafana) queries is one the
+    // engine and its sessions export.
+    let dashboard =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/grafana/orbite-dashboard.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&dashboard).expect("the dashboard is JSON");
+    assert!(json["panels"].as_array().is_some_and(|p| !p.is_empty()));
+    let mut checked = 0;
+    for word in dashboard.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+        if let Some(name) = word.strip_prefix("orbite_") {
+            let name = format!("orbite_{name}");
+            assert!(
+                text.lines().any(|l| !l.starts_with('#') && l.starts_with(&name)),
+                "the dashboard queries {name}, which /metrics lacks"
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked > 10, "the dashboard's queries were read");
     svc.start_drain();
     let (_, text) = get(addr, "/metrics");
     assert_eq!(sample(&text, "orbite_kv_draining"), Some(1.0));
