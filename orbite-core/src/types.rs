@@ -169,6 +169,11 @@ pub enum RoutePolicy {
 }
 
 impl Route {
+    /// Every route.
+    pub const fn all() -> [Route; 7] {
+        [Route::Loopback, Route::Tcp, Route::Shm, Route::Cma, Route::File, Route::CudaIpc, Route::Rdma]
+    }
+
     /// Its name, as policies, reasons and configuration spell it.
     pub fn name(self) -> &'static str {
         match self {
@@ -322,8 +327,7 @@ mod tests {
     /// configuration takes, and each forced policy allows its own route.
     #[test]
     fn route_and_policy_names_are_their_configuration_names() {
-        let routes = [Route::Loopback, Route::Tcp, Route::Shm, Route::Cma, Route::File, Route::CudaIpc, Route::Rdma];
-        for r in routes {
+        for r in Route::all() {
             assert_eq!(serde_json::to_string(&r).unwrap(), format!("\"{}\"", r.name()));
         }
         let policies = [

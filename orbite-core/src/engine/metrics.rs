@@ -22,8 +22,7 @@ use crate::engine::EngineInner;
 use crate::types::{Route, TaskEnd};
 
 /// Every route, in label order.
-const ROUTES: [Route; 7] =
-    [Route::Loopback, Route::Tcp, Route::Shm, Route::Cma, Route::File, Route::CudaIpc, Route::Rdma];
+const ROUTES: [Route; Route::all().len()] = Route::all();
 const OPS: [Op; 2] = [Op::Read, Op::Write];
 const OUTCOMES: [OutcomeCode; 6] = [
     OutcomeCode::Success,
