@@ -34,7 +34,7 @@ fn help_lists_the_commands_and_each_commands_flags() {
 
     let grpc = cfg!(feature = "grpc");
     for (command, flags) in [
-        ("bench", &["--route", "--workload", "--quick", "--blocks", "--ops", "--config", "--json"][..]),
+        ("bench", &["--route", "--workload", "--quick", "--blocks", "--ops", "--config", "--json", "--plot"][..]),
         ("copy", &["--bytes", "--block"]),
         ("info", &["--config", "--json"]),
         ("serve", if grpc { &["--listen", "--config"] } else { &[] }),
@@ -113,4 +113,61 @@ fn info_and_copy_still_work() {
     assert_eq!(r.code, Some(0), "{}", r.stderr);
     assert!(r.stdout.starts_with("moved 1048576 bytes in 16 descriptors of 65536 bytes"), "{}", r.stdout);
     assert!(r.stdout.trim_end().ends_with("bytes verified: true"), "{}", r.stdout);
+}
+
+/// Every element opens and closes in order, attributes quoted: the
+/// well-formedness an SVG reader needs of our writer's output.
+fn well_formed(xml: &str) -> Result<usize, String> {
+    let mut open: Vec<&str> = Vec::new();
+    let mut elements = 0;
+    let mut rest = xml;
+    while let Some(at) = rest.find('<') {
+        let tail = &rest[at + 1..];
+        let end = tail.find('>').ok_or("an unclosed tag")?;
+        let tag = &tail[..end];
+        if tag.matches('"').count() % 2 != 0 {
+            return Err(format!("unbalanced quotes in <{tag}>"));
+        }
+        if let Some(name) = tag.strip_prefix('/') {
+            if open.pop() != Some(name.trim()) {
+                return Err(format!("</{name}> closes nothing open"));
+            }
+        } else if !tag.ends_with('/') {
+            open.push(tag.split_whitespace().next().ok_or("an empty tag")?);
+        }
+        elements += 1;
+        rest = &tail[end + 1..];
+    }
+    if open.is_empty() { Ok(elements) } else { Err(format!("{open:?} never closed")) }
+}
+
+/// `--plot` writes W1's figures as an SVG, silently when stderr is not a
+/// terminal (no progress lines then).
+#[test]
+fn bench_plot_writes_an_svg() {
+    let path = std::env::temp_dir().join(format!("orbite-plot-{}.svg", std::process::id()));
+    let r = orbite(&[
+        "bench",
+        "--route",
+        "local",
+        "--workload",
+        "W1",
+        "--quick",
+        "--blocks",
+        "4096,65536",
+        "--json",
+        "--plot",
+        path.to_str().unwrap(),
+    ]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    assert!(!r.stderr.contains("orbite bench:"), "no progress lines without a terminal: {}", r.stderr);
+    let svg = std::fs::read_to_string(&path).unwrap();
+    assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""), "{svg}");
+    let elements = well_formed(&svg).unwrap_or_else(|e| panic!("{e}: {svg}"));
+    assert!(elements > 20, "axes, lines and legend");
+    assert!(svg.contains("local W1-write") && svg.contains("stroke-dasharray"), "lines and their limits");
+    let _ = std::fs::remove_file(&path);
+    let r = orbite(&["bench", "--route", "local", "--workload", "idle", "--quick", "--plot", path.to_str().unwrap()]);
+    assert_eq!(r.code, Some(1));
+    assert!(r.stderr.contains("no W1 row"), "{}", r.stderr);
 }

@@ -93,6 +93,10 @@ pub struct BenchArgs {
     /// Print only JSON lines on stdout
     #[arg(long)]
     json: bool,
+    /// Also draw W1's GB/s against block size per route and direction,
+    /// with each route's in-run limit dashed, into this SVG file
+    #[arg(long, value_name = "FILE.svg")]
+    plot: Option<std::path::PathBuf>,
 }
 
 /// The values of `--route`, `--workload`, `--blocks` and `--ops` (a comma
@@ -189,6 +193,8 @@ pub struct Plan {
     blocks: Option<Vec<u64>>,
     /// Directions of W1 and W3 (default both).
     ops: Vec<Op>,
+    /// Where to draw W1's figures (SVG).
+    plot: Option<std::path::PathBuf>,
 }
 
 impl From<BenchArgs> for Plan {
@@ -201,6 +207,7 @@ impl From<BenchArgs> for Plan {
             json: args.json,
             blocks: args.blocks.map(|b| b.0),
             ops: args.ops.0,
+            plot: args.plot,
         }
     }
 }
@@ -235,13 +242,44 @@ struct Report {
 impl Report {
     fn emit(&mut self, row: Value) {
         let Value::Object(map) = row else { return };
-        println!("{}", Value::Object(map.clone()));
+        let line = Value::Object(map.clone()).to_string();
+        match bar() {
+            // Printed around the bar, which goes on below it.
+            Some(b) => {
+                b.suspend(|| println!("{line}"));
+                b.inc(1);
+            }
+            None => println!("{line}"),
+        }
         self.rows.push(map);
     }
 }
 
+/// The progress bar on stderr, when stderr is a terminal (else none: the
+/// bench says nothing there but its errors).
+fn bar() -> Option<&'static indicatif::ProgressBar> {
+    use std::io::IsTerminal;
+    static BAR: std::sync::OnceLock<Option<indicatif::ProgressBar>> = std::sync::OnceLock::new();
+    BAR.get_or_init(|| {
+        std::io::stderr().is_terminal().then(|| {
+            let b = indicatif::ProgressBar::new_spinner();
+            let style =
+                indicatif::ProgressStyle::with_template("{spinner} {elapsed:>4} orbite bench: {msg} ({pos} rows)");
+            if let Ok(style) = style {
+                b.set_style(style);
+            }
+            b.enable_steady_tick(Duration::from_millis(120));
+            b
+        })
+    })
+    .as_ref()
+}
+
+/// What the bench measures now, on the progress bar.
 fn progress(msg: &str) {
-    eprintln!("orbite bench: {msg}");
+    if let Some(b) = bar() {
+        b.set_message(msg.to_owned());
+    }
 }
 
 pub fn run(args: Plan) -> Result<(), Error> {
@@ -328,8 +366,16 @@ pub fn run(args: Plan) -> Result<(), Error> {
         report.emit(crate::fanin::run(args.quick, &args.config)?);
     }
     progress(&format!("done in {:.1} s", started.elapsed().as_secs_f64()));
+    if let Some(b) = bar() {
+        b.finish_and_clear();
+    }
     if !report.json {
         print_table(&report.rows);
+    }
+    if let Some(path) = &args.plot {
+        let title = format!("orbite bench: W1 GB/s by block size ({})", if args.quick { "--quick" } else { "full" });
+        let svg = crate::plot::svg(&report.rows, &title).ok_or(Error::NothingToPlot)?;
+        std::fs::write(path, svg).map_err(|e| Error::Plot(path.display().to_string(), e.to_string()))?;
     }
     let failed = report.rows.iter().any(|r| r.get("verified") == Some(&Value::Bool(false)));
     if failed { Err(Error::NotVerified) } else { Ok(()) }

@@ -75,6 +75,12 @@ pub enum Error {
     /// Some destination bytes of a bench run did not verify.
     #[error("some destination bytes did not verify")]
     NotVerified,
+    /// `--plot` with no W1 row to draw.
+    #[error("--plot: no W1 row to draw (add W1 to --workload)")]
+    NothingToPlot,
+    /// `--plot`'s file could not be written.
+    #[error("--plot {0}: {1}")]
+    Plot(String, String),
     /// `orbite copy`'s destination bytes differ from its source.
     #[error("destination bytes differ from the source")]
     CopyMismatch,

@@ -11,6 +11,7 @@ mod fanin;
 mod info;
 mod limits;
 mod measure;
+mod plot;
 mod refresh;
 mod rig;
 #[cfg(feature = "grpc")]
