@@ -647,8 +647,20 @@ void Engine::reap() const {
         r->final_status = statusOf(st);
         r->detail = XferDetail{st.state,      st.code,           st.remote_effect,   st.drained, st.route,
                                st.transferred_prefix, st.transferred_bytes, st.total_bytes, st.execution};
+        noteEnd(*r, r->final_status);
         r->xfer_released = orbite_xfer_release(r->xfer) == ORBITE_STATUS_OK;
     }
+}
+
+void Engine::noteEnd(Request &r, nixl_status_t status) const {
+    if (status >= 0 || status == NIXL_ERR_NOT_POSTED || r.telemetry_execution == r.detail.execution) return;
+    // One telemetry event per failed execution, its own outcome counted
+    // once (the queue is the base class's: bounded, locked, kept only with
+    // telemetry on).
+    r.telemetry_execution = r.detail.execution;
+    auto type = status == NIXL_ERR_CANCELED ? nixl_telemetry_event_type_t::AGENT_ERR_CANCELED
+                                            : nixl_telemetry_event_type_t::AGENT_ERR_BACKEND;
+    const_cast<Engine *>(this)->addTelemetryEvent(type, 1);
 }
 
 nixl_status_t Engine::checkXfer(nixlBackendReqH *handle) const {
@@ -665,6 +677,7 @@ nixl_status_t Engine::checkXfer(nixlBackendReqH *handle) const {
     if (out < 0 && out != NIXL_ERR_NOT_POSTED) {
         NIXL_DEBUG << "ORBITE: transfer ended with outcome " << st.code << ", prefix " << st.transferred_prefix
                    << " of " << st.total_bytes << ", effect " << st.remote_effect;
+        noteEnd(*r, out);
     }
     return out;
 }

@@ -97,6 +97,8 @@ public:
     // transfer is released; `final_status` is what checkXfer reports.
     bool xfer_released = false;
     nixl_status_t final_status = NIXL_ERR_NOT_POSTED;
+    // The execution whose end was reported as a telemetry event (0: none).
+    uint64_t telemetry_execution = 0;
 };
 
 // A notification's envelope: the sender's agent name travels with the
@@ -202,6 +204,9 @@ private:
     // while active, once they retired (NIXL may drop such a request
     // without asking again).
     void reap() const;
+    // A request's execution ended with `status`: a failure is one telemetry
+    // event (once per execution).
+    void noteEnd(Request &r, nixl_status_t status) const;
 
     OrbiteEngine engine_{};
     nixl_mem_list_t mems_{DRAM_SEG};

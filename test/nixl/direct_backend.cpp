@@ -79,6 +79,7 @@ Backend make(const std::string &agent, const nixl_b_params_t &p, bool progress =
     b.init->customParams = b.params.get();
     b.init->enableProgTh = progress;
     b.init->pthrDelay = 0;
+    b.init->enableTelemetry_ = true;
     b.engine = nixl_plugin_init()->create_engine(b.init.get());
     return b;
 }
@@ -293,6 +294,11 @@ void active_release_failure_and_no_repost() {
     CHECK(orbite_test_hold_all(oe, 0) == ORBITE_STATUS_OK);
     CHECK(orbite_test_release_held(oe, ORBITE_TEST_FAIL, 100, 1) == ORBITE_STATUS_OK);
     CHECK(poll(l.b.engine, h) == NIXL_ERR_BACKEND);
+    CHECK(l.b.engine->checkXfer(h) == NIXL_ERR_BACKEND); // asked again: one event still
+    // The failed execution, as one backend telemetry event.
+    auto events = l.b.engine->getTelemetryEvents();
+    CHECK(events.size() == 1 && events[0].eventType_ == nixl_telemetry_event_type_t::AGENT_ERR_BACKEND &&
+          events[0].value_ == 1);
     const auto &d = Engine::detailOf(h);
     CHECK(d.drained == 1 && d.code == ORBITE_OUTCOME_FAILED && d.remote_effect == ORBITE_EFFECT_UNKNOWN &&
           d.transferred_prefix == 100);
