@@ -279,7 +279,8 @@ impl EngineInner {
         gauge(e, "orbite_executions_in_flight", "Posted executions not yet retired", s.executions)?;
         gauge(e, "orbite_admission_queue_depth", "Executions waiting for admission", s.queued_executions)?;
         // Every budget: what it holds and its limit.
-        let budgets: [(&str, u64, u64); 16] = [
+        let queued = self.notifications.queue.lock().len() as u64;
+        let budgets: [(&str, u64, u64); 17] = [
             ("registrations", s.registrations, c.max_registrations),
             ("registered_bytes", s.registered_bytes, c.max_registered_bytes),
             ("host_memory_bytes", s.host_memory_bytes, c.max_host_memory_bytes),
@@ -289,6 +290,7 @@ impl EngineInner {
             ("bytes_in_flight", s.bytes_in_flight, c.max_bytes_in_flight),
             ("tasks_in_flight", s.tasks_in_flight, c.max_tasks_in_flight),
             ("notification_bytes", s.notification_bytes, c.notification_queue_bytes),
+            ("notification_queue", queued, c.notification_queue_len),
             ("binding_handles", s.binding_handles, c.max_binding_handles),
             ("staging_bytes", s.staging_bytes, c.max_staging_bytes),
             ("frame_buffer_bytes", s.frame_buffer_bytes, c.max_frame_buffer_bytes),
@@ -332,7 +334,6 @@ impl EngineInner {
         }
         counter(e, "orbite_connections_refused", "Connections closed at accept for a full cap", s.connections_refused)?;
         counter(e, "orbite_auth_failures", "Peer connections that failed authentication, either way", s.auth_failures)?;
-        let queued = self.notifications.queue.lock().len() as u64;
         gauge(e, "orbite_notifications_queued", "Received notifications not yet taken", queued)?;
         counter(
             e,
