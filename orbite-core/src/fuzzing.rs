@@ -182,6 +182,7 @@ impl TargetView for FakeTarget {
     /// card for another NIC is refused.
     fn rdma_connect(
         &self,
+        _from: Option<std::net::IpAddr>,
         cards: &[crate::wire::QpCard],
     ) -> Result<(Vec<crate::wire::QpCard>, Box<dyn std::any::Any + Send>), (RemoteStatus, String)> {
         if cards.iter().any(|c| c.peer_nic != 0) {

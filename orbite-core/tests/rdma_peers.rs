@@ -836,3 +836,100 @@ fn host_memory_uses_the_nic_on_its_numa_node() {
     assert_shim_idle();
     p.kill();
 }
+
+/// Sends one RdmaConnect on `s` asking for `cards`: the reply's header
+/// kind and body.
+fn rdma_connect(s: &mut std::net::TcpStream, epoch: u64, cards: &[wire::QpCard]) -> (wire::Kind, Vec<u8>) {
+    use std::io::Write;
+    let mut body = Vec::new();
+    wire::encode_rdma_connect(&mut body, epoch, cards);
+    let mut frame = wire::encode_header(&wire::header(wire::Kind::RdmaConnect, body.len(), 0, 1)).to_vec();
+    frame.extend_from_slice(&body);
+    s.write_all(&frame).unwrap();
+    let (h, body) = read_frame(s);
+    (h.kind, body)
+}
+
+/// What a hostile peer can ask of the RdmaConnect exchange, refused with a
+/// typed error while the engine keeps serving: a second connect on one
+/// connection, a NIC the target does not have, more queue pairs than an
+/// address's share, a malformed card (the connection closes); and the
+/// queue pairs go with their connection.
+#[test]
+fn hostile_rdma_connects_are_refused_and_bounded() {
+    if !in_shim_process("hostile_rdma_connects_are_refused_and_bounded") {
+        return;
+    }
+    let mut p = PeerProcess::spawn();
+    let card = |nic: u8, peer_nic: u8| wire::QpCard {
+        gid: std::net::Ipv4Addr::LOCALHOST.to_ipv6_mapped().octets(),
+        qpn: 0x01_0001,
+        psn: 7,
+        mtu: 4096,
+        nic,
+        peer_nic,
+    };
+    let connect = || {
+        let s = std::net::TcpStream::connect(&p.endpoint).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s
+    };
+    // 64 queue pairs on one connection: granted, one card each.
+    let mut a = connect();
+    let (kind, body) = rdma_connect(&mut a, p.epoch, &vec![card(0, 0); 64]);
+    assert_eq!(kind, wire::Kind::RdmaAccept, "{:?}", refusal(&body));
+    assert_eq!(wire::decode_rdma_accept(&body).unwrap().len(), 64);
+    // A second connect on that connection: refused.
+    let (kind, body) = rdma_connect(&mut a, p.epoch, &[card(0, 0)]);
+    assert_eq!(kind, wire::Kind::Error);
+    assert!(refusal(&body).1.contains("connected already"), "{:?}", refusal(&body));
+    // A NIC the target does not have.
+    let mut b = connect();
+    let (kind, body) = rdma_connect(&mut b, p.epoch, &[card(0, 7)]);
+    assert_eq!(kind, wire::Kind::Error);
+    assert!(refusal(&body).1.contains("no RDMA NIC 7"), "{:?}", refusal(&body));
+    // The address's share: 64 more fit, then no more.
+    let mut c = connect();
+    let (kind, _) = rdma_connect(&mut c, p.epoch, &vec![card(0, 0); 64]);
+    assert_eq!(kind, wire::Kind::RdmaAccept);
+    let mut d = connect();
+    let (kind, body) = rdma_connect(&mut d, p.epoch, &[card(0, 0)]);
+    assert_eq!(kind, wire::Kind::Error);
+    let (status, detail) = refusal(&body);
+    assert_eq!(status, wire::RemoteStatus::ResourceExhausted);
+    assert!(detail.contains("share"), "{detail}");
+    // Closing a connection gives its queue pairs back.
+    drop(a);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (kind, _) = rdma_connect(&mut connect(), p.epoch, &[card(0, 0)]);
+        if kind == wire::Kind::RdmaAccept {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the closed connection's queue pairs were never given back");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // A malformed card closes that connection only.
+    let mut bad = card(0, 0);
+    bad.mtu = 1500;
+    let mut body = Vec::new();
+    wire::encode_rdma_connect(&mut body, p.epoch, &[bad]);
+    let mut frame = wire::encode_header(&wire::header(wire::Kind::RdmaConnect, body.len(), 0, 1)).to_vec();
+    frame.extend_from_slice(&body);
+    let mut e = connect();
+    std::io::Write::write_all(&mut e, &frame).unwrap();
+    let mut sink = [0u8; 64];
+    assert!(matches!(std::io::Read::read(&mut e, &mut sink), Ok(0) | Err(_)), "closed");
+    // The engine keeps serving: a real peer moves bytes over rdma.
+    drop((b, c, d));
+    let en = initiator("");
+    let seg = p.open(&en);
+    let local = region(&en, 1 << 20, Permission::RemoteReadWrite);
+    fill(&local.mem, 21);
+    write_through(&en, &mut p, &seg, &local, 1 << 20);
+    drop((seg, local));
+    en.close();
+    drop(en);
+    assert_shim_idle();
+    p.kill();
+}

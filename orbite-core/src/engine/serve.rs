@@ -36,6 +36,48 @@ pub(crate) struct Listener {
     /// Refusals of peers, logged at most once a minute per peer and
     /// reason, each report saying how many it stands for.
     pub refusals: crate::logs::Repeats,
+    /// RDMA queue pairs peers' connections hold, per peer address.
+    pub rdma_held: Arc<Mutex<std::collections::HashMap<Option<std::net::IpAddr>, usize>>>,
+}
+
+/// Queue pairs one peer address may hold on this engine: half of what a
+/// NIC holds, so that others keep the rest.
+pub(crate) const RDMA_SHARE: usize = crate::verbs::rails::MAX_QPS as usize / 2;
+
+/// Queue pairs a connection holds, counted against its address's share
+/// until it goes.
+pub(crate) struct RdmaShare {
+    held: Arc<Mutex<std::collections::HashMap<Option<std::net::IpAddr>, usize>>>,
+    from: Option<std::net::IpAddr>,
+    n: usize,
+}
+
+impl Drop for RdmaShare {
+    fn drop(&mut self) {
+        let mut held = self.held.lock();
+        if let Some(c) = held.get_mut(&self.from) {
+            *c = c.saturating_sub(self.n);
+            if *c == 0 {
+                held.remove(&self.from);
+            }
+        }
+    }
+}
+
+impl Listener {
+    /// Counts `n` queue pairs against `from`'s share, or refuses.
+    fn rdma_share(&self, from: Option<std::net::IpAddr>, n: usize) -> Result<RdmaShare, (RemoteStatus, String)> {
+        let mut held = self.rdma_held.lock();
+        let now = held.get(&from).copied().unwrap_or(0);
+        if now + n > RDMA_SHARE {
+            return Err((
+                RemoteStatus::ResourceExhausted,
+                format!("this address holds {now} RDMA queue pairs here; {RDMA_SHARE} is its share"),
+            ));
+        }
+        held.insert(from, now + n);
+        Ok(RdmaShare { held: self.rdma_held.clone(), from, n })
+    }
 }
 
 impl TargetView for EngineInner {
@@ -58,15 +100,19 @@ impl TargetView for EngineInner {
 
     fn rdma_connect(
         &self,
+        from: Option<std::net::IpAddr>,
         cards: &[crate::wire::QpCard],
     ) -> Result<(Vec<crate::wire::QpCard>, Box<dyn std::any::Any + Send>), (RemoteStatus, String)> {
         if self.routes.rails.rails().is_empty() {
             let why = self.routes.rails.why().unwrap_or("no RDMA NIC");
             return Err((RemoteStatus::Other, format!("this engine has no RDMA NIC: {why}")));
         }
+        // One address holds at most its share of the NICs' queue pairs, so
+        // no peer can take them all from the others.
+        let share = self.listener.rdma_share(from, cards.len())?;
         let (mine, links) = crate::transport::routes::rdma::accept(&self.routes.rails, cards)
             .map_err(|why| (RemoteStatus::ResourceExhausted, why))?;
-        Ok((mine, Box::new(links)))
+        Ok((mine, Box::new((links, share))))
     }
 
     fn resolve(

@@ -393,7 +393,8 @@ impl ServerShared {
         if stream.set_nonblocking().is_err() {
             return peer.into_iter().for_each(|ip| self.forget_address(ip));
         }
-        let m = ServerConn::new(self.budget.clone(), self.secret.clone(), at, Instant::now());
+        let mut m = ServerConn::new(self.budget.clone(), self.secret.clone(), at, Instant::now());
+        m.set_peer(peer);
         let queued = m.owes_handshake();
         if queued {
             self.evict_an_unauthenticated();

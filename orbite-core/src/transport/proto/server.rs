@@ -84,15 +84,17 @@ pub(crate) trait TargetView: Send + Sync + 'static {
         let _ = (req, write, loans);
         Err((RemoteStatus::PermissionDenied, "this target lends no device memory".into()))
     }
-    /// Connects this engine's RDMA queue pairs to the initiator's `cards`:
-    /// a card per card asked, and what the connection keeps (the queue
-    /// pairs, closed with it); or a refusal (no NIC, none left).
+    /// Connects this engine's RDMA queue pairs to the `cards` of the
+    /// initiator at `from` (`None`: the local socket): a card per card
+    /// asked, and what the connection keeps (the queue pairs, closed with
+    /// it); or a refusal (no NIC, none left, the address holds its share).
     #[allow(clippy::type_complexity, reason = "the cards, and what the connection holds")]
     fn rdma_connect(
         &self,
+        from: Option<std::net::IpAddr>,
         cards: &[crate::wire::QpCard],
     ) -> Result<(Vec<crate::wire::QpCard>, Box<dyn std::any::Any + Send>), (RemoteStatus, String)> {
-        let _ = cards;
+        let _ = (from, cards);
         Err((RemoteStatus::Other, "this engine has no RDMA NIC".into()))
     }
     /// What changed in the exported registrations after registry version
@@ -437,6 +439,8 @@ pub(crate) struct ServerConn {
     buffers: BufferBudget,
     /// Where the connection came in.
     at: ConnEnd,
+    /// The peer's address (`None`: the local socket, or not known).
+    peer: Option<std::net::IpAddr>,
     /// Why the handshake was refused, once it was.
     refused: Option<String>,
     /// Descriptors to attach to the reply's first byte (`SCM_RIGHTS`).
@@ -458,6 +462,11 @@ const DISCARD_CHUNK: usize = 64 * 1024;
 const BUFFERS_FULL: &str = "this engine's frame buffers are full (max_frame_buffer_bytes): try again";
 
 impl ServerConn {
+    /// The peer's address, as the listener accepted it.
+    pub fn set_peer(&mut self, peer: Option<std::net::IpAddr>) {
+        self.peer = peer;
+    }
+
     /// A machine for connection `conn` (an id unique in the server).
     /// With a `secret`, the connection must authenticate before anything
     /// else (and until it has, its frames are bounded to a few bytes).
@@ -471,6 +480,7 @@ impl ServerConn {
         ServerConn {
             clock: Clock { accepted: now, busy_since: owes.then_some(now), frames_seen: 0, last: now, watching: false },
             at,
+            peer: None,
             refused: None,
             out_fds: Vec::new(),
             awaiting: None,
@@ -895,7 +905,7 @@ impl ServerConn {
                 } else if self.rdma.is_some() {
                     self.error(request, RemoteStatus::Other, "this connection's queue pairs are connected already");
                 } else {
-                    match side.rdma_connect(&cards) {
+                    match side.rdma_connect(self.peer, &cards) {
                         Ok((mine, keep)) => {
                             self.rdma = Some(keep);
                             let mut body = Vec::new();
