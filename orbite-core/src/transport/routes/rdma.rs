@@ -174,12 +174,11 @@ impl RouteImpl for Rdma {
             return Err(Unreachable::Rdma("every queue pair to the peer failed (open it again)".into()));
         }
         // The rkey of every registration named, on each peer NIC reached.
-        let mut keys: Vec<(u64, Vec<Option<u32>>)> = Vec::new();
-        for d in remote {
-            let raw = d.registration.to_raw();
-            if keys.last().is_some_and(|(r, _)| *r == raw) || keys.iter().any(|(r, _)| *r == raw) {
-                continue;
-            }
+        let mut raws: Vec<u64> = remote.iter().map(|d| d.registration.to_raw()).collect();
+        raws.sort_unstable();
+        raws.dedup();
+        let mut keys: Vec<(u64, Vec<Option<u32>>)> = Vec::with_capacity(raws.len());
+        for raw in raws {
             let r = p.segment.get(raw).ok_or(Unreachable::UnknownRegistration)?;
             if let Some(rail) = rails.iter().find(|pr| r.rkeys.get(pr.peer_nic as usize).copied().flatten().is_none()) {
                 return Err(Unreachable::Rdma(match r.device {
@@ -192,7 +191,6 @@ impl RouteImpl for Rdma {
             }
             keys.push((raw, r.rkeys.clone()));
         }
-        keys.sort_unstable_by_key(|(r, _)| *r);
         Ok(Mover::Copy(Box::new(RdmaCopy {
             rails: rails.clone(),
             keys,
