@@ -449,6 +449,52 @@ impl CudaMemory {
     }
 }
 
+/// Checks that `ptr..ptr + len` is mapped in this process, readable, and
+/// writable when `writable`, as `/proc/self/maps` lists it now: for
+/// callers that name memory by a bare address (a Python caller's
+/// `(ptr, length)`) before [`MemoryRange::borrowed`]. It proves only that
+/// the range is mapped now: keeping it so is still the caller's promise.
+pub fn check_mapped(ptr: u64, len: u64, writable: bool) -> Result<(), MemoryError> {
+    let maps = std::fs::read_to_string("/proc/self/maps")
+        .map_err(|e| MemoryError::System(format!("reading /proc/self/maps: {e}")))?;
+    check_mapped_in(&maps, ptr, len, writable)
+}
+
+/// [`check_mapped`] against a maps listing.
+fn check_mapped_in(maps: &str, ptr: u64, len: u64, writable: bool) -> Result<(), MemoryError> {
+    if ptr == 0 || len == 0 {
+        return Err(MemoryError::InvalidRange("a null or empty range".into()));
+    }
+    let end = ptr.checked_add(len).ok_or_else(|| MemoryError::InvalidRange(format!("{ptr:#x}+{len} wraps")))?;
+    // The mappings are listed in address order: walk those that overlap,
+    // and require them to cover the range with no gap.
+    let mut at = ptr;
+    for line in maps.lines() {
+        let mut fields = line.split_whitespace();
+        let (Some(span), Some(perms)) = (fields.next(), fields.next()) else { continue };
+        let Some((lo, hi)) = span.split_once('-') else { continue };
+        let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else { continue };
+        if hi <= at {
+            continue;
+        }
+        if lo > at {
+            break;
+        }
+        let p = perms.as_bytes();
+        if p.first() != Some(&b'r') || (writable && p.get(1) != Some(&b'w')) {
+            return Err(MemoryError::InvalidRange(format!(
+                "{ptr:#x}+{len}: the mapping at {lo:#x} is {perms}, not {}",
+                if writable { "readable and writable" } else { "readable" }
+            )));
+        }
+        at = hi;
+        if at >= end {
+            return Ok(());
+        }
+    }
+    Err(MemoryError::InvalidRange(format!("{ptr:#x}+{len}: {at:#x} is not mapped in this process")))
+}
+
 /// A range to register.
 pub struct MemoryRange {
     pub(crate) ptr: *mut u8,
@@ -566,6 +612,21 @@ impl MemoryRange {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn check_mapped_walks_the_maps() {
+        let maps = "1000-3000 rw-p 0 00:00 0\n3000-4000 r--p 0 00:00 0\n5000-6000 rw-p 0 00:00 0 [heap]\n";
+        assert!(check_mapped_in(maps, 0x1000, 0x2000, true).is_ok());
+        assert!(check_mapped_in(maps, 0x2000, 0x2000, false).is_ok());
+        assert!(check_mapped_in(maps, 0x2000, 0x2000, true).is_err(), "read-only page");
+        assert!(check_mapped_in(maps, 0x3800, 0x1000, false).is_err(), "a gap");
+        assert!(check_mapped_in(maps, 0x6000, 1, false).is_err(), "past the end");
+        assert!(check_mapped_in(maps, 0, 1, false).is_err());
+        assert!(check_mapped_in(maps, u64::MAX, 2, false).is_err());
+        let v = vec![7u8; 10000];
+        assert!(check_mapped(v.as_ptr() as u64, 10000, true).is_ok());
+        assert!(check_mapped(8, 8, false).is_err());
+    }
     use crate::charge::Stats;
 
     /// The `/proc/self/smaps` entry of the mapping that holds `addr`.

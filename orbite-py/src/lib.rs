@@ -7,11 +7,12 @@
 //! last transfer that may touch it retired. Waits and copies release the
 //! GIL.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use orbite_core::{
-    Desc, Error, MemoryRange, Op, Permission, RegistrationId, RemoteSegment, Target, TransferEngine, TransferSpec,
-    TransferStatus,
+    Desc, Error, ExecutionPhase, HostMemory, MemoryRange, Op, Permission, RegistrationId, RemoteSegment, Target,
+    TransferEngine, TransferResult, TransferSpec, TransferStatus,
 };
 use pyo3::create_exception;
 use pyo3::exceptions::PyException;
@@ -37,6 +38,22 @@ fn err(e: Error) -> PyErr {
         Error::ResourceExhausted { .. } => ResourceExhausted::new_err(text),
         Error::Closed => Closed::new_err(text),
         _ => OrbiteError::new_err(text),
+    }
+}
+
+/// A timeout in seconds as a duration: negative and NaN are zero, and
+/// anything over a day (infinity included) is a day.
+fn seconds(timeout: f64) -> Duration {
+    Duration::from_secs_f64(if timeout.is_nan() { 0.0 } else { timeout.clamp(0.0, 86_400.0) })
+}
+
+/// The permission named by `remote`.
+fn permission(remote: &str) -> PyResult<Permission> {
+    match remote {
+        "none" => Ok(Permission::LocalOnly),
+        "read" => Ok(Permission::RemoteRead),
+        "readwrite" => Ok(Permission::RemoteReadWrite),
+        other => Err(MemoryError::new_err(format!("remote is none, read or readwrite, not {other:?}"))),
     }
 }
 
@@ -76,34 +93,77 @@ impl Engine {
         self.inner.source_epoch()
     }
 
-    /// Registers `length` bytes at address `address` of this process;
-    /// `keep` is held until the engine lets go of the memory (after the
-    /// last transfer that may touch it retired); `remote`: "none", "read"
-    /// or "readwrite", what peers may do with it. Returns its id. The
-    /// package's `Engine.register` finds the address of a buffer.
-    #[pyo3(signature = (address, length, keep, remote="readwrite"))]
+    /// Registers `length` bytes at address `address`: of this process's
+    /// memory when `device` is None (checked now to be mapped readable and
+    /// writable), else of CUDA device `device` (checked with the driver to
+    /// lie inside one allocation of it). `keep` is held until the engine
+    /// lets go of the memory (after the last transfer that may touch it
+    /// retired); `remote`: "none", "read" or "readwrite", what peers may do
+    /// with it. Returns its id. The package's `Engine.register` finds the
+    /// address of a buffer, an array or a tensor.
+    #[pyo3(signature = (address, length, keep, remote="readwrite", device=None))]
     fn register_address(
         &self,
         py: Python<'_>,
-        address: usize,
-        length: usize,
+        address: u64,
+        length: u64,
         keep: PyObject,
         remote: &str,
+        device: Option<u32>,
     ) -> PyResult<u64> {
-        let permission = match remote {
-            "none" => Permission::LocalOnly,
-            "read" => Permission::RemoteRead,
-            "readwrite" => Permission::RemoteReadWrite,
-            other => return Err(MemoryError::new_err(format!("remote is none, read or readwrite, not {other:?}"))),
-        };
+        let permission = permission(remote)?;
         if address == 0 || length == 0 {
             return Err(MemoryError::new_err("a null or empty range"));
         }
-        // SAFETY: the caller's promise (the package's `register` takes the
-        // address of a writable buffer whose export `keep` holds); the
-        // registration holds `keep` until the engine lets go of the range.
-        let range = unsafe { MemoryRange::borrowed(address as *mut u8, length, permission) };
+        let range = match device {
+            None => {
+                orbite_core::memory::check_mapped(address, length, true).map_err(|e| err(e.into()))?;
+                let len = usize::try_from(length).map_err(|_| MemoryError::new_err("length too large"))?;
+                // SAFETY: the range is mapped, readable and writable now
+                // (checked above); the caller's promise (the package's
+                // `register` takes the address of a writable buffer whose
+                // export `keep` holds) keeps it so until the registration
+                // lets go of `keep`.
+                unsafe { MemoryRange::borrowed(address as *mut u8, len, permission) }
+            }
+            // SAFETY: the driver checks the range is one allocation of the
+            // device; `keep` (the tensor) keeps the allocation alive until
+            // the engine lets go of it.
+            Some(d) => py
+                .allow_threads(|| unsafe { MemoryRange::cuda_borrowed(d, address, length, permission) })
+                .map_err(|e| err(e.into()))?,
+        };
         let range = range.with_owner_release(Box::new(move || Python::with_gil(|_| drop(keep))));
+        let ids = py.allow_threads(|| self.inner.register_memory_ranges(vec![range])).map_err(err)?;
+        Ok(ids[0].to_raw())
+    }
+
+    /// Allocates `nbytes` of zeroed, page-aligned host memory charged to
+    /// this engine; `shared`: a sealed memfd that same-host peers map and
+    /// copy into one-sided (the shm route), else private memory. The
+    /// package's `Engine.allocate` returns it as an array.
+    #[pyo3(signature = (nbytes, shared=true))]
+    fn allocate_host(&self, py: Python<'_>, nbytes: usize, shared: bool) -> PyResult<HostBuffer> {
+        let mem = py
+            .allow_threads(|| {
+                if shared { self.inner.allocate_shm_memory(nbytes) } else { self.inner.allocate_host_memory(nbytes) }
+            })
+            .map_err(err)?;
+        Ok(HostBuffer { mem })
+    }
+
+    /// Registers `length` bytes at `offset` of an allocation of this
+    /// engine (so a shared one is offered to same-host peers as such).
+    #[pyo3(signature = (buffer, offset, length, remote="readwrite"))]
+    fn register_host(
+        &self,
+        py: Python<'_>,
+        buffer: &HostBuffer,
+        offset: usize,
+        length: usize,
+        remote: &str,
+    ) -> PyResult<u64> {
+        let range = MemoryRange::host(&buffer.mem, offset, length, permission(remote)?).map_err(|e| err(e.into()))?;
         let ids = py.allow_threads(|| self.inner.register_memory_ranges(vec![range])).map_err(err)?;
         Ok(ids[0].to_raw())
     }
@@ -117,7 +177,7 @@ impl Engine {
     /// Opens a peer engine at `endpoint` (`epoch`: the one expected).
     #[pyo3(signature = (endpoint, epoch=None, timeout=10.0))]
     fn open_peer(&self, py: Python<'_>, endpoint: &str, epoch: Option<u64>, timeout: f64) -> PyResult<Peer> {
-        let t = Duration::from_secs_f64(timeout.max(0.0));
+        let t = seconds(timeout);
         let seg = py.allow_threads(|| self.inner.open_segment(endpoint, epoch, t)).map_err(err)?;
         Ok(Peer { seg })
     }
@@ -152,7 +212,7 @@ impl Engine {
         let mut spec = TransferSpec::new(op, &l, &r, target);
         spec.notification = notification.as_deref();
         let t = py.allow_threads(|| self.inner.prepare(&spec)).map_err(err)?;
-        Ok(Transfer { inner: std::sync::Mutex::new(Some(t)) })
+        Ok(Transfer { inner: std::sync::Mutex::new(Some(Arc::new(t))) })
     }
 
     /// Sends `payload` to `peer` as a notification.
@@ -176,6 +236,34 @@ impl Engine {
     }
 }
 
+/// Host memory this engine allocated (freed after the last array over it
+/// and the last registration of it are gone).
+#[pyclass(module = "orbite._orbite", frozen)]
+struct HostBuffer {
+    mem: HostMemory,
+}
+
+#[pymethods]
+impl HostBuffer {
+    /// Its address in this process.
+    #[getter]
+    fn address(&self) -> usize {
+        self.mem.as_ptr() as usize
+    }
+
+    /// Its length in bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.mem.len()
+    }
+
+    /// The name of its shared file, if it is shared.
+    #[getter]
+    fn shared_name(&self) -> Option<String> {
+        self.mem.shared_name().map(str::to_owned)
+    }
+}
+
 /// An opened peer.
 #[pyclass(module = "orbite._orbite", frozen)]
 struct Peer {
@@ -193,34 +281,124 @@ impl Peer {
     fn epoch(&self) -> u64 {
         self.seg.epoch()
     }
+
+    /// The peer's registration covering `address..address + length` in
+    /// the peer's address space (`device`: a CUDA ordinal for its device
+    /// memory), as `(registration, offset, length)`; None if no
+    /// registration of the peer this engine knows of covers it.
+    #[pyo3(signature = (address, length, device=None))]
+    fn range_at(&self, address: u64, length: u64, device: Option<u32>) -> Option<(u64, u64, u64)> {
+        self.seg.range_at(address, length, device).map(|d| (d.registration.to_raw(), d.offset, d.len))
+    }
+
+    /// Why the peer is lost, if it is.
+    #[getter]
+    fn lost(&self) -> Option<String> {
+        self.seg.lost()
+    }
 }
 
 /// A prepared transfer.
 #[pyclass(module = "orbite._orbite")]
 struct Transfer {
-    inner: std::sync::Mutex<Option<orbite_core::Transfer>>,
+    /// Taken out by `release`. The lock is held only to clone or take the
+    /// handle, never across a wait: a thread waiting without the GIL must
+    /// not hold what a thread holding the GIL waits for.
+    inner: std::sync::Mutex<Option<Arc<orbite_core::Transfer>>>,
 }
 
 impl Transfer {
     fn with<T>(&self, f: impl FnOnce(&orbite_core::Transfer) -> PyResult<T>) -> PyResult<T> {
-        let g = self.inner.lock().map_err(|_| OrbiteError::new_err("poisoned"))?;
-        let t = g.as_ref().ok_or_else(|| TransferError::new_err("the transfer was released"))?;
-        f(t)
+        let t = {
+            let g = self.inner.lock().map_err(|_| OrbiteError::new_err("poisoned"))?;
+            g.clone().ok_or_else(|| TransferError::new_err("the transfer was released"))?
+        };
+        f(&t)
     }
 }
 
-/// A retired execution's outcome as a dict.
-fn outcome(py: Python<'_>, status: TransferStatus) -> PyResult<Option<PyObject>> {
-    let TransferStatus::Retired(r) = status else { return Ok(None) };
-    let d = PyDict::new(py);
-    d.set_item("code", format!("{:?}", r.outcome.code))?;
-    d.set_item("success", r.outcome.is_success())?;
-    d.set_item("transferred_prefix", r.outcome.transferred_prefix)?;
-    d.set_item("transferred_bytes", r.outcome.transferred_bytes)?;
-    d.set_item("total_bytes", r.outcome.total_bytes)?;
-    d.set_item("remote_effect", format!("{:?}", r.outcome.remote_effect))?;
-    d.set_item("execution", r.receipt.execution)?;
-    Ok(Some(d.into_any().unbind()))
+/// A retired execution: its logical outcome and its retirement receipt.
+/// Also readable as a mapping (`outcome["success"]`).
+#[pyclass(module = "orbite._orbite", frozen, get_all)]
+struct Outcome {
+    /// How it ended: "Success", "Failed", "Cancelled", "Expired", ...
+    code: String,
+    /// Whether every byte landed.
+    success: bool,
+    /// Bytes known landed contiguously from the start.
+    transferred_prefix: u64,
+    /// All bytes known landed.
+    transferred_bytes: u64,
+    /// Bytes the transfer covers.
+    total_bytes: u64,
+    /// What the destination experienced: "None", "Complete", "Unknown", ...
+    remote_effect: String,
+    /// The execution's sequence number (1 for the first post).
+    execution: u64,
+    /// Tasks started, all ended (the receipt).
+    tasks_started: u32,
+    /// Tasks never started and never to be (the receipt).
+    tasks_never_started: u32,
+}
+
+#[pymethods]
+impl Outcome {
+    fn __getitem__<'py>(slf: &Bound<'py, Self>, key: &str) -> PyResult<Bound<'py, PyAny>> {
+        const KEYS: [&str; 9] = [
+            "code",
+            "success",
+            "transferred_prefix",
+            "transferred_bytes",
+            "total_bytes",
+            "remote_effect",
+            "execution",
+            "tasks_started",
+            "tasks_never_started",
+        ];
+        if !KEYS.contains(&key) {
+            return Err(pyo3::exceptions::PyKeyError::new_err(key.to_owned()));
+        }
+        slf.getattr(key)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Outcome(code={:?}, transferred_bytes={}, total_bytes={}, remote_effect={:?}, execution={})",
+            self.code, self.transferred_bytes, self.total_bytes, self.remote_effect, self.execution
+        )
+    }
+}
+
+impl From<TransferResult> for Outcome {
+    fn from(r: TransferResult) -> Self {
+        Outcome {
+            code: format!("{:?}", r.outcome.code),
+            success: r.outcome.is_success(),
+            transferred_prefix: r.outcome.transferred_prefix,
+            transferred_bytes: r.outcome.transferred_bytes,
+            total_bytes: r.outcome.total_bytes,
+            remote_effect: format!("{:?}", r.outcome.remote_effect),
+            execution: r.receipt.execution,
+            tasks_started: r.receipt.tasks_started,
+            tasks_never_started: r.receipt.tasks_never_started,
+        }
+    }
+}
+
+/// The outcome of a retired execution, else None.
+fn outcome(status: TransferStatus) -> Option<Outcome> {
+    status.result().map(Outcome::from)
+}
+
+/// A status as a word.
+fn status_word(status: &TransferStatus) -> &'static str {
+    match status {
+        TransferStatus::NotPosted => "not_posted",
+        TransferStatus::InProgress { phase: ExecutionPhase::Queued, .. } => "queued",
+        TransferStatus::InProgress { phase: ExecutionPhase::Running, .. } => "running",
+        TransferStatus::InProgress { phase: ExecutionPhase::Draining, .. } => "draining",
+        TransferStatus::Retired(_) => "retired",
+    }
 }
 
 #[pymethods]
@@ -237,31 +415,61 @@ impl Transfer {
     }
 
     /// One progress step: the outcome once retired, else None.
-    fn check(&self, py: Python<'_>) -> PyResult<Option<PyObject>> {
+    fn check(&self, py: Python<'_>) -> PyResult<Option<Outcome>> {
         let status = self.with(|t| Ok(py.allow_threads(|| t.check())))?;
-        outcome(py, status)
+        Ok(outcome(status))
+    }
+
+    /// Where it stands, without driving progress: "not_posted", "queued",
+    /// "running", "draining" or "retired".
+    #[getter]
+    fn status(&self) -> PyResult<&'static str> {
+        self.with(|t| Ok(status_word(&t.status())))
+    }
+
+    /// `await transfer` (asyncio): the outcome of the execution posted,
+    /// waited for on a thread of its own without the GIL.
+    fn __await__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        py.import("orbite._aio")?.call_method1("wait", (slf,))?.call_method0("__await__")
     }
 
     /// Waits (without the GIL) until the execution retired or `timeout`
     /// seconds passed: the outcome, or None.
     #[pyo3(signature = (timeout=30.0))]
-    fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<PyObject>> {
-        let d = Duration::from_secs_f64(timeout.max(0.0));
+    fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<Outcome>> {
+        let d = seconds(timeout);
         let status = self.with(|t| Ok(py.allow_threads(|| t.wait(d))))?;
-        outcome(py, status)
+        Ok(outcome(status))
     }
 
-    /// Releases it (refused while an execution is active).
-    fn release(&self) -> PyResult<()> {
-        let mut g = self.inner.lock().map_err(|_| OrbiteError::new_err("poisoned"))?;
-        let t = g.take().ok_or_else(|| TransferError::new_err("the transfer was released"))?;
-        match t.release() {
-            Ok(()) => Ok(()),
-            Err(refused) => {
-                let why = refused.error.to_string();
-                *g = Some(refused.transfer);
-                Err(TransferError::new_err(why))
+    /// Releases it (refused while an execution is active). A thread
+    /// whose wait or await just ended may still hold it for a moment: that
+    /// is waited out, for at most a second.
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(1);
+        loop {
+            {
+                let mut g = self.inner.lock().map_err(|_| OrbiteError::new_err("poisoned"))?;
+                let t = g.as_ref().ok_or_else(|| TransferError::new_err("the transfer was released"))?;
+                if Arc::strong_count(t) == 1 {
+                    let t = g.take().and_then(Arc::into_inner).ok_or_else(|| OrbiteError::new_err("lost"))?;
+                    return match t.release() {
+                        Ok(()) => Ok(()),
+                        Err(refused) => {
+                            let why = refused.error.to_string();
+                            *g = Some(Arc::new(refused.transfer));
+                            Err(TransferError::new_err(why))
+                        }
+                    };
+                }
+                if matches!(t.status(), TransferStatus::InProgress { .. }) || std::time::Instant::now() > deadline {
+                    return Err(TransferError::new_err(
+                        "the transfer is active, or in use by another thread (a wait or an await)",
+                    ));
+                }
             }
+            py.allow_threads(|| std::thread::sleep(Duration::from_millis(1)));
         }
     }
 }
@@ -272,6 +480,8 @@ fn _orbite(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Engine>()?;
     m.add_class::<Peer>()?;
     m.add_class::<Transfer>()?;
+    m.add_class::<Outcome>()?;
+    m.add_class::<HostBuffer>()?;
     m.add("OrbiteError", py.get_type::<OrbiteError>())?;
     m.add("ConfigError", py.get_type::<ConfigError>())?;
     m.add("MemoryError", py.get_type::<MemoryError>())?;

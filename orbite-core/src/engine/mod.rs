@@ -199,6 +199,15 @@ impl RemoteSegment {
         let v = self.peer.view();
         (v.registrations().values().cloned().collect(), v.version)
     }
+    /// The peer's registration that covers `addr..addr + len` in the
+    /// peer's address space, as a descriptor (`device`: the CUDA ordinal
+    /// for device memory, `None` for host memory); `None` where no
+    /// registration this engine knows of covers it.
+    pub fn range_at(&self, addr: u64, len: u64, device: Option<u32>) -> Option<crate::types::Desc> {
+        let v = self.peer.view();
+        let r = v.find_range(addr, len, |r| r.device == device)?;
+        Some(crate::types::Desc::new(r.id, addr - r.addr, len))
+    }
     /// Why the peer is lost, if it is.
     pub fn lost(&self) -> Option<String> {
         self.peer.link.lost()
