@@ -239,6 +239,19 @@ pub struct EngineConfig {
     /// Where to serve Prometheus/OpenMetrics text at `/metrics`
     /// (`host:port`; port 0 picks one). Default null: no endpoint.
     pub metrics_listen: Option<String>,
+    /// The metadata store peers are found through (feature `etcd`):
+    /// `"etcd://host:port[,host:port]"`. Default null: none.
+    pub metadata: Option<String>,
+    /// The name this engine publishes in `metadata`, with its endpoint,
+    /// epoch and routes (1 to 128 bytes of letters, digits and `. _ - :
+    /// /`; needs `metadata` and `listen`). Default null: not published.
+    pub name: Option<String>,
+    /// The TTL of the published name's lease: a dead engine's name is gone
+    /// within it (1 s to 1 h, whole seconds). Default 10000.
+    pub metadata_ttl_ms: u64,
+    /// The bound on each call to the metadata store (connecting, publishing,
+    /// resolving; 100 ms to 60 s). Default 5000.
+    pub metadata_timeout_ms: u64,
 }
 
 impl Default for EngineConfig {
@@ -296,6 +309,10 @@ impl Default for EngineConfig {
             rdma_qps_per_nic: 2,
             rdma_gid_index: None,
             metrics_listen: None,
+            metadata: None,
+            name: None,
+            metadata_ttl_ms: 10_000,
+            metadata_timeout_ms: 5_000,
         }
     }
 }
@@ -412,6 +429,22 @@ impl EngineConfig {
         }
         if self.peer_timeout_ms > 24 * 3_600_000 {
             return invalid("peer_timeout_ms", "must be at most one day");
+        }
+        if let Some(m) = &self.metadata {
+            crate::discovery::parse_store(m).map_err(|why| ConfigError::Invalid { field: "metadata", reason: why })?;
+        }
+        if let Some(n) = &self.name {
+            crate::discovery::check_name(n)
+                .map_err(|e| ConfigError::Invalid { field: "name", reason: e.to_string() })?;
+            if self.metadata.is_none() || self.listen.is_none() {
+                return invalid("name", "needs metadata (where to publish) and listen (what to publish)");
+            }
+        }
+        if !(1_000..=3_600_000).contains(&self.metadata_ttl_ms) || self.metadata_ttl_ms % 1000 != 0 {
+            return invalid("metadata_ttl_ms", "must be whole seconds from 1000 to 3600000");
+        }
+        if !(100..=60_000).contains(&self.metadata_timeout_ms) {
+            return invalid("metadata_timeout_ms", "must be 100 to 60000");
         }
         if let Some(a) = &self.advertise {
             crate::endpoint::validate_advertise(a)

@@ -47,6 +47,9 @@ pub enum Error {
     /// Operating system error (thread spawn, allocation).
     #[error("system error: {0}")]
     System(String),
+    /// Finding a peer by name, or publishing this engine's, failed.
+    #[error(transparent)]
+    Discovery(#[from] crate::discovery::DiscoveryError),
     /// Not supported by this build or on this machine (VRAM without
     /// feature `cuda`, a driver or a device; a transfer no route can
     /// serve); the reason names what is missing. Nothing changed.

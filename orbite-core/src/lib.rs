@@ -47,6 +47,7 @@ mod charge;
 pub mod codec;
 pub mod config;
 pub mod cuda;
+pub mod discovery;
 pub mod endpoint;
 mod engine;
 pub mod error;

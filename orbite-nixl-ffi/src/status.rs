@@ -131,6 +131,14 @@ impl From<Error> for Failure {
                 | PeerError::SegmentClosed
                 | PeerError::CloseFailed(_) => OrbiteStatus::RemoteDisconnect,
             },
+            Error::Discovery(d) => match d {
+                orbite_core::discovery::DiscoveryError::NotFound(_) => OrbiteStatus::NotFound,
+                orbite_core::discovery::DiscoveryError::NotConfigured
+                | orbite_core::discovery::DiscoveryError::NotBuilt(_) => OrbiteStatus::NotSupported,
+                orbite_core::discovery::DiscoveryError::InvalidName(_)
+                | orbite_core::discovery::DiscoveryError::Malformed { .. } => OrbiteStatus::InvalidArgument,
+                orbite_core::discovery::DiscoveryError::Unreachable { .. } => OrbiteStatus::RemoteDisconnect,
+            },
             Error::File(f) => match f {
                 FileError::InvalidPath(_) => OrbiteStatus::InvalidArgument,
                 FileError::Unsupported(_) => OrbiteStatus::NotSupported,

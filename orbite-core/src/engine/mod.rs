@@ -132,6 +132,8 @@ pub(crate) struct EngineInner {
     reactor: Mutex<Option<Arc<Reactor>>>,
     /// What the data path counts for `/metrics`.
     metrics: metrics::Metrics,
+    /// The metadata store (`metadata`) and the name published there.
+    discovery: crate::discovery::Link,
     /// The `/metrics` endpoint (`metrics_listen`), until close.
     metrics_server: Mutex<Option<metrics::MetricsServer>>,
     /// What layers above the engine add to `/metrics` (weakly).
@@ -198,15 +200,6 @@ impl RemoteSegment {
     pub fn registrations(&self) -> (Vec<ExportedRegistration>, u64) {
         let v = self.peer.view();
         (v.registrations().values().cloned().collect(), v.version)
-    }
-    /// The peer's registration that covers `addr..addr + len` in the
-    /// peer's address space, as a descriptor (`device`: the CUDA ordinal
-    /// for device memory, `None` for host memory); `None` where no
-    /// registration this engine knows of covers it.
-    pub fn range_at(&self, addr: u64, len: u64, device: Option<u32>) -> Option<crate::types::Desc> {
-        let v = self.peer.view();
-        let r = v.find_range(addr, len, |r| r.device == device)?;
-        Some(crate::types::Desc::new(r.id, addr - r.addr, len))
     }
     /// Why the peer is lost, if it is.
     pub fn lost(&self) -> Option<String> {
@@ -465,6 +458,8 @@ impl EngineInner {
 
     fn close(self: &Arc<Self>, timeout: Duration) -> CloseReport {
         self.life.closed.store(true, Ordering::Release);
+        // No one finds this engine by name any more.
+        self.discovery.close();
         // Queued work never starts: cancel it (proven not started).
         let (afters, grave) = {
             let mut a = self.admission.state.lock();
@@ -780,6 +775,7 @@ impl TransferEngine {
             metrics: metrics::Metrics::default(),
             metrics_server: Mutex::new(None),
             metrics_sources: Mutex::new(Vec::new()),
+            discovery: crate::discovery::Link::default(),
             config,
         });
         if let Some(bind) = inner.config.metrics_listen.clone() {
@@ -847,7 +843,24 @@ impl TransferEngine {
                 .map_err(|e| Error::System(e.to_string()))?;
             *inner.admission.worker.lock() = Some(t);
         }
-        Ok(TransferEngine { handle: Arc::new(EngineHandle { inner }) })
+        let engine = TransferEngine { handle: Arc::new(EngineHandle { inner }) };
+        // Published last, once the engine serves; a failure closes it (on
+        // drop) before the error is returned.
+        let inner = engine.inner();
+        let record = engine.endpoint().map(|endpoint| crate::discovery::Record {
+            endpoint,
+            epoch: inner.epoch,
+            routes: crate::discovery::served_routes(!inner.routes.rails.rails().is_empty()),
+        });
+        let c = &inner.config;
+        inner.discovery.start(
+            c.metadata.as_deref(),
+            c.name.as_deref(),
+            record,
+            Duration::from_millis(c.metadata_ttl_ms),
+            Duration::from_millis(c.metadata_timeout_ms),
+        )?;
+        Ok(engine)
     }
 
     /// Starts an engine from a JSON configuration (unknown fields rejected).
@@ -1164,6 +1177,27 @@ impl TransferEngine {
         timeout: Duration,
     ) -> Result<RemoteSegment, Error> {
         self.inner().open_segment(endpoint, expected_epoch, timeout)
+    }
+
+    /// Opens the peer published under `name` in the metadata store
+    /// (config `metadata`): resolves its endpoint and epoch there (bounded
+    /// by `metadata_timeout_ms`), then opens it as [`Self::open_segment`]
+    /// does, expecting that epoch. A peer that restarted is published
+    /// with its new epoch, so opening by name again reaches the new run
+    /// (and fences segments of the old one).
+    pub fn open_segment_by_name(&self, name: &str, timeout: Duration) -> Result<RemoteSegment, Error> {
+        let inner = self.inner();
+        if inner.is_closed() {
+            return Err(Error::Closed);
+        }
+        let record = inner.discovery.resolve(name)?;
+        inner.open_segment(&record.endpoint, Some(record.epoch), timeout)
+    }
+
+    /// What is published under `name` in the metadata store: the peer's
+    /// claim of its endpoint, epoch and routes (checked only when opened).
+    pub fn resolve_name(&self, name: &str) -> Result<crate::discovery::Record, Error> {
+        Ok(self.inner().discovery.resolve(name)?)
     }
 
     /// Asks the peer what changed in its registrations since this engine's
