@@ -26,6 +26,12 @@ create_exception!(_orbite, TransferError, OrbiteError, "A transfer the engine re
 create_exception!(_orbite, PeerError_, OrbiteError, "A peer that cannot be reached or used.");
 create_exception!(_orbite, ResourceExhausted, OrbiteError, "A budget of the engine is full.");
 create_exception!(_orbite, Closed, OrbiteError, "The engine is closed.");
+create_exception!(
+    _orbite,
+    DiscoveryError,
+    PeerError_,
+    "A name that cannot be published or resolved in the metadata store (etcd)."
+);
 
 /// The Python exception of an engine error.
 fn err(e: Error) -> PyErr {
@@ -37,6 +43,7 @@ fn err(e: Error) -> PyErr {
         Error::Peer(_) => PeerError_::new_err(text),
         Error::ResourceExhausted { .. } => ResourceExhausted::new_err(text),
         Error::Closed => Closed::new_err(text),
+        Error::Discovery(_) => DiscoveryError::new_err(text),
         _ => OrbiteError::new_err(text),
     }
 }
@@ -179,7 +186,28 @@ impl Engine {
     fn open_peer(&self, py: Python<'_>, endpoint: &str, epoch: Option<u64>, timeout: f64) -> PyResult<Peer> {
         let t = seconds(timeout);
         let seg = py.allow_threads(|| self.inner.open_segment(endpoint, epoch, t)).map_err(err)?;
-        Ok(Peer { seg })
+        Ok(Peer { seg, engine: self.inner.clone() })
+    }
+
+    /// Opens the peer published under `name` in the metadata store (config
+    /// `metadata`, feature `etcd`), expecting the epoch published there.
+    #[pyo3(signature = (name, timeout=10.0))]
+    fn open_peer_by_name(&self, py: Python<'_>, name: &str, timeout: f64) -> PyResult<Peer> {
+        let t = seconds(timeout);
+        let seg = py.allow_threads(|| self.inner.open_segment_by_name(name, t)).map_err(err)?;
+        Ok(Peer { seg, engine: self.inner.clone() })
+    }
+
+    /// What is published under `name` in the metadata store: a dict of
+    /// `endpoint`, `epoch` and `routes` (the peer's claim, checked only
+    /// when it is opened).
+    fn resolve_name<'py>(&self, py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyDict>> {
+        let r = py.allow_threads(|| self.inner.resolve_name(name)).map_err(err)?;
+        let d = PyDict::new(py);
+        d.set_item("endpoint", r.endpoint)?;
+        d.set_item("epoch", r.epoch)?;
+        d.set_item("routes", r.routes)?;
+        Ok(d)
     }
 
     /// Prepares a transfer: `op` "read" or "write", `local` and `remote`
@@ -268,6 +296,7 @@ impl HostBuffer {
 #[pyclass(module = "orbite._orbite", frozen)]
 struct Peer {
     seg: RemoteSegment,
+    engine: TransferEngine,
 }
 
 #[pymethods]
@@ -286,9 +315,22 @@ impl Peer {
     /// the peer's address space (`device`: a CUDA ordinal for its device
     /// memory), as `(registration, offset, length)`; None if no
     /// registration of the peer this engine knows of covers it.
+    /// The view is refreshed first if the peer announced changes.
     #[pyo3(signature = (address, length, device=None))]
-    fn range_at(&self, address: u64, length: u64, device: Option<u32>) -> Option<(u64, u64, u64)> {
-        self.seg.range_at(address, length, device).map(|d| (d.registration.to_raw(), d.offset, d.len))
+    fn range_at(
+        &self,
+        py: Python<'_>,
+        address: u64,
+        length: u64,
+        device: Option<u32>,
+    ) -> PyResult<Option<(u64, u64, u64)>> {
+        let found = py
+            .allow_threads(|| self.engine.find_remote_registration(&self.seg, address, length, |r| r.device == device));
+        match found {
+            Ok(r) => Ok(Some((r.id.to_raw(), address - r.addr, length))),
+            Err(Error::Peer(orbite_core::PeerError::RangeNotRegistered { .. })) => Ok(None),
+            Err(e) => Err(err(e)),
+        }
     }
 
     /// Why the peer is lost, if it is.
@@ -489,5 +531,6 @@ fn _orbite(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PeerError", py.get_type::<PeerError_>())?;
     m.add("ResourceExhausted", py.get_type::<ResourceExhausted>())?;
     m.add("Closed", py.get_type::<Closed>())?;
+    m.add("DiscoveryError", py.get_type::<DiscoveryError>())?;
     Ok(())
 }

@@ -23,6 +23,7 @@ import ctypes
 from orbite._orbite import (  # noqa: F401
     Closed,
     ConfigError,
+    DiscoveryError,
     HostBuffer,
     MemoryError,
     OrbiteError,
@@ -47,6 +48,7 @@ __all__ = [
     "PeerError",
     "ResourceExhausted",
     "Closed",
+    "DiscoveryError",
 ]
 
 # DLPack's device types (dlpack.h): host memory, CUDA device memory, and
