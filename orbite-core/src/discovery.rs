@@ -236,7 +236,9 @@ mod store {
 
     /// A connection to the store, and the name this engine holds there.
     pub struct Directory {
-        rt: tokio::runtime::Runtime,
+        /// Its own runtime; shut down without blocking on drop (which may
+        /// happen inside a caller's runtime).
+        rt: std::mem::ManuallyDrop<tokio::runtime::Runtime>,
         client: Client,
         store: String,
         timeout: Duration,
@@ -282,7 +284,13 @@ mod store {
                 c.status().await?;
                 Ok(c)
             })?;
-            Ok(Directory { rt, client, store: metadata.to_owned(), timeout, held: Mutex::new(None) })
+            Ok(Directory {
+                rt: std::mem::ManuallyDrop::new(rt),
+                client,
+                store: metadata.to_owned(),
+                timeout,
+                held: Mutex::new(None),
+            })
         }
 
         /// Publishes `record` under `name` with a lease of `ttl`, kept
@@ -340,6 +348,9 @@ mod store {
     impl Drop for Directory {
         fn drop(&mut self) {
             self.withdraw();
+            // SAFETY: taken once, here, and never used again.
+            let rt = unsafe { std::mem::ManuallyDrop::take(&mut self.rt) };
+            rt.shutdown_background();
         }
     }
 
