@@ -23,7 +23,12 @@ create_exception!(_orbite, OrbiteError, PyException, "An error of the engine.");
 create_exception!(_orbite, ConfigError, OrbiteError, "A configuration the engine refuses.");
 create_exception!(_orbite, MemoryError, OrbiteError, "Memory that cannot be registered.");
 create_exception!(_orbite, TransferError, OrbiteError, "A transfer the engine refuses.");
-create_exception!(_orbite, PeerError_, OrbiteError, "A peer that cannot be reached or used.");
+/// `PeerError` in a module of its own: its name is the Python class's,
+/// and orbite_core has a `PeerError` too.
+mod peer_error {
+    pyo3::create_exception!(_orbite, PeerError, super::OrbiteError, "A peer that cannot be reached or used.");
+}
+use peer_error::PeerError as PeerError_;
 create_exception!(_orbite, ResourceExhausted, OrbiteError, "A budget of the engine is full.");
 create_exception!(_orbite, Closed, OrbiteError, "The engine is closed.");
 create_exception!(

@@ -225,3 +225,60 @@ def test_device_memory_registers_by_address_and_device():
     e.deregister(dev)
     e.close()
     assert cu.cuMemFree_v2(dptr) == 0
+
+
+def test_what_a_python_caller_can_send_is_checked():
+    e = orbite.Engine()
+    host = e.allocate_host(4096)
+    refusals = [
+        (orbite.MemoryError, lambda: e.allocate(0)),
+        (orbite.ResourceExhausted, lambda: e.allocate(1 << 62)),
+        (OverflowError, lambda: e.allocate(-1)),
+        (orbite.MemoryError, lambda: e.register_host(host, 4000, 200)),
+        (orbite.MemoryError, lambda: e.register_address(1 << 47, 4096, None)),
+        (orbite.MemoryError, lambda: e.register_address(0x1000, (1 << 64) - 1, None)),
+        (orbite.MemoryError, lambda: e.register_address(8, 8, None, "superuser")),
+        (orbite.MemoryError, lambda: e.prepare("write", [((1 << 64) - 1, 0, 1)], [(0, 0, 1)])),
+        (orbite.MemoryError, lambda: e.deregister(12345)),
+        (orbite.PeerError, lambda: e.open_peer("x" * 10000, timeout=0.5)),
+        (orbite.PeerError, lambda: e.open_peer("127.0.0.1:1", timeout=float("inf"))),
+        (orbite.DiscoveryError, lambda: e.resolve_name("x")),
+    ]
+    for exc, f in refusals:
+        with pytest.raises(exc):
+            f()
+    assert orbite.PeerError.__name__ == "PeerError"
+    # The engine kept serving, and holds nothing of the refused calls.
+    src, dst = np.ones(1 << 16, dtype=np.uint8), np.zeros(1 << 16, dtype=np.uint8)
+    a, b = e.register(src), e.register(dst)
+    assert copy(e, a, b, 1 << 16).success and (dst == 1).all()
+    e.close()
+
+
+def test_a_cuda_tensor_registers_as_device_memory():
+    cu = _cuda()
+    if cu is None:
+        if os.environ.get("ORBITE_CUDA_REQUIRED") == "1":
+            pytest.fail("no CUDA driver (ORBITE_CUDA_REQUIRED=1)")
+        pytest.skip("no CUDA driver")
+    n = 1 << 16
+    dptr = ctypes.c_uint64()
+    assert cu.cuMemAlloc_v2(ctypes.byref(dptr), ctypes.c_size_t(n)) == 0
+
+    class CudaTensor(FakeTensor):  # torch.cuda tensor's view of itself
+        def __init__(self):
+            super().__init__(np.zeros(n, dtype=np.uint8), device="cuda")
+            self.device.index = 0
+
+        def data_ptr(self):
+            return dptr.value
+
+    e = orbite.Engine()
+    host = np.full(n, 9, dtype=np.uint8)
+    back = np.zeros_like(host)
+    h, b, d = e.register(host), e.register(back), e.register(CudaTensor())
+    assert copy(e, h, d, n).success and copy(e, b, d, n, op="read").success
+    assert (back == 9).all()
+    e.deregister(d)
+    e.close()
+    assert cu.cuMemFree_v2(dptr) == 0
