@@ -305,7 +305,8 @@ mod store {
             let id =
                 run(&self.rt, self.timeout, &self.store, async move { grant_and_put(&mut c, &k, &v, ttl_s).await })?;
             let lease = Arc::new(std::sync::atomic::AtomicI64::new(id));
-            let keeper = self.rt.spawn(keep_alive(self.client.clone(), key.clone(), value, ttl_s, lease.clone()));
+            let keeper =
+                self.rt.spawn(keep_alive(self.client.clone(), key.clone(), value, ttl_s, lease.clone(), self.timeout));
             if let Some(old) = self.held.lock().replace(Held { key, lease, keeper }) {
                 old.keeper.abort();
             }
@@ -361,63 +362,119 @@ mod store {
         Ok(id)
     }
 
-    /// Keeps the lease alive at a third of its TTL. When the store is
-    /// unreachable, tries again every half second; when the lease expired
-    /// meanwhile, grants a new one and publishes the record again.
+    /// Grants a lease and puts the record under it only if the name is
+    /// free: `None` (the new lease revoked) if another engine published
+    /// under it meanwhile, which then keeps it.
+    async fn grant_and_put_if_free(
+        c: &mut Client,
+        key: &str,
+        value: &[u8],
+        ttl_s: i64,
+    ) -> Result<Option<i64>, etcd_client::Error> {
+        use etcd_client::{Compare, CompareOp, Txn, TxnOp};
+        let id = c.lease_grant(ttl_s, None).await?.id();
+        let txn = Txn::new().when([Compare::create_revision(key, CompareOp::Equal, 0)]).and_then([TxnOp::put(
+            key,
+            value,
+            Some(PutOptions::new().with_lease(id)),
+        )]);
+        if c.txn(txn).await?.succeeded() {
+            return Ok(Some(id));
+        }
+        c.lease_revoke(id).await?;
+        Ok(None)
+    }
+
+    /// Why keeping a lease alive stopped.
+    enum Stop {
+        /// The store says the lease is gone: grant a new one.
+        Expired,
+        /// The store did not answer (or failed): try again.
+        Away(String),
+    }
+
+    /// An error of the store, as a reason to stop: a keep-alive answered
+    /// with no TTL ("lease not found" from the client) or NotFound from
+    /// the store mean the lease expired; anything else, the store away.
+    fn stop_for(e: etcd_client::Error) -> Stop {
+        match &e {
+            etcd_client::Error::LeaseKeepAliveError(why) if why.contains("not found") => Stop::Expired,
+            etcd_client::Error::GRpcStatus(s) if s.code() == tonic::Code::NotFound => Stop::Expired,
+            _ => Stop::Away(e.to_string()),
+        }
+    }
+
+    /// Keeps the lease alive at a third of its TTL, each exchange bounded
+    /// by `bound`. When the store is away, tries again every half second;
+    /// when the lease expired meanwhile, grants a new one and publishes the
+    /// record again, unless another engine took the name meanwhile.
     async fn keep_alive(
         mut c: Client,
         key: String,
         value: Vec<u8>,
         ttl_s: i64,
         lease: Arc<std::sync::atomic::AtomicI64>,
+        bound: Duration,
     ) {
         use std::sync::atomic::Ordering;
         let period = Duration::from_millis((ttl_s as u64 * 1000 / 3).max(200));
-        let mut failing = false;
+        let mut away = false;
         loop {
             let id = lease.load(Ordering::Acquire);
-            let step = async {
-                let (mut keeper, mut stream) = c.lease_keep_alive(id).await?;
-                loop {
-                    keeper.keep_alive().await?;
-                    match stream.message().await? {
-                        Some(r) if r.ttl() > 0 => {}
-                        _ => return Ok::<bool, etcd_client::Error>(true), // expired
+            let stop = match tokio::time::timeout(bound, c.lease_keep_alive(id)).await {
+                Err(_) => Stop::Away("timed out".into()),
+                Ok(Err(e)) => stop_for(e),
+                Ok(Ok((mut keeper, mut stream))) => loop {
+                    let renewed = tokio::time::timeout(bound, async {
+                        keeper.keep_alive().await?;
+                        stream.message().await
+                    })
+                    .await;
+                    match renewed {
+                        Ok(Ok(Some(r))) if r.ttl() > 0 => {
+                            if away {
+                                log::info!(target: crate::logs::ENGINE, "metadata store: {key} kept alive again");
+                                away = false;
+                            }
+                            tokio::time::sleep(period).await;
+                        }
+                        Ok(Ok(_)) => break Stop::Expired,
+                        Ok(Err(e)) => break stop_for(e),
+                        Err(_) => break Stop::Away("timed out".into()),
                     }
-                    tokio::time::sleep(period).await;
-                }
+                },
             };
-            let expired = match tokio::time::timeout(period * 3, step).await {
-                Ok(Ok(expired)) => expired,
-                Ok(Err(e)) => {
-                    if !failing {
-                        log::warn!(target: crate::logs::ENGINE, "metadata store: keeping {key} alive failed: {e}");
+            match stop {
+                Stop::Away(why) => {
+                    if !away {
+                        log::warn!(target: crate::logs::ENGINE, "metadata store: keeping {key} alive failed: {why}");
                     }
-                    failing = true;
-                    // An expired lease: the client reports a keep-alive
-                    // answered with no TTL ("lease not found"), the store
-                    // NotFound. Anything else is the store being away.
-                    match &e {
-                        etcd_client::Error::LeaseKeepAliveError(why) => why.contains("not found"),
-                        etcd_client::Error::GRpcStatus(s) => s.code() == tonic::Code::NotFound,
-                        _ => false,
-                    }
+                    away = true;
                 }
-                Err(_) => {
-                    failing = true;
-                    false
-                }
-            };
-            if expired {
-                match grant_and_put(&mut c, &key, &value, ttl_s).await {
-                    Ok(new) => {
-                        lease.store(new, Ordering::Release);
-                        log::info!(target: crate::logs::ENGINE, "metadata store: published {key} again");
-                        failing = false;
-                        continue;
-                    }
-                    Err(e) => {
-                        log::debug!(target: crate::logs::ENGINE, "metadata store: publishing {key} again failed: {e}");
+                Stop::Expired => {
+                    match tokio::time::timeout(bound, grant_and_put_if_free(&mut c, &key, &value, ttl_s)).await {
+                        Ok(Ok(Some(new))) => {
+                            lease.store(new, Ordering::Release);
+                            log::info!(target: crate::logs::ENGINE, "metadata store: published {key} again");
+                            away = false;
+                            continue;
+                        }
+                        Ok(Ok(None)) => {
+                            // A newer run (a replacement) took the name while
+                            // this one was away: it keeps it.
+                            log::warn!(
+                                target: crate::logs::ENGINE,
+                                "metadata store: {key} was published by another engine while this one was away; \
+                                 not taking it back"
+                            );
+                            return;
+                        }
+                        Ok(Err(e)) => {
+                            log::debug!(target: crate::logs::ENGINE, "metadata store: publishing {key} again: {e}")
+                        }
+                        Err(_) => {
+                            log::debug!(target: crate::logs::ENGINE, "metadata store: publishing {key} again timed out")
+                        }
                     }
                 }
             }

@@ -418,7 +418,23 @@ fn a_partition_from_the_store_longer_than_the_ttl_heals_by_publishing_again() {
     };
     println!("published again {} ms after the partition healed", t0.elapsed().as_millis());
     assert_eq!((rec.endpoint, rec.epoch), (target.endpoint().unwrap(), target.source_epoch()));
+
+    // Cut off again, and replaced meanwhile under the same name: healed,
+    // the first engine does not take the name back from its replacement.
+    relay.set_cut(true);
+    let t0 = Instant::now();
+    while init.resolve_name("prefill-3").is_ok() {
+        assert!(t0.elapsed() < Duration::from_secs(6), "the name outlived its lease");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let replacement = named(&etcd.url(), "prefill-3", "");
+    relay.set_cut(false);
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(init.resolve_name("prefill-3").unwrap().epoch, replacement.source_epoch());
     drop(seg);
+    // Closing the first engine leaves the replacement's name alone.
     let _ = target.close();
+    assert_eq!(init.resolve_name("prefill-3").unwrap().epoch, replacement.source_epoch());
+    let _ = replacement.close();
     assert!(init.resolve_name("prefill-3").is_err(), "withdrawn on close");
 }
