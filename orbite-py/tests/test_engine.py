@@ -89,3 +89,11 @@ def test_the_examples_of_docs_python_md_run():
     assert blocks, "docs/python.md has examples"
     for code in blocks:
         exec(compile(code, "docs/python.md", "exec"), {})
+
+
+def test_an_engine_is_a_context_manager():
+    with orbite.Engine() as e:
+        buf = bytearray(4096)
+        e.register(buf)
+    with pytest.raises(orbite.Closed):
+        e.register(bytearray(4096))

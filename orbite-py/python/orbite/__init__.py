@@ -217,6 +217,14 @@ class Engine(_Engine):
                 return self.register_host(buf, address - buf.address, length, remote)
         return self.register_address(address, length, keep, remote, device)
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        """Closes the engine (drains what runs, within its close timeout)."""
+        self.close()
+        return False
+
     def allocate(self, nbytes, shared=True):
         """Allocates `nbytes` of zeroed, page-aligned host memory charged to
         this engine and returns it as a numpy uint8 array (a memoryview
