@@ -97,3 +97,7 @@ def test_an_engine_is_a_context_manager():
         e.register(buf)
     with pytest.raises(orbite.Closed):
         e.register(bytearray(4096))
+
+
+def test_the_package_says_its_version():
+    assert orbite.__version__ == "0.1.0"

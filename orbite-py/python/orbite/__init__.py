@@ -36,7 +36,15 @@ from orbite._orbite import (  # noqa: F401
 )
 from orbite._orbite import Engine as _Engine
 
+try:
+    from importlib.metadata import version as _version
+
+    __version__ = _version("orbite")
+except Exception:  # noqa: BLE001 (not installed as a distribution)
+    __version__ = "0+unknown"
+
 __all__ = [
+    "__version__",
     "Engine",
     "Peer",
     "Transfer",
