@@ -6,6 +6,9 @@ from Rust by `orbite bench`, alternating, in one run.
 
     python w1_overhead.py --orbite target/release/orbite [--routes tcp,cma] [--runs 3]
 
+with the package from a release wheel (`maturin build --release`): the
+wheel `scripts/python-tests` builds is unoptimised.
+
 Both sides use the same target process (`orbite bench-target`, 256 MiB
 registered) and the bench's engine configuration (the progress worker on).
 GB/s is bytes moved over the summed time of the executions, as
