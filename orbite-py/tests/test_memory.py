@@ -282,3 +282,58 @@ def test_a_cuda_tensor_registers_as_device_memory():
     e.deregister(d)
     e.close()
     assert cu.cuMemFree_v2(dptr) == 0
+
+
+def test_a_cuda_dlpack_tensor_registers_as_device_memory():
+    """A producer like CuPy or JAX: a `dltensor` capsule of CUDA memory
+    (kDLCUDA), built here over driver-shim memory."""
+    cu = _cuda()
+    if cu is None:
+        if os.environ.get("ORBITE_CUDA_REQUIRED") == "1":
+            pytest.fail("no CUDA driver (ORBITE_CUDA_REQUIRED=1)")
+        pytest.skip("no CUDA driver")
+    import orbite as pkg
+
+    n = 1 << 16
+    dptr = ctypes.c_uint64()
+    assert cu.cuMemAlloc_v2(ctypes.byref(dptr), ctypes.c_size_t(n)) == 0
+
+    class Managed(ctypes.Structure):
+        _fields_ = [("dl_tensor", pkg._DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", ctypes.c_void_p)]
+
+    shape = (ctypes.c_int64 * 1)(n // 4)
+    managed = Managed()
+    managed.dl_tensor.data = dptr.value
+    managed.dl_tensor.device = pkg._DLDevice(2, 0)  # kDLCUDA, device 0
+    managed.dl_tensor.ndim = 1
+    managed.dl_tensor.dtype = pkg._DLDataType(2, 32, 1)  # float32
+    managed.dl_tensor.shape = shape
+    managed.dl_tensor.strides = None
+    managed.dl_tensor.byte_offset = 0
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype = ctypes.py_object
+    new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+
+    class CudaArray:
+        def __dlpack__(self, **kw):
+            return new(ctypes.addressof(managed), b"dltensor", None)
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    e = orbite.Engine()
+    host = np.full(n, 4, dtype=np.uint8)
+    back = np.zeros_like(host)
+    h, b, d = e.register(host), e.register(back), e.register(CudaArray())
+    assert copy(e, h, d, n).success and copy(e, b, d, n, op="read").success
+    assert (back == 4).all()
+
+    class Metal(CudaArray):
+        def __dlpack_device__(self):
+            return (8, 0)  # kDLMetal: neither host nor CUDA
+
+    with pytest.raises(orbite.MemoryError, match="not host or CUDA"):
+        e.register(Metal())
+    e.deregister(d)
+    e.close()
+    assert cu.cuMemFree_v2(dptr) == 0
