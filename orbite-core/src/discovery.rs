@@ -509,14 +509,6 @@ mod store {
             }
         }
     }
-
-    impl Directory {
-        /// The lease the name is held under now (tests).
-        #[doc(hidden)]
-        pub fn lease(&self) -> Option<i64> {
-            self.held.lock().as_ref().map(|h| h.lease.load(std::sync::atomic::Ordering::Acquire))
-        }
-    }
 }
 
 #[cfg(test)]
