@@ -187,7 +187,7 @@ def test_a_same_host_peer_copies_into_a_shared_allocation():
     target.close()
 
 
-def _cuda():
+def _driver():
     """The CUDA driver (the shim in CI), with a context current, or None."""
     try:
         cu = ctypes.CDLL("libcuda.so.1")
@@ -201,12 +201,19 @@ def _cuda():
     return cu
 
 
-def test_device_memory_registers_by_address_and_device():
-    cu = _cuda()
+def _cuda():
+    """The CUDA driver; the test fails without it where the test script
+    requires it (ORBITE_CUDA_REQUIRED), else skips."""
+    cu = _driver()
     if cu is None:
         if os.environ.get("ORBITE_CUDA_REQUIRED") == "1":
             pytest.fail("no CUDA driver (ORBITE_CUDA_REQUIRED=1)")
         pytest.skip("no CUDA driver (the test script puts the shim on LD_LIBRARY_PATH)")
+    return cu
+
+
+def test_device_memory_registers_by_address_and_device():
+    cu = _cuda()
     n = 1 << 20
     dptr = ctypes.c_uint64()
     assert cu.cuMemAlloc_v2(ctypes.byref(dptr), ctypes.c_size_t(n)) == 0
@@ -257,10 +264,6 @@ def test_what_a_python_caller_can_send_is_checked():
 
 def test_a_cuda_tensor_registers_as_device_memory():
     cu = _cuda()
-    if cu is None:
-        if os.environ.get("ORBITE_CUDA_REQUIRED") == "1":
-            pytest.fail("no CUDA driver (ORBITE_CUDA_REQUIRED=1)")
-        pytest.skip("no CUDA driver")
     n = 1 << 16
     dptr = ctypes.c_uint64()
     assert cu.cuMemAlloc_v2(ctypes.byref(dptr), ctypes.c_size_t(n)) == 0
@@ -288,10 +291,6 @@ def test_a_cuda_dlpack_tensor_registers_as_device_memory():
     """A producer like CuPy or JAX: a `dltensor` capsule of CUDA memory
     (kDLCUDA), built here over driver-shim memory."""
     cu = _cuda()
-    if cu is None:
-        if os.environ.get("ORBITE_CUDA_REQUIRED") == "1":
-            pytest.fail("no CUDA driver (ORBITE_CUDA_REQUIRED=1)")
-        pytest.skip("no CUDA driver")
     import orbite as pkg
 
     n = 1 << 16
