@@ -217,7 +217,8 @@
  `OrbiteXferSpec::flags`: the remote descriptors name ranges by address
  in the peer (`offset` is the address, `registration` is ignored); each
  resolves at prepare to a registration of the peer's current description
- that covers it (refreshed if the peer announced changes or lacks it).
+ that covers it (refreshed if the peer announced changes or lacks it, or
+ if it refuses a registration so resolved as no longer live).
  */
 #define ORBITE_XFER_REMOTE_BY_ADDRESS 2
 

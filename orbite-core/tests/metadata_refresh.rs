@@ -134,6 +134,60 @@ fn the_same_range_registered_again_is_reached_by_address_without_an_explicit_ref
 }
 
 #[test]
+fn a_range_registered_again_before_the_peer_announced_it_is_reached_by_address() {
+    // A same-host peer: its one-sided routes borrow the ranges at prepare,
+    // so a registration the view still names but the peer gave up is
+    // refused there.
+    let t = engine(r#"{"listen": "127.0.0.1:0"}"#);
+    let i = engine(r#"{"peer_timeout_ms": 10000}"#);
+    let mem = t.allocate_host_memory(1 << 20).unwrap();
+    let reg = |t: &TransferEngine| {
+        t.register_memory_ranges(vec![MemoryRange::host(&mem, 0, 1 << 20, Permission::RemoteReadWrite).unwrap()])
+            .unwrap()[0]
+    };
+    let first = reg(&t);
+    let seg = open(&i, &t);
+    let ranges = [(mem.as_ptr() as u64 + 100, 1000)];
+    let resolved = |i: &TransferEngine| i.resolve_remote_ranges(&seg, Op::Write, &ranges).unwrap()[0].registration;
+    assert_eq!(resolved(&i), first);
+    let src = region(&i, 1000, Permission::LocalOnly);
+    fill(&src.mem, 11);
+    let local = [Desc::new(src.id, 0, 1000)];
+    let spec = TransferSpec::new(Op::Write, &local, &[], Target::Peer(&seg));
+
+    // The peer deregisters the range and registers it again, and its
+    // announcement has not arrived: the view still names the first
+    // registration.
+    t.withhold_watch_pushes_for_tests(true);
+    t.deregister(first).unwrap();
+    let second = reg(&t);
+    assert_eq!(resolved(&i), first);
+    // The peer refuses it at prepare; the view is refreshed and the range
+    // resolved again, to the registration that now covers it.
+    let x = i.prepare_by_address(&spec, &ranges).unwrap();
+    assert!(matches!(x.route().route, Route::Cma | Route::Shm), "{:?}", x.route());
+    x.post().unwrap();
+    let res = x.wait(WAIT).result().expect("retired");
+    assert!(res.outcome.is_success(), "{res:?}");
+    x.release().unwrap();
+    assert_eq!(snapshot(&mem)[100..1100], snapshot(&src.mem)[..]);
+    assert_eq!(resolved(&i), second);
+
+    // A range given up without a new registration is refused after the
+    // one refresh, with the range named.
+    t.deregister(second).unwrap();
+    match i.prepare_by_address(&spec, &ranges) {
+        Err(Error::Peer(PeerError::RangeNotRegistered { addr, len })) => assert_eq!((addr, len), ranges[0]),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    // Only a peer's memory is named by address.
+    let own = TransferSpec::new(Op::Write, &local, &[], Target::Loopback);
+    assert!(matches!(i.prepare_by_address(&own, &ranges), Err(Error::NotSupported(_))));
+    t.withhold_watch_pushes_for_tests(false);
+    assert_eq!((i.stats().executions, i.stats().prepared_transfers), (0, 0));
+}
+
+#[test]
 fn large_changes_arrive_in_pages_that_fit_the_frame_limit() {
     let t = target();
     // Small frames on the initiator: 300 new registrations take several

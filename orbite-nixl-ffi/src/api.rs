@@ -1204,17 +1204,18 @@ unsafe fn prepare(
     let local: Vec<Desc> = handles::registrations(&e, local.iter().map(|d| d.registration), |i, id| {
         Desc::new(id, local[i].offset, local[i].len)
     })?;
-    let remote: Vec<Desc> = match (s.flags & ORBITE_XFER_REMOTE_BY_ADDRESS != 0, &p) {
+    // A peer's ranges by address resolve at prepare (`ranges`); the rest
+    // name their registrations.
+    let by_address = s.flags & ORBITE_XFER_REMOTE_BY_ADDRESS != 0;
+    let ranges: Vec<(u64, u64)> = remote.iter().map(|d| (d.offset, d.len)).collect();
+    let remote: Vec<Desc> = match (by_address, &p) {
         (false, _) => {
             remote.iter().map(|d| Desc::new(RegistrationId::from_raw(d.registration), d.offset, d.len)).collect()
         }
-        (true, Some(p)) => {
-            let ranges: Vec<(u64, u64)> = remote.iter().map(|d| (d.offset, d.len)).collect();
-            match &p.segment {
-                Some(seg) => e.engine.resolve_remote_ranges(seg, op, &ranges)?,
-                None => resolve_own(&e.engine, op, &ranges)?,
-            }
-        }
+        (true, Some(p)) => match &p.segment {
+            Some(_) => Vec::new(),
+            None => resolve_own(&e.engine, op, &ranges)?,
+        },
         (true, None) => return fail(OrbiteStatus::InvalidArgument, "file extents are not addresses"),
     };
     let target = match (&p, &f) {
@@ -1235,7 +1236,10 @@ unsafe fn prepare(
         notification,
     };
     let child = Child::new(&e)?;
-    let transfer = e.engine.prepare(&spec)?;
+    let transfer = match target {
+        Target::Peer(_) if by_address => e.engine.prepare_by_address(&spec, &ranges)?,
+        _ => e.engine.prepare(&spec)?,
+    };
     let raw = handles::insert(Object::Transfer(Arc::new(XferObj { _child: child, transfer })))?;
     // SAFETY: non-null and aligned (checked), writable.
     unsafe { *out = OrbiteXfer { raw } };

@@ -91,7 +91,8 @@ pub const ORBITE_ADVERTISE_LOOPBACK_FALLBACK: u32 = 5;
 /// `OrbiteXferSpec::flags`: the remote descriptors name ranges by address
 /// in the peer (`offset` is the address, `registration` is ignored); each
 /// resolves at prepare to a registration of the peer's current description
-/// that covers it (refreshed if the peer announced changes or lacks it).
+/// that covers it (refreshed if the peer announced changes or lacks it, or
+/// if it refuses a registration so resolved as no longer live).
 pub const ORBITE_XFER_REMOTE_BY_ADDRESS: u32 = 2;
 
 /// `OrbiteMemRegion::kind`: host DRAM.

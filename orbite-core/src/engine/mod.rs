@@ -43,6 +43,7 @@ use crate::transport::reactor::Reactor;
 use crate::transport::routes::Reach;
 use crate::transport::server::Server;
 use crate::types::{RegistrationId, Resource};
+use crate::wire::RemoteStatus;
 use transfer::Peer;
 use transfer::{Cell, Owners, PlanTarget, RouteTask, TransferShared};
 
@@ -1237,6 +1238,34 @@ impl TransferEngine {
         self.inner().resolve_remote(&segment.peer, op, ranges)
     }
 
+    /// [`Self::prepare`] for a peer's ranges named by their address in it
+    /// (`spec.remote` is not read): each resolves as in
+    /// [`Self::resolve_remote_ranges`]. A peer that refuses a registration
+    /// so resolved as no longer live (it deregistered it, and the view had
+    /// not heard yet) gets the view refreshed and the ranges resolved once
+    /// more: a range registered again is reached, a range given up is
+    /// refused with `PeerError::RangeNotRegistered`.
+    pub fn prepare_by_address(&self, spec: &TransferSpec<'_>, ranges: &[(u64, u64)]) -> Result<Transfer, Error> {
+        let Target::Peer(segment) = spec.target else {
+            return Err(Error::NotSupported("ranges by address name a peer's memory".into()));
+        };
+        let inner = self.inner();
+        let mut refreshed = false;
+        loop {
+            let remote = inner.resolve_remote(&segment.peer, spec.op, ranges)?;
+            match self.prepare(&TransferSpec { remote: &remote, ..*spec }) {
+                Err(Error::Peer(PeerError::Refused { status, .. }))
+                    if !refreshed
+                        && matches!(status, RemoteStatus::StaleRegistration | RemoteStatus::UnknownRegistration) =>
+                {
+                    inner.refresh(&segment.peer)?;
+                    refreshed = true;
+                }
+                done => return done,
+            }
+        }
+    }
+
     /// How a live registration of this engine is exported to peers (`None`
     /// for a stale id or one peers may not target).
     pub fn exported_registration(&self, id: RegistrationId) -> Option<crate::segment::ExportedRegistration> {
@@ -1293,6 +1322,13 @@ impl TransferEngine {
     /// denial, as a kernel that forbids cross-memory access would.
     pub fn deny_cma_for_tests(&self, on: bool) {
         self.fault_control().deny_cma(on);
+    }
+
+    /// Test-only: while on, this engine's registration changes are kept
+    /// from the peers that watch them (as if the pushes were slow); they go
+    /// out once it is off.
+    pub fn withhold_watch_pushes_for_tests(&self, on: bool) {
+        self.fault_control().withhold_pushes(on);
     }
 
     /// Test-only: this engine's answers to peers' requests for CUDA IPC

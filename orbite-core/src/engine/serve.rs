@@ -348,6 +348,10 @@ impl TargetSide for EngineInner {
             h.before_remote_bytes();
         }
     }
+
+    fn pushes_withheld(&self) -> bool {
+        self.routes.hooks.as_ref().is_some_and(|h| h.pushes_withheld())
+    }
 }
 
 /// The live registration a peer's descriptor `d` names, if the access

@@ -40,6 +40,7 @@ pub(crate) struct FaultState<J> {
     /// Whether peer requests are held, and how many wait in the hold now.
     remote_hold: (Mutex<(bool, usize)>, Condvar),
     deny_cma: AtomicBool,
+    withhold_pushes: AtomicBool,
     forge_ipc: Mutex<Option<IpcForgery>>,
 }
 
@@ -162,6 +163,7 @@ impl<J> Default for FaultState<J> {
             changed: Condvar::new(),
             remote_hold: (Mutex::new((false, 0)), Condvar::new()),
             deny_cma: AtomicBool::new(false),
+            withhold_pushes: AtomicBool::new(false),
             forge_ipc: Mutex::new(None),
         }
     }
@@ -205,6 +207,10 @@ impl<J: Send + 'static> Hooks<J> for FaultState<J> {
         held.1 -= 1;
     }
 
+    fn pushes_withheld(&self) -> bool {
+        self.withhold_pushes.load(Ordering::Acquire)
+    }
+
     fn cma_probe(
         &self,
         probe: Result<(), crate::transport::peer_errors::CmaRefused>,
@@ -238,6 +244,7 @@ pub(crate) trait FaultControl: Send + Sync {
     fn hold_remote(&self, on: bool);
     fn wait_remote_held(&self, n: usize, timeout: Duration) -> bool;
     fn deny_cma(&self, on: bool);
+    fn withhold_pushes(&self, on: bool);
     fn forge_ipc(&self, f: Option<IpcForgery>);
 }
 
@@ -316,6 +323,9 @@ impl<J: Send + 'static> FaultControl for FaultState<J> {
     }
     fn deny_cma(&self, on: bool) {
         self.deny_cma.store(on, Ordering::Release);
+    }
+    fn withhold_pushes(&self, on: bool) {
+        self.withhold_pushes.store(on, Ordering::Release);
     }
     fn forge_ipc(&self, f: Option<IpcForgery>) {
         *self.forge_ipc.lock() = f;

@@ -54,6 +54,12 @@ pub(crate) trait Hooks<J>: Send + Sync {
     /// loans taken) and before any of its bytes move.
     fn before_remote_bytes(&self) {}
 
+    /// True while a target keeps its registration changes from its
+    /// watchers (they go out once it stops).
+    fn pushes_withheld(&self) -> bool {
+        false
+    }
+
     /// Sees the CMA probe of a same-host peer and may replace its result.
     fn cma_probe(
         &self,

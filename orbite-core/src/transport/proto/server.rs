@@ -153,6 +153,10 @@ pub(crate) trait TargetSide: TargetView {
     /// Test hook: blocks while remote requests are held (after their loans
     /// were taken, before any byte moves).
     fn remote_gate(&self) {}
+    /// Test hook: true while registration changes are kept from watchers.
+    fn pushes_withheld(&self) -> bool {
+        false
+    }
     /// A connection from `from` did not authenticate (it was refused:
     /// `why`).
     fn auth_failed(&self, _from: &str, _why: &str) {}
