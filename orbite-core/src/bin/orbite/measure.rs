@@ -3,37 +3,10 @@
 use std::time::{Duration, Instant};
 
 use orbite_core::{
-    Desc, EngineConfig, HostMemory, MemoryRange, Op, Permission, RegistrationId, Target, TransferEngine, TransferSpec,
-    TransferStatus,
+    Desc, EngineConfig, HostMemory, MemoryRange, Op, Permission, Target, TransferEngine, TransferSpec, TransferStatus,
 };
 
 use crate::error::Error;
-
-/// A source and a destination region of one engine.
-pub struct Pair {
-    pub engine: TransferEngine,
-    pub src: HostMemory,
-    pub dst: HostMemory,
-    pub src_id: RegistrationId,
-    pub dst_id: RegistrationId,
-}
-
-pub fn engine(config: EngineConfig) -> Result<TransferEngine, Error> {
-    Ok(TransferEngine::new(config)?)
-}
-
-pub fn pair(engine: TransferEngine, len: usize) -> Result<Pair, Error> {
-    let src = engine.allocate_host_memory(len)?;
-    let dst = engine.allocate_host_memory(len)?;
-    let ranges = vec![
-        MemoryRange::host(&src, 0, len, Permission::RemoteReadWrite)?,
-        MemoryRange::host(&dst, 0, len, Permission::RemoteReadWrite)?,
-    ];
-    let ids = engine.register_memory_ranges(ranges)?;
-    fill(&src, 0x5EED);
-    fill(&dst, 0);
-    Ok(Pair { engine, src, dst, src_id: ids[0], dst_id: ids[1] })
-}
 
 /// Writes a position-dependent pattern (and touches every page).
 pub fn fill(mem: &HostMemory, seed: u64) {
@@ -45,17 +18,6 @@ pub fn fill(mem: &HostMemory, seed: u64) {
     }
 }
 
-/// Compares `len` bytes at `a_off` of `a` with `b_off` of `b`.
-pub fn same(a: &HostMemory, a_off: u64, b: &HostMemory, b_off: u64, len: u64) -> bool {
-    // SAFETY: both ranges are in bounds of their allocations (callers pass
-    // descriptors that prepare validated) and no transfer is active.
-    unsafe {
-        let x = std::slice::from_raw_parts(a.as_ptr().add(a_off as usize), len as usize);
-        let y = std::slice::from_raw_parts(b.as_ptr().add(b_off as usize), len as usize);
-        x == y
-    }
-}
-
 /// Copies each `(src_off, dst_off, len)` block with one `memcpy` per block:
 /// the in-run physical reference.
 pub fn memcpy_blocks(src: &HostMemory, dst: &HostMemory, blocks: &[(u64, u64, u64)]) {
@@ -64,10 +26,6 @@ pub fn memcpy_blocks(src: &HostMemory, dst: &HostMemory, blocks: &[(u64, u64, u6
         // allocations never overlap; no transfer is active meanwhile.
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().add(s as usize), dst.as_ptr().add(d as usize), l as usize) }
     }
-}
-
-pub fn spec<'a>(op: Op, local: &'a [Desc], remote: &'a [Desc]) -> TransferSpec<'a> {
-    TransferSpec::new(op, local, remote, Target::Loopback)
 }
 
 /// Posts a prepared transfer and waits for its retirement; returns seconds.
@@ -108,14 +66,26 @@ pub struct CopyResult {
 
 /// One local transfer of `bytes` in `block`-sized descriptors.
 pub fn one_local_copy(bytes: u64, block: u64) -> Result<CopyResult, Error> {
-    let p = pair(engine(EngineConfig::default())?, bytes as usize)?;
+    let engine = TransferEngine::new(EngineConfig::default())?;
+    let len = bytes as usize;
+    let (src, dst) = (engine.allocate_host_memory(len)?, engine.allocate_host_memory(len)?);
+    let ranges = vec![
+        MemoryRange::host(&src, 0, len, Permission::RemoteReadWrite)?,
+        MemoryRange::host(&dst, 0, len, Permission::RemoteReadWrite)?,
+    ];
+    let ids = engine.register_memory_ranges(ranges)?;
+    fill(&src, 0x5EED);
+    fill(&dst, 0);
     let n = bytes / block;
-    let local: Vec<Desc> = (0..n).map(|i| Desc::new(p.src_id, i * block, block)).collect();
-    let remote: Vec<Desc> = (0..n).map(|i| Desc::new(p.dst_id, i * block, block)).collect();
+    let local: Vec<Desc> = (0..n).map(|i| Desc::new(ids[0], i * block, block)).collect();
+    let remote: Vec<Desc> = (0..n).map(|i| Desc::new(ids[1], i * block, block)).collect();
     let start = Instant::now();
-    let t = p.engine.prepare(&spec(Op::Write, &local, &remote))?;
+    let t = engine.prepare(&TransferSpec::new(Op::Write, &local, &remote, Target::Loopback))?;
     let prep_us = start.elapsed().as_secs_f64() * 1e6;
     let seconds = post_and_wait(&t)?;
-    let verified = same(&p.src, 0, &p.dst, 0, bytes);
+    // SAFETY: both allocations are `len` bytes long and the transfer has
+    // retired.
+    let verified =
+        unsafe { std::slice::from_raw_parts(src.as_ptr(), len) == std::slice::from_raw_parts(dst.as_ptr(), len) };
     Ok(CopyResult { seconds, prep_us, verified })
 }

@@ -99,7 +99,7 @@ pub struct Rig {
 
 impl Rig {
     pub fn local(config: EngineConfig) -> Result<Rig, Error> {
-        let engine = measure::engine(config)?;
+        let engine = TransferEngine::new(config)?;
         let local = side(&engine)?;
         let r = engine.allocate_host_memory(W1_REGION as usize)?;
         let r3 = engine.allocate_host_memory((W3_REGIONS * W3_REGION) as usize)?;
@@ -115,7 +115,7 @@ impl Rig {
     pub fn peer(config: EngineConfig, policy: RoutePolicy) -> Result<Rig, Error> {
         // The initiator listens too, so that the target can answer pings.
         let listening = EngineConfig { listen: Some("127.0.0.1:0".into()), route: policy, ..config.clone() };
-        let engine = measure::engine(listening)?;
+        let engine = TransferEngine::new(listening)?;
         let local = side(&engine)?;
         let exe = std::env::current_exe().doing("find this executable")?;
         let config_json = serde_json::to_string(&config)?;
@@ -350,7 +350,7 @@ pub fn serve_target() -> Result<(), Error> {
         Err(_) => EngineConfig::default(),
     };
     let config = EngineConfig { listen: Some("127.0.0.1:0".into()), ..base };
-    let engine = measure::engine(config)?;
+    let engine = TransferEngine::new(config)?;
     let shared = std::env::var("ORBITE_BENCH_TARGET_SHM").is_ok_and(|v| v == "1");
     let alloc = |len: u64| {
         if shared { engine.allocate_shm_memory(len as usize) } else { engine.allocate_host_memory(len as usize) }
