@@ -1132,19 +1132,8 @@ fn print_table(rows: &[Map<String, Value>]) {
     };
     println!();
     println!(
-        "{:<7} {:<18} {:>9} {:>10} {:>10} {:>8} {:>10} {:>12} {:>8} {:>10} {:>10} {:>9}",
-        "route",
-        "workload",
-        "block",
-        "GB/s",
-        "ref GB/s",
-        "ratio",
-        "limit",
-        "limit",
-        "x_limit",
-        "p50 us",
-        "p99 us",
-        "verified"
+        "route   workload               block       GB/s   ref GB/s    ratio      limit        limit  x_limit     \
+         p50 us     p99 us  verified"
     );
     println!(
         "(ref: one loopback TCP stream for tcp, one-thread memcpy of the same blocks for every other route; limit: \
