@@ -11,7 +11,7 @@ use serde_json::{Map, Value, json};
 
 use crate::error::{Error, ValueError, comma_list};
 use crate::limits;
-use crate::measure::{self, memcpy_blocks, percentiles_us, post_and_wait};
+use crate::measure::{self, memcpy_blocks, percentiles_us, post_and_wait, timed, timed_for};
 use crate::rig::{MIB, Rig, W3_REGION, W3_REGIONS, Which, digest, pattern, read};
 
 const KIB: u64 = 1024;
@@ -559,14 +559,13 @@ fn w1(rig: &mut Rig, op: Op, args: &Plan, limits: &Limits, report: &mut Report) 
         let remote: Vec<Desc> = (0..n).map(|i| Desc::new(rig.r_id, i * block, block)).collect();
         let blocks: Vec<(u64, u64, u64)> = (0..n).map(|i| (i * block, i * block, block)).collect();
         let t = rig.engine.prepare(&TransferSpec::new(op, &local, &remote, rig.target()))?;
-        let (mut ours, mut refs) = (Vec::new(), CopyRefs::default());
+        let mut refs = CopyRefs::default();
         let cma_blocks = cma.map(|(pid, base)| (pid, at_base(&blocks, base)));
-        let start = Instant::now();
-        while start.elapsed() < per_size || ours.len() < 3 {
+        let mut ours = timed_for(per_size, || {
             let cma = cma_blocks.as_ref().map(|(pid, b)| CmaRef { pid: *pid, op, local: &rig.local.l, blocks: b });
             refs.sample(&rig.local.l, &rig.local.l3, &blocks, threads, cma)?;
-            ours.push(post_and_wait(&t)?);
-        }
+            post_and_wait(&t)
+        })?;
         // Verify one more execution from a known state.
         rig.fill_remote(0x2222)?;
         measure::fill(&rig.local.l, if op == Op::Write { 0x1111 } else { 0 });
@@ -623,12 +622,11 @@ fn vram_w1(rig: &mut Rig, ops: &[Op], quick: bool, report: &mut Report) -> Resul
         let td = rig.engine.prepare(&TransferSpec::new(op, &dev, &remote, rig.target()))?;
         let staged = td.route().reason.contains("staged");
         let th = rig.engine.prepare(&TransferSpec::new(op, &host, &remote, rig.target()))?;
-        let (mut ds, mut hs) = (Vec::new(), Vec::new());
-        let start = Instant::now();
-        while start.elapsed() < per || ds.len() < 3 {
+        let mut hs = Vec::new();
+        let mut ds = timed_for(per, || {
             hs.push(post_and_wait(&th)?);
-            ds.push(post_and_wait(&td)?);
-        }
+            post_and_wait(&td)
+        })?;
         let verified = match op {
             Op::Write => {
                 let data = pattern(0x3333, 0, total);
@@ -701,11 +699,7 @@ fn vram_ipc(
         let mut spec = TransferSpec::new(op, &dev, &remote, rig.target());
         spec.options.route = Some(RoutePolicy::CudaIpc);
         let t = rig.engine.prepare(&spec)?;
-        let mut ds = Vec::new();
-        let start = Instant::now();
-        while start.elapsed() < per || ds.len() < 3 {
-            ds.push(post_and_wait(&t)?);
-        }
+        let mut ds = timed_for(per, || post_and_wait(&t))?;
         let data = pattern(0x4444 + op as u64, 0, total);
         let verified = match op {
             Op::Write => {
@@ -894,13 +888,7 @@ fn w2(rig: &mut Rig, quick: bool, report: &mut Report) -> Result<(), Error> {
     for op in [Op::Write, Op::Read] {
         let floor = match cma {
             Some((pid, base)) => {
-                let mut s = Vec::with_capacity(iters);
-                for i in 0..iters + 50 {
-                    let secs = limits::cma_loop(pid, op, &rig.local.l, &[(0, base, 4096)])?;
-                    if i >= 50 {
-                        s.push(secs);
-                    }
-                }
+                let mut s = timed(iters, || limits::cma_loop(pid, op, &rig.local.l, &[(0, base, 4096)]))?;
                 let (p50, p99) = percentiles_us(&mut s);
                 report.emit(json!({
                     "system": "reference", "route": "process_vm", "workload": name(op, "W2"), "block_bytes": 4096,
@@ -913,10 +901,7 @@ fn w2(rig: &mut Rig, quick: bool, report: &mut Report) -> Result<(), Error> {
         progress(&format!("{} {} 4 KiB x {iters}", rig.route, name(op, "W2")));
         let (l, r) = ([Desc::new(rig.local.l_id, 0, 4096)], [Desc::new(rig.r_id, 0, 4096)]);
         let t = rig.engine.prepare(&TransferSpec::new(op, &l, &r, rig.target()))?;
-        for _ in 0..50 {
-            post_and_wait(&t)?; // warm-up
-        }
-        let mut samples: Vec<f64> = (0..iters).map(|_| post_and_wait(&t)).collect::<Result<_, _>>()?;
+        let mut samples = timed(iters, || post_and_wait(&t))?;
         rig.fill_remote(0x2222)?;
         measure::fill(&rig.local.l, if op == Op::Write { 0x1111 } else { 0 });
         post_and_wait(&t)?;
@@ -949,13 +934,7 @@ fn w2_notifications(rig: &mut Rig, iters: usize, rtt: (f64, f64), report: &mut R
     let mut spec = TransferSpec::new(Op::Write, &l, &r, rig.target());
     spec.notification = Some(note);
     let t = rig.engine.prepare(&spec)?;
-    let mut samples = Vec::with_capacity(iters);
-    for i in 0..iters + 50 {
-        let secs = post_and_wait(&t)?;
-        if i >= 50 {
-            samples.push(secs);
-        }
-    }
+    let mut samples = timed(iters, || post_and_wait(&t))?;
     drop(t);
     let delivered = rig.take_remote_notifications()?;
     let verified = delivered == (iters + 50) as u64;
@@ -971,17 +950,14 @@ fn w2_notifications(rig: &mut Rig, iters: usize, rtt: (f64, f64), report: &mut R
     }
     progress(&format!("{} W2-notif-pingpong x {iters}", rig.route));
     rig.start_pong(iters + 50)?;
-    let mut samples = Vec::with_capacity(iters);
     let mut ok = true;
-    for i in 0..iters + 50 {
+    let mut samples = timed(iters, || {
         let start = Instant::now();
         rig.ping(b"ping")?;
         let got = rig.engine.wait_notifications(Duration::from_secs(10));
         ok &= got.len() == 1 && got[0].payload == b"pong";
-        if i >= 50 {
-            samples.push(start.elapsed().as_secs_f64());
-        }
-    }
+        Ok(start.elapsed().as_secs_f64())
+    })?;
     let (p50, p99) = percentiles_us(&mut samples);
     let mut row = json!({
         "system": "orbite", "route": rig.route, "workload": "W2-notif-pingpong", "p50_us": round(p50, 2),

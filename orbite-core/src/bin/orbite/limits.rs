@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use orbite_core::{HostMemory, Op};
 
 use crate::error::{Doing, Error};
-use crate::measure::memcpy_blocks;
+use crate::measure::{memcpy_blocks, timed};
 use crate::rig::MIB;
 
 /// Splits `blocks` into `parts` runs of consecutive blocks with about the
@@ -195,15 +195,12 @@ pub fn round_trips(iters: usize) -> Result<Vec<f64>, Error> {
     c.set_nodelay(true).doing("set TCP_NODELAY")?;
     let req = [0xA5u8; 4096];
     let mut answer = [0u8; 16];
-    let mut samples = Vec::with_capacity(iters);
-    for i in 0..iters + 50 {
+    let samples = timed(iters, || {
         let t0 = Instant::now();
         c.write_all(&req).doing("send a request to the echo server")?;
         c.read_exact(&mut answer).doing("read the echo server's answer")?;
-        if i >= 50 {
-            samples.push(t0.elapsed().as_secs_f64());
-        }
-    }
+        Ok(t0.elapsed().as_secs_f64())
+    })?;
     drop(c);
     server.join().map_err(|_| Error::Panicked("the echo server"))?.doing("run the echo server")?;
     Ok(samples)

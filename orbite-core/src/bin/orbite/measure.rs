@@ -38,6 +38,25 @@ pub fn post_and_wait(t: &orbite_core::Transfer) -> Result<f64, Error> {
     }
 }
 
+/// Runs `f` 50 times to warm up, then `iters` times: the seconds `f`
+/// returned for those.
+pub fn timed(iters: usize, mut f: impl FnMut() -> Result<f64, Error>) -> Result<Vec<f64>, Error> {
+    for _ in 0..50 {
+        f()?;
+    }
+    (0..iters).map(|_| f()).collect()
+}
+
+/// Runs `f` until `per` has passed and it ran at least 3 times: the
+/// seconds `f` returned.
+pub fn timed_for(per: Duration, mut f: impl FnMut() -> Result<f64, Error>) -> Result<Vec<f64>, Error> {
+    let (start, mut samples) = (Instant::now(), Vec::new());
+    while start.elapsed() < per || samples.len() < 3 {
+        samples.push(f()?);
+    }
+    Ok(samples)
+}
+
 /// CPU time of this process so far (all threads), in nanoseconds.
 pub fn process_cpu_ns() -> u64 {
     let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0 };
