@@ -23,10 +23,10 @@ use std::time::{Duration, Instant};
 use tonic::{Request, Response, Status};
 use tonic_types::{ErrorDetails, StatusExt};
 
-use super::status::{ERROR_DOMAIN, GrpcCode};
+use super::status::ERROR_DOMAIN;
 use super::{
     AllocateRequest, AttachOutcome, KvError, KvScheduleStyle, KvServiceStats, KvSession, KvSessionService,
-    KvSessionState, KvTransferDisposition, KvTransferMeta, SessionId,
+    KvTransferDisposition, KvTransferMeta, SessionId,
 };
 use crate::{Desc, RegistrationId};
 
@@ -103,23 +103,13 @@ fn malformed(what: &str) -> Status {
     )
 }
 
-fn code(c: GrpcCode) -> tonic::Code {
-    match c {
-        GrpcCode::InvalidArgument => tonic::Code::InvalidArgument,
-        GrpcCode::NotFound => tonic::Code::NotFound,
-        GrpcCode::AlreadyExists => tonic::Code::AlreadyExists,
-        GrpcCode::ResourceExhausted => tonic::Code::ResourceExhausted,
-        GrpcCode::FailedPrecondition => tonic::Code::FailedPrecondition,
-        GrpcCode::Unavailable => tonic::Code::Unavailable,
-    }
-}
-
 /// The status of a refusal: its code and `ErrorInfo` from the status table.
 pub fn status_of(e: &KvError) -> Status {
     let row = e.status();
     let metadata: HashMap<String, String> = e.metadata().into_iter().map(|(k, v)| (k.to_owned(), v)).collect();
+    // GrpcCode's values are gRPC's own numbers.
     Status::with_error_details(
-        code(row.code),
+        tonic::Code::from_i32(row.code as i32),
         e.to_string(),
         ErrorDetails::with_error_info(row.reason, ERROR_DOMAIN, metadata),
     )
@@ -129,31 +119,21 @@ fn refuse(e: KvError) -> Status {
     status_of(&e)
 }
 
+// The library's enumerations carry the protocol's values.
 fn style_in(v: i32) -> Result<KvScheduleStyle, KvError> {
-    Ok(match proto::KvScheduleStyle::try_from(v) {
-        Ok(proto::KvScheduleStyle::Unspecified) => KvScheduleStyle::Unspecified,
-        Ok(proto::KvScheduleStyle::ContextFirst) => KvScheduleStyle::ContextFirst,
-        Ok(proto::KvScheduleStyle::GenerationFirst) => KvScheduleStyle::GenerationFirst,
-        Ok(proto::KvScheduleStyle::Concurrent) => KvScheduleStyle::Concurrent,
-        Err(_) => return Err(KvError::InvalidValue { field: "style", value: v.to_string() }),
-    })
+    use KvScheduleStyle::*;
+    let all = [Unspecified, ContextFirst, GenerationFirst, Concurrent];
+    all.into_iter()
+        .find(|&s| s as i32 == v)
+        .ok_or_else(|| KvError::InvalidValue { field: "style", value: v.to_string() })
 }
 
 fn disposition_in(v: i32) -> Result<KvTransferDisposition, KvError> {
-    Ok(match proto::KvTransferDisposition::try_from(v) {
-        Ok(proto::KvTransferDisposition::Unspecified) => KvTransferDisposition::Unspecified,
-        Ok(proto::KvTransferDisposition::Required) => KvTransferDisposition::Required,
-        Ok(proto::KvTransferDisposition::Bypass) => KvTransferDisposition::Bypass,
-        Err(_) => return Err(KvError::InvalidValue { field: "disposition", value: v.to_string() }),
-    })
-}
-
-fn style_out(s: KvScheduleStyle) -> i32 {
-    s as i32
-}
-
-fn state_out(s: KvSessionState) -> i32 {
-    s as i32
+    use KvTransferDisposition::*;
+    let all = [Unspecified, Required, Bypass];
+    all.into_iter()
+        .find(|&d| d as i32 == v)
+        .ok_or_else(|| KvError::InvalidValue { field: "disposition", value: v.to_string() })
 }
 
 fn session_id(s: &str) -> Result<SessionId, KvError> {
@@ -297,10 +277,10 @@ impl KvGrpcService {
             request_id: s.request_id.clone(),
             model: s.model.clone(),
             idempotency_key: s.idempotency_key.clone(),
-            style: style_out(s.style),
-            effective_style: style_out(s.effective_style),
+            style: s.style as i32,
+            effective_style: s.effective_style as i32,
             disposition: s.disposition as i32,
-            state: state_out(s.state),
+            state: s.state as i32,
             lease_expires_at: Some(timestamp(self.service.unix_ms(s.lease_expires_at_ms))),
             consumer_queued: s.consumer_queued,
             rendezvous: Some(proto::KvRendezvous {
@@ -398,7 +378,7 @@ impl proto::open_engine_kv_server::OpenEngineKv for KvGrpcService {
         let s = self.service.release_reporting(id).map_err(refuse)?;
         Ok(Response::new(proto::ReleaseKvSessionResponse {
             session_id: s.0.session_id.to_string(),
-            state: state_out(s.0.state),
+            state: s.0.state as i32,
             released_now: s.1,
             reason: s.0.reason,
         }))
@@ -516,8 +496,8 @@ impl proto::open_engine_kv_server::OpenEngineKv for KvGrpcService {
         let i = self.service.info();
         let engine = self.service.engine();
         Ok(Response::new(proto::KvConnectorInfo {
-            supported_styles: i.supported_styles.iter().map(|&s| style_out(s)).collect(),
-            default_style: style_out(i.default_style),
+            supported_styles: i.supported_styles.iter().map(|&s| s as i32).collect(),
+            default_style: i.default_style as i32,
             caller_allocation: i.caller_allocation,
             renewable_leases: i.renewable_leases,
             explicit_release: i.explicit_release,
@@ -560,5 +540,32 @@ pub struct Diagnostics;
 impl proto::orbite_diagnostics_server::OrbiteDiagnostics for Diagnostics {
     async fn echo(&self, request: Request<proto::EchoRequest>) -> Result<Response<proto::EchoResponse>, Status> {
         Ok(Response::new(proto::EchoResponse { payload: request.into_inner().payload }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::status::STATUS_TABLE;
+    use super::*;
+
+    #[test]
+    fn codes_are_tonics_of_the_same_name() {
+        for row in STATUS_TABLE {
+            let c = tonic::Code::from_i32(row.code as i32);
+            assert_eq!(format!("{c:?}"), format!("{:?}", row.code));
+        }
+    }
+
+    #[test]
+    fn style_and_disposition_take_the_protos_values() {
+        for v in -2..10 {
+            let style = proto::KvScheduleStyle::try_from(v).ok().map(|p| p as i32);
+            assert_eq!(style_in(v).ok().map(|s| s as i32), style, "{v}");
+            let disposition = proto::KvTransferDisposition::try_from(v).ok().map(|p| p as i32);
+            assert_eq!(disposition_in(v).ok().map(|d| d as i32), disposition, "{v}");
+            for s in [style_in(v).err(), disposition_in(v).err()].into_iter().flatten() {
+                assert!(matches!(s, KvError::InvalidValue { .. }), "{s:?}");
+            }
+        }
     }
 }
