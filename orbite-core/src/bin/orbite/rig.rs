@@ -127,38 +127,13 @@ impl Rig {
             .stdout(Stdio::piped())
             .spawn()
             .map_err(|source| HelperError::Spawn { helper: Helper::Target, source })?;
-        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(HelperError::NoPipes(Helper::Target).into());
-        };
-        let mut stdout = BufReader::new(stdout);
-        let mut line = String::new();
-        if stdout.read_line(&mut line).map_err(|source| HelperError::Pipe { helper: Helper::Target, source })? == 0 {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(HelperError::Exited(Helper::Target).into());
-        }
-        let w: Vec<&str> = line.split_whitespace().collect();
-        let parsed = (|| -> Option<(String, u64, RegistrationId, Vec<RegistrationId>)> {
-            if w.first() != Some(&"READY") || w.len() != 5 {
-                return None;
-            }
-            let r3 =
-                w[4].split(',').map(|x| x.parse().ok().map(RegistrationId::from_raw)).collect::<Option<Vec<_>>>()?;
-            Some((w[1].to_owned(), w[2].parse().ok()?, RegistrationId::from_raw(w[3].parse().ok()?), r3))
-        })();
-        let Some((endpoint, epoch, r_id, r3_ids)) = parsed else {
-            let _ = child.kill();
-            let _ = child.wait();
-            return Err(unexpected(&line));
-        };
-        let segment = match engine.open_segment(&endpoint, Some(epoch), Duration::from_secs(10)) {
-            Ok(s) => s,
+        // The child is stopped if its READY line or its segment fails.
+        let (stdin, stdout, segment, r_id, r3_ids) = match ready(&engine, &mut child) {
+            Ok(ready) => ready,
             Err(e) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(e.into());
+                return Err(e);
             }
         };
         let mut rig = Rig {
@@ -191,6 +166,18 @@ impl Rig {
         Ok(line.trim().to_owned())
     }
 
+    /// Asks `cmd`; the answer must be `OK`.
+    fn ask_ok(&mut self, cmd: &str) -> Result<(), Error> {
+        let a = self.ask(cmd)?;
+        if a == "OK" { Ok(()) } else { Err(unexpected(&a)) }
+    }
+
+    /// Asks `cmd`; the answer must be `prefix` and a number.
+    fn ask_num<T: std::str::FromStr>(&mut self, cmd: &str, prefix: &str) -> Result<T, Error> {
+        let a = self.ask(cmd)?;
+        a.strip_prefix(prefix).and_then(|v| v.parse().ok()).ok_or_else(|| unexpected(&a))
+    }
+
     /// Fills both remote memories with the pattern of `seed`.
     pub fn fill_remote(&mut self, seed: u64) -> Result<(), Error> {
         match &self.remote {
@@ -199,10 +186,7 @@ impl Rig {
                 measure::fill(r3, seed);
                 Ok(())
             }
-            Remote::Tcp { .. } => {
-                let a = self.ask(&format!("fill {seed}"))?;
-                if a == "OK" { Ok(()) } else { Err(unexpected(&a)) }
-            }
+            Remote::Tcp { .. } => self.ask_ok(&format!("fill {seed}")),
         }
     }
 
@@ -221,8 +205,7 @@ impl Rig {
                     Which::W1 => 1,
                     Which::W3 => 3,
                 };
-                let a = self.ask(&format!("digest {w} {off} {len}"))?;
-                a.strip_prefix("DIGEST ").and_then(|v| v.parse().ok()).ok_or_else(|| unexpected(&a))
+                self.ask_num(&format!("digest {w} {off} {len}"), "DIGEST ")
             }
         }
     }
@@ -231,10 +214,7 @@ impl Rig {
     pub fn take_remote_notifications(&mut self) -> Result<u64, Error> {
         match &self.remote {
             Remote::Loopback { .. } => Ok(self.engine.take_notifications().len() as u64),
-            Remote::Tcp { .. } => {
-                let a = self.ask("notifs")?;
-                a.strip_prefix("NOTIFS ").and_then(|v| v.parse().ok()).ok_or_else(|| unexpected(&a))
-            }
+            Remote::Tcp { .. } => self.ask_num("notifs", "NOTIFS "),
         }
     }
 
@@ -242,8 +222,7 @@ impl Rig {
     /// `pong` (the initiator must listen).
     pub fn start_pong(&mut self, n: usize) -> Result<(), Error> {
         let endpoint = self.engine.endpoint().ok_or(HelperError::NotListening)?;
-        let a = self.ask(&format!("pong {endpoint} {} {n}", self.engine.source_epoch()))?;
-        if a == "OK" { Ok(()) } else { Err(unexpected(&a)) }
+        self.ask_ok(&format!("pong {endpoint} {} {n}", self.engine.source_epoch()))
     }
 
     /// Sends one notification to the target.
@@ -276,10 +255,7 @@ impl Rig {
     pub fn remote_peak_rss(&mut self) -> Result<Option<u64>, Error> {
         match &self.remote {
             Remote::Loopback { .. } => Ok(None),
-            Remote::Tcp { .. } => {
-                let a = self.ask("peak")?;
-                a.strip_prefix("PEAK ").and_then(|v| v.parse().ok()).map(Some).ok_or_else(|| unexpected(&a))
-            }
+            Remote::Tcp { .. } => self.ask_num("peak", "PEAK ").map(Some),
         }
     }
 
@@ -295,26 +271,48 @@ impl Rig {
     /// Device memory of `len` bytes in the target process, registered for
     /// peers (feature `cuda`): its registration.
     pub fn remote_vram(&mut self, len: u64) -> Result<RegistrationId, Error> {
-        let a = self.ask(&format!("vram {len}"))?;
-        a.strip_prefix("VRAM ").and_then(|v| v.parse().ok()).map(RegistrationId::from_raw).ok_or_else(|| unexpected(&a))
+        self.ask_num(&format!("vram {len}"), "VRAM ").map(RegistrationId::from_raw)
     }
 
     /// Digest of the target's device memory bytes `off..off + len`.
     pub fn remote_vram_digest(&mut self, off: u64, len: u64) -> Result<u64, Error> {
-        let a = self.ask(&format!("vdigest {off} {len}"))?;
-        a.strip_prefix("DIGEST ").and_then(|v| v.parse().ok()).ok_or_else(|| unexpected(&a))
+        self.ask_num(&format!("vdigest {off} {len}"), "DIGEST ")
     }
 
     /// CPU time of the remote process (0 for the self connection).
     pub fn remote_cpu_ns(&mut self) -> Result<u64, Error> {
         match &self.remote {
             Remote::Loopback { .. } => Ok(0),
-            Remote::Tcp { .. } => {
-                let a = self.ask("cpu")?;
-                a.strip_prefix("CPU ").and_then(|v| v.parse().ok()).ok_or_else(|| unexpected(&a))
-            }
+            Remote::Tcp { .. } => self.ask_num("cpu", "CPU "),
         }
     }
+}
+
+/// The target's pipes, its opened segment, and its W1 and W3 registrations.
+type Ready = (ChildStdin, BufReader<ChildStdout>, RemoteSegment, RegistrationId, Vec<RegistrationId>);
+
+/// Reads the target's `READY endpoint epoch w1_id w3_ids` line from its
+/// stdout and opens its segment.
+fn ready(engine: &TransferEngine, child: &mut Child) -> Result<Ready, Error> {
+    let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+        return Err(HelperError::NoPipes(Helper::Target).into());
+    };
+    let mut stdout = BufReader::new(stdout);
+    let mut line = String::new();
+    if stdout.read_line(&mut line).map_err(|source| HelperError::Pipe { helper: Helper::Target, source })? == 0 {
+        return Err(HelperError::Exited(Helper::Target).into());
+    }
+    let w: Vec<&str> = line.split_whitespace().collect();
+    let parsed = (|| -> Option<(String, u64, RegistrationId, Vec<RegistrationId>)> {
+        if w.first() != Some(&"READY") || w.len() != 5 {
+            return None;
+        }
+        let r3 = w[4].split(',').map(|x| x.parse().ok().map(RegistrationId::from_raw)).collect::<Option<Vec<_>>>()?;
+        Some((w[1].to_owned(), w[2].parse().ok()?, RegistrationId::from_raw(w[3].parse().ok()?), r3))
+    })();
+    let Some((endpoint, epoch, r_id, r3_ids)) = parsed else { return Err(unexpected(&line)) };
+    let segment = engine.open_segment(&endpoint, Some(epoch), Duration::from_secs(10))?;
+    Ok((stdin, stdout, segment, r_id, r3_ids))
 }
 
 /// An answer of the target process that the protocol does not allow here
