@@ -2,7 +2,6 @@
 //! and why a flag's value was refused ([`ValueError`], which clap prints
 //! with the flag's name).
 
-use std::fmt;
 use std::io;
 use std::num::ParseIntError;
 use std::path::PathBuf;
@@ -137,24 +136,11 @@ impl<T> Doing<T> for io::Result<T> {
     }
 }
 
-/// A helper process of the bench: the target of a peer rig
-/// (`orbite bench-target`) or a fan-in initiator (`orbite bench-fanin`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Helper {
-    /// `orbite bench-target`.
-    Target,
-    /// `orbite bench-fanin`.
-    Initiator,
-}
-
-impl fmt::Display for Helper {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Helper::Target => "the target process",
-            Helper::Initiator => "an initiator",
-        })
-    }
-}
+/// The bench's helper processes, as its messages name them: the target
+/// of a peer rig (`orbite bench-target`) and a fan-in initiator
+/// (`orbite bench-fanin`).
+pub const TARGET: &str = "the target process";
+pub const INITIATOR: &str = "an initiator";
 
 /// The bench and its helper processes, talking over pipes, one line each
 /// way at a time.
@@ -164,32 +150,32 @@ pub enum HelperError {
     #[error("cannot start {helper}: {source}")]
     Spawn {
         /// Which.
-        helper: Helper,
+        helper: &'static str,
         /// The system's error.
         #[source]
         source: io::Error,
     },
     /// The process was started without the pipes asked for.
     #[error("no pipes to {0}")]
-    NoPipes(Helper),
+    NoPipes(&'static str),
     /// A pipe to or from the process failed.
     #[error("cannot talk to {helper}: {source}")]
     Pipe {
         /// Which.
-        helper: Helper,
+        helper: &'static str,
         /// The system's error.
         #[source]
         source: io::Error,
     },
     /// The process closed its output before answering.
     #[error("{0} exited")]
-    Exited(Helper),
+    Exited(&'static str),
     /// The process answered something other than what the protocol says
     /// (an `ERR ...` line included).
     #[error("unexpected answer from {helper}: {line}")]
     Unexpected {
         /// Which.
-        helper: Helper,
+        helper: &'static str,
         /// The line, trimmed.
         line: String,
     },

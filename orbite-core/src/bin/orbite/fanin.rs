@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use orbite_core::{Desc, EngineConfig, MemoryRange, Op, Permission, Target, TransferEngine, TransferSpec};
 use serde_json::{Value, json};
 
-use crate::error::{Doing, Error, Helper, HelperError, ValueError};
+use crate::error::{Doing, Error, HelperError, INITIATOR, ValueError};
 use crate::measure;
 use crate::rig::{MIB, digest};
 
@@ -94,30 +94,30 @@ impl Initiator {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
-            .map_err(|source| HelperError::Spawn { helper: Helper::Initiator, source })?;
+            .map_err(|source| HelperError::Spawn { helper: INITIATOR, source })?;
         let Some(stdout) = child.stdout.take() else {
             let _ = child.kill();
             let _ = child.wait();
-            return Err(HelperError::NoPipes(Helper::Initiator).into());
+            return Err(HelperError::NoPipes(INITIATOR).into());
         };
         Ok(Initiator { child, out: BufReader::new(stdout) })
     }
 
     fn line(&mut self) -> Result<String, HelperError> {
         let mut l = String::new();
-        self.out.read_line(&mut l).map_err(|source| HelperError::Pipe { helper: Helper::Initiator, source })?;
+        self.out.read_line(&mut l).map_err(|source| HelperError::Pipe { helper: INITIATOR, source })?;
         if l.is_empty() {
-            return Err(HelperError::Exited(Helper::Initiator));
+            return Err(HelperError::Exited(INITIATOR));
         }
         Ok(l.trim().to_owned())
     }
 
     fn go(&mut self) -> Result<(), HelperError> {
-        let stdin = self.child.stdin.as_mut().ok_or(HelperError::NoPipes(Helper::Initiator))?;
+        let stdin = self.child.stdin.as_mut().ok_or(HelperError::NoPipes(INITIATOR))?;
         stdin
             .write_all(b"go\n")
             .and_then(|()| stdin.flush())
-            .map_err(|source| HelperError::Pipe { helper: Helper::Initiator, source })
+            .map_err(|source| HelperError::Pipe { helper: INITIATOR, source })
     }
 }
 
@@ -180,7 +180,7 @@ fn done(line: &str) -> Option<(u64, f64, Vec<u64>)> {
 }
 
 fn unexpected(line: String) -> Error {
-    HelperError::Unexpected { helper: Helper::Initiator, line }.into()
+    HelperError::Unexpected { helper: INITIATOR, line }.into()
 }
 
 /// The `fan-in` row.

@@ -12,7 +12,7 @@ use orbite_core::{
     TransferEngine,
 };
 
-use crate::error::{Doing, Error, Helper, HelperError};
+use crate::error::{Doing, Error, HelperError, TARGET};
 use crate::measure;
 
 pub const MIB: u64 = 1 << 20;
@@ -126,7 +126,7 @@ impl Rig {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
-            .map_err(|source| HelperError::Spawn { helper: Helper::Target, source })?;
+            .map_err(|source| HelperError::Spawn { helper: TARGET, source })?;
         // The child is stopped if its READY line or its segment fails.
         let (stdin, stdout, segment, r_id, r3_ids) = match ready(&engine, &mut child) {
             Ok(ready) => ready,
@@ -157,11 +157,11 @@ impl Rig {
 
     fn ask(&mut self, cmd: &str) -> Result<String, HelperError> {
         let Remote::Tcp { stdin, stdout, .. } = &mut self.remote else { return Err(HelperError::NoProcess) };
-        let pipe = |source| HelperError::Pipe { helper: Helper::Target, source };
+        let pipe = |source| HelperError::Pipe { helper: TARGET, source };
         writeln!(stdin, "{cmd}").and_then(|()| stdin.flush()).map_err(pipe)?;
         let mut line = String::new();
         if stdout.read_line(&mut line).map_err(pipe)? == 0 {
-            return Err(HelperError::Exited(Helper::Target));
+            return Err(HelperError::Exited(TARGET));
         }
         Ok(line.trim().to_owned())
     }
@@ -295,12 +295,12 @@ type Ready = (ChildStdin, BufReader<ChildStdout>, RemoteSegment, RegistrationId,
 /// stdout and opens its segment.
 fn ready(engine: &TransferEngine, child: &mut Child) -> Result<Ready, Error> {
     let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
-        return Err(HelperError::NoPipes(Helper::Target).into());
+        return Err(HelperError::NoPipes(TARGET).into());
     };
     let mut stdout = BufReader::new(stdout);
     let mut line = String::new();
-    if stdout.read_line(&mut line).map_err(|source| HelperError::Pipe { helper: Helper::Target, source })? == 0 {
-        return Err(HelperError::Exited(Helper::Target).into());
+    if stdout.read_line(&mut line).map_err(|source| HelperError::Pipe { helper: TARGET, source })? == 0 {
+        return Err(HelperError::Exited(TARGET).into());
     }
     let w: Vec<&str> = line.split_whitespace().collect();
     let parsed = (|| -> Option<(String, u64, RegistrationId, Vec<RegistrationId>)> {
@@ -318,7 +318,7 @@ fn ready(engine: &TransferEngine, child: &mut Child) -> Result<Ready, Error> {
 /// An answer of the target process that the protocol does not allow here
 /// (an `ERR ...` line included).
 fn unexpected(line: &str) -> Error {
-    HelperError::Unexpected { helper: Helper::Target, line: line.trim().to_owned() }.into()
+    HelperError::Unexpected { helper: TARGET, line: line.trim().to_owned() }.into()
 }
 
 impl Drop for Rig {
