@@ -149,12 +149,12 @@ impl std::fmt::Debug for Reaper {
 }
 
 impl Reaper {
-    /// Stops the thread and waits for it.
-    pub fn stop(mut self) {
-        self.halt();
-    }
+    /// Stops the thread and waits for it (as dropping the handle does).
+    pub fn stop(self) {}
+}
 
-    fn halt(&mut self) {
+impl Drop for Reaper {
+    fn drop(&mut self) {
         *self.stop.0.lock() = true;
         self.stop.1.notify_all();
         if let Some(t) = self.thread.take() {
@@ -162,12 +162,6 @@ impl Reaper {
                 let _ = t.join();
             }
         }
-    }
-}
-
-impl Drop for Reaper {
-    fn drop(&mut self) {
-        self.halt();
     }
 }
 
@@ -322,9 +316,15 @@ impl KvSessionService {
 
     fn run<R>(&self, f: impl FnOnce(&mut SessionMachine, u64) -> Result<R, KvError>) -> Result<R, KvError> {
         let now = self.clock.now_ms();
+        self.locked(|inner| f(&mut inner.machine, now))
+    }
+
+    /// Runs `f` under the lock, then what its effects leave to do, after
+    /// the lock is released.
+    fn locked<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
         let (result, after) = {
             let mut inner = self.inner.lock();
-            let result = f(&mut inner.machine, now);
+            let result = f(&mut inner);
             (result, Self::effects(&mut inner))
         };
         after.run();
@@ -405,10 +405,7 @@ impl KvSessionService {
         self.run(|m, now| m.check_ready(id, &refs, meta, now))?;
         let pin = self.engine.pin_ranges(ranges).map_err(|e| KvError::Engine(e.to_string()))?;
         let mut pin = Some(pin);
-        let result = self.run(|m, now| {
-            let s = m.mark_ready(id, &refs, meta, now)?;
-            Ok(s)
-        });
+        let result = self.run(|m, now| m.mark_ready(id, &refs, meta, now));
         if result.is_ok() {
             let mut inner = self.inner.lock();
             // Still live (checked under this lock): keep the pin with it.
@@ -452,22 +449,16 @@ impl KvSessionService {
     /// handle to the transfer, to poll or wait on and to read its receipt.
     pub fn track_transfer(&self, id: SessionId, transfer: Transfer) -> Result<Arc<Transfer>, (Transfer, KvError)> {
         let now = self.clock.now_ms();
-        let (result, after) = {
-            let mut inner = self.inner.lock();
-            let result = match inner.machine.work_started(id, now) {
-                Ok(()) => {
-                    let shared = Arc::new(transfer);
-                    inner.resources.entry(id).or_default().transfers.push(shared.clone());
-                    inner.active.insert(id);
-                    inner.tracked += 1;
-                    Ok(shared)
-                }
-                Err(e) => Err((transfer, e)),
-            };
-            (result, Self::effects(&mut inner))
-        };
-        after.run();
-        result
+        self.locked(|inner| match inner.machine.work_started(id, now) {
+            Ok(()) => {
+                let shared = Arc::new(transfer);
+                inner.resources.entry(id).or_default().transfers.push(shared.clone());
+                inner.active.insert(id);
+                inner.tracked += 1;
+                Ok(shared)
+            }
+            Err(e) => Err((transfer, e)),
+        })
     }
 
     /// The timer: expires leases, notices sessions whose transfers all
@@ -481,9 +472,8 @@ impl KvSessionService {
     /// at (the reaper's next wake-up, read under the same lock).
     fn poll_inner(&self) -> (u64, Option<u64>, u64) {
         let now = self.clock.now_ms();
-        let (live, next, after) = {
-            let mut inner = self.inner.lock();
-            let Inner { machine, resources, active, tick_ns, .. } = &mut *inner;
+        let (live, next) = self.locked(|inner| {
+            let Inner { machine, resources, active, tick_ns, .. } = inner;
             let started = Instant::now();
             machine.tick(now);
             *tick_ns += started.elapsed().as_nanos() as u64;
@@ -514,9 +504,8 @@ impl KvSessionService {
                 active.remove(&id);
                 machine.work_retired(id);
             }
-            (machine.live_count(), machine.next_expiry(), Self::effects(&mut inner))
-        };
-        after.run();
+            (machine.live_count(), machine.next_expiry())
+        });
         (live, next, now)
     }
 
