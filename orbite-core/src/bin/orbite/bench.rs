@@ -468,27 +468,17 @@ impl CopyRefs {
         limits: &Limits,
         ours: &[f64],
     ) -> Value {
-        emit_bulk(report, "reference", "memcpy", workload, block, n, total, &mut self.one, true, None);
+        let mut reference = |route: &str, samples: &mut [f64], extra: Option<Value>| {
+            emit_bulk(report, "reference", route, workload, block, n, total, samples, true, extra);
+        };
+        reference("memcpy", &mut self.one, None);
         let mt = gbps(total, &self.mt);
-        let extra = json!({ "threads": threads });
-        emit_bulk(report, "reference", "memcpy-mt", workload, block, n, total, &mut self.mt, true, Some(extra));
+        reference("memcpy-mt", &mut self.mt, Some(json!({ "threads": threads })));
         let mut cma_mt = None;
         if !self.cma.is_empty() {
-            emit_bulk(report, "reference", "process_vm", workload, block, n, total, &mut self.cma, true, None);
+            reference("process_vm", &mut self.cma, None);
             cma_mt = Some(gbps(total, &self.cma_mt));
-            let extra = json!({ "threads": threads });
-            emit_bulk(
-                report,
-                "reference",
-                "process_vm-mt",
-                workload,
-                block,
-                n,
-                total,
-                &mut self.cma_mt,
-                true,
-                Some(extra),
-            );
+            reference("process_vm-mt", &mut self.cma_mt, Some(json!({ "threads": threads })));
         }
         let got = gbps(total, ours);
         match (route, limits.streams) {
