@@ -6,12 +6,12 @@
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use orbite_core::{Desc, EngineConfig, Op, RoutePolicy, TransferSpec};
+use orbite_core::{Desc, EngineConfig, Op, RoutePolicy, Transfer, TransferSpec};
 use serde_json::{Map, Value, json};
 
 use crate::error::{Error, ValueError, comma_list};
 use crate::limits;
-use crate::measure::{self, memcpy_blocks, percentiles_us, post_and_wait, timed, timed_for};
+use crate::measure::{self, Rng, memcpy_blocks, percentiles_us, post_and_wait, timed, timed_for};
 use crate::rig::{MIB, Rig, W3_REGION, W3_REGIONS, Which, digest, pattern, read};
 
 const KIB: u64 = 1024;
@@ -557,20 +557,27 @@ fn w1(rig: &mut Rig, op: Op, args: &Plan, limits: &Limits, report: &mut Report) 
             post_and_wait(&t)
         })?;
         // Verify one more execution from a known state.
-        rig.fill_remote(0x2222)?;
-        measure::fill(&rig.local.l, if op == Op::Write { 0x1111 } else { 0 });
-        post_and_wait(&t)?;
-        let verified = match op {
-            Op::Write => rig.remote_digest(Which::W1, 0, total)? == digest(&read(&rig.local.l, 0, total)),
-            Op::Read => read(&rig.local.l, 0, total) == pattern(0x2222, 0, total),
-        };
-        measure::fill(&rig.local.l, 0x1111);
+        let verified = verify_w1(rig, op, &t, total)?;
         drop(t);
         let w = name(op, "W1");
         let extra = refs.emit(report, rig.route, &w, block, n, total, threads, limits, &ours);
         emit_bulk(report, "orbite", rig.route, &w, block, n, total, &mut ours, verified, Some(extra));
     }
     Ok(())
+}
+
+/// Runs `t`, over the first `len` bytes of the W1 regions, once more from
+/// a known state: whether the destination bytes are the source's.
+fn verify_w1(rig: &mut Rig, op: Op, t: &Transfer, len: u64) -> Result<bool, Error> {
+    rig.fill_remote(0x2222)?;
+    measure::fill(&rig.local.l, if op == Op::Write { 0x1111 } else { 0 });
+    post_and_wait(t)?;
+    let verified = match op {
+        Op::Write => rig.remote_digest(Which::W1, 0, len)? == digest(&read(&rig.local.l, 0, len)),
+        Op::Read => read(&rig.local.l, 0, len) == pattern(0x2222, 0, len),
+    };
+    measure::fill(&rig.local.l, 0x1111);
+    Ok(verified)
 }
 
 /// `vram-W1-*`: W1 at 1 MiB blocks (64 MiB) with the local side in CUDA
@@ -755,7 +762,7 @@ fn extend(row: &mut Value, more: Value) {
     }
 }
 
-fn round(v: f64, digits: i32) -> f64 {
+pub fn round(v: f64, digits: i32) -> f64 {
     let f = 10f64.powi(digits);
     (v * f).round() / f
 }
@@ -892,14 +899,7 @@ fn w2(rig: &mut Rig, quick: bool, report: &mut Report) -> Result<(), Error> {
         let (l, r) = ([Desc::new(rig.local.l_id, 0, 4096)], [Desc::new(rig.r_id, 0, 4096)]);
         let t = rig.engine.prepare(&TransferSpec::new(op, &l, &r, rig.target()))?;
         let mut samples = timed(iters, || post_and_wait(&t))?;
-        rig.fill_remote(0x2222)?;
-        measure::fill(&rig.local.l, if op == Op::Write { 0x1111 } else { 0 });
-        post_and_wait(&t)?;
-        let verified = match op {
-            Op::Write => rig.remote_digest(Which::W1, 0, 4096)? == digest(&read(&rig.local.l, 0, 4096)),
-            Op::Read => read(&rig.local.l, 0, 4096) == pattern(0x2222, 0, 4096),
-        };
-        measure::fill(&rig.local.l, 0x1111);
+        let verified = verify_w1(rig, op, &t, 4096)?;
         let (p50, p99) = percentiles_us(&mut samples);
         let mut row = json!({
             "system": "orbite", "route": rig.route, "workload": name(op, "W2"), "block_bytes": 4096, "descs": 1,
@@ -961,12 +961,9 @@ fn w2_notifications(rig: &mut Rig, iters: usize, rtt: (f64, f64), report: &mut R
 /// Deterministic permutation of 0..n.
 fn permutation(n: u64, seed: u64) -> Vec<u64> {
     let mut v: Vec<u64> = (0..n).collect();
-    let mut x = seed;
+    let mut x = Rng(seed);
     for i in (1..n as usize).rev() {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.swap(i, (x % (i as u64 + 1)) as usize);
+        v.swap(i, (x.next() % (i as u64 + 1)) as usize);
     }
     v
 }

@@ -77,6 +77,24 @@ pub fn percentiles_us(samples: &mut [f64]) -> (f64, f64) {
     (at(0.5), at(0.99))
 }
 
+/// The median of samples (the upper one of an even count).
+pub fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// A xorshift generator: deterministic pseudo-random numbers.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
 pub struct CopyResult {
     pub seconds: f64,
     pub prep_us: f64,

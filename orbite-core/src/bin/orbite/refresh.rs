@@ -15,6 +15,7 @@ use orbite_core::{EngineConfig, HostMemory, MemoryRange, Permission, Registratio
 use serde_json::{Value, json};
 
 use crate::error::Error;
+use crate::measure::{Rng, median};
 
 const AT_OPEN: usize = 10_000;
 const LATER: usize = 1_000;
@@ -56,15 +57,12 @@ pub fn run(quick: bool) -> Result<Value, Error> {
     let mut old_us = Vec::new();
     let mut new_us = Vec::new();
     let mut verified = true;
-    let mut pick = 0x9E37_79B9_7F4A_7C15u64;
+    let mut pick = Rng(0x9E37_79B9_7F4A_7C15);
     for round in 0..rounds {
         // 1 000 that existed at open, in a scattered order.
         let old: Vec<(u64, RegistrationId)> = (0..LATER)
             .map(|_| {
-                pick ^= pick << 13;
-                pick ^= pick >> 7;
-                pick ^= pick << 17;
-                let k = (pick % AT_OPEN as u64) as usize;
+                let k = (pick.next() % AT_OPEN as u64) as usize;
                 (addr(k), first_ids[k])
             })
             .collect();
@@ -81,10 +79,6 @@ pub fn run(quick: bool) -> Result<Value, Error> {
         old_us.push(t_old.as_secs_f64() * 1e6);
         new_us.push(t_new.as_secs_f64() * 1e6);
     }
-    let median = |v: &mut Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v[v.len() / 2]
-    };
     let (old, new) = (median(&mut old_us), median(&mut new_us));
     initiator.close();
     target.close();

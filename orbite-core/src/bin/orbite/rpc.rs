@@ -23,6 +23,7 @@ use orbite_core::{Desc, EngineConfig, MemoryRange, Permission, TransferEngine};
 use serde_json::{Value, json};
 use tonic::transport::{Channel, Endpoint};
 
+use crate::bench::round;
 use crate::error::{Doing, Error};
 use crate::measure::percentiles_us;
 
@@ -95,24 +96,17 @@ async fn echo(d: &mut OrbiteDiagnosticsClient<Channel>) -> Result<(), Error> {
     Ok(())
 }
 
-fn round(x: f64, places: i32) -> f64 {
-    let f = 10f64.powi(places);
-    (x * f).round() / f
-}
-
 pub fn run(quick: bool) -> Result<Vec<Value>, Error> {
-    let server_rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .thread_name("bench-grpc-server")
-        .build()
-        .doing("start the server runtime")?;
-    let client_rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .thread_name("bench-grpc-client")
-        .build()
-        .doing("start the client runtime")?;
+    let runtime = |name: &str, doing: &'static str| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .thread_name(name)
+            .build()
+            .doing(doing)
+    };
+    let server_rt = runtime("bench-grpc-server", "start the server runtime")?;
+    let client_rt = runtime("bench-grpc-client", "start the client runtime")?;
     let mut server = start(&server_rt)?;
     let (addr, registration) = (server.addr, server.registration);
     let (n_echo, n_life) = if quick { (2_000, 400) } else { (20_000, 4_000) };

@@ -19,7 +19,7 @@ use orbite_core::{Desc, EngineConfig, MemoryRange, Permission, TransferEngine};
 use serde_json::{Value, json};
 
 use crate::error::Error;
-use crate::measure::percentiles_us;
+use crate::measure::{Rng, percentiles_us};
 
 fn request(i: u64, meta: &KvTransferMeta, lease_ms: Option<i64>) -> AllocateRequest {
     AllocateRequest {
@@ -78,13 +78,13 @@ pub fn lifecycle(quick: bool) -> Result<Value, Error> {
     }))
 }
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
+/// A service's limits for `live` sessions with leases of up to an hour.
+fn info(live: u64) -> KvConnectorInfo {
+    KvConnectorInfo {
+        max_live_sessions: live * 2,
+        max_lease_ms: 3_600_000,
+        max_tombstones: live * 2,
+        ..KvConnectorInfo::default()
     }
 }
 
@@ -92,13 +92,7 @@ impl Rng {
 /// renewals per tick; returns (ns per tick with nothing expiring, expired,
 /// visits, ns per expired lease on ticks that expired some).
 fn reaper(live: u64, ticks: u64, renewals: u64) -> Result<(f64, u64, u64, f64), Error> {
-    let info = KvConnectorInfo {
-        max_live_sessions: live * 2,
-        max_lease_ms: 3_600_000,
-        max_tombstones: live * 2,
-        ..KvConnectorInfo::default()
-    };
-    let mut m = SessionMachine::new(info, String::new(), 1, 1);
+    let mut m = SessionMachine::new(info(live), String::new(), 1, 1);
     let meta = meta();
     let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
     // Leases spread over 100 s; the run covers the first `ticks` ms.
@@ -162,13 +156,7 @@ pub fn reaper_threads(quick: bool) -> Result<Vec<Value>, Error> {
 fn reaper_thread(live: u64, quick: bool) -> Result<Value, Error> {
     let secs = if quick { 0.5 } else { 2.0 };
     let engine = TransferEngine::new(EngineConfig::default())?;
-    let info = KvConnectorInfo {
-        max_live_sessions: live * 2,
-        max_lease_ms: 3_600_000,
-        max_tombstones: live * 2,
-        ..KvConnectorInfo::default()
-    };
-    let service = Arc::new(KvSessionService::new(engine.clone(), info, Arc::new(SystemClock::default())));
+    let service = Arc::new(KvSessionService::new(engine.clone(), info(live), Arc::new(SystemClock::default())));
     let meta = meta();
     let mut rng = Rng(0x2545_F491_4F6C_DD1D);
     let mut ids = Vec::with_capacity(live as usize);

@@ -19,6 +19,7 @@ use orbite_core::{EngineConfig, MemoryRange, Permission, TransferEngine};
 use serde_json::{Value, json};
 
 use crate::error::{Doing, Error};
+use crate::measure::median;
 
 const CALLS: usize = 2_000;
 const STALLED: usize = 200;
@@ -87,11 +88,6 @@ fn unsent_on(port: u16) -> u64 {
             (local_port == port).then_some(tx)
         })
         .sum()
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// The `watchers` row.
