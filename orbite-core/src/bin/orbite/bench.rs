@@ -1086,6 +1086,30 @@ fn idle(rig: &mut Rig, quick: bool, report: &mut Report) -> Result<(), Error> {
     Ok(())
 }
 
+/// The table's line of each workload that has one of its own (after its
+/// route and name): the text, and the fields that fill its `{}`.
+const SENTENCES: [(&str, &str, &str); 4] = [
+    (
+        "S2-reaper",
+        "{} live, {} renewals/tick: {} expired, {} leases visited; tick {} ns with none expiring, {} ns per expired \
+         lease",
+        "live_sessions renewals_per_tick expired leases_visited tick_ns_none_expiring tick_ns_per_expired",
+    ),
+    (
+        "refresh",
+        "importing {} made after the exchange: {} us; {} that existed at open: {} us ({}x, bar 2x)",
+        "imported late_import_us imported existing_import_us x_limit",
+    ),
+    (
+        "rss",
+        "peak RSS initiator {} MiB, target {} MiB ({} MiB registered per side); after W1 moved 64 MiB / 1 GiB: \
+         initiator {} / {} MiB, target {} / {} MiB",
+        "initiator_peak_mib target_peak_mib registered_mib_per_side initiator_peak_mib_64mib \
+         initiator_peak_mib_1gib target_peak_mib_64mib target_peak_mib_1gib",
+    ),
+    ("idle", "        - cpu {}% of one core over {} s", "cpu_pct seconds"),
+];
+
 fn print_table(rows: &[Map<String, Value>]) {
     let get = |r: &Map<String, Value>, k: &str| r.get(k).cloned().unwrap_or(Value::Null);
     let s = |v: Value| match v {
@@ -1109,59 +1133,16 @@ fn print_table(rows: &[Map<String, Value>]) {
             println!("{:<7} {:<18} {line}", s(get(r, "route")), workload);
             continue;
         }
-        if workload == "S2-reaper" {
-            println!(
-                "{:<7} {:<18} {} live, {} renewals/tick: {} expired, {} leases visited; tick {} ns with none \
-                 expiring, {} ns per expired lease",
-                "-",
-                workload,
-                s(get(r, "live_sessions")),
-                s(get(r, "renewals_per_tick")),
-                s(get(r, "expired")),
-                s(get(r, "leases_visited")),
-                s(get(r, "tick_ns_none_expiring")),
-                s(get(r, "tick_ns_per_expired"))
-            );
-            continue;
-        }
-        if workload == "refresh" {
-            println!(
-                "{:<7} {:<18} importing {} made after the exchange: {} us; {} that existed at open: {} us ({}x, bar 2x)",
-                s(get(r, "route")),
-                workload,
-                s(get(r, "imported")),
-                s(get(r, "late_import_us")),
-                s(get(r, "imported")),
-                s(get(r, "existing_import_us")),
-                s(get(r, "x_limit"))
-            );
-            continue;
-        }
-        if workload == "rss" {
-            println!(
-                "{:<7} {:<18} peak RSS initiator {} MiB, target {} MiB ({} MiB registered per side); after W1 \
-                 moved 64 MiB / 1 GiB: initiator {} / {} MiB, target {} / {} MiB",
-                s(get(r, "route")),
-                workload,
-                s(get(r, "initiator_peak_mib")),
-                s(get(r, "target_peak_mib")),
-                s(get(r, "registered_mib_per_side")),
-                s(get(r, "initiator_peak_mib_64mib")),
-                s(get(r, "initiator_peak_mib_1gib")),
-                s(get(r, "target_peak_mib_64mib")),
-                s(get(r, "target_peak_mib_1gib")),
-            );
-            continue;
-        }
-        if workload == "idle" {
-            println!(
-                "{:<7} {:<18} {:>9} cpu {}% of one core over {} s",
-                s(get(r, "route")),
-                workload,
-                "-",
-                s(get(r, "cpu_pct")),
-                s(get(r, "seconds"))
-            );
+        // Rows that read as a sentence: the fields named after it fill its
+        // `{}` in turn.
+        if let Some((_, text, keys)) = SENTENCES.iter().find(|(w, ..)| *w == workload) {
+            let mut parts = text.split("{}");
+            let mut line = format!("{:<7} {:<18} {}", s(get(r, "route")), workload, parts.next().unwrap_or(""));
+            for (key, part) in keys.split_whitespace().zip(parts) {
+                line += &s(get(r, key));
+                line += part;
+            }
+            println!("{line}");
             continue;
         }
         // tcp is compared with the socket; the self connection and the
@@ -1245,6 +1226,13 @@ mod tests {
         let e = parse(&[&["bench"], args].concat()).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::ValueValidation, "{args:?}: {e}");
         e.to_string()
+    }
+
+    #[test]
+    fn each_table_sentence_has_a_field_per_placeholder() {
+        for (workload, text, fields) in super::SENTENCES {
+            assert_eq!(text.matches("{}").count(), fields.split_whitespace().count(), "{workload}");
+        }
     }
 
     #[test]
