@@ -246,12 +246,7 @@ fn copies(
     };
     let mut copies = Vec::with_capacity(spans.len());
     let mut device = None;
-    let mut left = limit;
-    for s in spans {
-        if left == 0 {
-            break;
-        }
-        let n = s.len.min(left);
+    for (s, n) in super::within(spans, limit) {
         let Some(m) = inside(s.remote, n) else {
             return Err(TaskEnd::Failed { effect_unknown: false });
         };
@@ -260,7 +255,6 @@ fn copies(
             Op::Write => (s.remote, s.local, n),
             Op::Read => (s.local, s.remote, n),
         });
-        left -= n;
     }
     Ok(device.map(|d| (d, copies)))
 }

@@ -112,18 +112,12 @@ pub(super) fn issue(
 /// The driver copies of a [`Device`] task: (destination, source, bytes).
 fn copies(op: Op, spans: &[Span], limit: u64) -> Vec<(u64, u64, u64)> {
     let mut copies = Vec::with_capacity(spans.len());
-    let mut left = limit;
-    for s in spans {
-        if left == 0 {
-            break;
-        }
-        let n = s.len.min(left);
+    for (s, n) in super::within(spans, limit) {
         let (src, dst) = match op {
             Op::Write => (s.local, s.remote),
             Op::Read => (s.remote, s.local),
         };
         push_memmove(&mut copies, dst, src, n);
-        left -= n;
     }
     copies
 }

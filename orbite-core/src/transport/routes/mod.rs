@@ -299,6 +299,19 @@ pub(crate) fn release_thread() {
     staging::release_thread_stagers();
 }
 
+/// The first `limit` bytes of `spans`: each span with its bytes that
+/// count, until `limit` is spent (a span of no bytes before then counts,
+/// with 0).
+pub(crate) fn within(spans: &[Span], limit: u64) -> impl Iterator<Item = (&Span, u64)> {
+    spans.iter().scan(limit, |left, s| {
+        (*left > 0).then(|| {
+            let n = s.len.min(*left);
+            *left -= n;
+            (s, n)
+        })
+    })
+}
+
 /// Every route. For peers, `auto` prefers them in this order.
 pub(crate) static ROUTES: &[&dyn RouteImpl] =
     &[&loopback::Loopback, &shm::Shm, &cma::Cma, &cuda_ipc::CudaIpc, &rdma::Rdma, &tcp::Tcp, &file::File];
@@ -596,6 +609,21 @@ mod tests {
             Unreachable::from(crate::cuda::CudaError::NotBuilt).to_string(),
             crate::cuda::CudaError::NotBuilt.to_string()
         );
+    }
+
+    /// `within` yields each span with its counted bytes until the limit
+    /// is spent: a span of no bytes before then counts (with 0), none
+    /// after it.
+    #[test]
+    fn within_counts_spans_until_the_limit_is_spent() {
+        let s = |len| crate::transport::Span { local: 0, remote: 0, remote_reg: 0, len };
+        let spans = [s(4), s(0), s(3), s(0), s(5)];
+        let got = |limit| super::within(&spans, limit).map(|(s, n)| (s.len, n)).collect::<Vec<_>>();
+        assert_eq!(got(u64::MAX), [(4, 4), (0, 0), (3, 3), (0, 0), (5, 5)]);
+        assert_eq!(got(7), [(4, 4), (0, 0), (3, 3)]);
+        assert_eq!(got(5), [(4, 4), (0, 0), (3, 1)]);
+        assert_eq!(got(4), [(4, 4)]);
+        assert!(got(0).is_empty());
     }
 
     use super::{LocalFetch, PeerOpening, PeerReach, PeerStates, SameHost};

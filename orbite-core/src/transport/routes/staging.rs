@@ -762,18 +762,13 @@ impl TcpStage {
 /// task's spans) and `host` (the same spans in the buffer), as
 /// (destination, source, bytes) by `order(device, host)`.
 fn pairs(dev: &[Span], host: &[Span], limit: u64, order: impl Fn(u64, u64) -> (u64, u64)) -> Vec<(u64, u64, u64)> {
-    let mut left = limit;
-    let mut out = Vec::with_capacity(dev.len());
-    for (d, h) in dev.iter().zip(host) {
-        if left == 0 {
-            break;
-        }
-        let n = d.len.min(left);
-        let (dst, src) = order(d.local, h.local);
-        out.push((dst, src, n));
-        left -= n;
-    }
-    out
+    super::within(dev, limit)
+        .zip(host)
+        .map(|((d, n), h)| {
+            let (dst, src) = order(d.local, h.local);
+            (dst, src, n)
+        })
+        .collect()
 }
 
 /// The target's staging of a peer's WRITE or READ that names its device
