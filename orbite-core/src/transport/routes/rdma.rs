@@ -74,15 +74,7 @@ impl RdmaPeer {
             let mut qps = Vec::new();
             for _ in 0..peer.qps_per_nic {
                 let link = rail.queue_pair(Remote::None).map_err(|e| e.to_string())?;
-                let c = rail.card(&link);
-                cards.push(QpCard {
-                    gid: c.gid.octets(),
-                    qpn: c.qpn,
-                    psn: c.psn,
-                    mtu: c.mtu,
-                    nic: rail.index,
-                    peer_nic,
-                });
+                cards.push(wire_card(&rail.card(&link), rail.index, peer_nic));
                 qps.push(link);
             }
             rails.push(PeerRail { rail: rail.clone(), peer_nic, qps });
@@ -103,12 +95,22 @@ impl RdmaPeer {
                 if t.nic != mine.peer_nic || t.peer_nic != mine.nic {
                     return Err("the peer's queue pairs answer other NICs".into());
                 }
-                let card = Card { gid: t.gid.into(), qpn: t.qpn, psn: t.psn, mtu: t.mtu };
-                link.connect(&r.rail, &card).map_err(|e| format!("{}: {e}", r.rail.name))?;
+                link.connect(&r.rail, &card(&t)).map_err(|e| format!("{}: {e}", r.rail.name))?;
             }
         }
         Ok(rails)
     }
+}
+
+/// A queue pair's card as the wire carries it: from this engine's NIC
+/// `nic` to the peer's `peer_nic`.
+fn wire_card(c: &Card, nic: u8, peer_nic: u8) -> QpCard {
+    QpCard { gid: c.gid.octets(), qpn: c.qpn, psn: c.psn, mtu: c.mtu, nic, peer_nic }
+}
+
+/// The peer's queue pair a wire card describes.
+fn card(c: &QpCard) -> Card {
+    Card { gid: c.gid.into(), qpn: c.qpn, psn: c.psn, mtu: c.mtu }
 }
 
 /// The queue pairs this engine makes for an initiator that asked with
@@ -128,17 +130,8 @@ pub(crate) fn accept(
             .get(c.peer_nic as usize)
             .ok_or_else(|| format!("this engine has no RDMA NIC {}", c.peer_nic))?;
         let link = rail.queue_pair(Remote::ReadWrite).map_err(|e| e.to_string())?;
-        let theirs = Card { gid: c.gid.into(), qpn: c.qpn, psn: c.psn, mtu: c.mtu };
-        link.connect(rail, &theirs).map_err(|e| format!("{}: {e}", rail.name))?;
-        let me = rail.card(&link);
-        mine.push(QpCard {
-            gid: me.gid.octets(),
-            qpn: me.qpn,
-            psn: me.psn,
-            mtu: me.mtu,
-            nic: rail.index,
-            peer_nic: c.nic,
-        });
+        link.connect(rail, &card(c)).map_err(|e| format!("{}: {e}", rail.name))?;
+        mine.push(wire_card(&rail.card(&link), rail.index, c.nic));
         links.push(link);
     }
     Ok((mine, links))
@@ -286,11 +279,7 @@ impl Copier for RdmaCopy {
     }
 
     fn copy(&self, op: Op, spans: &[Span], limit: u64) -> (u64, Option<TaskEnd>) {
-        match self.post(op, spans, limit) {
-            Some(Ok(p)) => p.finish(),
-            Some(Err(ended)) => ended,
-            None => (0, Some(TaskEnd::Failed { effect_unknown: false })),
-        }
+        super::device::post_and_finish(self, op, spans, limit)
     }
 
     fn post(&self, op: Op, spans: &[Span], limit: u64) -> Option<Result<Box<dyn Posted>, (u64, Option<TaskEnd>)>> {
@@ -298,13 +287,7 @@ impl Copier for RdmaCopy {
         let Some((pr, link)) = self.pick() else { return refused };
         let mut ops = Vec::with_capacity(spans.len());
         let mut lens = Vec::with_capacity(spans.len());
-        let mut left = limit;
-        for s in spans {
-            if left == 0 {
-                break;
-            }
-            let len = s.len.min(left);
-            left -= len;
+        for (s, len) in super::within(spans, limit) {
             let (Some(lkey), Some(rkey)) =
                 (self.lkey(pr.rail.index, s.local, len), self.rkey(pr.peer_nic, s.remote_reg))
             else {
