@@ -126,10 +126,6 @@ impl RouteImpl for CudaIpc {
         Some(Box::new(s))
     }
 
-    fn serves(&self, target: &Reach<'_>) -> bool {
-        matches!(target, Reach::Peer(_))
-    }
-
     fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {
         let (p, h) = target.same_host_peer()?;
         h.ipc.as_ref().map_err(|why| Unreachable::IpcUnavailable(why.clone()))?;

@@ -255,9 +255,12 @@ pub(crate) trait RouteImpl: Sync {
         None
     }
 
-    /// Whether it serves this kind of target (a peer route serves every
-    /// peer; whether it reaches one's ranges is [`RouteImpl::plan`]'s).
-    fn serves(&self, target: &Reach<'_>) -> bool;
+    /// Whether it serves this kind of target (a peer route, the default,
+    /// serves every peer; whether it reaches one's ranges is
+    /// [`RouteImpl::plan`]'s).
+    fn serves(&self, target: &Reach<'_>) -> bool {
+        matches!(target, Reach::Peer(_))
+    }
 
     /// Prepare's capability check and copy program in one: how the tasks
     /// reaching every target range `remote` names move, or why this route

@@ -82,10 +82,6 @@ impl RouteImpl for Shm {
         Some(Box::new(ShmPeer { maps: RwLock::new(maps), pending, behind }))
     }
 
-    fn serves(&self, target: &Reach<'_>) -> bool {
-        matches!(target, Reach::Peer(_))
-    }
-
     fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {
         let (p, _) = target.same_host_peer()?;
         let maps = p.state::<ShmPeer>(Route::Shm).ok_or(Unreachable::NotMapped)?.maps.read();

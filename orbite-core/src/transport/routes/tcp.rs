@@ -14,10 +14,6 @@ impl RouteImpl for Tcp {
         Route::Tcp
     }
 
-    fn serves(&self, target: &Reach<'_>) -> bool {
-        matches!(target, Reach::Peer(_))
-    }
-
     fn plan(&self, target: &Reach<'_>, _remote: &[Desc]) -> Result<Mover, Unreachable> {
         match target {
             // Frames to the peer's server, which copies.
