@@ -20,10 +20,6 @@ impl RouteImpl for Cma {
         Route::Cma
     }
 
-    fn serves(&self, target: &Reach<'_>) -> bool {
-        matches!(target, Reach::Peer(_))
-    }
-
     fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {
         let (p, h) = target.same_host_peer()?;
         h.cma.clone().map_err(Unreachable::CmaDenied)?;
@@ -77,7 +73,7 @@ impl Copier for Attach {
     /// Device memory on the local side: staged through page-locked
     /// buffers (the peer's private memory is not mapped here).
     fn with_local(self: Box<Self>, local: &LocalSide<'_>) -> Result<Box<dyn Copier>, NoDeviceCopy> {
-        Ok(super::staging::Staged::over(self, local))
+        Ok(super::staging::Staged::over(self, local, None))
     }
 }
 

@@ -53,7 +53,7 @@ impl Copier for FileCopy {
     /// Files take host memory only: device memory bounces through the
     /// staging pool's page-locked buffers, as for cma.
     fn with_local(self: Box<Self>, local: &LocalSide<'_>) -> Result<Box<dyn Copier>, NoDeviceCopy> {
-        Ok(super::staging::Staged::over(self, local))
+        Ok(super::staging::Staged::over(self, local, None))
     }
 
     /// Not a direct file's: its read-modify-write may wait for another

@@ -152,10 +152,6 @@ impl RouteImpl for Rdma {
         Some(Box::new(RdmaPeer { rails, timeout: peer.timeout, probe: peer.probe.clone() }))
     }
 
-    fn serves(&self, target: &Reach<'_>) -> bool {
-        matches!(target, Reach::Peer(_))
-    }
-
     fn plan(&self, target: &Reach<'_>, remote: &[Desc]) -> Result<Mover, Unreachable> {
         let Reach::Peer(p) = target else { return Err(Unreachable::NotPeer) };
         let state = p.state::<RdmaPeer>(Route::Rdma).ok_or_else(|| Unreachable::Rdma("no RDMA NIC".into()))?;
@@ -325,7 +321,7 @@ impl Copier for RdmaCopy {
             self.staging = Some(local.pool.clone());
             self.local = loans;
             let why = why.unwrap_or_else(|| "no NIC has a region of it".into());
-            return Ok(super::staging::Staged::over_because(self, local, why));
+            return Ok(super::staging::Staged::over(self, local, Some(why)));
         }
         self.gpudirect = loans.iter().find_map(|r| r.rdma.gpudirect()).map(|g| g.name());
         let mut usable = direct;

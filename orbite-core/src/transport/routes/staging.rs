@@ -42,10 +42,8 @@ thread_local! {
 /// Gives back this thread's stagers and reserved buffer (a route worker,
 /// as it ends, after its last task completed).
 pub(crate) fn release_thread_stagers() {
-    let stagers = STAGERS.with(|cell| std::mem::take(&mut *cell.borrow_mut()));
-    drop(stagers);
-    let reserved = RESERVED.with(|cell| cell.borrow_mut().take());
-    drop(reserved);
+    drop(STAGERS.take());
+    drop(RESERVED.take());
 }
 
 /// Whether this worker can have a staging buffer of `chunk` bytes for
@@ -66,8 +64,7 @@ fn room(pool: &Arc<StagingPool>, device: u32, chunk: u64) -> bool {
 
 /// The reserved buffer if it suits, else one from the pool.
 fn take(pool: &Arc<StagingPool>, device: u32, chunk: u64) -> Option<Pooled> {
-    let reserved = RESERVED.with(|cell| cell.borrow_mut().take());
-    match reserved {
+    match RESERVED.take() {
         Some(b) if b.device() == device && b.len() >= chunk => Some(b),
         _ => pool.take(device, chunk).ok(),
     }
@@ -89,25 +86,14 @@ pub(crate) struct Staged {
 
 impl Staged {
     /// `inner` with the local side `local`: staged when that is device
-    /// memory.
-    pub(crate) fn over(inner: Box<dyn Copier>, local: &LocalSide<'_>) -> Box<dyn Copier> {
+    /// memory, saying `why` the inner route (RDMA) does not reach the
+    /// device memory itself, if it could have.
+    pub(crate) fn over(inner: Box<dyn Copier>, local: &LocalSide<'_>, why: Option<String>) -> Box<dyn Copier> {
         match local.device {
             None => inner,
             Some(device) => {
                 let (chunk, pool) = (local.chunk, local.pool.clone());
-                Box::new(Staged { device, chunk, pool, inner: Arc::from(inner), why: None })
-            }
-        }
-    }
-
-    /// As [`Staged::over`], saying `why` the inner route (RDMA) does not
-    /// reach the device memory itself.
-    pub(crate) fn over_because(inner: Box<dyn Copier>, local: &LocalSide<'_>, why: String) -> Box<dyn Copier> {
-        match local.device {
-            None => inner,
-            Some(device) => {
-                let (chunk, pool) = (local.chunk, local.pool.clone());
-                Box::new(Staged { device, chunk, pool, inner: Arc::from(inner), why: Some(why) })
+                Box::new(Staged { device, chunk, pool, inner: Arc::from(inner), why })
             }
         }
     }
@@ -222,7 +208,7 @@ fn issue(
     let mut c = chunks(spans, limit, chunk);
     let c = c.pop()?;
     let addr = buffer.addr();
-    let mut task = StagedTask { _buffer: buffer, op, host: c.host_spans(addr), short: false };
+    let mut task = StagedTask { _buffer: buffer, op, host: host_spans(&c.pieces, addr), short: false };
     let (mut c, mut total) = (c, total);
     if op == Op::Read {
         match inner.copy(Op::Read, &task.host, u64::MAX) {
@@ -269,6 +255,20 @@ struct Chunk {
     pieces: Vec<Span>,
 }
 
+/// `spans` as the route sees them: local addresses back to back in
+/// `buffer`.
+fn host_spans(spans: &[Span], buffer: u64) -> Vec<Span> {
+    let mut at = 0;
+    spans
+        .iter()
+        .map(|p| {
+            let s = Span { local: buffer + at, ..*p };
+            at += p.len;
+            s
+        })
+        .collect()
+}
+
 /// Cuts the first `limit` bytes of `spans` into chunks of at most `chunk`
 /// bytes.
 fn chunks(spans: &[Span], limit: u64, chunk: u64) -> Vec<Chunk> {
@@ -311,19 +311,6 @@ impl Chunk {
             })
             .collect();
         Chunk { pieces }
-    }
-
-    /// The chunk as the route sees it: local addresses in `buffer`.
-    fn host_spans(&self, buffer: u64) -> Vec<Span> {
-        let mut at = 0;
-        self.pieces
-            .iter()
-            .map(|p| {
-                let s = Span { local: buffer + at, remote: p.remote, remote_reg: p.remote_reg, len: p.len };
-                at += p.len;
-                s
-            })
-            .collect()
     }
 
     /// The device copies between the pieces' local ranges and `buffer`:
@@ -407,7 +394,7 @@ fn write(st: &mut Stager, buffers: &[u64; 2], inner: &dyn Copier, chunks: &[Chun
                 return (done, device_failed);
             }
         }
-        let (n, end) = inner.copy(Op::Write, &c.host_spans(buffers[slot]), u64::MAX);
+        let (n, end) = inner.copy(Op::Write, &host_spans(&c.pieces, buffers[slot]), u64::MAX);
         done += n;
         if end.is_some() {
             return (done, end);
@@ -428,7 +415,7 @@ fn read(st: &mut Stager, buffers: &[u64; 2], inner: &dyn Copier, chunks: &[Chunk
             return (landed, device_failed);
         }
         landed += std::mem::take(&mut pending[slot]);
-        let (n, end) = inner.copy(Op::Read, &c.host_spans(buffers[slot]), u64::MAX);
+        let (n, end) = inner.copy(Op::Read, &host_spans(&c.pieces, buffers[slot]), u64::MAX);
         if let (Some(TaskEnd::Short), true) = (end, n > 0) {
             // The end of a file: its prefix in the buffer goes on to the
             // device after the chunks before it, and the task ends short.
@@ -544,21 +531,17 @@ impl StagingPool {
             Some(i) => i,
             None => {
                 let bound = Some((crate::types::Resource::StagingBytes, self.limit));
-                let charge = match Charge::try_new(
-                    &self.counters,
-                    [(Counter::StagingBuffers, 1, None), (Counter::StagingBytes, len, bound)],
-                ) {
-                    Ok(c) => c,
-                    Err(e) => {
-                        // Free buffers of other sizes or devices make room.
-                        self.clear();
-                        Charge::try_new(
-                            &self.counters,
-                            [(Counter::StagingBuffers, 1, None), (Counter::StagingBytes, len, bound)],
-                        )
-                        .map_err(|_| StagingError::Exhausted(e))?
-                    }
+                let charge = || {
+                    Charge::try_new(
+                        &self.counters,
+                        [(Counter::StagingBuffers, 1, None), (Counter::StagingBytes, len, bound)],
+                    )
                 };
+                let charge = charge().or_else(|e| {
+                    // Free buffers of other sizes or devices make room.
+                    self.clear();
+                    charge().map_err(|_| StagingError::Exhausted(e))
+                })?;
                 let buffer = PinnedBuffer::new(device, len).map_err(StagingError::Driver)?;
                 let (addr, size) = (buffer.addr(), buffer.len());
                 // SAFETY: page-locked host memory the item owns; its regions
@@ -665,16 +648,7 @@ impl TcpStage {
                     Ok(b) => b,
                     Err(_) => return Some((0, Some(TaskEnd::Failed { effect_unknown: false }))),
                 };
-                let base = buf.addr();
-                let mut at = 0;
-                self.spans = spans
-                    .iter()
-                    .map(|s| {
-                        let m = Span { local: base + at, remote: s.remote, remote_reg: s.remote_reg, len: s.len };
-                        at += s.len;
-                        m
-                    })
-                    .collect();
+                self.spans = host_spans(spans, buf.addr());
                 self.buffer = Some(buf);
                 match op {
                     Op::Read => (spans.iter().map(|s| s.len).sum(), None),
@@ -697,15 +671,42 @@ impl TcpStage {
 
     /// Where the task goes after a phase ended with `report`.
     pub fn next(&mut self, op: Op, report: TaskReport) -> Next {
-        let next = match self.phase {
-            Phase::In => self.after_in(report),
-            Phase::Link => self.after_link(op, report),
-            Phase::Out => Err(self.after_out(report)),
-        };
-        match (next, &self.phase) {
-            (Ok(()), Phase::Link) => Next::Link,
-            (Ok(()), _) => Next::Worker,
-            (Err(last), _) => Next::Done(last),
+        match (&self.phase, op) {
+            // After the worker's phase `In`: the task goes on to the link...
+            (Phase::In, _) if report.end == TaskEnd::Complete && report.done == report.planned => {
+                self.phase = Phase::Link;
+                Next::Link
+            }
+            // ...or ends (for a WRITE nothing was sent).
+            (Phase::In, _) => {
+                self.buffer = None;
+                let end = match report.end {
+                    TaskEnd::Complete => TaskEnd::Short,
+                    e => e,
+                };
+                Next::Done(TaskReport { planned: report.planned, done: 0, end })
+            }
+            // After the link: READ goes on to phase `Out`; a WRITE ends with
+            // the link's report, its buffer back in the pool.
+            (Phase::Link, Op::Read) => {
+                self.link_report = Some(report);
+                self.phase = Phase::Out;
+                Next::Worker
+            }
+            (Phase::Link, Op::Write) => {
+                self.buffer = None;
+                Next::Done(report)
+            }
+            // After phase `Out`: the task's report (the link's, unless the
+            // device copy failed).
+            (Phase::Out, _) => {
+                self.buffer = None;
+                let link = self.link_report.take().unwrap_or(report);
+                Next::Done(match report.end {
+                    TaskEnd::Complete => link,
+                    failed => TaskReport { planned: link.planned, done: report.done.min(link.done), end: failed },
+                })
+            }
         }
     }
 
@@ -713,48 +714,6 @@ impl TcpStage {
     /// buffer), while the task is the link's.
     pub fn link_spans(&self) -> Option<&[Span]> {
         matches!(self.phase, Phase::Link).then_some(&self.spans[..])
-    }
-
-    /// After the worker's phase `In`: whether the task goes on to the link;
-    /// if not, the report it ends with (for a WRITE nothing was sent).
-    fn after_in(&mut self, report: TaskReport) -> Result<(), TaskReport> {
-        if report.end == TaskEnd::Complete && report.done == report.planned {
-            self.phase = Phase::Link;
-            return Ok(());
-        }
-        self.buffer = None;
-        let end = match report.end {
-            TaskEnd::Complete => TaskEnd::Short,
-            e => e,
-        };
-        Err(TaskReport { planned: report.planned, done: 0, end })
-    }
-
-    /// After the link: READ goes on to phase `Out` (`Ok`); a WRITE ends with
-    /// the link's report (`Err`), its buffer back in the pool.
-    fn after_link(&mut self, op: Op, report: TaskReport) -> Result<(), TaskReport> {
-        match op {
-            Op::Read => {
-                self.link_report = Some(report);
-                self.phase = Phase::Out;
-                Ok(())
-            }
-            Op::Write => {
-                self.buffer = None;
-                Err(report)
-            }
-        }
-    }
-
-    /// After phase `Out`: the task's report (the link's, unless the device
-    /// copy failed).
-    fn after_out(&mut self, report: TaskReport) -> TaskReport {
-        self.buffer = None;
-        let link = self.link_report.take().unwrap_or(report);
-        match report.end {
-            TaskEnd::Complete => link,
-            failed => TaskReport { planned: link.planned, done: report.done.min(link.done), end: failed },
-        }
     }
 }
 
@@ -797,10 +756,7 @@ impl crate::transport::proto::server::Landing for ServerStage {
                 &reads
             }
         };
-        match crate::cuda::copy_on_stream(self.device, copies) {
-            (_, None) => Ok(()),
-            (_, Some(why)) => Err(why),
-        }
+        crate::cuda::copy_on_stream(self.device, copies).1.map_or(Ok(()), Err)
     }
 }
 
@@ -820,7 +776,7 @@ impl ServerStage {
         let total: u64 = ranges.iter().map(|r| r.2).sum();
         let buffer = pool.take(device, total.max(min_len))?;
         let mut stage = ServerStage { device, buffer, copies: Vec::with_capacity(ranges.len()), write };
-        let base = stage.buffer_addr();
+        let base = stage.buffer.addr();
         let mut at = 0u64;
         for &(i, dev, n, _) in ranges {
             iovs[i] = crate::transport::sock::iov(base + at, n);
@@ -828,10 +784,6 @@ impl ServerStage {
             at += n;
         }
         Ok(Some(Box::new(stage)))
-    }
-
-    fn buffer_addr(&self) -> u64 {
-        self.buffer.addr()
     }
 }
 
@@ -853,7 +805,7 @@ mod tests {
         assert_eq!(c[2].pieces.len(), 2);
         assert_eq!((c[2].pieces[0].local, c[2].pieces[0].len), (1008, 2));
         assert_eq!((c[2].pieces[1].local, c[2].pieces[1].remote, c[2].pieces[1].len), (2000, 9000, 2));
-        let host = c[2].host_spans(100);
+        let host = host_spans(&c[2].pieces, 100);
         assert_eq!((host[0].local, host[1].local, host[1].remote), (100, 102, 9000));
         assert_eq!(c[2].device_copies(Op::Write, 100), vec![(100, 1008, 2), (102, 2000, 2)]);
         assert_eq!(c[2].device_copies(Op::Read, 100), vec![(1008, 100, 2), (2000, 102, 2)]);
