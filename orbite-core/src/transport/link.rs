@@ -94,12 +94,12 @@ fn exchange(
             let n = out.len();
             let mut v = [iov(out.as_ptr() as u64, n as u64)];
             // SAFETY: the entry borrows the machine's buffer for the call.
-            unsafe { writev_within(fd, &mut v, Some(patience)) }.map_err(&io)?;
+            unsafe { writev_within(fd, &mut v, patience) }.map_err(&io)?;
             m.sent(n);
         }
         let want = m.want();
         let n = want.len();
-        read_exact_within(fd, want, Some(patience)).map_err(&io)?;
+        read_exact_within(fd, want, patience).map_err(&io)?;
         if let Some(done) = m.received(n)? {
             return Ok(done);
         }
@@ -435,7 +435,7 @@ impl<J: CopyJob> PeerLink<J> {
         let hb = wire::encode_header(&wire::header(kind, body.len(), 0, 1));
         let mut v = [iov(hb.as_ptr() as u64, hb.len() as u64), iov(body.as_ptr() as u64, body.len() as u64)];
         // SAFETY: both entries borrow live local buffers for the call.
-        unsafe { writev_within(s.as_raw_fd(), &mut v, Some(patience)) }?;
+        unsafe { writev_within(s.as_raw_fd(), &mut v, patience) }?;
         Ok(s)
     }
 
@@ -455,7 +455,7 @@ impl<J: CopyJob> PeerLink<J> {
             let limits = Limits { max_body: (2 + wire::MAX_SHARED_FDS) as u32, max_data: 0 };
             let h = wire::decode_header(&hb, limits)?;
             let mut body = vec![0u8; h.body_len as usize];
-            read_exact_within(fd, &mut body, Some(&patience))?;
+            read_exact_within(fd, &mut body, &patience)?;
             let attached = match Message::decode(&h, &body)? {
                 Message::ShareFdsReply(attached) => attached,
                 m => return Err(LocalError::Unexpected { kind: m.kind(), what: "shared memory" }),
@@ -498,7 +498,7 @@ impl<J: CopyJob> PeerLink<J> {
             let limits = Limits { max_body: max_body as u32, max_data: 0 };
             let h = wire::decode_header(&hb, limits)?;
             let mut body = vec![0u8; h.body_len as usize];
-            read_exact_within(fd, &mut body, Some(&patience))?;
+            read_exact_within(fd, &mut body, &patience)?;
             match Message::decode(&h, &body)? {
                 Message::IpcHandlesReply(entries) => {
                     wire::expect_count(Kind::IpcHandlesReply, chunk.len(), entries.len())?;

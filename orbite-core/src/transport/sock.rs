@@ -56,19 +56,13 @@ impl Patience {
 }
 
 /// Runs `call` until every byte of `iovs` moved (advancing them in place),
-/// retrying on `EINTR`; `done` counts the bytes moved, also on error. With
-/// `patience`, calls that time out are retried within its bounds.
+/// retrying on `EINTR`; calls that time out are retried within
+/// `patience`'s bounds.
 ///
 /// # Safety
 /// Every entry must address memory valid for `call` (readable for writes,
 /// writable and unaliased for reads) for the whole call.
-unsafe fn vectored(
-    fd: RawFd,
-    iovs: &mut [libc::iovec],
-    done: &mut u64,
-    call: VectoredCall,
-    patience: Option<&Patience>,
-) -> io::Result<()> {
+unsafe fn vectored(fd: RawFd, iovs: &mut [libc::iovec], call: VectoredCall, patience: &Patience) -> io::Result<()> {
     let mut first = 0;
     let mut last = std::time::Instant::now();
     while first < iovs.len() {
@@ -82,26 +76,21 @@ unsafe fn vectored(
         let r = unsafe { call(fd, iovs[first..].as_ptr(), n as libc::c_int) };
         if r < 0 {
             let e = io::Error::last_os_error();
-            match (e.kind(), patience) {
-                (io::ErrorKind::Interrupted, _) => continue,
-                (io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut, Some(p)) => {
-                    p.check(last)?;
-                    continue;
-                }
+            match e.kind() {
+                io::ErrorKind::Interrupted => {}
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => patience.check(last)?,
                 _ => return Err(e),
             }
+            continue;
         }
         if r == 0 {
             return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "peer closed the connection"));
         }
-        *done += r as u64;
         advance(iovs, &mut first, r as usize);
-        if let Some(p) = patience {
-            // A trickling peer moves bytes but never finishes in time.
-            last = std::time::Instant::now();
-            if first < iovs.len() {
-                p.check_rate(last)?;
-            }
+        // A trickling peer moves bytes but never finishes in time.
+        last = std::time::Instant::now();
+        if first < iovs.len() {
+            patience.check_rate(last)?;
         }
     }
     Ok(())
@@ -113,27 +102,9 @@ unsafe fn vectored(
 /// # Safety
 /// Every entry must address memory readable for its length for the whole
 /// call (kept alive by range loans).
-pub(crate) unsafe fn writev_within(fd: RawFd, iovs: &mut [libc::iovec], patience: Option<&Patience>) -> io::Result<()> {
-    let mut done = 0;
+pub(crate) unsafe fn writev_within(fd: RawFd, iovs: &mut [libc::iovec], patience: &Patience) -> io::Result<()> {
     // SAFETY: forwarded contract.
-    unsafe { vectored(fd, iovs, &mut done, libc::writev, patience) }
-}
-
-/// Fills every byte of `iovs` from the socket within `patience` (a socket
-/// with a timeout tick); `done` counts the bytes that landed, also when an
-/// error or EOF stops it early.
-///
-/// # Safety
-/// Every entry must address memory writable for its length for the whole
-/// call, which no Rust reference aliases.
-pub(crate) unsafe fn readv_within(
-    fd: RawFd,
-    iovs: &mut [libc::iovec],
-    done: &mut u64,
-    patience: Option<&Patience>,
-) -> io::Result<()> {
-    // SAFETY: forwarded contract.
-    unsafe { vectored(fd, iovs, done, libc::readv, patience) }
+    unsafe { vectored(fd, iovs, libc::writev, patience) }
 }
 
 /// Advances `iovs` (from `first`) past `n` bytes that were transferred.
@@ -158,11 +129,10 @@ pub(crate) fn advance(iovs: &mut [libc::iovec], first: &mut usize, mut n: usize)
 
 /// Reads exactly `buf.len()` bytes into an ordinary buffer, within
 /// `patience` (a socket with a timeout tick).
-pub(crate) fn read_exact_within(fd: RawFd, buf: &mut [u8], patience: Option<&Patience>) -> io::Result<()> {
+pub(crate) fn read_exact_within(fd: RawFd, buf: &mut [u8], patience: &Patience) -> io::Result<()> {
     let mut v = [iov(buf.as_mut_ptr() as u64, buf.len() as u64)];
-    let mut done = 0;
     // SAFETY: `buf` is an exclusive borrow valid for the call.
-    unsafe { readv_within(fd, &mut v, &mut done, patience) }
+    unsafe { vectored(fd, &mut v, libc::readv, patience) }
 }
 
 /// Sets `TCP_NODELAY` and the socket buffers of a data connection: a
@@ -183,31 +153,25 @@ pub(crate) fn read_exact_within(fd: RawFd, buf: &mut [u8], patience: Option<&Pat
 pub(crate) fn tune(stream: &TcpStream, window: u64) {
     let _ = stream.set_nodelay(true);
     let rcv = window.clamp(4096, i32::MAX as u64 / 2) as libc::c_int;
-    for (opt, bytes) in [(libc::SO_RCVBUF, rcv), (libc::SO_SNDBUF, 2 * rcv)] {
-        // SAFETY: setsockopt with a pointer to a live c_int of the right size.
-        unsafe {
-            libc::setsockopt(
-                stream.as_raw_fd(),
-                libc::SOL_SOCKET,
-                opt,
-                (&bytes as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            );
-        }
-    }
+    set_opt(stream.as_raw_fd(), libc::SO_RCVBUF, rcv);
+    set_opt(stream.as_raw_fd(), libc::SO_SNDBUF, 2 * rcv);
 }
 
 /// Sets a socket's send buffer (`SO_SNDBUF`; the kernel doubles it for its
 /// bookkeeping).
 pub(crate) fn set_send_buffer(socket: &impl AsRawFd, bytes: usize) {
-    let bytes = bytes.min(i32::MAX as usize / 2) as libc::c_int;
+    set_opt(socket.as_raw_fd(), libc::SO_SNDBUF, bytes.min(i32::MAX as usize / 2) as libc::c_int);
+}
+
+/// Sets the `SOL_SOCKET` option `opt` of `fd` to `value` (best effort).
+fn set_opt(fd: RawFd, opt: libc::c_int, value: libc::c_int) {
     // SAFETY: setsockopt with a pointer to a live c_int of the right size.
     unsafe {
         libc::setsockopt(
-            socket.as_raw_fd(),
+            fd,
             libc::SOL_SOCKET,
-            libc::SO_SNDBUF,
-            (&bytes as *const libc::c_int).cast(),
+            opt,
+            (&value as *const libc::c_int).cast(),
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         );
     }
