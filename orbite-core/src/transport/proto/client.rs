@@ -82,10 +82,8 @@ impl<J: CopyJob> Done<J> {
     pub fn deliver(self) {
         match self {
             Done::Task(j, report) => j.finish(report),
-            Done::Control(n, result) => match result {
-                Ok(body) => (n.done)(Ok(&body)),
-                Err(e) => (n.done)(Err(e)),
-            },
+            Done::Control(n, Ok(body)) => (n.done)(Ok(&body)),
+            Done::Control(n, Err(e)) => (n.done)(Err(e)),
         }
     }
 }
@@ -296,14 +294,25 @@ impl<J: CopyJob> ClientConn<J> {
         self.inflight.is_empty().then(|| self.clock.last_io.checked_add(every)).flatten()
     }
 
-    /// Puts a keepalive on the wire if one is due at `now`: true if it did
-    /// (the connection then has something to send).
+    /// Puts a keepalive on the wire if one is due at `now` and the
+    /// connection is idle (nothing outstanding, nothing being sent): true
+    /// if it did (the connection then has something to send). It has no
+    /// reply.
     pub fn keep_alive(&mut self, now: Instant) -> bool {
         if self.keepalive_at().is_none_or(|at| now < at) {
             return false;
         }
         self.clock.last_io = now;
-        self.keepalive()
+        // Nothing is outstanding (or no keepalive would be due).
+        if self.out_first < self.out_iovs.len() {
+            return false;
+        }
+        self.out.clear();
+        self.out.extend_from_slice(&wire::encode_header(&wire::header(Kind::Keepalive, 0, 0, 0)));
+        self.out_iovs.clear();
+        self.out_iovs.push(iov(self.out.as_ptr() as u64, self.out.len() as u64));
+        self.out_first = 0;
+        true
     }
 
     /// Why the peer is lost at `now`, if a bound passed.
@@ -324,20 +333,6 @@ impl<J: CopyJob> ClientConn<J> {
     /// Bytes of the request being sent.
     pub fn send_len(&self) -> u64 {
         self.out_iovs[self.out_first.min(self.out_iovs.len())..].iter().map(|v| v.iov_len as u64).sum()
-    }
-
-    /// Puts a keepalive on the wire if the connection is idle (nothing
-    /// outstanding, nothing being sent): true if it did. It has no reply.
-    pub fn keepalive(&mut self) -> bool {
-        if !self.inflight.is_empty() || self.out_first < self.out_iovs.len() {
-            return false;
-        }
-        self.out.clear();
-        self.out.extend_from_slice(&wire::encode_header(&wire::header(Kind::Keepalive, 0, 0, 0)));
-        self.out_iovs.clear();
-        self.out_iovs.push(iov(self.out.as_ptr() as u64, self.out.len() as u64));
-        self.out_first = 0;
-        true
     }
 
     /// What to send next; `None`: the last request is all out.
