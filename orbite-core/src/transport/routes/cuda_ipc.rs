@@ -94,7 +94,7 @@ impl PeerState for IpcPeer {
             let v = view.read();
             ids.iter().map(|raw| v.get(*raw).map(|r| r.len)).collect()
         };
-        let imported = import_device(&self.counters, &ids, &lens, |ids| local.ipc(ids));
+        let imported = import_device(&self.counters, &ids, &lens, local);
         // Only registrations still in the view (read-locked: a change that
         // drops one waits, then lets its import go).
         let v = view.read();
@@ -145,15 +145,13 @@ impl RouteImpl for CudaIpc {
             }
             state.imported(raw)?;
         }
-        {
-            // Every import the program may name, kept open while it lives.
-            // Sorted by address, each once (registrations share them).
-            let mut mappings: Vec<Arc<crate::cuda::IpcMapping>> =
-                state.imports.read().values().filter_map(|i| i.as_ref().ok()).map(|i| i.mapping.clone()).collect();
-            mappings.sort_unstable_by_key(|m| m.ptr);
-            mappings.dedup_by_key(|m| m.ptr);
-            Ok(Mover::Copy(Box::new(Ipc { mappings, peer_alive: p.alive.map(|l| l.handle()), pins: Vec::new() })))
-        }
+        // Every import the program may name, kept open while it lives.
+        // Sorted by address, each once (registrations share them).
+        let mut mappings: Vec<Arc<crate::cuda::IpcMapping>> =
+            state.imports.read().values().filter_map(|i| i.as_ref().ok()).map(|i| i.mapping.clone()).collect();
+        mappings.sort_unstable_by_key(|m| m.ptr);
+        mappings.dedup_by_key(|m| m.ptr);
+        Ok(Mover::Copy(Box::new(Ipc { mappings, peer_alive: p.alive.map(|l| l.handle()), pins: Vec::new() })))
     }
 
     fn auto_reason(&self) -> Option<&'static str> {
@@ -316,25 +314,19 @@ fn open_entry(
 
 /// Opens a same-host peer's device registrations `ids` (of lengths
 /// `lens` in this engine's view; `None`: gone) through CUDA IPC, charging
-/// `counters`: asks the peer for their handles (`fetch`, over its local
+/// `counters`: asks the peer for their handles (`local`, its local
 /// socket) and opens each allocation once. A registration must lie inside
 /// its mapping, as this process's driver reports it.
-#[allow(clippy::type_complexity, reason = "one use")]
 fn import_device(
     counters: &Arc<crate::charge::Counters>,
     ids: &[u64],
     lens: &[Option<u64>],
-    fetch: impl FnOnce(
-        &[u64],
-    ) -> Result<
-        Vec<(crate::wire::IpcEntry, Option<std::os::fd::OwnedFd>)>,
-        crate::transport::peer_errors::LocalError,
-    >,
+    local: &dyn LocalFetch,
 ) -> Vec<(u64, Result<Arc<Imported>, ImportError>)> {
     if ids.is_empty() {
         return Vec::new();
     }
-    let entries = match fetch(ids) {
+    let entries = match local.ipc(ids) {
         Ok(entries) => entries,
         Err(why) => return ids.iter().map(|id| (*id, Err(ImportError::NotLocal(why.clone())))).collect(),
     };
