@@ -10,33 +10,22 @@ use crate::transport::unix::LocalConnectError;
 use crate::wire::{Kind, RemoteStatus, WireError};
 
 /// Errors of opening a link.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub(crate) enum OpenError {
+    #[error("{0}")]
     Connect(String),
+    #[error("{0}")]
     Protocol(String),
-    EpochMismatch {
-        expected: u64,
-        found: u64,
-    },
+    #[error("epoch {found:#x} where {expected:#x} was expected")]
+    EpochMismatch { expected: u64, found: u64 },
     /// The handshake failed: the peer refused this engine's proof (or
     /// wants one it does not have), or could not prove the secret.
+    #[error("{0}")]
     Unauthenticated(String),
     /// The peer is this engine itself (it describes or proves this
     /// engine's own epoch).
+    #[error("the peer is this engine itself")]
     OwnEngine,
-}
-
-impl OpenError {
-    /// What went wrong, in words.
-    pub(crate) fn said(&self) -> String {
-        match self {
-            OpenError::Connect(m) | OpenError::Protocol(m) | OpenError::Unauthenticated(m) => m.clone(),
-            OpenError::EpochMismatch { expected, found } => {
-                format!("epoch {found:#x} where {expected:#x} was expected")
-            }
-            OpenError::OwnEngine => "the peer is this engine itself".into(),
-        }
-    }
 }
 
 /// Why a peer is not proven to run on this host (then only tcp reaches
@@ -56,10 +45,10 @@ pub(crate) enum LocalError {
     #[error(transparent)]
     Connect(#[from] LocalConnectError),
     /// The handshake over the local socket failed.
-    #[error("{}", .0.said())]
+    #[error("{0}")]
     Handshake(OpenError),
     /// The process behind the socket did not describe the claimed engine.
-    #[error("the process behind the local socket: {}", .0.said())]
+    #[error("the process behind the local socket: {0}")]
     Describe(OpenError),
     /// Another process listens on the socket than at open.
     #[error("the peer's local socket changed hands")]
@@ -181,4 +170,27 @@ pub(crate) enum ImportError {
     /// The registration lies outside the allocation opened.
     #[error("{offset}+{len} lies outside the peer's allocation of {alloc} bytes")]
     Outside { offset: u64, len: u64, alloc: u64 },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{LocalError, OpenError};
+
+    /// How a link's opening failed, in the words peers' errors carry.
+    #[test]
+    fn open_errors_say_what_went_wrong() {
+        assert_eq!(OpenError::Connect("c".into()).to_string(), "c");
+        assert_eq!(OpenError::Protocol("p".into()).to_string(), "p");
+        assert_eq!(OpenError::Unauthenticated("u".into()).to_string(), "u");
+        assert_eq!(
+            OpenError::EpochMismatch { expected: 0x1f, found: 0xa }.to_string(),
+            "epoch 0xa where 0x1f was expected"
+        );
+        assert_eq!(OpenError::OwnEngine.to_string(), "the peer is this engine itself");
+        assert_eq!(LocalError::Handshake(OpenError::OwnEngine).to_string(), "the peer is this engine itself");
+        assert_eq!(
+            LocalError::Describe(OpenError::Protocol("p".into())).to_string(),
+            "the process behind the local socket: p"
+        );
+    }
 }
