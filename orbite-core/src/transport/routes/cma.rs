@@ -78,32 +78,24 @@ impl Copier for Attach {
 }
 
 /// Whether the kernel lets this process copy into the same-host peer
-/// `pid` that describes itself as `peer`: probed on one of its readable
-/// host registrations.
+/// `pid` that describes itself as `peer`: probed by reading one byte of
+/// one of its readable host registrations.
 pub(crate) fn open_peer(pid: i32, peer: &crate::segment::SegmentDescriptor) -> Result<(), CmaRefused> {
     let probe_at = peer.registrations.iter().find(|r| r.permission.remote_read() && r.len > 0 && r.device.is_none());
-    match probe_at {
-        Some(r) => probe(pid, r.addr),
-        None => Err(CmaRefused::NothingToProbe),
-    }
-}
-
-/// Spans per system call (the kernel's `IOV_MAX`).
-const BATCH: usize = 1024;
-
-/// Checks that the kernel lets this process read `pid`'s memory at `addr`.
-fn probe(pid: i32, addr: u64) -> Result<(), CmaRefused> {
+    let addr = probe_at.ok_or(CmaRefused::NothingToProbe)?.addr;
     let mut byte = 0u8;
     let local = libc::iovec { iov_base: (&mut byte as *mut u8).cast(), iov_len: 1 };
     let remote = libc::iovec { iov_base: addr as *mut libc::c_void, iov_len: 1 };
     // SAFETY: the local iovec covers one byte of a live local; the remote
     // one is only read by the kernel, which checks access itself.
-    let r = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
-    match r {
+    match unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) } {
         1 => Ok(()),
         _ => Err(CmaRefused::Denied(std::sync::Arc::new(io::Error::last_os_error()))),
     }
 }
+
+/// Spans per system call (the kernel's `IOV_MAX`).
+const BATCH: usize = 1024;
 
 /// Copies the spans in order (at most `limit` bytes) between this process
 /// (`span.local`) and `pid` (`span.remote`, an address there). Returns the

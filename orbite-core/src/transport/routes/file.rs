@@ -67,10 +67,7 @@ impl Copier for FileCopy {
     /// so those tasks are cut larger: their operations are what is in
     /// flight at the device.
     fn task_bytes(&self, configured: u64) -> u64 {
-        match self.entry.dio_align() {
-            Some(_) => configured.max(crate::file::DIRECT_TASK_BYTES),
-            None => configured,
-        }
+        self.entry.dio_align().map_or(configured, |_| configured.max(crate::file::DIRECT_TASK_BYTES))
     }
 }
 

@@ -186,11 +186,6 @@ impl PeerStates {
         PeerStates(ROUTES.iter().filter_map(|r| Some((r.route(), r.open_peer(peer)?))).collect())
     }
 
-    /// `route`'s state, if it opened one.
-    fn get<T: 'static>(&self, route: Route) -> Option<&T> {
-        self.0.iter().find(|(r, _)| *r == route)?.1.as_any().downcast_ref()
-    }
-
     /// [`PeerState::changed`], for every route.
     pub fn changed(&self, view: &SegmentView, added: &[ExportedRegistration]) {
         self.0.iter().for_each(|(_, s)| s.changed(view, added));
@@ -222,7 +217,7 @@ pub(crate) struct PeerReach<'a> {
 impl PeerReach<'_> {
     /// `route`'s state for this peer (`T`: its type), if it opened one.
     pub(crate) fn state<T: 'static>(&self, route: Route) -> Option<&T> {
-        self.states.get(route)
+        self.states.0.iter().find(|(r, _)| *r == route)?.1.as_any().downcast_ref()
     }
 }
 
