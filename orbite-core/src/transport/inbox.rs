@@ -97,7 +97,6 @@ impl Inbox {
         if len < HEADER + 4096 {
             return None;
         }
-        let inbox = Inbox { base, len };
         // SAFETY: in bounds (len >= HEADER); plain reads of fixed fields.
         let (magic, e, cap) = unsafe {
             let raw = base as *const Header;
@@ -106,7 +105,7 @@ impl Inbox {
         // The file may be longer than the ring (rounded to pages): the
         // header's capacity decides, and must fit in the mapping.
         let fits = cap >= 4096 && cap as usize <= len - HEADER;
-        (magic == MAGIC && e == epoch && fits).then(|| Inbox { base: inbox.base, len: HEADER + cap as usize })
+        (magic == MAGIC && e == epoch && fits).then(|| Inbox { base, len: HEADER + cap as usize })
     }
 
     fn header(&self) -> &Header {
@@ -267,16 +266,12 @@ impl Inbox {
                 self.copy_out(head, &mut e);
                 parse(&e, max_payload)
             });
-            match env.flatten() {
-                Some(env) => {
-                    if !out(env) {
-                        break;
-                    }
-                }
-                None => {
-                    head = tail; // corrupt: drop the rest, never read past it
-                    break;
-                }
+            let Some(env) = env.flatten() else {
+                head = tail; // corrupt: drop the rest, never read past it
+                break;
+            };
+            if !out(env) {
+                break;
             }
             head += len;
         }

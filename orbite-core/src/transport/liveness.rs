@@ -76,10 +76,8 @@ impl PeerLiveness {
 
 impl Drop for PeerLiveness {
     fn drop(&mut self) {
-        if let Some((reactor, t)) = self.watch.take() {
-            if let Some(r) = reactor.upgrade() {
-                r.remove(t, "the peer is closed");
-            }
+        if let Some((r, t)) = self.watch.take().and_then(|(reactor, t)| Some((reactor.upgrade()?, t))) {
+            r.remove(t, "the peer is closed");
         }
     }
 }
@@ -102,8 +100,5 @@ impl LivenessCheck {
 /// a dead peer's memory never reached it, so the task fails (a WRITE's
 /// effect unknown).
 pub(crate) fn after_one_sided(op: Op, peer_alive: Option<&LivenessCheck>) -> Option<TaskEnd> {
-    match peer_alive {
-        Some(check) if !check.alive() => Some(TaskEnd::Failed { effect_unknown: op == Op::Write }),
-        _ => None,
-    }
+    peer_alive.is_some_and(|check| !check.alive()).then_some(TaskEnd::Failed { effect_unknown: op == Op::Write })
 }

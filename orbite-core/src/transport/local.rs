@@ -86,12 +86,11 @@ impl<J: CopyJob> LocalRoute<J> {
 
     /// Hands a task to the workers.
     pub fn submit(&self, job: J) {
-        let forced = None;
         // Count under the queue lock: a worker pops (and decrements) only
         // under it, so the count never runs below zero.
         let pending = {
             let mut q = self.shared.queue.lock();
-            q.jobs.push_back((job, forced));
+            q.jobs.push_back((job, None));
             self.shared.pending.fetch_add(1, Ordering::AcqRel) + 1
         };
         // A polling worker sees a lone job (and re-checks the queue before it
@@ -217,7 +216,7 @@ impl<J: CopyJob> Requeue<J> for RouteShared<J> {
 
 /// Starts a task: copies it (within what the directive allows) and reports
 /// how it ended, or hands it to the hooks to hold.
-fn start<J: CopyJob>(shared: &Arc<RouteShared<J>>, job: J, directive: Option<FaultDirective>) {
+fn start<J: CopyJob>(shared: &Arc<RouteShared<J>>, mut job: J, directive: Option<FaultDirective>) {
     let planned = job.planned();
     let (limit, end) = match directive {
         None | Some(FaultDirective::Run) => (u64::MAX, TaskEnd::Complete),
@@ -236,7 +235,6 @@ fn start<J: CopyJob>(shared: &Arc<RouteShared<J>>, job: J, directive: Option<Fau
             (bytes.min(planned), TaskEnd::Failed { effect_unknown })
         }
     };
-    let mut job = job;
     shared.copying.fetch_add(1, Ordering::AcqRel);
     let (done, failed) = copy(&mut job, limit, &shared.busy_ns);
     shared.copying.fetch_sub(1, Ordering::AcqRel);
@@ -278,7 +276,7 @@ fn work<J: CopyJob>(shared: &Arc<RouteShared<J>>) {
             // A full queue is waited for in halves: one wake-up reports
             // POSTED_DEPTH / 2 tasks while the other half keeps the
             // device busy.
-            let next = if in_flight.len() < POSTED_DEPTH { try_pop(shared) } else { None };
+            let next = if in_flight.len() < POSTED_DEPTH { pop_now(shared, &mut shared.queue.lock()) } else { None };
             match next {
                 Some((job, forced)) => {
                     // A staged task takes a buffer: at most STAGED_DEPTH
@@ -322,12 +320,8 @@ fn pop<J: CopyJob>(shared: &Arc<RouteShared<J>>) -> Option<(J, Option<FaultDirec
     let mut polled = false;
     let mut q = shared.queue.lock();
     loop {
-        if let Some((job, forced)) = q.jobs.pop_front() {
-            shared.pending.fetch_sub(1, Ordering::AcqRel);
-            if !q.jobs.is_empty() {
-                shared.ready.notify_one(); // more work: a second pair of hands
-            }
-            return Some((job, shared.directive(forced)));
+        if let Some(next) = pop_now(shared, &mut q) {
+            return Some(next);
         }
         if q.shutdown {
             return None;
@@ -345,13 +339,13 @@ fn pop<J: CopyJob>(shared: &Arc<RouteShared<J>>) -> Option<(J, Option<FaultDirec
     }
 }
 
-/// The next job and its directive if one is queued now.
-fn try_pop<J: CopyJob>(shared: &Arc<RouteShared<J>>) -> Option<(J, Option<FaultDirective>)> {
-    let mut q = shared.queue.lock();
+/// The next job and its directive if one is queued now (`q`: the queue,
+/// locked).
+fn pop_now<J: CopyJob>(shared: &RouteShared<J>, q: &mut Queue<J>) -> Option<(J, Option<FaultDirective>)> {
     let (job, forced) = q.jobs.pop_front()?;
     shared.pending.fetch_sub(1, Ordering::AcqRel);
     if !q.jobs.is_empty() {
-        shared.ready.notify_one();
+        shared.ready.notify_one(); // more work: a second pair of hands
     }
     Some((job, shared.directive(forced)))
 }
@@ -373,10 +367,7 @@ fn dispatch<J: CopyJob>(
     shared.busy_ns.fetch_add(began.elapsed().as_nanos() as u64, Ordering::Relaxed);
     match issued {
         None => start(shared, job, directive),
-        Some(Ok(issued)) => {
-            let planned = job.planned();
-            in_flight.push_back(InFlight { job, planned, issued });
-        }
+        Some(Ok(issued)) => in_flight.push_back(InFlight { planned: job.planned(), job, issued }),
         Some(Err((done, failed))) => {
             let planned = job.planned();
             job.finish(TaskReport { planned, done, end: failed.unwrap_or(TaskEnd::Complete) });
@@ -396,18 +387,15 @@ fn complete<J: CopyJob>(shared: &Arc<RouteShared<J>>, f: InFlight<J>) {
 /// the bytes moved and, on failure, how the task ended.
 fn copy<J: CopyJob>(job: &mut J, limit: u64, busy_ns: &AtomicU64) -> (u64, Option<TaskEnd>) {
     let start = Instant::now();
-    let result = match job.copy_locally(limit) {
-        Some(r) => r,
-        None => {
-            let p = job.program();
-            match p.mover.copies() {
-                Some(kind) => kind.copy(p.op, job.spans(), limit),
-                // Frames go to the peer's link (a staged task's after its
-                // worker phase, `copy_locally`), never to a copy here.
-                None => (0, Some(TaskEnd::Failed { effect_unknown: false })),
-            }
+    let result = job.copy_locally(limit).unwrap_or_else(|| {
+        let p = job.program();
+        match p.mover.copies() {
+            Some(kind) => kind.copy(p.op, job.spans(), limit),
+            // Frames go to the peer's link (a staged task's after its
+            // worker phase, `copy_locally`), never to a copy here.
+            None => (0, Some(TaskEnd::Failed { effect_unknown: false })),
         }
-    };
+    });
     busy_ns.fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
     result
 }
