@@ -380,8 +380,7 @@ impl ServerShared {
         // Its loop closes it once it sees the shutdown.
         let Some((stream, peer)) = self.conns.lock().get(&id).cloned() else { return };
         stream.shutdown();
-        let from = peer.map_or_else(|| "the local socket".to_owned(), |ip| ip.to_string());
-        self.refused(&from, "max_unauthenticated_connections (its oldest handshake was closed)");
+        self.refused(&from(peer), "max_unauthenticated_connections (its oldest handshake was closed)");
     }
 
     /// A connection from `from` was closed at accept: over the cap `why`.
@@ -456,11 +455,12 @@ struct Served {
     _counted: Charge,
 }
 
-impl Served {
-    fn from(&self) -> String {
-        self.peer.map_or_else(|| "the local socket".to_owned(), |ip| ip.to_string())
-    }
+/// Who a connection is from, as the engine's log says it.
+fn from(peer: Option<IpAddr>) -> String {
+    peer.map_or_else(|| "the local socket".to_owned(), |ip| ip.to_string())
+}
 
+impl Served {
     /// Moves bytes until the socket would block (`Wait`), the turn is used
     /// up (`Again`), or the connection ends (`Close`).
     fn serve(&mut self) -> After {
@@ -546,14 +546,12 @@ impl Served {
                         // SAFETY: the machine's iovecs address its own buffers.
                         unsafe { libc::writev(fd, out.as_ptr(), out.len().min(1024) as i32) };
                     }
-                    let from = self.peer.map_or_else(|| "the local socket".to_owned(), |ip| ip.to_string());
-                    side.auth_failed(&from, m.refusal().unwrap_or("refused"));
+                    side.auth_failed(&from(self.peer), m.refusal().unwrap_or("refused"));
                     break After::Close;
                 }
                 Err(Close::Malformed(why)) => {
                     // Malformed: close this connection only, and say so.
-                    let from = self.peer.map_or_else(|| "the local socket".to_owned(), |ip| ip.to_string());
-                    side.connection_broke(&from, &why.to_string());
+                    side.connection_broke(&from(self.peer), &why.to_string());
                     break After::Close;
                 }
             }
@@ -594,7 +592,7 @@ impl Source for Served {
             None => After::Wait,
             Some(Expired::Handshake) => {
                 if let Some(side) = self.shared.side.upgrade() {
-                    side.auth_failed(&self.from(), "did not finish its handshake within server_frame_timeout_ms");
+                    side.auth_failed(&from(self.peer), "did not finish its handshake within server_frame_timeout_ms");
                 }
                 After::Close
             }

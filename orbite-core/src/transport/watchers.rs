@@ -278,20 +278,21 @@ impl Watchers {
     pub fn push_round(&self, version: &dyn Fn() -> u64, changes: ChangesSince<'_>) {
         self.wake.drain();
         self.dirty.store(false, Ordering::SeqCst);
-        let version = version();
-        let subs = self.subs.lock().clone();
-        let mut deltas = Deltas::new(changes);
-        for sub in subs.iter().filter(|s| !s.behind.load(Ordering::Acquire)) {
-            sub.push(version, &mut deltas, false);
-        }
+        self.push_to(false, version(), changes);
     }
 
     /// The server's resync, every few milliseconds while there are
     /// watchers: tries every watcher that is behind again.
     pub fn resync(&self, version: u64, changes: ChangesSince<'_>) {
+        self.push_to(true, version, changes);
+    }
+
+    /// Pushes what changed up to `version` to every watcher that is
+    /// `behind` (or every one that is not), each delta made once.
+    fn push_to(&self, behind: bool, version: u64, changes: ChangesSince<'_>) {
         let subs = self.subs.lock().clone();
         let mut deltas = Deltas::new(changes);
-        for sub in subs.iter().filter(|s| s.behind.load(Ordering::Acquire)) {
+        for sub in subs.iter().filter(|s| s.behind.load(Ordering::Acquire) == behind) {
             sub.push(version, &mut deltas, false);
         }
     }

@@ -203,10 +203,8 @@ impl Opening {
                 }
                 let descriptor =
                     SegmentDescriptor::decode(body, *max_descriptor).map_err(|e| OpenError::Protocol(e.to_string()))?;
-                if let Some(expected) = *expected {
-                    if expected != descriptor.epoch {
-                        return Err(OpenError::EpochMismatch { expected, found: descriptor.epoch });
-                    }
+                if let Some(expected) = expected.filter(|e| *e != descriptor.epoch) {
+                    return Err(OpenError::EpochMismatch { expected, found: descriptor.epoch });
                 }
                 if descriptor.epoch == *my_epoch {
                     return Err(OpenError::OwnEngine);

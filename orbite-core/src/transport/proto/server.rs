@@ -725,6 +725,17 @@ impl ServerConn {
         self.error(request, status, detail);
     }
 
+    /// Refuses the request of frame `h` with a typed error reply: at once,
+    /// or, when it carries a `payload` (`h.data_len` bytes), once that is
+    /// dropped, so the stream stays in sync.
+    fn refuse_frame(&mut self, h: Header, payload: bool, status: RemoteStatus, detail: String) {
+        if payload && h.data_len > 0 {
+            self.input = Input::Discard { h, left: h.data_len as u64, status, detail };
+        } else {
+            self.error(h.request, status, &detail);
+        }
+    }
+
     fn epoch_mismatch(&mut self, request: u64, side: &dyn TargetView) {
         let detail = format!("target epoch is {:#x}", side.epoch());
         self.error(request, RemoteStatus::EpochMismatch, &detail);
@@ -857,12 +868,7 @@ impl ServerConn {
         if frame.over_budget() {
             // Its body was dropped: refused, and a WRITE's payload dropped
             // too, so the stream stays in sync.
-            let (status, detail) = (RemoteStatus::ResourceExhausted, BUFFERS_FULL.to_owned());
-            if h.data_len > 0 {
-                self.input = Input::Discard { h, left: h.data_len as u64, status, detail };
-            } else {
-                self.error(h.request, status, &detail);
-            }
+            self.refuse_frame(h, true, RemoteStatus::ResourceExhausted, BUFFERS_FULL.to_owned());
             return Ok(None);
         }
         let msg = Message::decode(&h, frame.body());
@@ -1064,11 +1070,7 @@ impl ServerConn {
             self.landing = None;
             self.loans.clear();
             self.in_iovs = iovs;
-            if write && h.data_len > 0 {
-                self.input = Input::Discard { h, left: h.data_len as u64, status, detail };
-            } else {
-                self.error(h.request, status, &detail);
-            }
+            self.refuse_frame(h, write, status, detail);
             return None;
         }
         self.awaiting = Some(Awaiting::Proceed { h, write, iovs });
