@@ -111,7 +111,7 @@ impl EngineInner {
         let inbox_name = link.descriptor.inbox.clone();
         let inbox = match same_host {
             Ok(_) if !inbox_name.is_empty() => {
-                let m = map_shared(&[inbox_name], |n| link.fetch_shared(n)).pop().and_then(|(_, m)| m.ok());
+                let m = map_shared(&[inbox_name], |n| opening.local.shared(n)).pop().and_then(|(_, m)| m.ok());
                 m.and_then(|m| {
                     // SAFETY: a live shared mapping of the peer's inbox,
                     // kept alive by the Arc stored next to the view.

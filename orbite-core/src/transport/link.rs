@@ -439,87 +439,6 @@ impl<J: CopyJob> PeerLink<J> {
         Ok(s)
     }
 
-    /// Asks a peer proven local for the descriptors of its shared
-    /// allocations `names` (sealed memfds, over a fresh connection to its
-    /// local socket, which must lead to the same process): per name, the
-    /// descriptor or why not. Bounded by the peer timeout.
-    pub fn fetch_shared(&self, names: &[&str]) -> Result<Vec<Result<OwnedFd, ShareError>>, LocalError> {
-        let patience = self.local_patience();
-        let mut out = Vec::with_capacity(names.len());
-        let mut body = Vec::new();
-        for chunk in names.chunks(wire::MAX_SHARED_FDS) {
-            wire::encode_share_fds(&mut body, chunk.iter().copied());
-            let s = self.ask_local(Kind::ShareFds, &body, &patience)?;
-            let fd = s.as_raw_fd();
-            let (hb, fds) = header_with_fds(fd, chunk.len(), &patience, "its shared memory")?;
-            let limits = Limits { max_body: (2 + wire::MAX_SHARED_FDS) as u32, max_data: 0 };
-            let h = wire::decode_header(&hb, limits)?;
-            let mut body = vec![0u8; h.body_len as usize];
-            read_exact_within(fd, &mut body, &patience)?;
-            let attached = match Message::decode(&h, &body)? {
-                Message::ShareFdsReply(attached) => attached,
-                m => return Err(LocalError::Unexpected { kind: m.kind(), what: "shared memory" }),
-            };
-            wire::expect_count(Kind::ShareFdsReply, chunk.len(), attached.len())?;
-            if attached.iter().filter(|a| **a).count() != fds.len() {
-                return Err(LocalError::DescriptorsMismatch("shared memory"));
-            }
-            let mut fds = fds.into_iter();
-            for (name, has) in chunk.iter().zip(attached) {
-                out.push(match has {
-                    true => fds.next().ok_or(ShareError::MissingDescriptor),
-                    false => Err(ShareError::Unknown((*name).to_owned())),
-                });
-            }
-        }
-        Ok(out)
-    }
-
-    /// Asks a peer proven local for CUDA IPC handles of its device
-    /// registrations `ids` (raw), over a fresh connection to its local
-    /// socket, which must lead to the same process: per id, what it
-    /// answered. Bounded by the peer timeout.
-    /// A shareable entry comes with its descriptor (the peer attaches one
-    /// per such entry; an answer whose descriptors do not match its
-    /// entries is refused whole).
-    pub fn fetch_ipc(&self, ids: &[u64]) -> Result<Vec<(wire::IpcEntry, Option<OwnedFd>)>, LocalError> {
-        let patience = self.local_patience();
-        let mut out = Vec::with_capacity(ids.len());
-        let mut body = Vec::new();
-        // Every answer could carry a descriptor per entry.
-        for chunk in ids.chunks(wire::MAX_IPC_HANDLES.min(wire::MAX_SHARED_FDS)) {
-            wire::encode_ipc_handles(&mut body, self.descriptor.epoch, chunk);
-            let s = self.ask_local(Kind::IpcHandles, &body, &patience)?;
-            let fd = s.as_raw_fd();
-            let (hb, fds) = header_with_fds(fd, chunk.len(), &patience, "IPC handles")?;
-            // The longest answer: every entry refused with the longest
-            // reason (an exported entry is shorter), or an error frame.
-            let max_body = (2 + chunk.len() * wire::IPC_ENTRY_MAX).max(4 + wire::MAX_ERROR_DETAIL);
-            let limits = Limits { max_body: max_body as u32, max_data: 0 };
-            let h = wire::decode_header(&hb, limits)?;
-            let mut body = vec![0u8; h.body_len as usize];
-            read_exact_within(fd, &mut body, &patience)?;
-            match Message::decode(&h, &body)? {
-                Message::IpcHandlesReply(entries) => {
-                    wire::expect_count(Kind::IpcHandlesReply, chunk.len(), entries.len())?;
-                    if entries.iter().filter(|e| e.has_fd()).count() != fds.len() {
-                        return Err(LocalError::DescriptorsMismatch("IPC handles"));
-                    }
-                    let mut fds = fds.into_iter();
-                    out.extend(entries.into_iter().map(|e| {
-                        let fd = if e.has_fd() { fds.next() } else { None };
-                        (e, fd)
-                    }));
-                }
-                Message::Error { status, detail } => {
-                    return Err(LocalError::Refused { what: "IPC handles", status, detail });
-                }
-                m => return Err(LocalError::Unexpected { kind: m.kind(), what: "IPC handles" }),
-            }
-        }
-        Ok(out)
-    }
-
     /// The changes the peer pushed when the link subscribed (what changed
     /// between its Describe and the subscription): `(base, delta)`, once.
     pub fn take_first_changes(&self) -> Option<(u64, Delta)> {
@@ -580,7 +499,7 @@ impl<J: CopyJob> PeerLink<J> {
             }
         };
         if let Some(c) = kick {
-            self.initiators.kick(c);
+            self.initiators.reactor.kick(c);
         }
     }
 
@@ -620,7 +539,7 @@ impl<J: CopyJob> PeerLink<J> {
             }
         };
         for c in kick {
-            self.initiators.kick(c);
+            self.initiators.reactor.kick(c);
         }
         job
     }
@@ -664,7 +583,7 @@ impl<J: CopyJob> PeerLink<J> {
     fn kick_all(&self) {
         let conns = self.conns.lock().clone();
         for c in conns {
-            self.initiators.kick(c);
+            self.initiators.reactor.kick(c);
         }
     }
 
@@ -695,12 +614,85 @@ impl<J: CopyJob> PeerLink<J> {
 }
 
 impl<J: CopyJob> crate::transport::routes::LocalFetch for PeerLink<J> {
+    /// Asks a peer proven local for the descriptors of its shared
+    /// allocations `names` (sealed memfds, over a fresh connection to its
+    /// local socket, which must lead to the same process): per name, the
+    /// descriptor or why not. Bounded by the peer timeout.
     fn shared(&self, names: &[&str]) -> Result<Vec<Result<OwnedFd, ShareError>>, LocalError> {
-        self.fetch_shared(names)
+        let patience = self.local_patience();
+        let mut out = Vec::with_capacity(names.len());
+        let mut body = Vec::new();
+        for chunk in names.chunks(wire::MAX_SHARED_FDS) {
+            wire::encode_share_fds(&mut body, chunk.iter().copied());
+            let s = self.ask_local(Kind::ShareFds, &body, &patience)?;
+            let fd = s.as_raw_fd();
+            let (hb, fds) = header_with_fds(fd, chunk.len(), &patience, "its shared memory")?;
+            let limits = Limits { max_body: (2 + wire::MAX_SHARED_FDS) as u32, max_data: 0 };
+            let h = wire::decode_header(&hb, limits)?;
+            let mut body = vec![0u8; h.body_len as usize];
+            read_exact_within(fd, &mut body, &patience)?;
+            let attached = match Message::decode(&h, &body)? {
+                Message::ShareFdsReply(attached) => attached,
+                m => return Err(LocalError::Unexpected { kind: m.kind(), what: "shared memory" }),
+            };
+            wire::expect_count(Kind::ShareFdsReply, chunk.len(), attached.len())?;
+            if attached.iter().filter(|a| **a).count() != fds.len() {
+                return Err(LocalError::DescriptorsMismatch("shared memory"));
+            }
+            let mut fds = fds.into_iter();
+            for (name, has) in chunk.iter().zip(attached) {
+                out.push(match has {
+                    true => fds.next().ok_or(ShareError::MissingDescriptor),
+                    false => Err(ShareError::Unknown((*name).to_owned())),
+                });
+            }
+        }
+        Ok(out)
     }
 
+    /// Asks a peer proven local for CUDA IPC handles of its device
+    /// registrations `ids` (raw), over a fresh connection to its local
+    /// socket, which must lead to the same process: per id, what it
+    /// answered. Bounded by the peer timeout.
+    /// A shareable entry comes with its descriptor (the peer attaches one
+    /// per such entry; an answer whose descriptors do not match its
+    /// entries is refused whole).
     fn ipc(&self, ids: &[u64]) -> Result<Vec<(wire::IpcEntry, Option<OwnedFd>)>, LocalError> {
-        self.fetch_ipc(ids)
+        let patience = self.local_patience();
+        let mut out = Vec::with_capacity(ids.len());
+        let mut body = Vec::new();
+        // Every answer could carry a descriptor per entry.
+        for chunk in ids.chunks(wire::MAX_IPC_HANDLES.min(wire::MAX_SHARED_FDS)) {
+            wire::encode_ipc_handles(&mut body, self.descriptor.epoch, chunk);
+            let s = self.ask_local(Kind::IpcHandles, &body, &patience)?;
+            let fd = s.as_raw_fd();
+            let (hb, fds) = header_with_fds(fd, chunk.len(), &patience, "IPC handles")?;
+            // The longest answer: every entry refused with the longest
+            // reason (an exported entry is shorter), or an error frame.
+            let max_body = (2 + chunk.len() * wire::IPC_ENTRY_MAX).max(4 + wire::MAX_ERROR_DETAIL);
+            let limits = Limits { max_body: max_body as u32, max_data: 0 };
+            let h = wire::decode_header(&hb, limits)?;
+            let mut body = vec![0u8; h.body_len as usize];
+            read_exact_within(fd, &mut body, &patience)?;
+            match Message::decode(&h, &body)? {
+                Message::IpcHandlesReply(entries) => {
+                    wire::expect_count(Kind::IpcHandlesReply, chunk.len(), entries.len())?;
+                    if entries.iter().filter(|e| e.has_fd()).count() != fds.len() {
+                        return Err(LocalError::DescriptorsMismatch("IPC handles"));
+                    }
+                    let mut fds = fds.into_iter();
+                    out.extend(entries.into_iter().map(|e| {
+                        let fd = if e.has_fd() { fds.next() } else { None };
+                        (e, fd)
+                    }));
+                }
+                Message::Error { status, detail } => {
+                    return Err(LocalError::Refused { what: "IPC handles", status, detail });
+                }
+                m => return Err(LocalError::Unexpected { kind: m.kind(), what: "IPC handles" }),
+            }
+        }
+        Ok(out)
     }
 }
 
@@ -770,10 +762,6 @@ impl<J: CopyJob> Initiators<J> {
             link.conns.lock().push(me);
             Box::new(Conn { link: link.clone(), stream, role, me, open: true, readable: true })
         })
-    }
-
-    fn kick(&self, c: ConnRef) {
-        self.reactor.kick(c);
     }
 
     /// Stops every connection: what one still has outstanding fails as
