@@ -271,7 +271,8 @@ pub fn decode_header(b: &[u8; HEADER_LEN], limits: Limits) -> Result<Header, Wir
     Ok(Header { kind, minor, flags, body_len, data_len, request })
 }
 
-/// Reads all of `body` with `read`: any other length is a malformed `what`.
+/// Reads all of `body` with `read`: any other length, or a check of `read`
+/// that fails as [`Short`], is a malformed `what`.
 fn exact<'a, T>(
     body: &'a [u8],
     what: &'static str,
@@ -621,24 +622,16 @@ impl AuthHello {
     /// Decodes an AuthHello body (names of at most [`MAX_AUTH_NAME`]
     /// bytes of UTF-8, nothing after them).
     pub fn decode(body: &[u8]) -> Result<AuthHello, WireError> {
-        let bad = WireError::Malformed("auth hello");
-        let mut r = Reader::new(body);
-        let nonce = r.array::<AUTH_NONCE>().map_err(|_| bad.clone())?;
-        let initiator_epoch = r.u64().map_err(|_| bad.clone())?;
-        let responder_epoch = r.u64().map_err(|_| bad.clone())?;
-        let mut name = || -> Result<String, WireError> {
-            let n = r.u16().map_err(|_| bad.clone())? as usize;
-            if n > MAX_AUTH_NAME {
-                return Err(bad.clone());
-            }
-            let b = r.take(n).map_err(|_| bad.clone())?;
-            String::from_utf8(b.to_vec()).map_err(|_| bad.clone())
-        };
-        let (dialed, reached) = (name()?, name()?);
-        if !r.is_empty() {
-            return Err(bad);
-        }
-        Ok(AuthHello { nonce, initiator_epoch, responder_epoch, dialed, reached })
+        exact(body, "auth hello", |r| {
+            let (nonce, initiator_epoch, responder_epoch) = (r.array()?, r.u64()?, r.u64()?);
+            let mut name = || {
+                let n = r.u16()? as usize;
+                let b = if n > MAX_AUTH_NAME { Err(Short) } else { r.take(n) }?;
+                String::from_utf8(b.to_vec()).map_err(|_| Short)
+            };
+            let (dialed, reached) = (name()?, name()?);
+            Ok(AuthHello { nonce, initiator_epoch, responder_epoch, dialed, reached })
+        })
     }
 }
 
@@ -665,15 +658,9 @@ impl AuthChallenge {
 
     /// Decodes an AuthChallenge body.
     pub fn decode(body: &[u8]) -> Result<AuthChallenge, WireError> {
-        let mut r = Reader::new(body);
-        let short = |_| WireError::Malformed("auth challenge");
-        let nonce = r.array::<AUTH_NONCE>().map_err(short)?;
-        let responder_epoch = r.u64().map_err(short)?;
-        let mac = r.array::<AUTH_MAC>().map_err(short)?;
-        if !r.is_empty() {
-            return Err(WireError::Malformed("auth challenge"));
-        }
-        Ok(AuthChallenge { nonce, responder_epoch, mac })
+        exact(body, "auth challenge", |r| {
+            Ok(AuthChallenge { nonce: r.array()?, responder_epoch: r.u64()?, mac: r.array()? })
+        })
     }
 }
 
@@ -702,29 +689,22 @@ pub fn encode_share_fds<'a>(out: &mut Vec<u8>, names: impl ExactSizeIterator<Ite
 /// Decodes a ShareFds body: at most [`MAX_SHARED_FDS`] names, each
 /// non-empty UTF-8 of at most [`MAX_SHARED_NAME`] bytes.
 fn decode_share_fds(body: &[u8]) -> Result<Vec<&str>, WireError> {
-    let bad = WireError::Malformed("share fds");
-    let mut r = Reader::new(body);
-    let count = r.u16().map_err(|_| bad.clone())? as usize;
-    if count > MAX_SHARED_FDS {
+    let (count, names) = prefix(body, "share fds", |r| r.u16())?;
+    if count as usize > MAX_SHARED_FDS {
         return Err(WireError::TooLong {
             what: "shared allocations named",
             len: count as u64,
             limit: MAX_SHARED_FDS as u64,
         });
     }
-    let mut names = Vec::with_capacity(count);
-    for _ in 0..count {
-        let len = r.u16().map_err(|_| bad.clone())? as usize;
-        if len == 0 || len > MAX_SHARED_NAME {
-            return Err(bad);
-        }
-        let name = std::str::from_utf8(r.take(len).map_err(|_| bad.clone())?).map_err(|_| bad.clone())?;
-        names.push(name);
-    }
-    if !r.is_empty() {
-        return Err(bad);
-    }
-    Ok(names)
+    exact(names, "share fds", |r| {
+        (0..count)
+            .map(|_| match r.u16()? as usize {
+                len @ 1..=MAX_SHARED_NAME => std::str::from_utf8(r.take(len)?).map_err(|_| Short),
+                _ => Err(Short),
+            })
+            .collect()
+    })
 }
 
 /// ShareFdsReply body: a count (2), then per name asked 1 if its
@@ -738,12 +718,10 @@ pub fn encode_share_fds_reply(out: &mut Vec<u8>, attached: impl ExactSizeIterato
 /// Decodes a ShareFdsReply body: per name asked whether its descriptor is
 /// attached (at most [`MAX_SHARED_FDS`]).
 fn decode_share_fds_reply(body: &[u8]) -> Result<Vec<bool>, WireError> {
-    let bad = WireError::Malformed("share fds reply");
-    let mut r = Reader::new(body);
-    let count = r.u16().map_err(|_| bad.clone())? as usize;
-    let flags = r.rest();
+    let (count, flags) = prefix(body, "share fds reply", |r| r.u16())?;
+    let count = count as usize;
     if count > MAX_SHARED_FDS || flags.len() != count || flags.iter().any(|b| *b > 1) {
-        return Err(bad);
+        return Err(WireError::Malformed("share fds reply"));
     }
     Ok(flags.iter().map(|b| *b == 1).collect())
 }
@@ -837,35 +815,45 @@ pub struct QpCard {
     pub peer_nic: u8,
 }
 
-fn put_card(out: &mut Vec<u8>, c: &QpCard) {
-    out.extend_from_slice(&c.gid);
-    codec::put_u32(out, c.qpn);
-    codec::put_u32(out, c.psn);
-    codec::put_u32(out, c.mtu);
-    out.extend_from_slice(&[c.nic, c.peer_nic, 0, 0]);
+/// Appends a count (2), 6 zero bytes, then the cards.
+fn put_cards(out: &mut Vec<u8>, cards: &[QpCard]) {
+    codec::put_u16(out, cards.len() as u16);
+    out.extend_from_slice(&[0; 6]);
+    for c in cards {
+        out.extend_from_slice(&c.gid);
+        codec::put_u32(out, c.qpn);
+        codec::put_u32(out, c.psn);
+        codec::put_u32(out, c.mtu);
+        out.extend_from_slice(&[c.nic, c.peer_nic, 0, 0]);
+    }
 }
 
-fn read_cards(r: &mut Reader<'_>, count: usize) -> Result<Vec<QpCard>, WireError> {
-    let bad = || WireError::Malformed("rdma queue pair card");
+/// Reads what [`put_cards`] wrote: a short or nonzero count and padding is
+/// a malformed `what`, a bad card a malformed card.
+fn read_cards(body: &[u8], what: &'static str) -> Result<Vec<QpCard>, WireError> {
+    let (count, cards) = prefix(body, what, |r| match (r.u16()?, r.array::<6>()?) {
+        (count, pad) if pad == [0; 6] => Ok(count as usize),
+        _ => Err(Short),
+    })?;
     if count > MAX_RDMA_CARDS {
         return Err(WireError::TooLong { what: "rdma queue pairs", len: count as u64, limit: MAX_RDMA_CARDS as u64 });
     }
-    if r.remaining() != count * CARD_LEN {
-        return Err(bad());
-    }
-    let mut out = Vec::with_capacity(count);
-    for _ in 0..count {
-        let gid = r.array::<16>().map_err(|_| bad())?;
-        let qpn = r.u32().map_err(|_| bad())?;
-        let psn = r.u32().map_err(|_| bad())?;
-        let mtu = r.u32().map_err(|_| bad())?;
-        let [nic, peer_nic, p0, p1] = r.array::<4>().map_err(|_| bad())?;
-        if qpn > 0xff_ffff || psn > 0xff_ffff || ![256, 512, 1024, 2048, 4096].contains(&mtu) || (p0, p1) != (0, 0) {
-            return Err(bad());
-        }
-        out.push(QpCard { gid, qpn, psn, mtu, nic, peer_nic });
-    }
-    Ok(out)
+    exact(cards, "rdma queue pair card", |r| {
+        (0..count)
+            .map(|_| {
+                let (gid, qpn, psn, mtu, [nic, peer_nic, p0, p1]) =
+                    (r.array()?, r.u32()?, r.u32()?, r.u32()?, r.array()?);
+                if qpn > 0xff_ffff
+                    || psn > 0xff_ffff
+                    || ![256, 512, 1024, 2048, 4096].contains(&mtu)
+                    || (p0, p1) != (0, 0)
+                {
+                    return Err(Short);
+                }
+                Ok(QpCard { gid, qpn, psn, mtu, nic, peer_nic })
+            })
+            .collect()
+    })
 }
 
 /// RdmaConnect body: the target epoch (8), a count (2), 6 zero bytes, then
@@ -873,39 +861,23 @@ fn read_cards(r: &mut Reader<'_>, count: usize) -> Result<Vec<QpCard>, WireError
 pub fn encode_rdma_connect(out: &mut Vec<u8>, target_epoch: u64, cards: &[QpCard]) {
     out.clear();
     codec::put_u64(out, target_epoch);
-    codec::put_u16(out, cards.len() as u16);
-    out.extend_from_slice(&[0; 6]);
-    cards.iter().for_each(|c| put_card(out, c));
+    put_cards(out, cards);
 }
 
 fn decode_rdma_connect(body: &[u8]) -> Result<(u64, Vec<QpCard>), WireError> {
-    let mut r = Reader::new(body);
-    let bad = || WireError::Malformed("rdma connect");
-    let epoch = r.u64().map_err(|_| bad())?;
-    let count = r.u16().map_err(|_| bad())? as usize;
-    if r.array::<6>().map_err(|_| bad())? != [0; 6] {
-        return Err(bad());
-    }
-    Ok((epoch, read_cards(&mut r, count)?))
+    let (epoch, cards) = prefix(body, "rdma connect", |r| r.u64())?;
+    Ok((epoch, read_cards(cards, "rdma connect")?))
 }
 
 /// RdmaAccept body: a count (2), 6 zero bytes, then a card per card asked.
 pub fn encode_rdma_accept(out: &mut Vec<u8>, cards: &[QpCard]) {
     out.clear();
-    codec::put_u16(out, cards.len() as u16);
-    out.extend_from_slice(&[0; 6]);
-    cards.iter().for_each(|c| put_card(out, c));
+    put_cards(out, cards);
 }
 
 /// Decodes an RdmaAccept body.
 pub fn decode_rdma_accept(body: &[u8]) -> Result<Vec<QpCard>, WireError> {
-    let mut r = Reader::new(body);
-    let bad = || WireError::Malformed("rdma accept");
-    let count = r.u16().map_err(|_| bad())? as usize;
-    if r.array::<6>().map_err(|_| bad())? != [0; 6] {
-        return Err(bad());
-    }
-    read_cards(&mut r, count)
+    read_cards(body, "rdma accept")
 }
 
 /// IpcHandles body: the target epoch (8), a count (2), then the raw
@@ -921,10 +893,7 @@ pub fn encode_ipc_handles(out: &mut Vec<u8>, target_epoch: u64, ids: &[u64]) {
 
 /// Decodes an IpcHandles body: at most [`MAX_IPC_HANDLES`] ids.
 fn decode_ipc_handles(body: &[u8]) -> Result<(u64, Vec<u64>), WireError> {
-    let bad = WireError::Malformed("ipc handles");
-    let mut r = Reader::new(body);
-    let epoch = r.u64().map_err(|_| bad.clone())?;
-    let count = r.u16().map_err(|_| bad.clone())? as usize;
+    let ((epoch, count), ids) = prefix(body, "ipc handles", |r| Ok((r.u64()?, r.u16()? as usize)))?;
     if count > MAX_IPC_HANDLES {
         return Err(WireError::TooLong {
             what: "registrations named",
@@ -932,11 +901,7 @@ fn decode_ipc_handles(body: &[u8]) -> Result<(u64, Vec<u64>), WireError> {
             limit: MAX_IPC_HANDLES as u64,
         });
     }
-    if r.remaining() != count * 8 {
-        return Err(bad);
-    }
-    let ids = (0..count).map(|_| r.u64().map_err(|_| bad.clone())).collect::<Result<Vec<_>, _>>()?;
-    Ok((epoch, ids))
+    Ok((epoch, exact(ids, "ipc handles", |r| (0..count).map(|_| r.u64()).collect())?))
 }
 
 /// IpcHandlesReply body: a count (2), then per registration a status (1:
@@ -990,52 +955,40 @@ fn truncate_detail(s: &str) -> &str {
 /// exported or shareable entry whose offset lies outside its allocation is
 /// malformed, and so are more than [`MAX_SHARED_FDS`] shareable entries.
 fn decode_ipc_handles_reply(body: &[u8]) -> Result<Vec<IpcEntry>, WireError> {
-    let bad = WireError::Malformed("ipc handles reply");
-    let mut r = Reader::new(body);
-    let asked = r.u16().map_err(|_| bad.clone())? as usize;
-    if asked > MAX_IPC_HANDLES {
-        return Err(bad);
-    }
-    let mut out = Vec::with_capacity(asked.min(MAX_IPC_HANDLES));
-    let mut shareable = 0;
-    for _ in 0..asked {
-        match r.u8().map_err(|_| bad.clone())? {
-            0 => {
-                let uuid = r.array::<16>().map_err(|_| bad.clone())?;
-                let handle = r.array::<IPC_HANDLE_LEN>().map_err(|_| bad.clone())?;
-                let offset = r.u64().map_err(|_| bad.clone())?;
-                let alloc_len = r.u64().map_err(|_| bad.clone())?;
-                if offset >= alloc_len {
-                    return Err(bad);
-                }
-                out.push(IpcEntry::Exported { uuid, handle, offset, alloc_len });
-            }
-            2 => {
-                let uuid = r.array::<16>().map_err(|_| bad.clone())?;
-                let alloc_base = r.u64().map_err(|_| bad.clone())?;
-                let offset = r.u64().map_err(|_| bad.clone())?;
-                let alloc_len = r.u64().map_err(|_| bad.clone())?;
-                if offset >= alloc_len || shareable == MAX_SHARED_FDS {
-                    return Err(bad);
-                }
-                shareable += 1;
-                out.push(IpcEntry::Shareable { uuid, alloc_base, offset, alloc_len });
-            }
-            1 => {
-                let n = r.u16().map_err(|_| bad.clone())? as usize;
-                if n > MAX_ERROR_DETAIL {
-                    return Err(bad);
-                }
-                let why = std::str::from_utf8(r.take(n).map_err(|_| bad.clone())?).map_err(|_| bad.clone())?;
-                out.push(IpcEntry::Refused(why.to_owned()));
-            }
-            _ => return Err(bad),
+    exact(body, "ipc handles reply", |r| {
+        let asked = r.u16()? as usize;
+        if asked > MAX_IPC_HANDLES {
+            return Err(Short);
         }
-    }
-    if !r.is_empty() {
-        return Err(bad);
-    }
-    Ok(out)
+        let mut out = Vec::with_capacity(asked);
+        let mut shareable = 0;
+        for _ in 0..asked {
+            match r.u8()? {
+                0 => {
+                    let (uuid, handle, offset, alloc_len) = (r.array()?, r.array()?, r.u64()?, r.u64()?);
+                    if offset >= alloc_len {
+                        return Err(Short);
+                    }
+                    out.push(IpcEntry::Exported { uuid, handle, offset, alloc_len });
+                }
+                2 => {
+                    let (uuid, alloc_base, offset, alloc_len) = (r.array()?, r.u64()?, r.u64()?, r.u64()?);
+                    if offset >= alloc_len || shareable == MAX_SHARED_FDS {
+                        return Err(Short);
+                    }
+                    shareable += 1;
+                    out.push(IpcEntry::Shareable { uuid, alloc_base, offset, alloc_len });
+                }
+                1 => {
+                    let n = r.u16()? as usize;
+                    let why = if n > MAX_ERROR_DETAIL { Err(Short) } else { r.take(n) }?;
+                    out.push(IpcEntry::Refused(std::str::from_utf8(why).map_err(|_| Short)?.to_owned()));
+                }
+                _ => return Err(Short),
+            }
+        }
+        Ok(out)
+    })
 }
 
 /// One frame's body, decoded by the kind its header names: every message
