@@ -18,7 +18,7 @@ use crate::codec::{Reader, Short};
 use crate::memory::MemoryKind;
 use crate::registry::Registration;
 use crate::types::{Permission, RegistrationId};
-use crate::wire::WireError;
+use crate::wire::{self, WireError};
 
 /// Version of the descriptor encoding.
 pub const DESCRIPTOR_VERSION: u16 = 6;
@@ -126,49 +126,44 @@ pub fn local_boot_id() -> [u8; 16] {
     out
 }
 
-/// A short read, of a descriptor or of a delta: both report it as a
-/// malformed "segment descriptor".
+/// A short read or a bad field, of a descriptor or of a delta: both
+/// report it as a malformed "segment descriptor".
 fn short(_: Short) -> WireError {
     WireError::Malformed("segment descriptor")
 }
 
-fn read_str<'a>(r: &mut Reader<'a>, n: usize) -> Result<&'a str, WireError> {
-    std::str::from_utf8(r.take(n).map_err(short)?).map_err(|_| WireError::Malformed("segment descriptor"))
+fn read_str<'a>(r: &mut Reader<'a>, n: usize) -> Result<&'a str, Short> {
+    std::str::from_utf8(r.take(n)?).map_err(|_| Short)
 }
 
 /// `count` registration entries; the count is bounded by the bytes left
-/// before anything is allocated.
-fn read_entries(r: &mut Reader<'_>, count: usize) -> Result<Vec<ExportedRegistration>, WireError> {
-    let bad = WireError::Malformed("segment descriptor");
+/// before anything is allocated. A bad entry is a [`Short`] too.
+fn read_entries(r: &mut Reader<'_>, count: usize) -> Result<Vec<ExportedRegistration>, Short> {
     if count > r.remaining() / ENTRY_FIXED {
-        return Err(bad);
+        return Err(Short);
     }
     let mut out = Vec::with_capacity(count);
     for _ in 0..count {
-        let id = RegistrationId::from_raw(r.u64().map_err(short)?);
-        let len = r.u64().map_err(short)?;
-        let addr = r.u64().map_err(short)?;
-        let offset = r.u64().map_err(short)?;
-        let [permission, shared, n0, n1, kind, ordinal, keys, _] = r.array::<8>().map_err(short)?;
+        let (id, len, addr, offset) = (RegistrationId::from_raw(r.u64()?), r.u64()?, r.u64()?, r.u64()?);
+        let [permission, shared, n0, n1, kind, ordinal, keys, _] = r.array::<8>()?;
         let permission = match permission {
             0 => Permission::LocalOnly,
             1 => Permission::RemoteRead,
             2 => Permission::RemoteReadWrite,
-            _ => return Err(bad),
+            _ => return Err(Short),
         };
         let shared = match shared {
             0 => false,
             1 => true,
-            _ => return Err(bad),
+            _ => return Err(Short),
         };
-        let name_len = u16::from_le_bytes([n0, n1]) as usize;
-        let name = read_str(r, name_len)?;
+        let name = read_str(r, u16::from_le_bytes([n0, n1]) as usize)?;
         if shared == name.is_empty() || name.contains('/') || name.starts_with('.') {
-            return Err(bad);
+            return Err(Short);
         }
         // A range that wraps the address space is never a registration.
         if len == 0 || addr.checked_add(len).is_none() {
-            return Err(bad);
+            return Err(Short);
         }
         let shm = shared.then(|| (name.to_owned(), offset));
         // Memory kind (descriptor byte 4; 0 in descriptors of engines
@@ -177,18 +172,18 @@ fn read_entries(r: &mut Reader<'_>, count: usize) -> Result<Vec<ExportedRegistra
         let device = match (kind, ordinal, shared) {
             (0, 0, _) => None,
             (1, d, false) => Some(d as u32),
-            _ => return Err(bad),
+            _ => return Err(Short),
         };
         // An rkey per NIC of the exporter: a flag (1: a region there),
         // then the key (0 without one).
         let mut rkeys = Vec::with_capacity(keys as usize);
         for _ in 0..keys {
-            let [flag, k0, k1, k2, k3] = r.array::<5>().map_err(short)?;
+            let [flag, k0, k1, k2, k3] = r.array::<5>()?;
             let key = u32::from_le_bytes([k0, k1, k2, k3]);
             rkeys.push(match (flag, key) {
                 (1, key) => Some(key),
                 (0, 0) => None,
-                _ => return Err(bad),
+                _ => return Err(Short),
             });
         }
         out.push(ExportedRegistration { rkeys, id, len, permission, addr, shm, device });
@@ -269,22 +264,17 @@ impl Delta {
     pub fn decode(b: &[u8]) -> Result<Self, WireError> {
         let bad = WireError::Malformed("segment delta");
         let mut r = Reader::new(b);
-        let version = r.u64().map_err(short)?;
-        let flags = r.u32().map_err(short)?;
+        let (version, flags) = (r.u64().map_err(short)?, r.u32().map_err(short)?);
         if flags & !(DELTA_RESET | DELTA_MORE) != 0 {
             return Err(bad);
         }
-        let removed_count = r.u32().map_err(short)? as usize;
-        let added_count = r.u32().map_err(short)? as usize;
-        r.u32().map_err(short)?;
-        if removed_count > r.remaining() / 8 {
+        let (removed_count, added_count, _) =
+            (r.u32().map_err(short)?, r.u32().map_err(short)?, r.u32().map_err(short)?);
+        if removed_count as usize > r.remaining() / 8 {
             return Err(bad);
         }
-        let mut removed = Vec::with_capacity(removed_count);
-        for _ in 0..removed_count {
-            removed.push(r.u64().map_err(short)?);
-        }
-        let added = read_entries(&mut r, added_count)?;
+        let removed = (0..removed_count).map(|_| r.u64()).collect::<Result<_, _>>().map_err(short)?;
+        let added = read_entries(&mut r, added_count as usize).map_err(short)?;
         if !r.is_empty() {
             return Err(bad);
         }
@@ -442,20 +432,18 @@ impl SegmentView {
 impl SegmentDescriptor {
     /// Encodes the descriptor.
     pub fn to_bytes(&self) -> Vec<u8> {
-        let ep = self.endpoint.as_bytes();
-        let mut out = Vec::with_capacity(HEADER_FIXED + ep.len() + 4 + self.registrations.len() * ENTRY_FIXED);
+        let mut out =
+            Vec::with_capacity(HEADER_FIXED + self.endpoint.len() + 4 + self.registrations.len() * ENTRY_FIXED);
         out.extend_from_slice(&DESCRIPTOR_VERSION.to_le_bytes());
         out.extend_from_slice(&[self.rdma_nics, 0]);
         out.extend_from_slice(&self.pid.to_le_bytes());
         out.extend_from_slice(&self.epoch.to_le_bytes());
         out.extend_from_slice(&self.registry_version.to_le_bytes());
         out.extend_from_slice(&self.boot_id);
-        out.extend_from_slice(&(ep.len() as u16).to_le_bytes());
-        out.extend_from_slice(ep);
-        out.extend_from_slice(&(self.inbox.len() as u16).to_le_bytes());
-        out.extend_from_slice(self.inbox.as_bytes());
-        out.extend_from_slice(&(self.local_socket.len() as u16).to_le_bytes());
-        out.extend_from_slice(self.local_socket.as_bytes());
+        for s in [&self.endpoint, &self.inbox, &self.local_socket] {
+            out.extend_from_slice(&(s.len() as u16).to_le_bytes());
+            out.extend_from_slice(s.as_bytes());
+        }
         out.extend_from_slice(&(self.registrations.len() as u32).to_le_bytes());
         for r in &self.registrations {
             encode_entry(&mut out, r);
@@ -466,46 +454,36 @@ impl SegmentDescriptor {
     /// Decodes a descriptor of at most `max_len` bytes; the layout must be
     /// exact.
     pub fn decode(b: &[u8], max_len: usize) -> Result<Self, WireError> {
-        let bad = WireError::Malformed("segment descriptor");
         if b.len() > max_len {
             return Err(WireError::TooLong { what: "segment descriptor", len: b.len() as u64, limit: max_len as u64 });
         }
-        let mut r = Reader::new(b);
-        if r.u16().map_err(short)? != DESCRIPTOR_VERSION {
-            return Err(bad);
-        }
-        let [rdma_nics, reserved] = r.array::<2>().map_err(short)?;
-        if reserved != 0 {
-            return Err(bad);
-        }
-        let pid = r.u32().map_err(short)?;
-        let epoch = r.u64().map_err(short)?;
-        let registry_version = r.u64().map_err(short)?;
-        let boot_id = r.array::<16>().map_err(short)?;
-        let ep_len = r.u16().map_err(short)? as usize;
-        let endpoint = read_str(&mut r, ep_len)?.to_owned();
-        let inbox_len = r.u16().map_err(short)? as usize;
-        let inbox = read_str(&mut r, inbox_len)?.to_owned();
-        if inbox.contains('/') || inbox.starts_with('.') {
-            return Err(bad);
-        }
-        let local_len = r.u16().map_err(short)? as usize;
-        let local_socket = read_str(&mut r, local_len)?.to_owned();
-        let count = r.u32().map_err(short)? as usize;
-        let registrations = read_entries(&mut r, count)?;
-        if !r.is_empty() {
-            return Err(bad);
-        }
-        Ok(SegmentDescriptor {
-            rdma_nics,
-            endpoint,
-            epoch,
-            registry_version,
-            pid,
-            boot_id,
-            inbox,
-            local_socket,
-            registrations,
+        wire::exact(b, "segment descriptor", |r| {
+            let (version, [rdma_nics, reserved]) = (r.u16()?, r.array()?);
+            if version != DESCRIPTOR_VERSION || reserved != 0 {
+                return Err(Short);
+            }
+            let (pid, epoch, registry_version, boot_id) = (r.u32()?, r.u64()?, r.u64()?, r.array()?);
+            let mut string = || -> Result<String, Short> {
+                let n = r.u16()? as usize;
+                Ok(read_str(r, n)?.to_owned())
+            };
+            let (endpoint, inbox, local_socket) = (string()?, string()?, string()?);
+            if inbox.contains('/') || inbox.starts_with('.') {
+                return Err(Short);
+            }
+            let count = r.u32()? as usize;
+            let registrations = read_entries(r, count)?;
+            Ok(SegmentDescriptor {
+                rdma_nics,
+                endpoint,
+                epoch,
+                registry_version,
+                pid,
+                boot_id,
+                inbox,
+                local_socket,
+                registrations,
+            })
         })
     }
 

@@ -273,7 +273,7 @@ pub fn decode_header(b: &[u8; HEADER_LEN], limits: Limits) -> Result<Header, Wir
 
 /// Reads all of `body` with `read`: any other length, or a check of `read`
 /// that fails as [`Short`], is a malformed `what`.
-fn exact<'a, T>(
+pub(crate) fn exact<'a, T>(
     body: &'a [u8],
     what: &'static str,
     read: impl FnOnce(&mut Reader<'a>) -> Result<T, Short>,
