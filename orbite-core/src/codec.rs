@@ -23,19 +23,10 @@
 //! assert_eq!(r.u8(), Err(Short));
 //! ```
 
-use std::fmt;
-
 /// A read needed more bytes than were left.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, thiserror::Error)]
+#[error("fewer bytes left than a read needs")]
 pub struct Short;
-
-impl fmt::Display for Short {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("fewer bytes left than a read needs")
-    }
-}
-
-impl std::error::Error for Short {}
 
 /// Reads little-endian values front to back from a byte slice.
 ///
