@@ -14,7 +14,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 
 use crate::batch::{Op, OutcomeCode};
@@ -23,14 +23,15 @@ use crate::types::{Route, TaskEnd};
 
 /// Every route, in label order.
 const ROUTES: [Route; Route::all().len()] = Route::all();
-const OPS: [Op; 2] = [Op::Read, Op::Write];
-const OUTCOMES: [OutcomeCode; 6] = [
-    OutcomeCode::Success,
-    OutcomeCode::Cancelled,
-    OutcomeCode::TimedOut,
-    OutcomeCode::ShortCompletion,
-    OutcomeCode::Failed,
-    OutcomeCode::NotificationFailed,
+/// Every direction and every outcome, in label order, with their labels.
+const OPS: [(Op, &str); 2] = [(Op::Read, "read"), (Op::Write, "write")];
+const OUTCOMES: [(OutcomeCode, &str); 6] = [
+    (OutcomeCode::Success, "success"),
+    (OutcomeCode::Cancelled, "cancelled"),
+    (OutcomeCode::TimedOut, "timed_out"),
+    (OutcomeCode::ShortCompletion, "short"),
+    (OutcomeCode::Failed, "failed"),
+    (OutcomeCode::NotificationFailed, "notification_failed"),
 ];
 const ENDS: [&str; 3] = ["complete", "short", "failed"];
 /// Histogram bucket bounds, in seconds (then +Inf).
@@ -44,28 +45,7 @@ fn route_index(r: Route) -> usize {
 }
 
 fn op_index(op: Op) -> usize {
-    match op {
-        Op::Read => 0,
-        Op::Write => 1,
-    }
-}
-
-fn op_name(op: Op) -> &'static str {
-    match op {
-        Op::Read => "read",
-        Op::Write => "write",
-    }
-}
-
-fn outcome_name(o: OutcomeCode) -> &'static str {
-    match o {
-        OutcomeCode::Success => "success",
-        OutcomeCode::Cancelled => "cancelled",
-        OutcomeCode::TimedOut => "timed_out",
-        OutcomeCode::ShortCompletion => "short",
-        OutcomeCode::Failed => "failed",
-        OutcomeCode::NotificationFailed => "notification_failed",
-    }
+    OPS.iter().position(|(x, _)| *x == op).unwrap_or(0)
 }
 
 /// A histogram of durations, in atomics.
@@ -124,7 +104,7 @@ impl Metrics {
 
     /// An execution retired with `outcome`.
     pub fn transfer_retired(&self, route: Route, op: Op, outcome: OutcomeCode) {
-        let i = OUTCOMES.iter().position(|x| *x == outcome).unwrap_or(0);
+        let i = OUTCOMES.iter().position(|(x, _)| *x == outcome).unwrap_or(0);
         self.transfers[route_index(route)][op_index(op)][i].fetch_add(1, Ordering::Relaxed);
     }
 
@@ -164,14 +144,37 @@ pub(crate) struct EngineCollector(pub Weak<EngineInner>);
 
 type Fmt = Result<(), std::fmt::Error>;
 
+/// One family: counters (else gauges), each sample with its labels.
+fn family<L>(
+    e: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    counter: bool,
+    samples: impl IntoIterator<Item = (L, u64)>,
+) -> Fmt
+where
+    L: EncodeLabelSet + AsRef<[(&'static str, &'static str)]>,
+{
+    let kind = if counter { MetricType::Counter } else { MetricType::Gauge };
+    let mut d = e.encode_descriptor(name, help, None, kind)?;
+    for (labels, v) in samples {
+        // A sample without labels is the family's only one.
+        match (labels.as_ref().is_empty(), counter) {
+            (true, true) => d.encode_counter::<NoLabelSet, _, u64>(&v, None)?,
+            (true, false) => d.encode_gauge(&(v as i64))?,
+            (false, true) => d.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(&v, None)?,
+            (false, false) => d.encode_family(&labels)?.encode_gauge(&(v as i64))?,
+        }
+    }
+    Ok(())
+}
+
 fn gauge(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> Fmt {
-    let m = prometheus_client::metrics::gauge::ConstGauge::new(v as i64);
-    m.encode(e.encode_descriptor(name, help, None, m.metric_type())?)
+    family(e, name, help, false, [([], v)])
 }
 
 fn counter(e: &mut DescriptorEncoder<'_>, name: &str, help: &str, v: u64) -> Fmt {
-    let m = prometheus_client::metrics::counter::ConstCounter::new(v);
-    m.encode(e.encode_descriptor(name, help, None, m.metric_type())?)
+    family(e, name, help, true, [([], v)])
 }
 
 impl Collector for EngineCollector {
@@ -180,18 +183,8 @@ impl Collector for EngineCollector {
         engine.encode_metrics(&mut e)?;
         let sources: Vec<Arc<dyn MetricsSource>> =
             engine.metrics_sources.lock().iter().filter_map(Weak::upgrade).collect();
-        for family in sources.iter().flat_map(|s| s.families()) {
-            let kind = if family.counter { MetricType::Counter } else { MetricType::Gauge };
-            let mut d = e.encode_descriptor(family.name, family.help, None, kind)?;
-            for (labels, v) in &family.samples {
-                // A sample without labels is the family's only one.
-                match (labels.is_empty(), family.counter) {
-                    (true, true) => d.encode_counter::<NoLabelSet, _, u64>(v, None)?,
-                    (true, false) => d.encode_gauge(&(*v as i64))?,
-                    (false, true) => d.encode_family(labels)?.encode_counter::<NoLabelSet, _, u64>(v, None)?,
-                    (false, false) => d.encode_family(labels)?.encode_gauge(&(*v as i64))?,
-                }
-            }
+        for f in sources.iter().flat_map(|s| s.families()) {
+            family(&mut e, f.name, f.help, f.counter, f.samples)?;
         }
         Ok(())
     }
@@ -202,56 +195,34 @@ impl EngineInner {
         let m = &self.metrics;
         let s = self.counters.snapshot();
         let c = &self.config;
-        // Per route and direction.
-        {
-            let mut d = e.encode_descriptor(
-                "orbite_transferred_bytes",
-                "Bytes moved by route tasks (what each task reported landed)",
-                None,
-                MetricType::Counter,
-            )?;
-            for (ri, r) in ROUTES.iter().enumerate() {
-                for (oi, op) in OPS.iter().enumerate() {
-                    let labels = [("route", r.name()), ("op", op_name(*op))];
-                    let v = m.bytes[ri][oi].load(Ordering::Relaxed);
-                    d.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(&v, None)?;
-                }
-            }
-        }
-        {
-            let mut d = e.encode_descriptor(
-                "orbite_transfers",
-                "Executions retired, by their logical outcome",
-                None,
-                MetricType::Counter,
-            )?;
-            for (ri, r) in ROUTES.iter().enumerate() {
-                for (oi, op) in OPS.iter().enumerate() {
-                    for (ci, outcome) in OUTCOMES.iter().enumerate() {
-                        let labels = [("route", r.name()), ("op", op_name(*op)), ("outcome", outcome_name(*outcome))];
-                        let v = m.transfers[ri][oi][ci].load(Ordering::Relaxed);
-                        d.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(&v, None)?;
-                    }
-                }
-            }
-        }
-        {
-            let mut d = e.encode_descriptor(
-                "orbite_task_retirements",
-                "Route tasks physically retired, by how they ended",
-                None,
-                MetricType::Counter,
-            )?;
-            for (ri, r) in ROUTES.iter().enumerate() {
-                for (oi, op) in OPS.iter().enumerate() {
-                    for (ei, end) in ENDS.iter().enumerate() {
-                        let labels = [("route", r.name()), ("op", op_name(*op)), ("end", *end)];
-                        let v = m.tasks[ri][oi][ei].load(Ordering::Relaxed);
-                        d.encode_family(&labels)?.encode_counter::<NoLabelSet, _, u64>(&v, None)?;
-                    }
-                }
-            }
-        }
+        // Per route and direction (indices and labels).
+        let by_route_op = || {
+            ROUTES
+                .iter()
+                .enumerate()
+                .flat_map(|(ri, r)| OPS.iter().enumerate().map(move |(oi, (_, op))| (ri, oi, r.name(), *op)))
+        };
+        let bytes =
+            by_route_op().map(|(ri, oi, r, op)| ([("route", r), ("op", op)], m.bytes[ri][oi].load(Ordering::Relaxed)));
+        family(
+            e,
+            "orbite_transferred_bytes",
+            "Bytes moved by route tasks (what each task reported landed)",
+            true,
+            bytes,
+        )?;
+        let transfers = by_route_op().flat_map(|(ri, oi, r, op)| {
+            OUTCOMES.iter().enumerate().map(move |(ci, (_, o))| {
+                ([("route", r), ("op", op), ("outcome", *o)], m.transfers[ri][oi][ci].load(Ordering::Relaxed))
+            })
+        });
+        family(e, "orbite_transfers", "Executions retired, by their logical outcome", true, transfers)?;
+        let tasks = by_route_op().flat_map(|(ri, oi, r, op)| {
+            ENDS.iter().enumerate().map(move |(ei, end)| {
+                ([("route", r), ("op", op), ("end", *end)], m.tasks[ri][oi][ei].load(Ordering::Relaxed))
+            })
+        });
+        family(e, "orbite_task_retirements", "Route tasks physically retired, by how they ended", true, tasks)?;
         {
             let mut d = e.encode_descriptor(
                 "orbite_task_duration_seconds",
@@ -267,13 +238,12 @@ impl EngineInner {
         }
         {
             let (sum, count, buckets) = m.admission_wait.read();
-            let d = e.encode_descriptor(
+            let mut d = e.encode_descriptor(
                 "orbite_admission_wait_seconds",
                 "Time from post to the admission of an execution's first task",
                 None,
                 MetricType::Histogram,
             )?;
-            let mut d = d;
             d.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)?;
         }
         gauge(e, "orbite_executions_in_flight", "Posted executions not yet retired", s.executions)?;
@@ -299,16 +269,10 @@ impl EngineInner {
             ("connections", s.connections, c.max_connections),
             ("watchers", s.watchers, c.max_watchers),
         ];
-        for (name, help, limit) in [
-            ("orbite_resource_used", "What each budgeted resource holds now", false),
-            ("orbite_resource_limit", "Each budgeted resource's limit", true),
-        ] {
-            let mut d = e.encode_descriptor(name, help, None, MetricType::Gauge)?;
-            for (resource, used, max) in budgets {
-                let v = if limit { max } else { used };
-                d.encode_family(&[("resource", resource)])?.encode_gauge(&(v as i64))?;
-            }
-        }
+        let used = budgets.map(|(resource, used, _)| ([("resource", resource)], used));
+        family(e, "orbite_resource_used", "What each budgeted resource holds now", false, used)?;
+        let limits = budgets.map(|(resource, _, max)| ([("resource", resource)], max));
+        family(e, "orbite_resource_limit", "Each budgeted resource's limit", false, limits)?;
         // Peers this engine opened, alive and lost.
         let (open, lost) = {
             let all = self.peers.all.lock();
@@ -316,22 +280,16 @@ impl EngineInner {
             let lost = live.iter().filter(|p| p.link.is_lost()).count() as u64;
             (live.len() as u64 - lost, lost)
         };
-        {
-            let mut d = e.encode_descriptor("orbite_peers", "Peers this engine opened", None, MetricType::Gauge)?;
-            d.encode_family(&[("state", "open")])?.encode_gauge(&(open as i64))?;
-            d.encode_family(&[("state", "lost")])?.encode_gauge(&(lost as i64))?;
-        }
-        {
-            let unauthenticated = self.listener.server.lock().as_ref().map_or(0, |s| s.unauthenticated()) as i64;
-            let mut d = e.encode_descriptor(
-                "orbite_connections",
-                "Peer connections the listener holds",
-                None,
-                MetricType::Gauge,
-            )?;
-            d.encode_family(&[("state", "all")])?.encode_gauge(&(s.connections as i64))?;
-            d.encode_family(&[("state", "unauthenticated")])?.encode_gauge(&unauthenticated)?;
-        }
+        family(
+            e,
+            "orbite_peers",
+            "Peers this engine opened",
+            false,
+            [([("state", "open")], open), ([("state", "lost")], lost)],
+        )?;
+        let unauthenticated = self.listener.server.lock().as_ref().map_or(0, |s| s.unauthenticated()) as u64;
+        let connections = [([("state", "all")], s.connections), ([("state", "unauthenticated")], unauthenticated)];
+        family(e, "orbite_connections", "Peer connections the listener holds", false, connections)?;
         counter(e, "orbite_connections_refused", "Connections closed at accept for a full cap", s.connections_refused)?;
         counter(e, "orbite_auth_failures", "Peer connections that failed authentication, either way", s.auth_failures)?;
         gauge(e, "orbite_notifications_queued", "Received notifications not yet taken", queued)?;
