@@ -147,18 +147,16 @@ pub fn reference_copy_gbps(
                 CopyDirection::DeviceToDevice => (other.ptr + at, dev.ptr + at, len),
             }
         };
+        let copies = |n: u64| {
+            (0..n).try_for_each(|i| match driver::copy_on_stream(device, &[copy(i)]) {
+                (_, Some(e)) => Err(e),
+                (_, None) => Ok(()),
+            })
+        };
         // One pass to warm up, then the measured copies, one event wait each.
-        for i in 0..blocks {
-            if let (_, Some(e)) = driver::copy_on_stream(device, &[copy(i)]) {
-                return Err(e);
-            }
-        }
+        copies(blocks)?;
         let start = std::time::Instant::now();
-        for i in 0..iters.max(1) as u64 {
-            if let (_, Some(e)) = driver::copy_on_stream(device, &[copy(i)]) {
-                return Err(e);
-            }
-        }
+        copies(iters.max(1) as u64)?;
         let secs = start.elapsed().as_secs_f64();
         driver::release_thread_streams();
         Ok(len as f64 * iters.max(1) as f64 / secs / 1e9)
@@ -650,12 +648,11 @@ mod driver {
     pub(crate) fn wait_ticket(ticket: Ticket) -> Result<(), CudaError> {
         let Ticket { ordinal, event } = ticket;
         with_stream(ordinal, |s| {
-            let r = wait_event(event);
-            if r.is_err() {
+            let r = wait_event(event).inspect_err(|_| {
                 // SAFETY: this thread's stream: whatever still runs is done
                 // after this.
                 unsafe { sys::cuStreamSynchronize(s.stream) };
-            }
+            });
             s.free.push(event);
             r
         })
@@ -750,15 +747,11 @@ mod driver {
                 return Ok(());
             }
             self.queued[slot] = false;
-            match wait_event(self.events[slot]) {
-                Ok(()) => Ok(()),
-                Err(e) => {
-                    // SAFETY: the stream of this stager; whatever it still
-                    // runs is done when this returns.
-                    unsafe { sys::cuStreamSynchronize(self.stream) };
-                    Err(e)
-                }
-            }
+            wait_event(self.events[slot]).inspect_err(|_| {
+                // SAFETY: the stream of this stager; whatever it still runs
+                // is done when this returns.
+                unsafe { sys::cuStreamSynchronize(self.stream) };
+            })
         }
 
         /// Waits for both slots (after a failure: nothing may still run).
@@ -987,21 +980,7 @@ mod driver {
         #[cfg_attr(not(test), allow(dead_code, reason = "the RDMA route's GPUDirect registration, next"))]
         pub(crate) fn dmabuf(&self, offset: u64, len: u64) -> Result<std::os::fd::OwnedFd, CudaError> {
             self.in_bounds(offset, len)?;
-            let mut fd: std::ffi::c_int = -1;
-            let kind = sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD;
-            // SAFETY: in bounds (checked); an int for the descriptor.
-            let r = unsafe {
-                sys::cuMemGetHandleForAddressRange(
-                    (&mut fd as *mut std::ffi::c_int).cast(),
-                    self.ptr + offset,
-                    len as usize,
-                    kind,
-                    0,
-                )
-            };
-            check(r, "cuMemGetHandleForAddressRange")?;
-            // SAFETY: a fresh descriptor the driver handed over.
-            Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) })
+            dmabuf_fd(self.ptr + offset, len)
         }
 
         fn in_bounds(&self, offset: u64, len: u64) -> Result<(), CudaError> {
@@ -1064,24 +1043,22 @@ mod driver {
         let lease = ContextLease::retain(ordinal)?;
         let _current = lease.enter()?;
         let page = 4096u64;
-        let size = range.alloc_len.div_ceil(page) * page;
+        let fd = dmabuf_fd(range.alloc_base, range.alloc_len.div_ceil(page) * page)?;
+        Ok((fd, ptr - range.alloc_base))
+    }
+
+    /// `[ptr, ptr + len)` of a live allocation (checked by the caller) as a
+    /// dma-buf descriptor.
+    fn dmabuf_fd(ptr: u64, len: u64) -> Result<std::os::fd::OwnedFd, CudaError> {
         let mut fd: std::ffi::c_int = -1;
         let kind = sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD;
-        // SAFETY: a current context; the start of a live allocation (just
-        // checked); an int for the descriptor.
+        // SAFETY: a range of a live allocation; an int for the descriptor.
         let r = unsafe {
-            sys::cuMemGetHandleForAddressRange(
-                (&mut fd as *mut std::ffi::c_int).cast(),
-                range.alloc_base,
-                size as usize,
-                kind,
-                0,
-            )
+            sys::cuMemGetHandleForAddressRange((&mut fd as *mut std::ffi::c_int).cast(), ptr, len as usize, kind, 0)
         };
         check(r, "cuMemGetHandleForAddressRange")?;
         // SAFETY: a fresh descriptor the driver handed over.
-        let fd = unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) };
-        Ok((fd, ptr - range.alloc_base))
+        Ok(unsafe { std::os::fd::FromRawFd::from_raw_fd(fd) })
     }
 
     /// Exports the allocation of device `ordinal` holding `ptr`: as a
@@ -1229,9 +1206,7 @@ mod driver {
             m.len = range.alloc_len;
             Ok(m)
         }
-    }
 
-    impl IpcMapping {
         /// Imports a VMM allocation of `alloc_len` bytes from its POSIX file
         /// descriptor (`fd`, closed here) on the device with `uuid`: the
         /// handle, a reservation of that many bytes, the mapping, read and
@@ -1494,9 +1469,6 @@ mod driver {
         ) -> Result<Self, CudaError> {
             Err(CudaError::NotBuilt)
         }
-    }
-
-    impl IpcMapping {
         #[allow(dead_code, reason = "the feature's mapping has it")]
         fn unreachable(&self) -> ! {
             match self.never {}
