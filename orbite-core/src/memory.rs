@@ -63,23 +63,20 @@ pub enum MemoryKind {
     },
 }
 
-/// Where an allocation's bytes come from.
-enum Source {
-    /// A private anonymous mapping of `map_len` bytes (zero-filled by the
-    /// kernel), on a huge-page boundary and offered transparent huge pages
-    /// when it is at least one huge page long.
-    Private { map_len: usize },
-    /// A memfd mapped shared, so that a peer on the same host can map the
-    /// same pages. Sealed against shrinking and growing: no one, this
-    /// process included, can truncate it under a peer's mapping (which
-    /// would fault the peer on its next access).
-    Shm { map_len: usize, name: Arc<str>, fd: std::os::fd::OwnedFd },
-}
-
 struct HostAllocation {
     ptr: NonNull<u8>,
     len: usize,
-    source: Source,
+    /// Bytes mapped at `ptr`.
+    map_len: usize,
+    /// Where the bytes come from. `None`: a private anonymous mapping
+    /// (zero-filled by the kernel), on a huge-page boundary and offered
+    /// transparent huge pages when it is at least one huge page long.
+    /// Else the name and descriptor of a memfd mapped shared, so that a
+    /// peer on the same host can map the same pages. Sealed against
+    /// shrinking and growing: no one, this process included, can truncate
+    /// it under a peer's mapping (which would fault the peer on its next
+    /// access).
+    shared: Option<(Arc<str>, std::os::fd::OwnedFd)>,
     _charge: Charge,
 }
 
@@ -91,20 +88,11 @@ unsafe impl Sync for HostAllocation {}
 
 impl Drop for HostAllocation {
     fn drop(&mut self) {
-        match &self.source {
-            // SAFETY: `ptr`/`map_len` are the mapping made in
-            // `map_private`, unmapped only here; Drop runs once, after the
-            // last Arc reference.
-            Source::Private { map_len } => unsafe {
-                libc::munmap(self.ptr.as_ptr().cast(), *map_len);
-            },
-            Source::Shm { map_len, .. } => {
-                // SAFETY: `ptr`/`map_len` are the mapping made in
-                // `allocate_shared`, unmapped only here. Peers that mapped
-                // the memfd keep their own mapping of the same pages.
-                unsafe { libc::munmap(self.ptr.as_ptr().cast(), *map_len) };
-            }
-        }
+        // SAFETY: `ptr`/`map_len` are the mapping made in `map_private` or
+        // `allocate_shared`, unmapped only here; Drop runs once, after the
+        // last Arc reference. Peers that mapped a memfd keep their own
+        // mapping of the same pages.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.map_len) };
     }
 }
 
@@ -239,7 +227,7 @@ impl HostMemory {
         }
         let ptr = NonNull::new(raw.cast::<u8>()).ok_or_else(|| MemoryError::System("mmap returned null".into()))?;
         Ok(HostMemory {
-            alloc: Arc::new(HostAllocation { ptr, len, source: Source::Shm { map_len, name, fd }, _charge: charge }),
+            alloc: Arc::new(HostAllocation { ptr, len, map_len, shared: Some((name, fd)), _charge: charge }),
         })
     }
 
@@ -247,25 +235,16 @@ impl HostMemory {
     /// peers over the local socket).
     pub(crate) fn shared_fd(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
         use std::os::fd::AsFd;
-        match &self.alloc.source {
-            Source::Shm { fd, .. } => Some(fd.as_fd()),
-            Source::Private { .. } => None,
-        }
+        self.alloc.shared.as_ref().map(|(_, fd)| fd.as_fd())
     }
 
     /// The name a shared allocation is known by to same-host peers.
     pub fn shared_name(&self) -> Option<&str> {
-        match &self.alloc.source {
-            Source::Shm { name, .. } => Some(name),
-            Source::Private { .. } => None,
-        }
+        self.alloc.shared.as_ref().map(|(name, _)| &**name)
     }
 
     pub(crate) fn shared_name_arc(&self) -> Option<Arc<str>> {
-        match &self.alloc.source {
-            Source::Shm { name, .. } => Some(name.clone()),
-            Source::Private { .. } => None,
-        }
+        self.alloc.shared.as_ref().map(|(name, _)| name.clone())
     }
 
     pub(crate) fn allocate(counters: &Arc<Counters>, len: usize, limit: u64) -> Result<Self, MemoryError> {
@@ -284,9 +263,7 @@ impl HostMemory {
             ],
         )?;
         let ptr = map_private(map_len)?;
-        Ok(HostMemory {
-            alloc: Arc::new(HostAllocation { ptr, len, source: Source::Private { map_len }, _charge: charge }),
-        })
+        Ok(HostMemory { alloc: Arc::new(HostAllocation { ptr, len, map_len, shared: None, _charge: charge }) })
     }
 
     /// Length in bytes.
@@ -495,6 +472,16 @@ fn check_mapped_in(maps: &str, ptr: u64, len: u64, writable: bool) -> Result<(),
     Err(MemoryError::InvalidRange(format!("{ptr:#x}+{len}: {at:#x} is not mapped in this process")))
 }
 
+/// Checks that `offset..offset + len` is a non-empty range of `size` bytes
+/// of `what` memory.
+fn in_bounds(offset: usize, len: usize, size: usize, what: &str) -> Result<(), MemoryError> {
+    let end = offset.checked_add(len).ok_or_else(|| MemoryError::InvalidRange("offset + len overflows".into()))?;
+    if len == 0 || end > size {
+        return Err(MemoryError::InvalidRange(format!("{offset}..{end} of {what} memory of {size} bytes")));
+    }
+    Ok(())
+}
+
 /// A range to register.
 pub struct MemoryRange {
     pub(crate) ptr: *mut u8,
@@ -520,10 +507,7 @@ impl std::fmt::Debug for MemoryRange {
 impl MemoryRange {
     /// A range `offset..offset + len` of engine-allocated host memory.
     pub fn host(memory: &HostMemory, offset: usize, len: usize, permission: Permission) -> Result<Self, MemoryError> {
-        let end = offset.checked_add(len).ok_or_else(|| MemoryError::InvalidRange("offset + len overflows".into()))?;
-        if len == 0 || end > memory.len() {
-            return Err(MemoryError::InvalidRange(format!("{offset}..{end} of host memory of {} bytes", memory.len())));
-        }
+        in_bounds(offset, len, memory.len(), "host")?;
         Ok(MemoryRange {
             // SAFETY (of the arithmetic): offset <= len of the allocation.
             ptr: memory.as_ptr().wrapping_add(offset),
@@ -547,13 +531,7 @@ impl MemoryRange {
 
     /// A range `offset..offset + len` of engine-allocated device memory.
     pub fn cuda(memory: &CudaMemory, offset: usize, len: usize, permission: Permission) -> Result<Self, MemoryError> {
-        let end = offset.checked_add(len).ok_or_else(|| MemoryError::InvalidRange("offset + len overflows".into()))?;
-        if len == 0 || end > memory.len() {
-            return Err(MemoryError::InvalidRange(format!(
-                "{offset}..{end} of device memory of {} bytes",
-                memory.len()
-            )));
-        }
+        in_bounds(offset, len, memory.len(), "device")?;
         Ok(MemoryRange {
             ptr: (memory.device_ptr() + offset as u64) as *mut u8,
             len: len as u64,
