@@ -158,6 +158,7 @@ struct Routes {
 
 /// An engine's transfers and its close: the live transfers (weakly), the
 /// close flags, and what a draining close waits on.
+#[derive(Default)]
 struct Lifecycle {
     active: Mutex<HashMap<u64, Weak<TransferShared>>>,
     next_transfer: AtomicU64,
@@ -233,6 +234,11 @@ impl EngineInner {
         self.life.closed.load(Ordering::Acquire)
     }
 
+    /// Refuses with [`Error::Closed`] once the engine is closed.
+    fn check_open(&self) -> Result<(), Error> {
+        if self.is_closed() { Err(Error::Closed) } else { Ok(()) }
+    }
+
     /// Tells watching peers the registry changed: a server thread pushes
     /// each what changed since its view (this call only wakes it).
     fn announce_registry(&self) {
@@ -241,28 +247,11 @@ impl EngineInner {
         }
     }
 
-    fn remember_active(&self, t: &Arc<TransferShared>) {
-        self.life.active.lock().insert(t.id, Arc::downgrade(t));
-    }
-
-    fn forget_active(&self, id: u64) {
-        self.life.active.lock().remove(&id);
-    }
-
-    fn notify_drain(&self) {
-        let _g = self.life.drain_lock.lock();
-        self.life.drain_cv.notify_all();
-    }
-
     /// Expires queued work past its deadline, then admits tasks in intent
     /// order while the budgets allow. Called with the admission lock held.
-    fn admit_pass(self: &Arc<Self>, a: &mut AdmissionState) {
-        self.admit(a, None);
-    }
-
-    /// `admit_pass`, except that the task of `inline.0`, if admitted now and
-    /// small enough to copy on the posting thread, is left in `inline.1`
-    /// instead of going to a route.
+    /// The task of `inline.0`, if admitted now and small enough to copy on
+    /// the posting thread, is left in `inline.1` instead of going to a
+    /// route.
     fn admit(
         self: &Arc<Self>,
         a: &mut AdmissionState,
@@ -417,7 +406,7 @@ impl EngineInner {
     fn drive(self: &Arc<Self>, a: &mut AdmissionState) -> u64 {
         loop {
             let seen = self.admission.freed.load(Ordering::SeqCst);
-            self.admit_pass(a);
+            self.admit(a, None);
             if self.admission.freed.load(Ordering::SeqCst) == seen {
                 return seen;
             }
@@ -757,14 +746,7 @@ impl TransferEngine {
                 hooks,
                 rails,
             },
-            life: Lifecycle {
-                active: Mutex::new(HashMap::new()),
-                next_transfer: AtomicU64::new(1),
-                closed: AtomicBool::new(false),
-                close_finished: AtomicBool::new(false),
-                drain_lock: Mutex::new(()),
-                drain_cv: Condvar::new(),
-            },
+            life: Lifecycle { next_transfer: AtomicU64::new(1), ..Lifecycle::default() },
             counters,
             registry: Registry::default(),
             epoch: new_epoch(),
@@ -885,9 +867,7 @@ impl TransferEngine {
     /// page pinning above all, walk 2 MiB pages.
     pub fn allocate_host_memory(&self, len: usize) -> Result<HostMemory, Error> {
         let inner = self.inner();
-        if inner.is_closed() {
-            return Err(Error::Closed);
-        }
+        inner.check_open()?;
         Ok(HostMemory::allocate(&inner.counters, len, inner.config.max_host_memory_bytes)?)
     }
 
@@ -898,9 +878,7 @@ impl TransferEngine {
     /// over the local socket and copy into it one-sided over the shm route.
     pub fn allocate_shm_memory(&self, len: usize) -> Result<HostMemory, Error> {
         let inner = self.inner();
-        if inner.is_closed() {
-            return Err(Error::Closed);
-        }
+        inner.check_open()?;
         Ok(HostMemory::allocate_shared(&inner.counters, len, inner.config.max_host_memory_bytes, inner.epoch)?)
     }
 
@@ -912,9 +890,7 @@ impl TransferEngine {
     /// feature `cuda`, a driver or a device (see [`crate::cuda::availability`]).
     pub fn allocate_cuda_memory(&self, device: u32, len: usize) -> Result<crate::CudaMemory, Error> {
         let inner = self.inner();
-        if inner.is_closed() {
-            return Err(Error::Closed);
-        }
+        inner.check_open()?;
         Ok(crate::CudaMemory::allocate(&inner.counters, device, len)?)
     }
 
@@ -922,9 +898,7 @@ impl TransferEngine {
     /// registration, even if it duplicates or overlaps another.
     pub fn register_memory_ranges(&self, ranges: Vec<MemoryRange>) -> Result<Vec<RegistrationId>, Error> {
         let inner = self.inner();
-        if inner.is_closed() {
-            return Err(Error::Closed);
-        }
+        inner.check_open()?;
         let ids = inner.registry.register(ranges, &inner.counters, &inner.config, &inner.routes.rails)?;
         inner.announce_registry();
         Ok(ids)
@@ -951,9 +925,7 @@ impl TransferEngine {
     /// fenced registrations refused): see [`RangePin`].
     pub fn pin_ranges(&self, ranges: &[crate::Desc]) -> Result<RangePin, Error> {
         let inner = self.inner();
-        if inner.is_closed() {
-            return Err(Error::Closed);
-        }
+        inner.check_open()?;
         let loans = {
             let table = inner.registry.lock();
             ranges
@@ -981,9 +953,7 @@ impl TransferEngine {
     /// registration it names.
     pub fn prepare(&self, spec: &TransferSpec<'_>) -> Result<Transfer, Error> {
         let inner = self.inner();
-        if inner.is_closed() {
-            return Err(Error::Closed);
-        }
+        inner.check_open()?;
         let charge = Charge::limited(
             &inner.counters,
             Counter::PreparedTransfers,
@@ -1188,9 +1158,7 @@ impl TransferEngine {
     /// (and fences segments of the old one).
     pub fn open_segment_by_name(&self, name: &str, timeout: Duration) -> Result<RemoteSegment, Error> {
         let inner = self.inner();
-        if inner.is_closed() {
-            return Err(Error::Closed);
-        }
+        inner.check_open()?;
         let record = inner.discovery.resolve(name)?;
         inner.open_segment(&record.endpoint, Some(record.epoch), timeout)
     }

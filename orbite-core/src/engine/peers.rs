@@ -28,9 +28,7 @@ impl EngineInner {
         expected_epoch: Option<u64>,
         timeout: Duration,
     ) -> Result<RemoteSegment, Error> {
-        if self.is_closed() {
-            return Err(Error::Closed);
-        }
+        self.check_open()?;
         if expected_epoch == Some(self.epoch) {
             return Err(PeerError::OwnEngine { epoch: self.epoch }.into());
         }

@@ -111,13 +111,14 @@ impl AfterRetire {
         if let Some(outcome) = self.outcome {
             engine.metrics.transfer_retired(transfer.route.route, transfer.plan.program.op, outcome);
         }
-        engine.forget_active(transfer.id);
+        engine.life.active.lock().remove(&transfer.id);
         if let PlanTarget::Peer(p) = &transfer.target {
             p.execution_retired();
         }
         transfer.retirements.fetch_add(1, Ordering::Release);
         transfer.retired.notify_all();
-        engine.notify_drain();
+        let _drain = engine.life.drain_lock.lock();
+        engine.life.drain_cv.notify_all();
     }
 }
 
@@ -326,9 +327,7 @@ impl Transfer {
     /// same-host route is copied on this thread before `post` returns.
     pub fn post(&self) -> Result<(), Error> {
         let engine = &self.engine;
-        if engine.is_closed() {
-            return Err(Error::Closed);
-        }
+        engine.check_open()?;
         self.borrow_remote()?;
         let config = &engine.config;
         let exec_charge =
@@ -378,7 +377,7 @@ impl Transfer {
                     p.execution_started();
                 }
             }
-            engine.remember_active(&self.shared);
+            engine.life.active.lock().insert(self.shared.id, Arc::downgrade(&self.shared));
             engine.admit(&mut a, Some((&self.shared, &mut inline)));
             !a.queue.is_empty()
         };
