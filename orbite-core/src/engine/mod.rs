@@ -215,6 +215,18 @@ impl RemoteSegment {
     }
 }
 
+/// What `slot` holds, or else what `start` makes (then kept there); the
+/// slot stays locked meanwhile.
+fn get_or_start<T: Clone>(slot: &Mutex<Option<T>>, start: impl FnOnce() -> std::io::Result<T>) -> std::io::Result<T> {
+    let mut g = slot.lock();
+    if let Some(v) = g.as_ref() {
+        return Ok(v.clone());
+    }
+    let v = start()?;
+    *g = Some(v.clone());
+    Ok(v)
+}
+
 /// A random, nonzero 64-bit epoch.
 fn new_epoch() -> u64 {
     use std::hash::{BuildHasher, Hasher};
@@ -504,13 +516,7 @@ impl EngineInner {
 
     /// The engine's event loop, started on first use.
     fn reactor(&self) -> std::io::Result<Arc<Reactor>> {
-        let mut g = self.reactor.lock();
-        if let Some(r) = g.as_ref() {
-            return Ok(r.clone());
-        }
-        let r = Reactor::start("io", self.config.spin())?;
-        *g = Some(r.clone());
-        Ok(r)
+        get_or_start(&self.reactor, || Reactor::start("io", self.config.spin()))
     }
 
     fn unquiesced(&self) -> Vec<UnquiescedExecution> {
@@ -1244,7 +1250,7 @@ impl TransferEngine {
     /// executions to retire, then closes its connections. A failed close is
     /// sticky: later calls return the same error and never retry.
     pub fn close_segment(&self, segment: &RemoteSegment, timeout: Duration) -> Result<(), Error> {
-        self.inner().close_segment(segment, timeout)
+        Ok(segment.peer.close(timeout)?)
     }
 
     /// Sends a notification to a peer and waits for it to be queued there.

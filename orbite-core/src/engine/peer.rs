@@ -17,10 +17,6 @@ use crate::transport::proto::client::{ControlJob, PeerJob};
 use crate::transport::routes::{PeerReach, PeerStates, SameHost};
 use crate::wire::Kind;
 
-pub(crate) struct PeerState {
-    close: Option<Result<(), PeerError>>,
-}
-
 /// One opened peer epoch.
 pub(crate) struct Peer<J: CopyJob> {
     pub link: Arc<PeerLink<J>>,
@@ -46,7 +42,8 @@ pub(crate) struct Peer<J: CopyJob> {
     pub inbox: Option<(Arc<ShmMapping>, crate::transport::inbox::Inbox)>,
     /// One route catch-up at a time ([`Peer::map_pending`]).
     map_lock: Mutex<()>,
-    state: Mutex<PeerState>,
+    /// What `close` ended with (sticky).
+    closed: Mutex<Option<Result<(), PeerError>>>,
     /// Set by `close_segment`: no new work.
     fenced: std::sync::atomic::AtomicBool,
     /// The epoch of a newer peer opened on the same endpoint (0: none).
@@ -78,7 +75,7 @@ impl<J: CopyJob> Peer<J> {
             view: RwLock::new(view),
             map_lock: Mutex::new(()),
             refresh_lock: Mutex::new(0),
-            state: Mutex::new(PeerState { close: None }),
+            closed: Mutex::new(None),
             fenced: std::sync::atomic::AtomicBool::new(false),
             superseded_by: AtomicU64::new(0),
             active: AtomicU64::new(0),
@@ -87,12 +84,12 @@ impl<J: CopyJob> Peer<J> {
         }
     }
 
-    /// Why new work may not start on this peer, if it may not.
     /// The peer's deregistration count, read from its mapped inbox.
     pub fn fences(&self) -> Option<u64> {
         self.inbox.as_ref().map(|(_, i)| i.fences())
     }
 
+    /// Why new work may not start on this peer, if it may not.
     pub fn refusal(&self) -> Option<PeerError> {
         // Atomics only: this runs on every post.
         if self.fenced.load(Ordering::Acquire) {
@@ -119,8 +116,8 @@ impl<J: CopyJob> Peer<J> {
 
     pub fn close(&self, timeout: Duration) -> Result<(), PeerError> {
         {
-            let st = self.state.lock();
-            if let Some(result) = &st.close {
+            let closed = self.closed.lock();
+            if let Some(result) = &*closed {
                 return result.clone(); // sticky: never retried
             }
             self.fenced.store(true, Ordering::Release);
@@ -140,12 +137,10 @@ impl<J: CopyJob> Peer<J> {
         } else {
             Err(PeerError::CloseFailed(format!("{left} admitted executions did not retire in time")))
         };
-        self.state.lock().close = Some(result.clone());
+        *self.closed.lock() = Some(result.clone());
         result
     }
-}
 
-impl<J: CopyJob> Peer<J> {
     /// What routes see of this peer, through `view` (a read guard of its
     /// view, held while a prepare resolves descriptors).
     pub fn reach<'a>(&'a self, view: &'a SegmentView) -> PeerReach<'a> {
@@ -203,7 +198,7 @@ impl<J: CopyJob> Peer<J> {
 impl<J: CopyJob> Drop for Peer<J> {
     fn drop(&mut self) {
         // Nothing references this peer any more: no execution can be active.
-        if self.state.lock().close.is_none() {
+        if self.closed.lock().is_none() {
             self.link.close();
         }
     }

@@ -151,13 +151,7 @@ impl EngineInner {
 
     /// The initiator connections, with the first opened peer.
     fn initiators(&self) -> std::io::Result<Arc<Initiators<RouteTask>>> {
-        let mut g = self.peers.initiators.lock();
-        if let Some(i) = g.as_ref() {
-            return Ok(i.clone());
-        }
-        let i = Initiators::new(self.reactor()?);
-        *g = Some(i.clone());
-        Ok(i)
+        super::get_or_start(&self.peers.initiators, || Ok(Initiators::new(self.reactor()?)))
     }
 
     /// What this engine may do with a peer proven to run on this host
@@ -179,11 +173,6 @@ impl EngineInner {
     /// held meanwhile.
     pub(crate) fn refresh(&self, peer: &Arc<Peer>) -> Result<(), Error> {
         self.refresh_after(peer, None).map(drop)
-    }
-
-    /// How many refreshes of `peer` were done so far.
-    fn refreshes(peer: &Peer) -> u64 {
-        *peer.refresh_lock.lock()
     }
 
     /// [`Self::refresh`], unless another refresh finished after the caller
@@ -209,7 +198,7 @@ impl EngineInner {
                 max_reply: self.config.max_frame_body,
             };
             crate::wire::encode_describe_since(&mut body, &req);
-            let reply = self.call_until(peer, deadline, true, |done| {
+            let reply = self.call_on(&peer.link, deadline, true, |done| {
                 PeerJob::Control(ControlJob { kind: Kind::DescribeSince, flags: 0, body, done })
             })?;
             let delta = Delta::decode(&reply).map_err(|e| PeerError::Protocol(e.to_string()))?;
@@ -247,8 +236,9 @@ impl EngineInner {
         self.refresh_if_behind(peer);
         let lookup = || peer.view().find_range(addr, len, accept).cloned();
         // A miss asks the peer once, unless a refresh that finished while
-        // this caller waited for it brought the range already.
-        let seen = Self::refreshes(peer);
+        // this caller waited for it brought the range already (the lock
+        // counts the refreshes done).
+        let seen = *peer.refresh_lock.lock();
         if let Some(r) = lookup() {
             return Ok(r);
         }
@@ -307,12 +297,6 @@ impl EngineInner {
         }
     }
 
-    /// Picks the route of a peer transfer under `policy`, and resolves how
-    /// each target range is addressed on it.
-    pub(crate) fn close_segment(&self, seg: &RemoteSegment, timeout: Duration) -> Result<(), Error> {
-        Ok(seg.peer.close(timeout)?)
-    }
-
     pub(crate) fn close_all_peers(&self, timeout: Duration) {
         let peers: Vec<Arc<Peer>> = self.peers.all.lock().iter().filter_map(|w| w.upgrade()).collect();
         for p in peers {
@@ -361,24 +345,13 @@ impl EngineInner {
     /// Sends one control frame to `peer` and waits for its answer, at most
     /// `peer_timeout_ms`.
     fn call(&self, peer: &Peer, make: impl FnOnce(ControlDone) -> PeerJob<RouteTask>) -> Result<Vec<u8>, PeerError> {
-        self.call_until(peer, crate::time::deadline_after(self.config.peer_timeout()), false, make)
+        self.call_on(&peer.link, crate::time::deadline_after(self.config.peer_timeout()), false, make)
     }
 
-    /// Sends one control frame to `peer` (ahead of queued data tasks if
-    /// `first`) and waits for its answer until `deadline`. A late answer
-    /// is dropped; the request is not repeated.
-    fn call_until(
-        &self,
-        peer: &Peer,
-        deadline: Instant,
-        first: bool,
-        make: impl FnOnce(ControlDone) -> PeerJob<RouteTask>,
-    ) -> Result<Vec<u8>, PeerError> {
-        self.call_on(&peer.link, deadline, first, make)
-    }
-
-    /// A control call on `link` (a peer's, or one being opened): the
-    /// reply's body, or why there is none by `deadline`.
+    /// A control call on `link` (a peer's, or one being opened), ahead of
+    /// queued data tasks if `first`: the reply's body, or why there is none
+    /// by `deadline`. A late answer is dropped; the request is not
+    /// repeated.
     fn call_on(
         &self,
         link: &PeerLink<RouteTask>,
@@ -454,7 +427,7 @@ impl EngineInner {
         // asks again.
         let fences = peer.fences();
         let deadline = crate::time::deadline_after(self.config.peer_timeout());
-        self.call_until(peer, deadline, true, |done| {
+        self.call_on(&peer.link, deadline, true, |done| {
             PeerJob::Control(ControlJob { kind: Kind::Borrow, flags, body, done })
         })?;
         Ok(RemoteLoan { peer: peer.clone(), id, fences })
