@@ -142,6 +142,13 @@ fn os(what: &'static str) -> FileError {
     FileError::Os { what, err: std::io::Error::last_os_error().to_string() }
 }
 
+/// The descriptor's status flags (`F_GETFL`).
+fn getfl(fd: i32) -> Result<i32, FileError> {
+    // SAFETY: F_GETFL on a descriptor open for the call.
+    let fl = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    (fl >= 0).then_some(fl).ok_or_else(|| os("fcntl(F_GETFL)"))
+}
+
 fn fstat(fd: i32) -> Result<libc::stat, FileError> {
     // SAFETY: fstat into a zeroed struct; `fd` is open for the call.
     unsafe {
@@ -274,12 +281,8 @@ impl Entry {
     /// close its own) after checking that it is a regular file open for
     /// `mode`.
     pub fn adopt(fd: BorrowedFd<'_>, mode: FileMode) -> Result<Entry, FileError> {
-        // SAFETY: F_GETFL on a descriptor the caller vouches is open.
-        let fl = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
-        if fl < 0 {
-            return Err(os("fcntl(F_GETFL)"));
-        }
-        match (mode, fl & libc::O_ACCMODE) {
+        // The caller vouches that the descriptor is open.
+        match (mode, getfl(fd.as_raw_fd())? & libc::O_ACCMODE) {
             (FileMode::ReadOnly, libc::O_RDONLY | libc::O_RDWR) | (FileMode::ReadWrite, libc::O_RDWR) => {}
             (FileMode::ReadOnly, _) => return Err(FileError::ModeMismatch("reading")),
             (FileMode::ReadWrite, _) => return Err(FileError::ModeMismatch("reading and writing")),
@@ -295,11 +298,7 @@ impl Entry {
         }
         // The descriptor's own flags (the open file description's, which
         // the caller's descriptor shares) are what the kernel applies.
-        // SAFETY: F_GETFL on an owned descriptor.
-        let fl = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
-        if fl < 0 {
-            return Err(os("fcntl(F_GETFL)"));
-        }
+        let fl = getfl(fd.as_raw_fd())?;
         let flags = OpenFlags {
             direct: fl & libc::O_DIRECT != 0,
             sync: fl & libc::O_SYNC == libc::O_SYNC,
@@ -710,12 +709,8 @@ impl FileIo {
                 break;
             }
             let dio = entry.dio.expect("only direct files bounce");
-            let (landed, error) = bounced(entry, dio, op, &spans[g.first], bounce);
-            *d = landed;
+            failure = bounced(entry, dio, op, &spans[g.first], bounce, d).err();
             operations += 1;
-            if let Some(e) = error {
-                failure = Some(e);
-            }
         }
         let mut out = FileOutcome { operations, ..FileOutcome::default() };
         let mut contiguous = true;
@@ -847,20 +842,24 @@ fn pwrite_blocks(fd: i32, buf: &[u8], offset: u64, block: u64) -> Result<(), Fil
     Ok(())
 }
 
-/// One unaligned span of a direct file through a bounce buffer: the bytes
-/// that landed (from the span's start on) and the error that stopped it.
-fn bounced(entry: &Entry, dio: DioAlign, op: FileOp, s: &FileSpan, pool: &BouncePool) -> (u64, Option<FileError>) {
+/// One unaligned span of a direct file through a bounce buffer: `done`
+/// (0 on entry) counts the bytes that landed (from the span's start on);
+/// the error that stopped it.
+fn bounced(
+    entry: &Entry,
+    dio: DioAlign,
+    op: FileOp,
+    s: &FileSpan,
+    pool: &BouncePool,
+    done: &mut u64,
+) -> Result<(), FileError> {
     let block = dio.block();
     let chunk = BOUNCE_CHUNK.max(2 * block);
-    let mut buf = match pool.take(chunk, block) {
-        Ok(b) => b,
-        Err(e) => return (0, Some(e)),
-    };
+    let mut buf = pool.take(chunk, block)?;
     let fd = entry.fd.as_raw_fd();
     let end_of_span = s.file_offset + s.len;
-    let mut done = 0u64;
-    while done < s.len {
-        let p = s.file_offset + done;
+    while *done < s.len {
+        let p = s.file_offset + *done;
         let a = p / block * block;
         let end = end_of_span.min(a + chunk);
         let n = end - p;
@@ -869,17 +868,14 @@ fn bounced(entry: &Entry, dio: DioAlign, op: FileOp, s: &FileSpan, pool: &Bounce
         let at = (p - a) as usize;
         // SAFETY (both arms): the caller vouches for the span's memory;
         // `done + n` <= `s.len`.
-        let mem = unsafe { s.mem.add(done as usize) };
+        let mem = unsafe { s.mem.add(*done as usize) };
         match op {
             FileOp::Read => {
-                let got = match pread_blocks(fd, window, a, block) {
-                    Ok(g) => g,
-                    Err(e) => return (done, Some(e)),
-                };
+                let got = pread_blocks(fd, window, a, block)?;
                 let landed = (got.saturating_sub(at) as u64).min(n);
                 // SAFETY: `landed` bytes into the span's memory.
                 unsafe { std::ptr::copy_nonoverlapping(window[at..].as_ptr(), mem, landed as usize) };
-                done += landed;
+                *done += landed;
                 if landed < n {
                     break; // the end of the file
                 }
@@ -890,14 +886,7 @@ fn bounced(entry: &Entry, dio: DioAlign, op: FileOp, s: &FileSpan, pool: &Bounce
                 // other write of this Entry may land in between.
                 let _alone = partial.then(|| entry.edges.write());
                 let _shared = (!partial).then(|| entry.edges.read());
-                let size = if partial {
-                    match entry.len() {
-                        Ok(v) => v,
-                        Err(e) => return (done, Some(e)),
-                    }
-                } else {
-                    0
-                };
+                let size = if partial { entry.len()? } else { 0 };
                 let len = window.len();
                 let mut edge = |from: usize| -> Result<(), FileError> {
                     let blk = &mut window[from..from + block as usize];
@@ -905,31 +894,25 @@ fn bounced(entry: &Entry, dio: DioAlign, op: FileOp, s: &FileSpan, pool: &Bounce
                     blk[got..].fill(0);
                     Ok(())
                 };
-                let mut patched = Ok(());
                 if p != a {
-                    patched = edge(0);
+                    edge(0)?;
                 }
-                if patched.is_ok() && end != b && (p == a || len as u64 > block) {
-                    patched = edge(len - block as usize);
-                }
-                if let Err(e) = patched {
-                    return (done, Some(e));
+                if end != b && (p == a || len as u64 > block) {
+                    edge(len - block as usize)?;
                 }
                 // SAFETY: `n` bytes of the span's memory, readable.
                 unsafe { std::ptr::copy_nonoverlapping(mem, window[at..].as_mut_ptr(), n as usize) };
-                if let Err(e) = pwrite_blocks(fd, window, a, block) {
-                    return (done, Some(e));
-                }
+                pwrite_blocks(fd, window, a, block)?;
                 if partial && size < b {
                     // The padding past the old end is not the caller's.
                     // SAFETY: ftruncate of an owned descriptor.
                     if unsafe { libc::ftruncate(fd, size.max(end) as libc::off_t) } != 0 {
-                        return (done, Some(os("ftruncate")));
+                        return Err(os("ftruncate"));
                     }
                 }
-                done += n;
+                *done += n;
             }
         }
     }
-    (done, None)
+    Ok(())
 }
