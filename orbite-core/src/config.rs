@@ -422,13 +422,11 @@ impl EngineConfig {
         for (field, value) in [
             ("server_frame_timeout_ms", self.server_frame_timeout_ms),
             ("server_idle_timeout_ms", self.server_idle_timeout_ms),
+            ("peer_timeout_ms", self.peer_timeout_ms),
         ] {
             if value > 24 * 3_600_000 {
                 return invalid(field, "must be at most one day");
             }
-        }
-        if self.peer_timeout_ms > 24 * 3_600_000 {
-            return invalid("peer_timeout_ms", "must be at most one day");
         }
         if let Some(m) = &self.metadata {
             crate::discovery::parse_store(m).map_err(|why| ConfigError::Invalid { field: "metadata", reason: why })?;
