@@ -97,13 +97,7 @@ impl Record {
         if r.epoch == 0 {
             return Err(bad("epoch 0".into()));
         }
-        let endpoint_ok = r.endpoint.len() <= 300
-            && r.endpoint.rsplit_once(':').is_some_and(|(host, port)| {
-                !host.is_empty()
-                    && host.bytes().all(|c| c.is_ascii_alphanumeric() || b".-[]:".contains(&c))
-                    && port.parse::<u16>().is_ok_and(|p| p != 0)
-            });
-        if !endpoint_ok {
+        if r.endpoint.len() > 300 || !host_port(&r.endpoint, 300) {
             return Err(bad(format!(
                 "endpoint {:?} is not host:port",
                 r.endpoint.chars().take(64).collect::<String>()
@@ -124,17 +118,24 @@ pub fn check_name(name: &str) -> Result<(), DiscoveryError> {
     if ok { Ok(()) } else { Err(DiscoveryError::InvalidName(name.chars().take(MAX_NAME_BYTES).collect())) }
 }
 
+/// Whether `hp` is `host:port`: a host of at most `max_host` ASCII letters,
+/// digits and `. - [ ] :`, and a nonzero port.
+fn host_port(hp: &str, max_host: usize) -> bool {
+    hp.rsplit_once(':').is_some_and(|(host, port)| {
+        !host.is_empty()
+            && host.len() <= max_host
+            && host.bytes().all(|c| c.is_ascii_alphanumeric() || b".-[]:".contains(&c))
+            && port.parse::<u16>().is_ok_and(|p| p != 0)
+    })
+}
+
 /// The store's client addresses in a `metadata` value
 /// (`etcd://host:port[,host:port]`), as `http://host:port` each.
 pub fn parse_store(metadata: &str) -> Result<Vec<String>, String> {
     let rest = metadata.strip_prefix("etcd://").ok_or("must start with etcd://")?;
     let mut out = Vec::new();
     for hp in rest.split(',') {
-        let (host, port) = hp.rsplit_once(':').ok_or_else(|| format!("{hp:?} is not host:port"))?;
-        let host_ok = !host.is_empty()
-            && host.len() <= 253
-            && host.bytes().all(|c| c.is_ascii_alphanumeric() || b".-[]:".contains(&c));
-        if !host_ok || port.parse::<u16>().map_or(true, |p| p == 0) {
+        if !host_port(hp, 253) {
             return Err(format!("{hp:?} is not host:port"));
         }
         out.push(format!("http://{hp}"));
@@ -263,21 +264,14 @@ mod store {
         /// Connects to the store at `metadata` and checks that it answers,
         /// within `timeout`.
         pub fn connect(metadata: &str, timeout: Duration) -> Result<Directory, DiscoveryError> {
-            let urls = super::parse_store(metadata).map_err(|why| DiscoveryError::Unreachable {
-                store: metadata.to_owned(),
-                timeout_ms: 0,
-                why,
-            })?;
+            let unreachable = |why| DiscoveryError::Unreachable { store: metadata.to_owned(), timeout_ms: 0, why };
+            let urls = super::parse_store(metadata).map_err(unreachable)?;
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(1)
                 .thread_name("orbite-discovery")
                 .enable_all()
                 .build()
-                .map_err(|e| DiscoveryError::Unreachable {
-                    store: metadata.to_owned(),
-                    timeout_ms: 0,
-                    why: format!("runtime: {e}"),
-                })?;
+                .map_err(|e| unreachable(format!("runtime: {e}")))?;
             let opts = ConnectOptions::new().with_connect_timeout(timeout).with_timeout(timeout);
             let client = run(&rt, timeout, metadata, async move {
                 let mut c = Client::connect(urls, Some(opts)).await?;
