@@ -169,7 +169,7 @@ impl TargetView for EngineInner {
     ) -> Result<(), (RemoteStatus, String)> {
         // Ranges with a memory region: what the borrower's requests reach
         // through its rkeys.
-        self.lend(req, write, loans, |r| r.rdma.any())
+        self.lend(req, write, loans, |r| r.rdma.any(), |_, _| {})
     }
 
     fn lend_device(
@@ -182,7 +182,7 @@ impl TargetView for EngineInner {
             return Err((RemoteStatus::PermissionDenied, "CUDA IPC is off on this target (cuda_ipc)".into()));
         }
         // Device memory only: what the borrower opened through IPC.
-        self.lend(req, write, loans, |r| !r.is_host())
+        self.lend(req, write, loans, |r| !r.is_host(), |_, _| {})
     }
 }
 
@@ -212,15 +212,17 @@ impl EngineInner {
         self.enqueue_notification(n).map_err(|e| (RemoteStatus::ResourceExhausted, e.to_string()))
     }
 
-    /// Loans on every range `req` names (checked as `resolve` checks them,
-    /// each registration also passing `lendable`), no I/O vectors: a
-    /// borrow of a route that reaches the ranges itself.
+    /// Loans on every range `req` names (checked by `checked_range`, each
+    /// registration also passing `lendable`), each range also handed to
+    /// `each` with its registration (a borrow of a route that reaches the
+    /// ranges itself needs nothing more; `resolve` makes I/O vectors).
     fn lend(
         &self,
         req: &Request<'_>,
         write: bool,
         loans: &mut Vec<Arc<Registration>>,
         lendable: impl Fn(&Registration) -> bool,
+        mut each: impl FnMut(crate::wire::RemoteDesc, &Registration),
     ) -> Result<(), (RemoteStatus, String)> {
         if self.is_closed() {
             return Err((RemoteStatus::Closing, "engine is closing".into()));
@@ -228,6 +230,7 @@ impl EngineInner {
         let table = self.registry.lock();
         for d in req.descs() {
             let reg = checked_range(&table, d, write, &lendable)?;
+            each(d, reg);
             if !loans.last().is_some_and(|l| Arc::ptr_eq(l, reg)) {
                 loans.push(reg.clone());
             }
@@ -379,8 +382,6 @@ fn checked_range(
 }
 
 impl EngineInner {
-    /// Counts a failed authentication with peer `who`, and logs it once
-    /// per peer.
     /// Resolves a peer's request into I/O vectors and loans. With
     /// `landing` (a WRITE or READ, not a borrow), device memory is staged
     /// through a buffer of the staging pool (feature `cuda`); without it,
@@ -393,26 +394,22 @@ impl EngineInner {
         loans: &mut Vec<Arc<Registration>>,
         landing: Option<&mut Option<Box<dyn crate::transport::proto::server::Landing>>>,
     ) -> Result<(), (RemoteStatus, String)> {
-        if self.is_closed() {
-            return Err((RemoteStatus::Closing, "engine is closing".into()));
-        }
         let staging = landing.is_some();
         // (iovec index, device address, bytes, device) of device ranges.
         let mut device_ranges: Vec<(usize, u64, u64, u32)> = Vec::new();
-        {
-            let table = self.registry.lock();
-            for d in req.descs() {
-                // Device memory only where this target stages it.
-                let reg = checked_range(&table, d, write, |r| r.is_host() || staging)?;
+        // Device memory only where this target stages it.
+        self.lend(
+            req,
+            write,
+            loans,
+            |r| r.is_host() || staging,
+            |d, reg| {
                 if let crate::memory::MemoryKind::Cuda { device } = reg.kind {
                     device_ranges.push((iovs.len(), reg.base as u64 + d.offset, d.len, device));
                 }
                 iovs.push(iov(reg.base as u64 + d.offset, d.len));
-                if !loans.last().is_some_and(|l| Arc::ptr_eq(l, reg)) {
-                    loans.push(reg.clone());
-                }
-            }
-        }
+            },
+        )?;
         if let Some(landing) = landing {
             let pool = &self.routes.staging_pool;
             *landing = ServerStage::stage(pool, write, iovs, &device_ranges, self.config.task_bytes)
@@ -421,6 +418,8 @@ impl EngineInner {
         Ok(())
     }
 
+    /// Counts a failed authentication with peer `who`, and logs it once
+    /// per peer.
     pub(crate) fn note_auth_failure(&self, who: &str, what: &str) {
         self.counters.auth_failures.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
         self.log_refusal(crate::logs::AUTH, &format!("{who} auth"), &format!("peer {who} {what}"));
