@@ -114,17 +114,6 @@ pub(crate) struct Table {
     by_version: std::collections::BTreeMap<u64, u32>,
 }
 
-impl Table {
-    /// Resolves a live registration.
-    pub fn get(&self, id: RegistrationId) -> Result<&Arc<Registration>, RegistryError> {
-        let slot = self.slots.get(id.index as usize).ok_or(RegistryError::Unknown(id))?;
-        match &slot.registration {
-            Some(r) if slot.generation == id.generation => Ok(r),
-            _ => Err(RegistryError::Stale(id)),
-        }
-    }
-}
-
 /// What changed in the exported registrations after a version: the answer
 /// to a peer's delta refresh.
 pub(crate) struct Changes<T> {
@@ -141,6 +130,15 @@ pub(crate) struct Changes<T> {
 }
 
 impl Table {
+    /// Resolves a live registration.
+    pub fn get(&self, id: RegistrationId) -> Result<&Arc<Registration>, RegistryError> {
+        let slot = self.slots.get(id.index as usize).ok_or(RegistryError::Unknown(id))?;
+        match &slot.registration {
+            Some(r) if slot.generation == id.generation => Ok(r),
+            _ => Err(RegistryError::Stale(id)),
+        }
+    }
+
     /// The current registry version.
     pub fn version(&self) -> u64 {
         self.version
@@ -361,15 +359,12 @@ impl Registry {
             // A slot whose generation would wrap retires: its next id
             // would name what an old id named (peers may still hold it).
             // It stays empty, so every id of it is stale from now on.
-            let retire = slot.generation == u32::MAX;
-            if !retire {
+            if slot.generation != u32::MAX {
                 slot.generation += 1;
+                table.free.push(id.index);
             }
             if let Some(r) = &reg {
                 table.by_version.remove(&r.added_at);
-            }
-            if !retire {
-                table.free.push(id.index);
             }
             let version = table.bump();
             if reg.as_ref().is_some_and(|r| r.is_exported()) {
