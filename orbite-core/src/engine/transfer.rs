@@ -145,10 +145,7 @@ impl CopyJob for RouteTask {
     }
 
     fn helpable(&self) -> bool {
-        if self.stage.is_some() {
-            return false;
-        }
-        self.transfer.plan.program.mover.helpable()
+        self.stage.is_none() && self.transfer.plan.program.mover.helpable()
     }
 
     fn task(&self) -> u32 {
