@@ -188,6 +188,49 @@ fn a_range_registered_again_before_the_peer_announced_it_is_reached_by_address()
 }
 
 #[test]
+fn a_tcp_request_refused_for_a_lapsed_registration_makes_the_next_lookup_refresh() {
+    // tcp borrows nothing at prepare: a registration the view still names
+    // but the peer gave up is refused when the request runs.
+    let (t, i) = (target(), initiator());
+    let mem = t.allocate_host_memory(1 << 20).unwrap();
+    let reg = |t: &TransferEngine| {
+        t.register_memory_ranges(vec![MemoryRange::host(&mem, 0, 1 << 20, Permission::RemoteReadWrite).unwrap()])
+            .unwrap()[0]
+    };
+    let first = reg(&t);
+    let seg = open(&i, &t);
+    let ranges = [(mem.as_ptr() as u64 + 100, 1000)];
+    let resolved = |i: &TransferEngine| i.resolve_remote_ranges(&seg, Op::Write, &ranges).unwrap()[0].registration;
+    let src = region(&i, 1000, Permission::LocalOnly);
+    fill(&src.mem, 12);
+    let local = [Desc::new(src.id, 0, 1000)];
+    let spec = TransferSpec::new(Op::Write, &local, &[], Target::Peer(&seg));
+    t.withhold_watch_pushes_for_tests(true);
+    t.deregister(first).unwrap();
+    let second = reg(&t);
+    let run = |x: Transfer| {
+        assert_eq!(x.route().route, Route::Tcp);
+        x.post().unwrap();
+        let res = x.wait(WAIT).result().expect("retired");
+        x.release().unwrap();
+        res
+    };
+    // Resolved from the view that lags: refused, nothing written.
+    let res = run(i.prepare_by_address(&spec, &ranges).unwrap());
+    assert!(!res.outcome.is_success(), "{res:?}");
+    assert_eq!(res.outcome.remote_effect, RemoteEffect::None, "{res:?}");
+    assert!(snapshot(&mem)[100..1100].iter().all(|&b| b == 0));
+    // The refusal says the view lags: the next lookup asks the peer, with
+    // no push yet.
+    assert_eq!(resolved(&i), second);
+    let res = run(i.prepare_by_address(&spec, &ranges).unwrap());
+    assert!(res.outcome.is_success(), "{res:?}");
+    assert_eq!(snapshot(&mem)[100..1100], snapshot(&src.mem)[..]);
+    t.withhold_watch_pushes_for_tests(false);
+    assert_eq!((i.stats().executions, i.stats().prepared_transfers), (0, 0));
+}
+
+#[test]
 fn large_changes_arrive_in_pages_that_fit_the_frame_limit() {
     let t = target();
     // Small frames on the initiator: 300 new registrations take several

@@ -188,10 +188,11 @@ impl<J: CopyJob> Peer<J> {
     }
 
     /// True when the peer announced registry changes this view has not
-    /// seen (or can no longer announce them).
+    /// seen (or can no longer announce them), or refused a task for a
+    /// registration it no longer has.
     pub fn view_is_behind(&self) -> bool {
         let announced = self.link.announced();
-        announced == ANNOUNCE_UNKNOWN || announced > self.view.read().version
+        announced == ANNOUNCE_UNKNOWN || announced > self.view.read().version || self.link.lapsed()
     }
 }
 

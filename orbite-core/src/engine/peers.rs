@@ -187,6 +187,8 @@ impl EngineInner {
             return Ok(false);
         }
         *done += 1;
+        // What the peer refused before this point, the answer covers.
+        peer.link.clear_lapsed();
         let deadline = crate::time::deadline_after(self.config.peer_timeout());
         loop {
             let since = peer.view().version;

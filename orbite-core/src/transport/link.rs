@@ -253,6 +253,10 @@ pub(crate) struct PeerLink<J> {
     /// connection; `u64::MAX` once that connection is gone (nothing is
     /// announced any more, so every lookup must ask).
     announced: AtomicU64,
+    /// The peer refused a task for a registration it no longer has: the
+    /// view may lack a change not announced yet (set by a data connection,
+    /// cleared by the next refresh).
+    lapsed: AtomicBool,
     /// The watch connection, until the reactor takes it.
     watch: Mutex<Option<Stream>>,
     /// This engine's epoch and secret (for later local connections).
@@ -392,6 +396,7 @@ impl<J: CopyJob> PeerLink<J> {
             next_request: AtomicU64::new(2),
             lost_flag: AtomicBool::new(false),
             announced: AtomicU64::new(since),
+            lapsed: AtomicBool::new(false),
             watch: Mutex::new(watch),
             sink: OnceLock::new(),
             first: Mutex::new(first),
@@ -464,6 +469,17 @@ impl<J: CopyJob> PeerLink<J> {
     /// ([`ANNOUNCE_UNKNOWN`] when it can no longer announce).
     pub fn announced(&self) -> u64 {
         self.announced.load(Ordering::Acquire)
+    }
+
+    /// Whether the peer refused a task for a registration it no longer
+    /// has since the last [`Self::clear_lapsed`].
+    pub fn lapsed(&self) -> bool {
+        self.lapsed.load(Ordering::Acquire)
+    }
+
+    /// Clears [`Self::lapsed`]: a refresh is starting.
+    pub fn clear_lapsed(&self) {
+        self.lapsed.store(false, Ordering::Release);
     }
 
     /// Queues a control-plane job ahead of queued data tasks (a refresh, a
@@ -929,6 +945,9 @@ impl<J: CopyJob> Conn<J> {
                     progressed = true;
                     let mut done = None;
                     let result = m.received(r as usize, &mut done, Instant::now());
+                    if std::mem::take(&mut m.lapsed) {
+                        self.link.lapsed.store(true, Ordering::Release);
+                    }
                     if let Err(violation) = result {
                         let why = violation.to_string();
                         self.link.mark_lost(&why);

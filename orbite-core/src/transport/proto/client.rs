@@ -184,6 +184,9 @@ pub(crate) struct ClientConn<J> {
     in_iovs: Vec<libc::iovec>,
     lost: Option<String>,
     clock: Clock,
+    /// The peer refused a task for naming a registration that is no longer
+    /// live: the view it was resolved from lags (the driver takes this).
+    pub lapsed: bool,
 }
 
 // SAFETY: the iovecs point into buffers this value owns or into registered
@@ -208,6 +211,7 @@ impl<J: CopyJob> ClientConn<J> {
             scratch: Vec::new(),
             in_iovs: Vec::new(),
             lost: None,
+            lapsed: false,
         }
     }
 
@@ -441,7 +445,9 @@ impl<J: CopyJob> ClientConn<J> {
                 let planned = j.planned();
                 let report = match (j.program().op, said) {
                     // The target validates everything before any byte moves.
-                    (_, Said::Refused(..)) => {
+                    (_, Said::Refused(status, _)) => {
+                        self.lapsed |=
+                            matches!(status, RemoteStatus::StaleRegistration | RemoteStatus::UnknownRegistration);
                         TaskReport { planned, done: 0, end: TaskEnd::Failed { effect_unknown: false } }
                     }
                     (Op::Write, Said::Answer(Kind::WriteAck)) => {
