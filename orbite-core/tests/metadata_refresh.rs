@@ -22,6 +22,12 @@ fn open(i: &TransferEngine, t: &TransferEngine) -> RemoteSegment {
     i.open_segment(&t.endpoint().unwrap(), Some(t.source_epoch()), WAIT).unwrap()
 }
 
+/// One registration over all of `mem`, which peers may read and write.
+fn register_all(t: &TransferEngine, mem: &HostMemory) -> RegistrationId {
+    t.register_memory_ranges(vec![MemoryRange::host(mem, 0, mem.len(), Permission::RemoteReadWrite).unwrap()]).unwrap()
+        [0]
+}
+
 fn write(i: &TransferEngine, seg: &RemoteSegment, local: RegistrationId, remote: Desc) -> TransferResult {
     let l = [Desc::new(local, 0, remote.len)];
     let r = [remote];
@@ -106,10 +112,7 @@ fn deregistered_ranges_are_fenced_in_the_refreshed_view_while_prepared_transfers
 fn the_same_range_registered_again_is_reached_by_address_without_an_explicit_refresh() {
     let (t, i) = (target(), initiator());
     let mem = t.allocate_host_memory(1 << 20).unwrap();
-    let reg = |t: &TransferEngine| {
-        t.register_memory_ranges(vec![MemoryRange::host(&mem, 0, 1 << 20, Permission::RemoteReadWrite).unwrap()])
-            .unwrap()[0]
-    };
+    let reg = |t: &TransferEngine| register_all(t, &mem);
     let first = reg(&t);
     let seg = open(&i, &t);
     let addr = mem.as_ptr() as u64;
@@ -141,10 +144,7 @@ fn a_range_registered_again_before_the_peer_announced_it_is_reached_by_address()
     let t = engine(r#"{"listen": "127.0.0.1:0"}"#);
     let i = engine(r#"{"peer_timeout_ms": 10000}"#);
     let mem = t.allocate_host_memory(1 << 20).unwrap();
-    let reg = |t: &TransferEngine| {
-        t.register_memory_ranges(vec![MemoryRange::host(&mem, 0, 1 << 20, Permission::RemoteReadWrite).unwrap()])
-            .unwrap()[0]
-    };
+    let reg = |t: &TransferEngine| register_all(t, &mem);
     let first = reg(&t);
     let seg = open(&i, &t);
     let ranges = [(mem.as_ptr() as u64 + 100, 1000)];
@@ -193,10 +193,7 @@ fn a_tcp_request_refused_for_a_lapsed_registration_makes_the_next_lookup_refresh
     // but the peer gave up is refused when the request runs.
     let (t, i) = (target(), initiator());
     let mem = t.allocate_host_memory(1 << 20).unwrap();
-    let reg = |t: &TransferEngine| {
-        t.register_memory_ranges(vec![MemoryRange::host(&mem, 0, 1 << 20, Permission::RemoteReadWrite).unwrap()])
-            .unwrap()[0]
-    };
+    let reg = |t: &TransferEngine| register_all(t, &mem);
     let first = reg(&t);
     let seg = open(&i, &t);
     let ranges = [(mem.as_ptr() as u64 + 100, 1000)];
