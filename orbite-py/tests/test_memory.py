@@ -22,6 +22,18 @@ def copy(e, a, b, n, op="write"):
     return out
 
 
+def through_device(e, memory, n, value):
+    """Registers `memory` (n bytes of device memory), moves n bytes of
+    `value` into it from host memory and back out, and checks them: its
+    registration."""
+    host = np.full(n, value, dtype=np.uint8)
+    back = np.zeros_like(host)
+    h, b, d = e.register(host), e.register(back), e.register(memory)
+    assert copy(e, h, d, n).success and copy(e, b, d, n, op="read").success
+    assert (back == value).all()
+    return d
+
+
 def test_numpy_arrays_of_any_dtype_register_and_move():
     e = orbite.Engine()
     src = np.arange(4096, dtype=np.float32)
@@ -277,12 +289,7 @@ def test_a_cuda_tensor_registers_as_device_memory():
             return dptr.value
 
     e = orbite.Engine()
-    host = np.full(n, 9, dtype=np.uint8)
-    back = np.zeros_like(host)
-    h, b, d = e.register(host), e.register(back), e.register(CudaTensor())
-    assert copy(e, h, d, n).success and copy(e, b, d, n, op="read").success
-    assert (back == 9).all()
-    e.deregister(d)
+    e.deregister(through_device(e, CudaTensor(), n, 9))
     e.close()
     assert cu.cuMemFree_v2(dptr) == 0
 
@@ -321,11 +328,7 @@ def test_a_cuda_dlpack_tensor_registers_as_device_memory():
             return (2, 0)
 
     e = orbite.Engine()
-    host = np.full(n, 4, dtype=np.uint8)
-    back = np.zeros_like(host)
-    h, b, d = e.register(host), e.register(back), e.register(CudaArray())
-    assert copy(e, h, d, n).success and copy(e, b, d, n, op="read").success
-    assert (back == 4).all()
+    d = through_device(e, CudaArray(), n, 4)
 
     class Metal(CudaArray):
         def __dlpack_device__(self):
